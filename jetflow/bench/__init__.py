@@ -1,0 +1,1 @@
+"""Benchmarks: each writes JSON and markdown under results/bench/ naming the machine it ran on."""

@@ -1,0 +1,279 @@
+"""Configuration: one dataclass per component, YAML files, and `key=value` overrides (omegaconf).
+
+`load_config("configs/tiny.yaml", ["precision.mode=mixed", "train.steps=5"])` starts from the
+dataclass defaults below, merges the YAML, then the overrides. An unknown key or a bad value is an
+error that names it and lists what is valid. `save_config` writes the resolved config beside a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from jetflow.precision.recipe import FORMATS, PRECISION_MODES, SCALE_RULES, FP8Recipe
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid."""
+
+
+@dataclass
+class PrecisionConfig:
+    mode: str = "unified"
+    """fp32 | bf16 | mixed (bf16 train, FP8 rollout) | unified (FP8 train and rollout, one recipe)."""
+    fmt: str = "e4m3"
+    """e4m3 everywhere, or hybrid (E5M2 gradients)."""
+    weight_block: list[int] = field(default_factory=lambda: [128, 128])
+    """Weight scaling block (out, in)."""
+    group_size: int = 128
+    """Activation / gradient group along the contraction dim."""
+    scale_rule: str = "fp32"
+    """fp32 scale_inv = amax / 448, or pow2 (rounded up to a power of two)."""
+    margin: int = 0
+    """Extra headroom in powers of two."""
+    keep_high_precision: list[str] = field(
+        default_factory=lambda: ["*embed_tokens*", "*lm_head*", "*norm*", "*router*"])
+    """Module-name patterns that stay in bf16."""
+    keep_first_layers: int = 0
+    """First N decoder layers stay in bf16."""
+    keep_last_layers: int = 0
+    """Last N decoder layers stay in bf16."""
+    gemm_backend: str = "auto"
+    """auto (Hopper torch._scaled_mm when available, else emulation) | scaled_mm | emulate."""
+    kv_cache_fp8: bool = False
+    """FP8 (E4M3) KV cache in the rollout engine, per-layer scales recalibrated each step."""
+
+    def recipe(self) -> FP8Recipe:
+        return FP8Recipe(fmt=self.fmt, weight_block=tuple(self.weight_block), group_size=self.group_size,
+                         scale_rule=self.scale_rule, margin=self.margin,
+                         keep_high_precision=tuple(self.keep_high_precision),
+                         keep_first_layers=self.keep_first_layers, keep_last_layers=self.keep_last_layers)
+
+
+@dataclass
+class TinyModelConfig:
+    """A small Llama-style model built from scratch (character tokenizer) for tests and quick looks."""
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_position: int = 512
+
+
+@dataclass
+class ModelConfig:
+    path: str = "smollm2"
+    """A local Hugging Face directory, `smollm2` (SmolLM2-135M-Instruct converted on first use), or
+    `tiny` (built from scratch with a character tokenizer, see `tiny`)."""
+    dtype: str = "float32"
+    """Master weight dtype: float32 (the CPU default) or bfloat16."""
+    device: str = "cpu"
+    """cpu | cuda | cuda:N."""
+    chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one."""
+    cache_dir: str = ".cache/models"
+    """Where converted models (e.g. smollm2) are kept."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "native"
+    """native | vllm."""
+    group_size: int = 8
+    """Samples per prompt (GRPO group)."""
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (in addition to EOS)."""
+    max_batch: int = 64
+    """Largest batch the engine decodes at once (KV cache is sized from it)."""
+    vllm_gpu_memory_utilization: float = 0.2
+    """vLLM: fraction of device memory (on CPU: of RAM) reserved for the KV cache."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """arithmetic | countdown | math."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Task knobs, e.g. {digits: 1, num_operands: 2} or {path: data.jsonl} for math."""
+    format_weight: float = 0.0
+    """Extra reward for a well-formed answer."""
+
+
+@dataclass
+class AlgoConfig:
+    adv_norm: str = "mean_std"
+    """GRPO advantage normalisation: mean_std | mean | none."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    """Asymmetric PPO clipping (clip-higher)."""
+    loss_agg: str = "token_mean"
+    """token_mean | seq_mean_token_mean | seq_mean_token_sum."""
+    kl_coef: float = 0.0
+    """KL penalty to the initial (reference) policy; 0 disables it and the reference model."""
+    correction: str = "auto"
+    """Rollout correction: auto (none for bf16 / unified, token_tis for mixed) | none | token_tis |
+    token_mis | seq_tis | seq_mis | ais."""
+    correction_params: dict[str, Any] = field(default_factory=dict)
+    """Parameters of the correction, e.g. {C: 2.0} or {lo: 0.5, hi: 2.0}."""
+    ppo_epochs: int = 1
+    """Optimizer passes over each rollout batch."""
+
+
+@dataclass
+class TrainConfig:
+    backend: str = "native"
+    """native | megatron."""
+    fp8_backend: str = "jetflow"
+    """jetflow (this recipe's own GEMMs) | te (Transformer Engine Float8BlockScaling)."""
+    steps: int = 20
+    """RL steps."""
+    prompts_per_step: int = 8
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    grad_clip: float = 1.0
+    micro_batch_size: int = 16
+    """Sequences per forward/backward; gradients accumulate over the batch."""
+    sft_warmup_steps: int = 0
+    """Supervised steps on reference answers before RL (for models trained from scratch)."""
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 64
+    checkpoint_every: int = 0
+    """Write a checkpoint every N steps (0: only at the end)."""
+    max_bad_steps: int = 3
+    """Consecutive NaN/Inf steps tolerated (skipped) before the run stops."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    out_dir: str = "runs"
+    """Runs go to <out_dir>/<name>/."""
+    seed: int = 0
+    resume: bool = False
+    """Continue from the last checkpoint in the run directory."""
+    progress: bool = True
+    """Progress bar on stderr."""
+    tensorboard: bool = True
+    num_threads: int = 0
+    """torch CPU threads (0: torch's default)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "precision.mode": PRECISION_MODES,
+    "precision.fmt": FORMATS,
+    "precision.scale_rule": SCALE_RULES,
+    "precision.gemm_backend": ("auto", "scaled_mm", "emulate"),
+    "model.dtype": ("float32", "bfloat16"),
+    "rollout.backend": ("native", "vllm"),
+    "task.name": ("arithmetic", "countdown", "math"),
+    "algo.adv_norm": ("mean_std", "mean", "none"),
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+    "algo.correction": ("auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "ais"),
+    "train.backend": ("native", "megatron"),
+    "train.fp8_backend": ("jetflow", "te"),
+}
+
+POSITIVE: tuple[str, ...] = (
+    "rollout.group_size", "rollout.max_new_tokens", "rollout.max_batch", "train.prompts_per_step",
+    "train.micro_batch_size", "precision.group_size", "train.sft_batch_size", "algo.ppo_epochs")
+
+
+def _valid_keys(node: Any) -> list[str]:
+    return sorted(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else []
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> Config:
+    """Check choices and ranges; raise ConfigError naming the key and the valid values."""
+    for key, choices in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
+    for key in POSITIVE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1")
+    if not 0.0 < cfg.rollout.temperature or not 0.0 < cfg.rollout.top_p <= 1.0:
+        raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
+    if cfg.train.steps < 0 or cfg.train.sft_warmup_steps < 0:
+        raise ConfigError("train.steps and train.sft_warmup_steps must be >= 0")
+    if cfg.train.lr <= 0 or cfg.algo.clip_low < 0 or cfg.algo.clip_high < 0:
+        raise ConfigError("train.lr must be > 0 and algo.clip_low / clip_high >= 0")
+    try:
+        cfg.precision.recipe()
+    except ValueError as e:
+        raise ConfigError(f"precision: {e}") from None
+    return cfg
+
+
+def _explain(e: OmegaConfBaseException) -> ConfigError:
+    key = getattr(e, "full_key", None) or getattr(e, "key", None)
+    msg = str(e).splitlines()[0]
+    if key:
+        parent = Config()
+        parts = str(key).split(".")
+        for part in parts[:-1]:
+            parent = getattr(parent, part, None)
+        valid = _valid_keys(parent)
+        hint = f"; valid keys here: {valid}" if valid and parts[-1] not in valid else ""
+        return ConfigError(f"config key {key!r}: {msg}{hint}")
+    return ConfigError(f"config: {msg}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- `key=value` overrides; validated."""
+    base = OmegaConf.structured(Config)
+    try:
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError(f"config file not found: {path}")
+            base = OmegaConf.merge(base, OmegaConf.load(path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like key=value, got {bad}")
+        base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(base)
+    except OmegaConfBaseException as e:
+        raise _explain(e) from None
+    return validate(cfg)
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

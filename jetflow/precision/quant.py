@@ -1,0 +1,160 @@
+"""Block-scaled FP8 quantization: the numerical truth that every other path must reproduce.
+
+One function, `quantize_blocks`, handles every granularity of the recipe by its block shape:
+  weights      (N, K)  blocks (128, 128)
+  activations  (M, K)  blocks (1, 128)   1x128 groups along the contraction dim
+  columns      (M, K)  blocks (128, 1)   the weight-gradient GEMM's second operand
+Partial blocks at the edges (576 = 4.5 x 128) are allowed: each edge block gets its own scale from
+the values it really holds.
+
+scale_inv = amax * 2**margin / fp8_max in fp32 (so value = fp8 * scale_inv), or that rounded up to a
+power of two under the `pow2` rule. An all-zero block gets scale_inv = 1 and exact zeros. A NaN or
+Inf anywhere is an error naming the tensor: the FP8 cast alone would silently turn inf into 448.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from jetflow.precision.recipe import FP8_DTYPES, FP8_MAX
+
+
+class NonFiniteError(ValueError):
+    """A tensor offered for FP8 quantization holds NaN or Inf."""
+
+
+@dataclass
+class QuantizedTensor:
+    """FP8 bytes plus one fp32 scale_inv per block; value = data * scale_inv (block-broadcast)."""
+
+    data: torch.Tensor  # (R, C) float8
+    scale_inv: torch.Tensor  # (ceil(R / br), ceil(C / bc)) float32
+    block: tuple[int, int]  # (br, bc)
+    dequantized: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Optional cached fp32 dequantization (the CPU emulation of a GEMM reads it instead of
+    dequantizing the same weight again for every call)."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def fmt(self) -> str:
+        return "e5m2" if self.data.dtype == torch.float8_e5m2 else "e4m3"
+
+    def t(self) -> "QuantizedTensor":
+        """Transpose: the same bytes and scales, blocks transposed (exact, no requantization)."""
+        cached = None if self.dequantized is None else self.dequantized.t()
+        return QuantizedTensor(self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]), cached)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.dequantized is not None:
+            return self.dequantized.to(dtype)
+        return dequantize(self, dtype)
+
+    def with_dequantized_cache(self) -> "QuantizedTensor":
+        """Store the fp32 dequantization alongside the bytes (for the CPU emulation path)."""
+        if self.dequantized is None:
+            self.dequantized = dequantize(self, torch.float32)
+        return self
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale_inv.numel() * 4
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def compute_scale_inv(amax: torch.Tensor, fmt: str, scale_rule: str = "fp32", margin: int = 0) -> torch.Tensor:
+    """Per-block scale_inv from per-block amax (fp32). Zero blocks get 1.0."""
+    amax = amax.float()
+    scale_inv = amax * (2.0**margin) / FP8_MAX[fmt]
+    scale_inv = torch.where(amax > 0, scale_inv, torch.ones_like(scale_inv))
+    if scale_rule == "pow2":
+        # Round up to a power of two exactly: s = m * 2**e with m in [0.5, 1); m == 0.5 is already one.
+        mantissa, exponent = torch.frexp(scale_inv)
+        exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+        scale_inv = torch.ldexp(torch.ones_like(scale_inv), exponent)
+    elif scale_rule != "fp32":
+        raise ValueError(f"scale_rule={scale_rule!r}: valid rules are ('fp32', 'pow2')")
+    return scale_inv
+
+
+def _padded_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
+    """View a 2-D tensor as (nr, br, nc, bc) blocks, zero-padding partial edge blocks."""
+    rows, cols = x.shape
+    br, bc = block
+    nr, nc = _ceil_div(rows, br), _ceil_div(cols, bc)
+    if nr * br != rows or nc * bc != cols:
+        x = F.pad(x, (0, nc * bc - cols, 0, nr * br - rows))
+    return x.reshape(nr, br, nc, bc), nr, nc
+
+
+def quantize_blocks(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3", scale_rule: str = "fp32",
+                    margin: int = 0, name: str = "tensor", check_finite: bool = True) -> QuantizedTensor:
+    """Quantize a 2-D tensor with one scale per (br, bc) block."""
+    if x.dim() != 2:
+        raise ValueError(f"{name}: quantize_blocks expects a 2-D tensor, got shape {tuple(x.shape)}")
+    if fmt not in FP8_DTYPES:
+        raise ValueError(f"{name}: fmt={fmt!r}; valid formats are {tuple(FP8_DTYPES)}")
+    rows, cols = x.shape
+    blocks, nr, nc = _padded_blocks(x.float(), block)  # (nr, br, nc, bc)
+    amax = blocks.abs().amax(dim=(1, 3))  # (nr, nc)
+    if check_finite and not bool(torch.isfinite(amax).all()):
+        bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
+        raise NonFiniteError(
+            f"{name}: NaN or Inf in block {tuple(bad)} (block size {block}) of a tensor of shape "
+            f"{tuple(x.shape)}; refusing to quantize it to FP8 (the cast would hide it)")
+    scale_inv = compute_scale_inv(amax, fmt, scale_rule, margin)  # (nr, nc)
+    fp8_max = FP8_MAX[fmt]
+    scaled = (blocks / scale_inv[:, None, :, None]).clamp_(-fp8_max, fp8_max)
+    data = scaled.to(FP8_DTYPES[fmt]).reshape(nr * block[0], nc * block[1])
+    if data.shape != (rows, cols):
+        data = data[:rows, :cols].contiguous()
+    return QuantizedTensor(data, scale_inv, tuple(block))
+
+
+def expand_scales(scale_inv: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """Broadcast per-block scales to a full (R, C) tensor."""
+    full = scale_inv.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    rows, cols = q.data.shape
+    br, bc = q.block
+    nr, nc = q.scale_inv.shape
+    if nr * br == rows and nc * bc == cols:
+        blocks = q.data.float().reshape(nr, br, nc, bc) * q.scale_inv[:, None, :, None]
+        return blocks.reshape(rows, cols).to(dtype)
+    return (q.data.float() * expand_scales(q.scale_inv, q.block, (rows, cols))).to(dtype)
+
+
+def quantize_weight(w: torch.Tensor, block: tuple[int, int] = (128, 128), fmt: str = "e4m3",
+                    scale_rule: str = "fp32", margin: int = 0, name: str = "weight") -> QuantizedTensor:
+    """(N, K) weight with one scale per 128x128 block."""
+    return quantize_blocks(w, block, fmt, scale_rule, margin, name)
+
+
+def quantize_rowwise_groups(x: torch.Tensor, group: int = 128, fmt: str = "e4m3", scale_rule: str = "fp32",
+                            margin: int = 0, name: str = "activation") -> QuantizedTensor:
+    """1 x group scaling along the last dim; leading dims are flattened to rows: (..., K) -> (M, K)."""
+    return quantize_blocks(x.reshape(-1, x.shape[-1]), (1, group), fmt, scale_rule, margin, name)
+
+
+def quantize_colwise_groups(x: torch.Tensor, group: int = 128, fmt: str = "e4m3", scale_rule: str = "fp32",
+                            margin: int = 0, name: str = "activation") -> QuantizedTensor:
+    """group x 1 scaling (groups run along the rows): (..., K) -> (M, K) with (128, 1) blocks."""
+    return quantize_blocks(x.reshape(-1, x.shape[-1]), (group, 1), fmt, scale_rule, margin, name)
+
+
+def fake_quantize(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3", scale_rule: str = "fp32",
+                  margin: int = 0, name: str = "tensor") -> torch.Tensor:
+    """Quantize then dequantize, in x's dtype: the value an FP8 GEMM actually sees."""
+    shape = x.shape
+    q = quantize_blocks(x.reshape(-1, shape[-1]), block, fmt, scale_rule, margin, name)
+    return dequantize(q, x.dtype).reshape(shape)

@@ -1,0 +1,139 @@
+"""The one FP8 recipe that the trainer and the rollout engine both apply.
+
+DeepSeek-V3 style block scaling, as in Jet-RL (arXiv 2601.14243) and FP8-RL (arXiv 2601.18150):
+weights in 128x128 blocks, activations and output gradients in 1x128 groups along the contraction
+dimension, the weight-gradient GEMM's second operand in 128x1 groups. E4M3 everywhere by default;
+`hybrid` keeps gradients in E5M2. One fp32 `scale_inv` per block (value = fp8 * scale_inv),
+optionally rounded up to a power of two (UE8M0-compatible).
+
+The recipe's `fingerprint()` is a short hash of every field that changes the bytes; trainer and
+rollout log it and refuse to pair weights made under another one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+PRECISION_MODES = ("fp32", "bf16", "mixed", "unified")
+"""fp32: reference. bf16: bf16 train and rollout. mixed: bf16 train, FP8 rollout (weights quantized
+by the rollout side from the synced bf16 weights). unified: FP8 train forward/backward and FP8 rollout
+from the very same quantized bytes."""
+
+FORMATS = ("e4m3", "hybrid")
+SCALE_RULES = ("fp32", "pow2")
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    fmt: Literal["e4m3", "hybrid"] = "e4m3"
+    """`e4m3` for every operand, or `hybrid`: E4M3 weights and activations, E5M2 gradients."""
+    weight_block: tuple[int, int] = (128, 128)
+    """Weight scaling block (rows of the output dim, columns of the input dim)."""
+    group_size: int = 128
+    """Activation and gradient group length along the GEMM's contraction dimension (1 x group)."""
+    scale_rule: Literal["fp32", "pow2"] = "fp32"
+    """`fp32`: scale_inv = amax / fp8_max exactly. `pow2`: rounded up to a power of two."""
+    margin: int = 0
+    """Headroom in powers of two: scale_inv = amax * 2**margin / fp8_max (TE's `margin`)."""
+    keep_high_precision: tuple[str, ...] = ("*embed_tokens*", "*lm_head*", "*norm*", "*router*")
+    """fnmatch patterns of module names that stay in bf16 (embeddings, lm_head, norms, MoE routers)."""
+    keep_first_layers: int = 0
+    """The first N decoder layers stay in bf16."""
+    keep_last_layers: int = 0
+    """The last N decoder layers stay in bf16."""
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"FP8Recipe.fmt={self.fmt!r}: valid formats are {FORMATS}")
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(f"FP8Recipe.scale_rule={self.scale_rule!r}: valid rules are {SCALE_RULES}")
+        block = tuple(int(b) for b in self.weight_block)
+        if len(block) != 2 or min(block) < 1:
+            raise ValueError(f"FP8Recipe.weight_block={self.weight_block!r}: need two positive ints")
+        object.__setattr__(self, "weight_block", block)
+        object.__setattr__(self, "keep_high_precision", tuple(self.keep_high_precision))
+        if self.group_size < 1:
+            raise ValueError(f"FP8Recipe.group_size={self.group_size}: must be >= 1")
+        if self.margin < 0 or self.keep_first_layers < 0 or self.keep_last_layers < 0:
+            raise ValueError("FP8Recipe.margin, keep_first_layers and keep_last_layers must be >= 0")
+
+    # Operand formats -----------------------------------------------------------------------
+    @property
+    def forward_format(self) -> str:
+        """Format of weights and activations."""
+        return "e4m3"
+
+    @property
+    def grad_format(self) -> str:
+        """Format of output gradients in dgrad / wgrad."""
+        return "e5m2" if self.fmt == "hybrid" else "e4m3"
+
+    # Which modules are quantized ------------------------------------------------------------
+    def keeps_in_high_precision(self, module_name: str, layer_index: int | None = None,
+                                num_layers: int | None = None) -> bool:
+        """True if `module_name` stays in bf16 under this recipe."""
+        if any(fnmatch.fnmatch(module_name, pattern) for pattern in self.keep_high_precision):
+            return True
+        if layer_index is not None:
+            if layer_index < self.keep_first_layers:
+                return True
+            if num_layers is not None and layer_index >= num_layers - self.keep_last_layers:
+                return True
+        return False
+
+    # Identity -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["weight_block"] = list(self.weight_block)
+        d["keep_high_precision"] = list(self.keep_high_precision)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FP8Recipe":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"unknown FP8Recipe keys {sorted(unknown)}; valid keys: {sorted(fields)}")
+        d = dict(d)
+        if "weight_block" in d:
+            d["weight_block"] = tuple(d["weight_block"])
+        if "keep_high_precision" in d:
+            d["keep_high_precision"] = tuple(d["keep_high_precision"])
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """Short stable hash of every field: two recipes with one fingerprint make the same bytes."""
+        payload = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(payload).hexdigest()[:12]
+
+    def vllm_quantization_config(self) -> dict:
+        """The `quantization_config` block of config.json in the vLLM / DeepSeek FP8 layout."""
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.weight_block),
+            "jetflow_recipe": self.to_dict(),
+            "jetflow_fingerprint": self.fingerprint(),
+        }
+
+
+class RecipeMismatchError(RuntimeError):
+    """Weights made under one recipe were offered to a consumer running another."""
+
+
+def check_fingerprint(expected: str, got: str, what: str = "weights") -> None:
+    if expected != got:
+        raise RecipeMismatchError(
+            f"{what} were quantized under recipe {got}, but this side runs recipe {expected}; "
+            "refusing to pair them (requantizing would break on-policy FP8)")

@@ -1,0 +1,40 @@
+"""Config schema, YAML, overrides and their errors."""
+
+import pytest
+
+from jetflow.config import ConfigError, load_config, save_config
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("precision:\n  mode: mixed\ntrain:\n  steps: 7\n")
+    cfg = load_config(yaml, ["train.steps=9", "task.params.digits=2"])
+    assert cfg.precision.mode == "mixed" and cfg.train.steps == 9 and cfg.task.params == {"digits": 2}
+    out = tmp_path / "resolved.yaml"
+    save_config(cfg, out)
+    assert load_config(out).train.steps == 9
+
+
+@pytest.mark.parametrize("override, message", [
+    ("precision.mdoe=unified", "valid keys here: .*'mode'"),
+    ("nosuch.key=1", "valid keys here: .*'precision'"),
+    ("precision.mode=fp4", "choose one of .*'unified'"),
+    ("train.steps=many", "train.steps"),
+    ("rollout.group_size=0", "rollout.group_size"),
+    ("precision.fmt=e3m4", "precision.fmt"),
+    ("justakey", "key=value"),
+])
+def test_bad_keys_and_values_name_themselves(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("does/not/exist.yaml")
+
+
+def test_recipe_from_config():
+    cfg = load_config(None, ["precision.scale_rule=pow2", "precision.fmt=hybrid"])
+    r = cfg.precision.recipe()
+    assert r.scale_rule == "pow2" and r.grad_format == "e5m2" and r.weight_block == (128, 128)
