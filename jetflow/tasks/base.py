@@ -1,0 +1,147 @@
+"""The task interface: problems, rewards, and the registry that builds tasks by name.
+
+A task is an indexed stream of problems plus an exact verifier. Problem ``index`` of stream ``seed``
+is a pure function of ``(seed, index)``, so a training loop only has to remember an integer position
+to resume exactly where it stopped: ``task.problems(start=position, n=batch)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and its reference answer.
+
+    prompt: the user's text, without any chat template (the rollout side applies one when
+        ``task.chat`` is true, and feeds the text raw otherwise).
+    answer: the reference answer as text (for display and logging; the verifier may use ``meta``).
+    meta: task-specific facts (operands, target, source row, index, seed, ...).
+    """
+
+    prompt: str
+    answer: str
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reward:
+    """The verifier's verdict on one completion.
+
+    total: the scalar reward, ``1.0 * correct + format_weight * format_ok``.
+    correct: the answer is right.
+    format_ok: the answer was given in the requested shape (tags, a bare number, ...).
+    """
+
+    total: float
+    correct: bool
+    format_ok: bool
+
+
+def rng_for(task_name: str, seed: int, index: int) -> random.Random:
+    """A generator private to problem ``index`` of stream ``seed``.
+
+    Seeding with a string hashes it with SHA-512, so the stream is the same in every process and
+    independent of PYTHONHASHSEED; distinct (seed, index) pairs never share a seed.
+    """
+    return random.Random(f"{task_name}:{seed}:{index}")
+
+
+class Task(ABC):
+    """Base class of all tasks.
+
+    Subclasses set ``name``, implement ``_problem(index, seed)`` and ``score``, and take every
+    option as an explicit keyword argument of ``__init__`` (``make_task`` checks keys against it).
+
+    chat: whether prompts are meant for a chat template (False for raw character-level prompts).
+    stop: strings that end a completion; the rollout engine may stop generating at them.
+    """
+
+    name: ClassVar[str] = ""
+    chat: bool = True
+    stop: tuple[str, ...] = ()
+
+    def __init__(self, seed: int = 0, format_weight: float = 0.0):
+        if not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if not (math.isfinite(format_weight) and format_weight >= 0):
+            raise ValueError(f"format_weight must be a finite number >= 0, got {format_weight!r}")
+        self.seed = seed
+        self.format_weight = float(format_weight)
+
+    def problem(self, index: int, seed: int | None = None) -> Problem:
+        """Problem ``index`` of stream ``seed`` (the task's own seed when None)."""
+        if not isinstance(index, int) or index < 0:
+            raise ValueError(f"problem index must be an int >= 0, got {index!r}")
+        return self._problem(index, self.seed if seed is None else seed)
+
+    def problems(self, start: int, n: int, seed: int | None = None) -> list[Problem]:
+        """Problems ``start .. start + n - 1``: one batch of a run that tracks its position."""
+        return [self.problem(i, seed) for i in range(start, start + n)]
+
+    def sample(self, n: int, seed: int) -> list[Problem]:
+        """``n`` problems, a deterministic function of ``seed`` (the first ``n`` of that stream)."""
+        return self.problems(0, n, seed)
+
+    def reward(self, correct: bool, format_ok: bool) -> Reward:
+        """Build a Reward with this task's format weight."""
+        total = float(correct) + (self.format_weight if format_ok else 0.0)
+        return Reward(total=total, correct=bool(correct), format_ok=bool(format_ok))
+
+    @abstractmethod
+    def _problem(self, index: int, seed: int) -> Problem:
+        """Problem ``index`` of stream ``seed``; must depend on nothing else."""
+
+    @abstractmethod
+    def score(self, problem: Problem, completion: str) -> Reward:
+        """Verify ``completion`` (generated text only, without the prompt) against ``problem``."""
+
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Class decorator: make ``cls`` buildable by ``make_task(cls.name, ...)``."""
+    if not cls.name or cls.name in _TASKS:
+        raise ValueError(f"task class {cls.__name__} needs a unique name, got {cls.name!r}")
+    _TASKS[cls.name] = cls
+    return cls
+
+
+def task_names() -> list[str]:
+    """Names accepted by ``make_task``."""
+    return sorted(_TASKS)
+
+
+def task_options(name: str) -> list[str]:
+    """The keyword options of task ``name``."""
+    params = inspect.signature(_lookup(name)).parameters.values()
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _lookup(name: str) -> type[Task]:
+    try:
+        return _TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(task_names())}") from None
+
+
+def make_task(name: str, **kwargs) -> Task:
+    """Build task ``name`` with its options, e.g. ``make_task("arithmetic", digits=2)``.
+
+    An unknown name or option raises ValueError listing the valid ones.
+    """
+    cls = _lookup(name)
+    valid = task_options(name)
+    bad = sorted(set(kwargs) - set(valid))
+    if bad:
+        raise ValueError(
+            f"task {name!r}: unknown option(s) {', '.join(bad)}; valid options: {', '.join(valid)}"
+        )
+    return cls(**kwargs)
