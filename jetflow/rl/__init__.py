@@ -1,0 +1,29 @@
+"""RL math for GRPO: advantages, policy loss, rollout correction, mismatch metrics.
+
+Pure tensor code: imports torch and the standard library only, nothing else from jetflow.
+"""
+
+from .advantage import NORMS, group_advantages
+from .correction import (
+    CORRECTIONS,
+    CorrectionResult,
+    ais_diagnostics,
+    apply_correction,
+)
+from .loss import AGGREGATIONS, agg_denominator, aggregate, policy_loss
+from .mismatch import mismatch_metrics, mismatch_position_curves
+
+__all__ = [
+    "AGGREGATIONS",
+    "CORRECTIONS",
+    "NORMS",
+    "CorrectionResult",
+    "agg_denominator",
+    "aggregate",
+    "ais_diagnostics",
+    "apply_correction",
+    "group_advantages",
+    "mismatch_metrics",
+    "mismatch_position_curves",
+    "policy_loss",
+]

@@ -1,0 +1,105 @@
+"""Rollout / trainer mismatch metrics on the sampled tokens.
+
+With delta = trainer - rollout log-probs of the sampled token and r = exp(delta) =
+pi_train / pi_rollout (samples come from the rollout, so E[r] = 1 when the two agree):
+
+    kl_k1              mean(-delta)                  KL(rollout || train), unbiased, can be < 0
+    kl_k3              mean(r - 1 - delta)           KL(rollout || train), unbiased, >= 0 per token
+    chi2               mean(r^2) - 1                 chi^2(train || rollout): IS variance blow-up
+    ess                (sum r)^2 / (n sum r^2)       normalised effective sample size, (0, 1]
+    abs_delta_mean/max mean / max |delta|
+    exp_abs_delta_mean mean exp(|delta|)             >= 1; the typical multiplicative error
+    ratio_outside_frac share of r outside [0.5, 2]
+    num_tokens         n
+
+Each metric is also reported per response-position bin: ``mismatch/<name>/pos_<i>of<K>``. Bins
+split the absolute token index t in [0, T) of the (B, T) *response* tensors (t = 0 is the first
+generated token, right padding) into K equal-width bins, bin = floor(t * K / T). Long rollouts
+are where FP8 mismatch compounds, so the late bins are the ones to watch.
+
+An empty mask (or bin) gives 0 for every metric and ``num_tokens`` 0, never NaN.
+Computed in float64 under no_grad: these are diagnostics, never part of the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# exp() of a log-ratio beyond +-20 would dominate every mean anyway; clamping keeps r^2 finite.
+_MAX_LOG_RATIO = 20.0
+_OUTSIDE_LO, _OUTSIDE_HI = 0.5, 2.0
+
+
+def _stats(delta: Tensor) -> dict[str, float]:
+    """All metrics for a flat (n,) tensor of masked log-ratio differences."""
+    n = delta.numel()
+    if n == 0:
+        names = ("kl_k1", "kl_k3", "chi2", "ess", "abs_delta_mean", "abs_delta_max",
+                 "exp_abs_delta_mean", "ratio_outside_frac", "num_tokens")
+        return {k: 0.0 for k in names}
+    d = delta.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (n,)
+    r = torch.exp(d)  # (n,)
+    r2_sum = (r * r).sum()
+    return {
+        "kl_k1": float((-delta).mean()),
+        "kl_k3": float((r - 1.0 - d).mean()),
+        "chi2": float(r2_sum / n - 1.0),
+        "ess": float(r.sum() ** 2 / (n * r2_sum)),
+        "abs_delta_mean": float(delta.abs().mean()),
+        "abs_delta_max": float(delta.abs().max()),
+        "exp_abs_delta_mean": float(torch.exp(d.abs()).mean()),
+        "ratio_outside_frac": float(((r < _OUTSIDE_LO) | (r > _OUTSIDE_HI)).double().mean()),
+        "num_tokens": float(n),
+    }
+
+
+@torch.no_grad()
+def mismatch_metrics(
+    rollout_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor, num_position_bins: int = 4
+) -> dict[str, float]:
+    """Whole-batch and per-position-bin mismatch metrics, keys ``mismatch/...``.
+
+    Args:
+        rollout_logprobs: (B, T) log pi_rollout of the sampled tokens.
+        trainer_logprobs: (B, T) log pi_train of the same tokens, same weights.
+        mask: (B, T) float or bool, 1 on response tokens.
+        num_position_bins: K >= 1 equal-width bins over the response index.
+    """
+    if num_position_bins < 1:
+        raise ValueError(f"num_position_bins must be >= 1, got {num_position_bins}")
+    delta = trainer_logprobs.double() - rollout_logprobs.double()  # (B, T)
+    valid = mask > 0  # (B, T)
+    T = delta.shape[-1]
+    K = num_position_bins
+
+    out = {f"mismatch/{k}": v for k, v in _stats(delta[valid]).items()}
+    pos_bin = torch.arange(T, device=delta.device) * K // T  # (T,) in [0, K)
+    for i in range(K):
+        in_bin = valid & (pos_bin == i)[None, :]  # (B, T)
+        for k, v in _stats(delta[in_bin]).items():
+            out[f"mismatch/{k}/pos_{i}of{K}"] = v
+    return out
+
+
+@torch.no_grad()
+def mismatch_position_curves(
+    rollout_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor
+) -> dict[str, Tensor]:
+    """Per-response-index curves for plotting: each (T,) float64, 0 where no token.
+
+    Keys: ``kl_k3`` (mean k3 at index t), ``abs_delta`` (mean |delta| at t), ``count`` (tokens
+    at t).
+    """
+    delta = trainer_logprobs.double() - rollout_logprobs.double()  # (B, T)
+    m = (mask > 0).double()  # (B, T)
+    delta = torch.where(m > 0, delta, torch.zeros_like(delta))  # padding may be -inf
+    d = delta.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    k3 = torch.exp(d) - 1.0 - d  # (B, T)
+    count = m.sum(dim=0)  # (T,)
+    denom = count.clamp(min=1.0)
+    return {
+        "kl_k3": (k3 * m).sum(dim=0) / denom,
+        "abs_delta": (delta.abs() * m).sum(dim=0) / denom,
+        "count": count,
+    }
