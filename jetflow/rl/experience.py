@@ -1,0 +1,71 @@
+"""One RL batch packed for the trainer (OpenRLHF's `Experience`, in our shapes).
+
+B sequences; P = longest prompt, R = longest response. Prompts are left-padded and responses
+right-padded, so every response starts at column P and the logits that predict response token r sit
+at column P - 1 + r. Positions come from the attention mask, exactly as in the rollout engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Experience:
+    input_ids: Tensor  # (B, P + R) left-padded prompt, then right-padded response
+    attention_mask: Tensor  # (B, P + R) bool, True on real tokens
+    response_ids: Tensor  # (B, R) sampled tokens a_t (pad after the end)
+    response_mask: Tensor  # (B, R) float, 1 on response tokens
+    rollout_logprobs: Tensor  # (B, R) log pi_rollout(a_t | s_t), from the rollout engine
+    rewards: Tensor  # (B,)
+    advantages: Tensor  # (B,)
+    prompt_len: int  # P
+    old_logprobs: Tensor | None = None  # (B, R) log pi_trainer(a_t | s_t) under the rollout's weights
+    is_weights: Tensor | None = None  # (B, R) rollout-correction weights (detached)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: slice | Tensor) -> "Experience":
+        """Rows of the batch (a micro-batch); the prompt length stays P."""
+        values = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            values[f.name] = v[index] if isinstance(v, Tensor) else v
+        return Experience(**values)
+
+    def micro_batches(self, size: int) -> list["Experience"]:
+        return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
+
+
+def pack_experience(prompts: list[list[int]], responses: list[list[int]], rollout_logprobs: list[list[float]],
+                    rewards: Tensor, advantages: Tensor, pad_id: int, device: torch.device | str = "cpu") -> Experience:
+    """Build an Experience from per-sequence token lists (one response per prompt entry)."""
+    if not (len(prompts) == len(responses) == len(rollout_logprobs) == len(rewards) == len(advantages)):
+        raise ValueError("pack_experience: prompts, responses, logprobs, rewards and advantages differ in length")
+    for i, (resp, lps) in enumerate(zip(responses, rollout_logprobs)):
+        if len(resp) != len(lps):
+            raise ValueError(f"sequence {i}: {len(resp)} response tokens but {len(lps)} logprobs")
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    R = max(1, max(len(r) for r in responses))
+    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, P + R, dtype=torch.bool)
+    response_ids = torch.full((B, R), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(B, R)
+    logprobs = torch.zeros(B, R)
+    for i, (prompt, resp, lps) in enumerate(zip(prompts, responses, rollout_logprobs)):
+        input_ids[i, P - len(prompt):P] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[i, P - len(prompt):P + len(resp)] = True
+        if resp:
+            input_ids[i, P:P + len(resp)] = torch.tensor(resp, dtype=torch.long)
+            response_ids[i, :len(resp)] = torch.tensor(resp, dtype=torch.long)
+            response_mask[i, :len(resp)] = 1.0
+            logprobs[i, :len(resp)] = torch.tensor(lps, dtype=torch.float32)
+    dev = torch.device(device)
+    return Experience(input_ids.to(dev), attention_mask.to(dev), response_ids.to(dev), response_mask.to(dev),
+                      logprobs.to(dev), rewards.float().to(dev), advantages.float().to(dev), P)

@@ -1,0 +1,107 @@
+"""Trainer -> rollout weight transfer, versioned and fingerprinted.
+
+What crosses depends on the precision mode:
+  fp32     every tensor in fp32.
+  bf16     every tensor in bf16; the rollout side computes with bf16 GEMMs.
+  mixed    every tensor in bf16; the rollout side quantizes the FP8 linears itself (the common
+           recipe whose mismatch the ablations measure).
+  unified  the FP8 linears as the trainer's own quantized bytes + scale_inv (never requantized), the
+           rest (embeddings, norms, lm_head) as they are; the recipe fingerprint travels along and
+           the receiver refuses another recipe's bytes.
+Every receipt checks the version (a stale or repeated update is refused) and, for FP8 payloads, that
+no scale is zero or non-finite (users of FP8 RL report all-zero and stale scales after sync).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from jetflow.precision import QuantizedTensor, check_fingerprint, fp8_linears, quantized_weights
+
+
+class StaleWeightsError(RuntimeError):
+    """A weight update is not newer than what the receiver already holds."""
+
+
+class CorruptWeightsError(RuntimeError):
+    """A weight update failed its integrity checks (checksum, zero or non-finite scales)."""
+
+
+@dataclass
+class WeightUpdate:
+    version: int
+    mode: str
+    fingerprint: str | None  # recipe fingerprint of the quantized payload (unified), else None
+    quantized: dict[str, QuantizedTensor] = field(default_factory=dict)  # module name -> FP8 bytes + scales
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> high-precision tensor
+    checksum: str = ""
+
+    def nbytes(self) -> int:
+        return (sum(q.nbytes() for q in self.quantized.values())
+                + sum(t.numel() * t.element_size() for t in self.tensors.values()))
+
+    def compute_checksum(self) -> str:
+        """sha256 over every byte and scale, in name order (detects corruption in transit)."""
+        h = hashlib.sha256()
+        for name in sorted(self.quantized):
+            q = self.quantized[name]
+            h.update(name.encode())
+            h.update(q.data.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            h.update(q.scale_inv.contiguous().cpu().numpy().tobytes())
+        for name in sorted(self.tensors):
+            t = self.tensors[name].detach().contiguous()
+            h.update(name.encode())
+            h.update(t.view(torch.uint8).cpu().numpy().tobytes() if t.dtype == torch.bfloat16 else t.cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | None = None,
+                 with_checksum: bool = False) -> WeightUpdate:
+    """The payload for rollout engines after the trainer reached weight `version`."""
+    params = dict(model.named_parameters(remove_duplicate=True))
+    if mode == "unified":
+        quantized = quantized_weights(model)  # the cached bytes the trainer computes with
+        skip = {f"{name}.weight" for name in quantized}
+        tensors = {k: v.detach() for k, v in params.items() if k not in skip}
+        update = WeightUpdate(version, mode, fingerprint, quantized, tensors)
+    elif mode in ("bf16", "mixed"):
+        update = WeightUpdate(version, mode, None, {}, {k: v.detach().to(torch.bfloat16) for k, v in params.items()})
+    elif mode == "fp32":
+        update = WeightUpdate(version, mode, None, {}, {k: v.detach() for k, v in params.items()})
+    else:
+        raise ValueError(f"build_update: unknown mode {mode!r}")
+    if with_checksum:
+        update.checksum = update.compute_checksum()
+    return update
+
+
+def apply_update(model: nn.Module, update: WeightUpdate, current_version: int, fingerprint: str | None) -> int:
+    """Load an update into a rollout-side model; returns the new version."""
+    if update.version <= current_version:
+        raise StaleWeightsError(f"weight update version {update.version} is not newer than the "
+                                f"rollout's version {current_version}; refusing it")
+    if update.checksum and update.compute_checksum() != update.checksum:
+        raise CorruptWeightsError(f"weight update v{update.version}: checksum mismatch")
+    params = dict(model.named_parameters(remove_duplicate=True))
+    missing = set(update.tensors) - set(params)
+    if missing:
+        raise KeyError(f"weight update has tensors the rollout model lacks: {sorted(missing)[:5]}")
+    if update.quantized:
+        check_fingerprint(fingerprint or "", update.fingerprint or "", "shipped FP8 weights")
+        layers = fp8_linears(model)
+        unknown = set(update.quantized) - set(layers)
+        if unknown:
+            raise KeyError(f"quantized weights for modules that are not FP8 linears here: {sorted(unknown)[:5]}")
+        for name, q in update.quantized.items():
+            if not bool(torch.isfinite(q.scale_inv).all()) or bool((q.scale_inv <= 0).any()):
+                raise CorruptWeightsError(f"{name}: zero, negative or non-finite scale_inv in update v{update.version}")
+    with torch.no_grad():
+        for name, tensor in update.tensors.items():
+            params[name].copy_(tensor)
+    for name, q in update.quantized.items():
+        layers[name].load_quantized(q)
+    return update.version

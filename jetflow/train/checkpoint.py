@@ -1,0 +1,73 @@
+"""Atomic run checkpoints: a step's directory is written under a temporary name and renamed into
+place, and the `latest` pointer is replaced atomically, so a run killed at any moment leaves either
+the previous checkpoint or the new one, never a half-written one.
+
+checkpoints/step_000012/ model.safetensors, trainer.pt (optimizer, scheduler, version), state.json
+(step, data position, counters), rng.pt (torch / python RNG states).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
+                    keep: int = 2) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp-step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)  # tied: the embedding is the one copy
+    save_file(tensors, str(tmp / "model.safetensors"))
+    torch.save(trainer_state, tmp / "trainer.pt")
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    _atomic_write_text(root / "latest", final.name)
+    for old in sorted(p for p in root.glob("step_*") if p != final)[:-max(keep - 1, 0) or None]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if (path / "state.json").exists() else None
+
+
+def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
+    """Restore model weights and RNG states; returns (trainer_state, state)."""
+    path = Path(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not getattr(model.config, "tie_word_embeddings", False)]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+    state = json.loads((path / "state.json").read_text())
+    return trainer_state, state

@@ -1,0 +1,150 @@
+"""Native trainer: AdamW on fp32 master weights, warmup + cosine LR, micro-batches with gradient
+accumulation, gradient clipping, and NaN/Inf steps skipped and counted.
+
+The model's linear layers already compute under the precision mode (jetflow.precision.apply_precision):
+bf16 GEMMs, or FP8 fprop/dgrad/wgrad under `unified`. The master weights and the optimizer stay fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from jetflow.config import AlgoConfig, TrainConfig
+from jetflow.rl import agg_denominator, policy_loss
+from jetflow.rl.experience import Experience
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps had a NaN/Inf loss or gradient."""
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
+    """Linear warmup to 1, then cosine decay to min_ratio at total_steps."""
+    def f(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.0) -> Tensor:
+    """log pi(a_t | s_t) of the response tokens under `model`: (B, R), fp32.
+
+    Only the R columns that predict response tokens go through lm_head (the vocab projection is the
+    largest GEMM of a small model). Logits are divided by the sampling temperature, as in the rollout.
+    """
+    P, R = exp.prompt_len, exp.response_ids.shape[1]
+    hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask)  # (B, P + R, C)
+    logits = model.lm_head(hidden[:, P - 1:P + R - 1]).float()  # (B, R, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, exp.response_ids[..., None]).squeeze(-1)  # (B, R)
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, train: TrainConfig, algo: AlgoConfig, total_steps: int | None = None):
+        self.model, self.cfg, self.algo = model, train, algo
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, betas=tuple(train.betas),
+                                           weight_decay=train.weight_decay)
+        total = total_steps if total_steps is not None else train.steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(train.warmup_steps, total, train.min_lr_ratio))
+        self.version = 0  # optimizer steps applied: the weight version rollouts are tagged with
+        self.skipped_steps = 0
+        self.consecutive_bad = 0
+
+    # Log-probs -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> Tensor:
+        """Trainer log-probs of the rollout tokens under the current weights (no grad): (B, R)."""
+        return torch.cat([response_logprobs(self.model, mb, temperature)
+                          for mb in exp.micro_batches(self.cfg.micro_batch_size)])
+
+    # One optimizer step ----------------------------------------------------------------------
+    def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
+        """Policy-gradient step over the whole batch (micro-batched); returns metrics."""
+        if exp.old_logprobs is None:
+            raise ValueError("train_step needs exp.old_logprobs (compute_logprobs first)")
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        agg = self.algo.loss_agg
+        micro = exp.micro_batches(self.cfg.micro_batch_size)
+        total_denominator = sum(agg_denominator(mb.response_mask, agg) for mb in micro) or 1.0
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        for mb in micro:
+            weight = agg_denominator(mb.response_mask, agg) / total_denominator
+            if weight == 0:
+                continue
+            logprobs = response_logprobs(self.model, mb, temperature)
+            loss, metrics = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+                                        clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
+                                        is_weights=mb.is_weights)
+            (loss * weight).backward()
+            loss_total += loss.item() * weight
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+        return self._apply_gradients(loss_total, sums, t0)
+
+    def sft_step(self, exp: Experience) -> dict[str, float]:
+        """Supervised step: mean negative log-likelihood of the response tokens."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = exp.micro_batches(self.cfg.micro_batch_size)
+        total_tokens = float(exp.response_mask.sum()) or 1.0
+        loss_total = 0.0
+        for mb in micro:
+            logprobs = response_logprobs(self.model, mb)
+            loss = -(logprobs * mb.response_mask).sum() / total_tokens
+            loss.backward()
+            loss_total += loss.item()
+        return self._apply_gradients(loss_total, {"loss/sft": loss_total}, t0)
+
+    def _apply_gradients(self, loss_value: float, metrics: dict[str, float], t0: float) -> dict[str, float]:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or float("inf"))
+        finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
+        out = dict(metrics)
+        out.update({"train/loss": loss_value, "train/grad_norm": float(grad_norm),
+                    "train/lr": self.optimizer.param_groups[0]["lr"]})
+        if finite:
+            self.optimizer.step()
+            self.version += 1
+            self.consecutive_bad = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.consecutive_bad += 1
+            if self.consecutive_bad > self.cfg.max_bad_steps:
+                raise TrainingDiverged(
+                    f"{self.consecutive_bad} consecutive steps with a NaN/Inf loss or gradient "
+                    f"(train.max_bad_steps={self.cfg.max_bad_steps}); stopping. The last good checkpoint is intact.")
+        with warnings.catch_warnings():  # a skipped step still advances the schedule, on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
+        out["train/skipped"] = 0.0 if finite else 1.0
+        out["train/skipped_total"] = float(self.skipped_steps)
+        out["time/train"] = time.perf_counter() - t0
+        return out
+
+    # State -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "version": self.version, "skipped_steps": self.skipped_steps,
+                "consecutive_bad": self.consecutive_bad}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+        self.skipped_steps = state["skipped_steps"]
+        self.consecutive_bad = state["consecutive_bad"]
