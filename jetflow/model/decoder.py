@@ -1,0 +1,421 @@
+"""The Llama-family decoder in one file: Llama 3 (incl. "llama3" RoPE scaling), Qwen2 / Qwen2.5
+(q/k/v biases), Qwen3 (RMSNorm on q and k per head), SmolLM2 (Llama architecture).
+
+Design rules (other parts of jetflow rely on them):
+- Module and parameter names mirror Hugging Face exactly (`model.layers.0.self_attn.q_proj.weight`,
+  ...), so `state_dict()` keys equal HF checkpoint keys.
+- Every projection is a plain `nn.Linear` that is *called* (never `F.linear(x, module.weight)`), so
+  the precision converter can swap any of them for an FP8 linear by name and the swap takes effect.
+- Numerics follow transformers' implementation (RMSNorm in fp32 then cast, RoPE cos/sin in fp32 then
+  cast to the activation dtype), so fp32 logits agree with HF to ~1e-5.
+
+Shapes: B batch, T new tokens in this forward, S key slots attended (T, or cache.length + T),
+C hidden size, H query heads, H_kv key/value heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from jetflow.model.kv_cache import KVCache
+
+# model_type -> HF architecture class name
+SUPPORTED = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    """Hyperparameters of a Llama-family decoder (a subset of HF's config.json)."""
+
+    model_type: str = "llama"
+    """One of SUPPORTED: llama (also SmolLM2, Llama 3), qwen2, qwen3."""
+    vocab_size: int = 32000
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_layers: int = 30
+    """HF: num_hidden_layers."""
+    num_heads: int = 9
+    """HF: num_attention_heads (query heads)."""
+    num_kv_heads: int = 3
+    """HF: num_key_value_heads (GQA: each K/V head serves num_heads // num_kv_heads query heads)."""
+    head_dim: int = 64
+    """Defaults to hidden_size // num_heads in HF; Qwen3 sets it explicitly (may differ)."""
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    """None (plain RoPE) or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}."""
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    """lm_head shares the embedding matrix (SmolLM2, small Qwens)."""
+    qkv_bias: bool = False
+    """q/k/v projections have a bias (always for Qwen2; `attention_bias` for Llama / Qwen3)."""
+    o_bias: bool = False
+    """o_proj has a bias (`attention_bias` for Llama / Qwen3; never for Qwen2)."""
+    mlp_bias: bool = False
+    """gate/up/down projections have a bias (Llama `mlp_bias`)."""
+    qk_norm: bool = False
+    """Qwen3: RMSNorm over head_dim on q and k, before RoPE."""
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+    """Other HF config fields, carried so that save_hf_dir writes them back (not used here)."""
+
+    @property
+    def architecture(self) -> str:
+        return SUPPORTED[self.model_type]
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a parsed HF config.json; unsupported models raise UnsupportedModelError."""
+        model_type = hf.get("model_type")
+        archs = hf.get("architectures") or []
+        supported = ", ".join(f"{t} ({a})" for t, a in SUPPORTED.items())
+        if model_type not in SUPPORTED:
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r} (architectures {archs}); supported: {supported}")
+        bad = [a for a in archs if a != SUPPORTED[model_type]]
+        if bad:
+            raise UnsupportedModelError(
+                f"unsupported architectures {bad} for model_type {model_type!r}; supported: {supported}")
+        if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+            raise UnsupportedModelError("sliding-window attention layers are not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+
+        # RoPE: transformers >= 5 writes `rope_parameters` (with rope_theta inside); older files have
+        # top-level `rope_theta` and an optional `rope_scaling` dict.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None
+        if rope_type == "llama3":
+            rope_scaling = {
+                "rope_type": "llama3",
+                "factor": float(rope["factor"]),
+                "low_freq_factor": float(rope["low_freq_factor"]),
+                "high_freq_factor": float(rope["high_freq_factor"]),
+                "original_max_position_embeddings": int(rope.get(
+                    "original_max_position_embeddings", hf.get("max_position_embeddings", 8192))),
+            }
+        elif rope_type != "default":
+            raise UnsupportedModelError(f"RoPE type {rope_type!r} is not supported (default, llama3)")
+        if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+
+        heads = hf["num_attention_heads"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        known = {
+            "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "tie_word_embeddings",
+            "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act",
+            "torch_dtype", "dtype", "transformers_version", "quantization_config",
+        }
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            # absent key: the default of LlamaConfig / Qwen2Config / Qwen3Config (all False)
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+            extra={k: v for k, v in hf.items() if k not in known},
+        )
+
+    def to_hf(self, dtype: torch.dtype | None = None) -> dict:
+        """A config.json dict that transformers loads into the same architecture.
+
+        RoPE is written both ways (`rope_parameters` for transformers >= 5, `rope_theta` /
+        `rope_scaling` for older readers such as vLLM's pinned transformers)."""
+        if self.qkv_bias != self.o_bias and self.model_type != "qwen2":
+            raise UnsupportedModelError("llama/qwen3 configs cannot express qkv_bias != o_bias")
+        if self.model_type == "qwen2" and not (self.qkv_bias and not self.o_bias):
+            raise UnsupportedModelError("qwen2 always has q/k/v biases and no o_proj bias")
+        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters.update(self.rope_scaling)
+        hf = dict(self.extra)
+        hf.update({
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope_parameters,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        })
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = dict(self.rope_scaling)
+        if self.model_type in ("llama", "qwen3"):
+            hf["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            hf["mlp_bias"] = self.mlp_bias
+        if dtype is not None:
+            hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+        return hf
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------
+# building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalize in fp32, cast back, then scale: the same order as transformers (matters in bf16)
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies (D/2,) in fp32, including Llama 3.1's frequency-dependent scaling."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the middle band blended
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D); cos, sin (B, 1, T, D). HF's "rotate half" convention (not interleaved pairs)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, mask, is_causal, cache: KVCache | None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = cache.length + T
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            enable_gqa=self.num_kv_heads != self.num_heads)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H*D)
+        return self.o_proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, is_causal, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x  # (B, T, C)
+
+
+class Decoder(nn.Module):
+    """A causal LM. `Decoder(config)` gives random weights; use `jetflow.model.load` for a checkpoint."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.num_heads % config.num_kv_heads:
+            raise ValueError(f"num_heads {config.num_heads} not a multiple of num_kv_heads {config.num_kv_heads}")
+        self.config = config
+        self.model = nn.Module()  # the HF "model." prefix
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        # RoPE inverse frequencies (D/2,), a non-persistent buffer (not in the state dict). Made on
+        # the CPU even when the model is built on the meta device, and kept fp32 by `_apply`.
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config, device="cpu"), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """After .to() / .cuda() / .bfloat16(): recompute rope_inv_freq in fp32 on its new device, so
+        that a bf16 model does not rotate with bf16-rounded frequencies."""
+        super()._apply(fn, recurse)
+        self.rope_inv_freq = rope_inv_freq(self.config, device=self.rope_inv_freq.device)
+        return self
+
+    def tie_weights(self) -> None:
+        """With tie_word_embeddings, lm_head.weight *is* the embedding matrix (one Parameter)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, V) for input_ids (B, T). See `forward_hidden` for the arguments."""
+        return self.lm_head(self.forward_hidden(input_ids, position_ids, attention_mask, cache))
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (B, T, C), after the last norm and before lm_head.
+
+        input_ids: (B, T) new tokens.
+        attention_mask: bool (B, S), True = real token, False = padding (left padding in a batch).
+            Without a cache S = T; with a cache S = cache.length + T and it covers every slot so far.
+        position_ids: (B, T). Default: the number of real tokens before each token,
+            `cumsum(attention_mask) - 1` over the last T slots (= arange when there is no padding);
+            without a mask, arange(cache.length, cache.length + T).
+        cache: if given, the T new tokens are written into slots [cache.length, cache.length + T)
+            and attend to all earlier valid slots; then this method advances cache.length by T.
+
+        Each token attends to the valid slots at or before its own. A padding token (mask False)
+        attends only to itself, so its (meaningless) outputs stay finite instead of NaN.
+        """
+        B, T = input_ids.shape
+        L = cache.length if cache is not None else 0
+        S = L + T
+        device = input_ids.device
+        if cache is not None:
+            cache.check_room(T)
+        if attention_mask is not None:
+            if attention_mask.shape != (B, S):
+                raise ValueError(
+                    f"attention_mask must be (B, cache.length + T) = ({B}, {S}), got {tuple(attention_mask.shape)}")
+            attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, L:]  # (B, T)
+            else:
+                position_ids = torch.arange(L, S, device=device).expand(B, T)
+
+        # attention mask for SDPA: bool (B, 1, T, S), or None with is_causal where that is exact
+        mask, is_causal = None, False
+        if attention_mask is None and L == 0:
+            is_causal = T > 1  # plain causal square
+        elif attention_mask is None and T == 1:
+            pass  # one new token attends to every slot
+        else:
+            q_slot = torch.arange(L, S, device=device)[:, None]  # (T, 1)
+            k_slot = torch.arange(S, device=device)[None, :]  # (1, S)
+            mask = (k_slot <= q_slot)[None]  # (1, T, S)
+            if attention_mask is not None:
+                mask = (mask & attention_mask[:, None, :]) | (k_slot == q_slot)  # (B, T, S)
+            mask = mask[:, None]  # (B|1, 1, T, S)
+
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        # RoPE tables in fp32, then cast to the activation dtype (as transformers does)
+        freqs = position_ids[..., None].float() * self.rope_inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, is_causal, cache)
+        if cache is not None:
+            cache.advance(T)
+        return self.model.norm(x)  # (B, T, C)
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None) -> KVCache:
+        """A KVCache for this model (dtype/device default to the embedding's)."""
+        w = self.model.embed_tokens.weight
+        return KVCache.for_model(self.config, batch_size, max_len, dtype or w.dtype, device or w.device)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # shared (tied) parameters counted once
