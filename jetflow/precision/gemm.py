@@ -100,16 +100,18 @@ def _scaled_mm_blockwise(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor
     return out[:m, :n]
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                weight_on_grid: bool = False) -> torch.Tensor:
     """A bf16 GEMM: bf16 operands, fp32 accumulation, bf16-rounded output, returned in x's dtype.
 
     On CUDA this is a real bf16 GEMM. On the CPU, bf16 matmul is a slow fallback (FACTS.md), so the
     operands are rounded to the bf16 grid and multiplied in fp32: the same values a bf16 tensor-core
-    GEMM produces, up to accumulation order.
+    GEMM produces, up to accumulation order. `weight_on_grid` says the fp32 weight is already rounded
+    to bf16 (a cached copy), which saves re-rounding a large weight on every decode step.
     """
     if x.is_cuda:
         out = F.linear(x.bfloat16(), weight.bfloat16(), None if bias is None else bias.bfloat16())
         return out.to(x.dtype)
-    w = weight.bfloat16().float()
+    w = weight if weight_on_grid else weight.bfloat16().float()
     out = F.linear(x.bfloat16().float(), w, None if bias is None else bias.bfloat16().float())
     return out.bfloat16().to(x.dtype)

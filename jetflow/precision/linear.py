@@ -37,7 +37,8 @@ def quantize_weight_for_recipe(weight: torch.Tensor, recipe: FP8Recipe, name: st
 
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, wq: QuantizedTensor, recipe: FP8Recipe, backend: str, name: str):
+    def forward(ctx, x, weight, bias, wq: QuantizedTensor, recipe: FP8Recipe, backend: str, name: str,
+                save_input: bool):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)  # (M, K)
         group, rule, margin = recipe.group_size, recipe.scale_rule, recipe.margin
@@ -45,7 +46,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         y = fp8_matmul(xq, wq, out_dtype=x.dtype, backend=backend)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        if weight.requires_grad:
+        if save_input:
             # Saved in FP8 for the wgrad GEMM: X quantized in 128 x 1 groups (along tokens).
             xq_col = quantize_blocks(x2, (group, 1), recipe.forward_format, rule, margin, f"{name}.input")
             ctx.saved_x = xq_col
@@ -53,7 +54,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.recipe, ctx.backend, ctx.name = recipe, backend, name
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
-        ctx.weight_requires_grad = weight.requires_grad
+        ctx.weight_requires_grad = save_input
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -72,13 +73,15 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.weight_dtype)
         ctx.saved_x = ctx.saved_w = None
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: QuantizedTensor,
                recipe: FP8Recipe, backend: str = "auto", name: str = "linear") -> torch.Tensor:
     """Functional FP8 linear with FP8 fprop, dgrad and wgrad. `wq` is `weight` quantized by the recipe."""
-    return _FP8LinearFunction.apply(x, weight, bias, wq, recipe, backend, name)
+    # The 128x1 copy of the input is only needed for the weight gradient of a graph being recorded.
+    save_input = torch.is_grad_enabled() and weight.requires_grad
+    return _FP8LinearFunction.apply(x, weight, bias, wq, recipe, backend, name, save_input)
 
 
 class PrecisionLinear(nn.Linear):
@@ -123,6 +126,14 @@ class PrecisionLinear(nn.Linear):
             self._cached, self._cache_key = wq, key
         return self._cached
 
+    def _bf16_weight(self) -> torch.Tensor:
+        """The weight rounded to the bf16 grid (kept in fp32 for the CPU GEMM), once per weight version."""
+        w = self.weight
+        key = ("bf16", w.data_ptr(), w._version, w.dtype, w.device)
+        if key != self._cache_key:
+            self._cached, self._cache_key = w.detach().bfloat16().float(), key
+        return self._cached
+
     def load_quantized(self, wq: QuantizedTensor) -> None:
         """Use these FP8 bytes as they are (rollout side of `unified`): no requantization."""
         if tuple(wq.shape) != (self.out_features, self.in_features):
@@ -142,7 +153,9 @@ class PrecisionLinear(nn.Linear):
         if self.kind == "fp32":
             return F.linear(x, self.weight, self.bias)
         if self.kind == "bf16":
-            return bf16_linear(x, self.weight, self.bias)
+            if x.is_cuda or torch.is_grad_enabled():
+                return bf16_linear(x, self.weight, self.bias)
+            return bf16_linear(x, self._bf16_weight(), self.bias, weight_on_grid=True)  # rounded once per version
         return fp8_linear(x, self.weight, self.bias, self.quantized_weight(), self.recipe, self.gemm_backend,
                           self.name)
 

@@ -151,3 +151,19 @@ def test_bad_kind_and_missing_recipe_are_errors():
         apply_precision(Tiny(), "fp4")
     with pytest.raises(ValueError, match="FP8Recipe"):
         apply_precision(Tiny(), "fp8")
+
+
+def test_bf16_layer_no_grad_cache_gives_the_same_values():
+    torch.manual_seed(3)
+    layer = PrecisionLinear.from_linear(nn.Linear(300, 200), kind="bf16", name="b")
+    x = torch.randn(7, 300)
+    with torch.no_grad():
+        cached = layer(x)
+        again = layer(x)
+    assert torch.equal(cached, layer(x).detach()) and torch.equal(cached, again)
+    ref = (x.bfloat16().float() @ layer.weight.detach().bfloat16().float().t()
+           + layer.bias.detach().bfloat16().float()).bfloat16().float()
+    torch.testing.assert_close(cached, ref, rtol=0, atol=0)
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # a new version must not reuse the old rounding
+        assert not torch.equal(layer(x), cached)

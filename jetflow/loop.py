@@ -1,0 +1,124 @@
+"""One RL step, backend-agnostic: sync -> rollout -> rewards -> advantages -> old log-probs ->
+mismatch metrics -> rollout correction -> policy update.
+
+The loop talks to three things: a `policy` side (the trainer and its model), a `rollout` side (an
+engine that generates with the weights it was last handed) and a task. It checks at every hand-off
+that the rollout ran the weight version the trainer is at.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from jetflow.config import Config
+from jetflow.rl import apply_correction, group_advantages, mismatch_metrics
+from jetflow.rl.experience import Experience, pack_experience
+from jetflow.sync import StaleWeightsError, WeightUpdate, build_update
+from jetflow.tasks import Problem, Task
+
+
+class RolloutSide(Protocol):
+    weight_version: int
+
+    def load_weights(self, update: WeightUpdate) -> None: ...
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> "Rollouts": ...
+
+
+@dataclass
+class Rollouts:
+    token_ids: list[list[int]]  # generated tokens per request
+    logprobs: list[list[float]]  # log pi_rollout of each generated token
+    texts: list[str]
+    finish_reasons: list[str]
+    weight_version: int
+
+
+def resolve_correction(cfg: Config) -> str:
+    """`auto`: the modes whose rollout policy differs by construction (mixed) get token TIS."""
+    if cfg.algo.correction != "auto":
+        return cfg.algo.correction
+    return "token_tis" if cfg.precision.mode == "mixed" else "none"
+
+
+def request_seed(run_seed: int, step: int, index: int) -> int:
+    """Per-request sampling seed: a run reproduces, whatever the batch composition."""
+    return (run_seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
+
+
+class RLLoop:
+    def __init__(self, cfg: Config, trainer, rollout: RolloutSide, task: Task,
+                 encode_prompt: Callable[[Problem], list[int]], pad_id: int, fingerprint: str | None):
+        self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task
+        self.encode_prompt, self.pad_id, self.fingerprint = encode_prompt, pad_id, fingerprint
+        self.correction = resolve_correction(cfg)
+        self.last_experience: Experience | None = None
+
+    def sync(self) -> dict[str, float]:
+        """Hand the trainer's current weights to the rollout side unless it already has them (a
+        skipped NaN step leaves the version unchanged)."""
+        if self.rollout.weight_version == self.trainer.version:
+            return {"time/sync": 0.0, "sync/bytes": 0.0}
+        t0 = time.perf_counter()
+        update = build_update(self.trainer.model, self.cfg.precision.mode, self.trainer.version, self.fingerprint)
+        self.rollout.load_weights(update)
+        return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(update.nbytes())}
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        metrics: dict[str, float] = {}
+        t_start = time.perf_counter()
+        metrics.update(self.sync())
+
+        # Rollout: each prompt group_size times.
+        n, group = cfg.train.prompts_per_step, cfg.rollout.group_size
+        problems = self.task.problems(step * n, n, cfg.run.seed)
+        prompts = [self.encode_prompt(p) for p in problems for _ in range(group)]
+        seeds = [request_seed(cfg.run.seed, step, i) for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        out = self.rollout.generate(prompts, seeds)
+        metrics["time/rollout"] = time.perf_counter() - t0
+        if out.weight_version != self.trainer.version:
+            raise StaleWeightsError(f"rollout used weight version {out.weight_version}, "
+                                    f"trainer is at {self.trainer.version}")
+
+        # Rewards and group advantages.
+        scores = [self.task.score(problems[i // group], text) for i, text in enumerate(out.texts)]
+        rewards = torch.tensor([s.total for s in scores], dtype=torch.float32)
+        advantages = group_advantages(rewards, group, cfg.algo.adv_norm)
+        exp = pack_experience(prompts, out.token_ids, out.logprobs, rewards, advantages, self.pad_id,
+                              device=cfg.model.device)
+
+        # The trainer's log-probs of the same tokens under the same weight version.
+        t0 = time.perf_counter()
+        exp.old_logprobs = self.trainer.compute_logprobs(exp, cfg.rollout.temperature)
+        metrics["time/old_logprobs"] = time.perf_counter() - t0
+        metrics.update(mismatch_metrics(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask))
+        correction = apply_correction(self.correction, exp.rollout_logprobs, exp.old_logprobs, exp.response_mask,
+                                      **cfg.algo.correction_params)
+        exp.is_weights = correction.weights
+        metrics.update(correction.metrics)
+
+        for _ in range(cfg.algo.ppo_epochs):
+            metrics.update(self.trainer.train_step(exp, cfg.rollout.temperature))
+        self.last_experience = exp
+
+        lengths = [len(t) for t in out.token_ids]
+        generated = sum(lengths)
+        metrics.update({
+            "reward/mean": rewards.mean().item(),
+            "reward/accuracy": sum(s.correct for s in scores) / len(scores),
+            "reward/format": sum(s.format_ok for s in scores) / len(scores),
+            "response/length_mean": generated / len(lengths),
+            "response/length_max": float(max(lengths)),
+            "response/truncated_frac": sum(r == "length" for r in out.finish_reasons) / len(lengths),
+            "throughput/rollout_tokens_per_s": generated / max(metrics["time/rollout"], 1e-9),
+            "weight_version": float(self.trainer.version),
+        })
+        metrics["time/step"] = time.perf_counter() - t_start
+        metrics["throughput/tokens_per_s"] = float(exp.attention_mask.sum()) / metrics["time/step"]
+        return metrics

