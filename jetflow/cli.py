@@ -32,6 +32,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "linear":
         from jetflow.bench import linear
         linear.run(device=args.device, iters=args.iters, out_dir=args.out_dir)
+    elif args.what == "mismatch":
+        from jetflow.bench import mismatch
+        mismatch.run(args.config, tuple(args.overrides), num_prompts=args.prompts, group_size=args.group_size,
+                     ignore_eos=args.ignore_eos, out_dir=args.out_dir, name=args.name)
     elif args.what == "rollout":
         from jetflow.bench import rollout
         from jetflow.orchestrate.build import smollm2_dir
@@ -76,7 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     bench = sub.add_parser("bench", help="benchmarks (results/bench/)")
-    bench.add_argument("what", choices=["gemm", "linear", "rollout"], help="which benchmark")
+    bench.add_argument("what", choices=["gemm", "linear", "rollout", "mismatch"], help="which benchmark")
+    bench.add_argument("--config", default=None, help="mismatch: run config (YAML)")
+    bench.add_argument("overrides", nargs="*", help="mismatch: key=value config overrides")
+    bench.add_argument("--prompts", type=int, default=8, help="mismatch: number of prompts")
+    bench.add_argument("--group-size", type=int, default=4, help="mismatch: samples per prompt")
+    bench.add_argument("--ignore-eos", action="store_true", help="mismatch: always generate max_new_tokens")
+    bench.add_argument("--name", default=None, help="mismatch: result file name")
     bench.add_argument("--shapes", default=None, help="gemm: comma-separated MxNxK (default: per device)")
     bench.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     bench.add_argument("--iters", type=int, default=5)
@@ -112,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may follow options (`bench mismatch --config x run.seed=1`).
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:

@@ -52,9 +52,11 @@ def request_seed(run_seed: int, step: int, index: int) -> int:
 
 class RLLoop:
     def __init__(self, cfg: Config, trainer, rollout: RolloutSide, task: Task,
-                 encode_prompt: Callable[[Problem], list[int]], pad_id: int, fingerprint: str | None):
+                 encode_prompt: Callable[[Problem], list[int]], pad_id: int, fingerprint: str | None,
+                 kv_quantizer=None):
         self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task
         self.encode_prompt, self.pad_id, self.fingerprint = encode_prompt, pad_id, fingerprint
+        self.kv_quantizer = kv_quantizer  # the trainer's FP8 KV quantizer (precision.kv_cache_fp8), or None
         self.correction = resolve_correction(cfg)
         self.last_experience: Experience | None = None
 
@@ -64,20 +66,35 @@ class RLLoop:
         if self.rollout.weight_version == self.trainer.version:
             return {"time/sync": 0.0, "sync/bytes": 0.0}
         t0 = time.perf_counter()
-        update = build_update(self.trainer.model, self.cfg.precision.mode, self.trainer.version, self.fingerprint)
+        kv_scales = None
+        if self.kv_quantizer is not None:  # per-step recalibration from the trainer's latest forward
+            kv_scales = self.kv_quantizer.recalibrate()
+        update = build_update(self.trainer.model, self.cfg.precision.mode, self.trainer.version, self.fingerprint,
+                              kv_scales=kv_scales)
         self.rollout.load_weights(update)
         return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(update.nbytes())}
+
+    def _calibrate_kv(self, prompts: list[list[int]]) -> None:
+        """First FP8 KV scales: a trainer forward over the prompts, before anything was generated."""
+        zeros = torch.zeros(len(prompts))
+        exp = pack_experience([p[:-1] for p in prompts], [p[-1:] for p in prompts], [[0.0]] * len(prompts),
+                              zeros, zeros, self.pad_id, device=self.cfg.model.device)
+        self.kv_quantizer.calibrating = True
+        self.trainer.compute_logprobs(exp)
+        self.kv_quantizer.calibrating = False
 
     def step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         metrics: dict[str, float] = {}
         t_start = time.perf_counter()
-        metrics.update(self.sync())
-
-        # Rollout: each prompt group_size times.
         n, group = cfg.train.prompts_per_step, cfg.rollout.group_size
         problems = self.task.problems(step * n, n, cfg.run.seed)
         prompts = [self.encode_prompt(p) for p in problems for _ in range(group)]
+        if self.kv_quantizer is not None and not self.kv_quantizer.calibrated:
+            self._calibrate_kv(prompts[::group])
+        metrics.update(self.sync())
+
+        # Rollout: each prompt group_size times.
         seeds = [request_seed(cfg.run.seed, step, i) for i in range(len(prompts))]
         t0 = time.perf_counter()
         out = self.rollout.generate(prompts, seeds)
@@ -95,7 +112,11 @@ class RLLoop:
 
         # The trainer's log-probs of the same tokens under the same weight version.
         t0 = time.perf_counter()
+        if self.kv_quantizer is not None:
+            self.kv_quantizer.calibrating = True  # this forward's K/V amax sets the next step's scales
         exp.old_logprobs = self.trainer.compute_logprobs(exp, cfg.rollout.temperature)
+        if self.kv_quantizer is not None:
+            self.kv_quantizer.calibrating = False
         metrics["time/old_logprobs"] = time.perf_counter() - t0
         metrics.update(mismatch_metrics(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask))
         correction = apply_correction(self.correction, exp.rollout_logprobs, exp.old_logprobs, exp.response_mask,

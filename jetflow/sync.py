@@ -38,6 +38,7 @@ class WeightUpdate:
     fingerprint: str | None  # recipe fingerprint of the quantized payload (unified), else None
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict)  # module name -> FP8 bytes + scales
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> high-precision tensor
+    kv_scales: dict[str, torch.Tensor] | None = None  # per-layer FP8 K/V scales (precision.kv_cache_fp8)
     checksum: str = ""
 
     def nbytes(self) -> int:
@@ -60,7 +61,7 @@ class WeightUpdate:
 
 
 def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | None = None,
-                 with_checksum: bool = False) -> WeightUpdate:
+                 with_checksum: bool = False, kv_scales: dict[str, torch.Tensor] | None = None) -> WeightUpdate:
     """The payload for rollout engines after the trainer reached weight `version`."""
     params = dict(model.named_parameters(remove_duplicate=True))
     if mode == "unified":
@@ -74,6 +75,7 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
         update = WeightUpdate(version, mode, None, {}, {k: v.detach() for k, v in params.items()})
     else:
         raise ValueError(f"build_update: unknown mode {mode!r}")
+    update.kv_scales = kv_scales
     if with_checksum:
         update.checksum = update.compute_checksum()
     return update
@@ -104,4 +106,9 @@ def apply_update(model: nn.Module, update: WeightUpdate, current_version: int, f
             params[name].copy_(tensor)
     for name, q in update.quantized.items():
         layers[name].load_quantized(q)
+    if update.kv_scales is not None:
+        quantizer = getattr(model.model.layers[0].self_attn, "kv_quantizer", None)
+        if quantizer is None:
+            raise ValueError("weight update carries FP8 KV scales but the rollout model has no KV quantizer")
+        quantizer.load_scales(update.kv_scales)
     return update.version

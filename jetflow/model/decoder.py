@@ -260,6 +260,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Optional FP8 K/V quantizer (jetflow.precision.kv), applied after RoPE in the full forward and
+        # in cached decoding alike, so trainer and rollout see the same K/V values.
+        self.kv_quantizer = None
 
     def forward(self, x, cos, sin, mask, is_causal, cache: KVCache | None):
         B, T, _ = x.shape
@@ -270,6 +273,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_quantizer is not None:
+            k, v = self.kv_quantizer(self.layer_idx, k, v)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = cache.length + T
             k, v = k.to(q.dtype), v.to(q.dtype)

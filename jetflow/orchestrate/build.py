@@ -13,6 +13,7 @@ import torch.nn as nn
 from jetflow.config import Config, ConfigError
 from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.precision import apply_precision
+from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
 from jetflow.tasks import Problem, Task, make_task
 
 # Trainer-side and rollout-side linear kinds for each precision mode.
@@ -123,3 +124,14 @@ def stop_token_ids(tokenizer, model: Decoder, task: Task) -> list[int]:
         if len(enc) == 1:
             ids.add(enc[0])
     return sorted(i for i in ids if i is not None)
+
+
+def attach_kv_fp8(model: Decoder, cfg: Config, side: str) -> KVQuantizer | None:
+    """precision.kv_cache_fp8: the rollout side always quantizes its K/V; the trainer applies the same
+    quantization under `unified` and otherwise only observes K/V amax to calibrate the rollout's scales."""
+    if not cfg.precision.kv_cache_fp8:
+        return None
+    apply = side == "rollout" or cfg.precision.mode == "unified"
+    quantizer = KVQuantizer(model.config.num_layers, margin=cfg.precision.margin, apply=apply)
+    attach_kv_quantizer(model, quantizer)
+    return quantizer

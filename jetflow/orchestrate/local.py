@@ -19,8 +19,8 @@ import torch
 from jetflow.config import Config, ConfigError, save_config, to_dict
 from jetflow.loop import RLLoop
 from jetflow.metrics_log import MetricsLogger
-from jetflow.orchestrate.build import (apply_mode, build_policy, build_task, copy_model, prompt_encoder,
-                                       stop_token_ids)
+from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
+                                       prompt_encoder, stop_token_ids)
 from jetflow.orchestrate.native_rollout import NativeRollout
 from jetflow.rl.experience import pack_experience
 from jetflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -89,11 +89,21 @@ def train(cfg: Config) -> Path:
     fingerprint = recipe.fingerprint() if cfg.precision.mode in ("mixed", "unified") else None
 
     trainer = Trainer(model, cfg.train, cfg.algo)
+    kv_quantizer = attach_kv_fp8(model, cfg, "trainer")
+
+    def trainer_state() -> dict:
+        state = trainer.state_dict()
+        if kv_quantizer is not None:
+            state["kv_quantizer"] = kv_quantizer.state_dict()
+        return state
+
     start_step, sft_done = 0, False
     checkpoint = latest_checkpoint(run_dir) if cfg.run.resume else None
     if checkpoint is not None:
-        trainer_state, state = load_checkpoint(checkpoint, model)
-        trainer.load_state_dict(trainer_state)
+        saved, state = load_checkpoint(checkpoint, model)
+        trainer.load_state_dict(saved)
+        if kv_quantizer is not None and "kv_quantizer" in saved:
+            kv_quantizer.load_state_dict(saved["kv_quantizer"])
         start_step, sft_done = state["next_step"], state["sft_done"]
     _truncate_metrics(run_dir, start_step, sft_done)
 
@@ -110,14 +120,15 @@ def train(cfg: Config) -> Path:
         if cfg.train.sft_warmup_steps and not sft_done:
             supervised_warmup(cfg, model, task, encode, tokenizer, logger, progress)
             sft_done = True
-            save_checkpoint(run_dir, 0, model, trainer.state_dict(), {"next_step": 0, "sft_done": True})
+            save_checkpoint(run_dir, 0, model, trainer_state(), {"next_step": 0, "sft_done": True})
 
         rollout_model = apply_mode(copy_model(model), cfg, "rollout")
+        attach_kv_fp8(rollout_model, cfg, "rollout")
         max_prompt = max(len(encode(p)) for p in task.problems(0, 64, cfg.run.seed))
         rollout = NativeRollout(rollout_model, cfg, tokenizer, stop_token_ids(tokenizer, model, task), task.stop,
                                 max_seq_len=2 * max_prompt + cfg.rollout.max_new_tokens + 16,
                                 fingerprint=fingerprint)
-        loop = RLLoop(cfg, trainer, rollout, task, encode, tokenizer.pad_token_id, fingerprint)
+        loop = RLLoop(cfg, trainer, rollout, task, encode, tokenizer.pad_token_id, fingerprint, kv_quantizer)
 
         for step in range(start_step, cfg.train.steps):
             metrics = loop.step(step)
@@ -131,10 +142,10 @@ def train(cfg: Config) -> Path:
                     f"{metrics['throughput/tokens_per_s']:.0f} tok/s")
             every = cfg.train.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
-                save_checkpoint(run_dir, step + 1, model, trainer.state_dict(),
+                save_checkpoint(run_dir, step + 1, model, trainer_state(),
                                 {"next_step": step + 1, "sft_done": sft_done})
 
-        save_checkpoint(run_dir, cfg.train.steps, model, trainer.state_dict(),
+        save_checkpoint(run_dir, cfg.train.steps, model, trainer_state(),
                         {"next_step": cfg.train.steps, "sft_done": sft_done})
         write_summary(run_dir, cfg, trainer)
     finally:

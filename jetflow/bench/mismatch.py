@@ -1,0 +1,124 @@
+"""`jetflow bench mismatch`: rollout-vs-trainer mismatch of each precision mode on the same prompts.
+
+For each mode, from the same starting weights: the trainer side and the rollout side are built as
+in a real run (jetflow.orchestrate.build), the weights cross through jetflow.sync, the rollout
+engine samples responses with the same per-request seeds, and the trainer computes its log-probs
+of those tokens. Reported: token KL (k3, k1), |delta logp| and the rest of jetflow.rl.mismatch, by
+response position too. This is the measurement behind the project's claim: `mixed` (bf16 trainer,
+FP8 rollout) is off-policy by construction, `unified` (one recipe, the same bytes) is not.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import torch
+
+from jetflow.bench.common import markdown_table, write_results
+from jetflow.config import Config, load_config
+from jetflow.loop import request_seed
+from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
+                                       prompt_encoder, stop_token_ids)
+from jetflow.orchestrate.native_rollout import NativeRollout
+from jetflow.rl import mismatch_metrics, mismatch_position_curves
+from jetflow.rl.experience import pack_experience
+from jetflow.sync import build_update
+from jetflow.train.trainer import response_logprobs
+
+MODES = ("bf16", "mixed", "unified")
+
+
+def measure_mode(cfg: Config, base_model, tokenizer, task, prompts: list[list[int]], micro_batch: int = 16,
+                 ignore_eos: bool = False) -> dict:
+    mode = cfg.precision.mode
+    trainer_model = apply_mode(copy_model(base_model), cfg, "trainer")
+    rollout_model = apply_mode(copy_model(base_model), cfg, "rollout")
+    fingerprint = cfg.precision.recipe().fingerprint() if mode in ("mixed", "unified") else None
+    max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
+    rollout = NativeRollout(rollout_model, cfg, tokenizer, stop_token_ids(tokenizer, base_model, task), task.stop,
+                            max_seq_len, fingerprint)
+    if ignore_eos:
+        rollout.params = dataclasses.replace(rollout.params, ignore_eos=True)
+    kv_scales = None
+    kv_quantizer = attach_kv_fp8(trainer_model, cfg, "trainer")
+    attach_kv_fp8(rollout_model, cfg, "rollout")
+    if kv_quantizer is not None:  # calibrate the FP8 KV scales on a trainer forward over the prompts
+        zeros = torch.zeros(len(prompts))
+        calib = pack_experience([p[:-1] for p in prompts], [p[-1:] for p in prompts], [[0.0]] * len(prompts),
+                                zeros, zeros, tokenizer.pad_token_id, cfg.model.device)
+        kv_quantizer.calibrating = True
+        with torch.no_grad():
+            for mb in calib.micro_batches(micro_batch):
+                response_logprobs(trainer_model, mb)
+        kv_quantizer.calibrating = False
+        kv_scales = kv_quantizer.recalibrate()
+    rollout.load_weights(build_update(trainer_model, mode, 0, fingerprint, kv_scales=kv_scales))
+    seeds = [request_seed(cfg.run.seed, 0, i) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    out = rollout.generate(prompts, seeds)
+    t_rollout = time.perf_counter() - t0
+    zeros = torch.zeros(len(prompts))
+    exp = pack_experience(prompts, out.token_ids, out.logprobs, zeros, zeros, tokenizer.pad_token_id,
+                          cfg.model.device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        trainer_lp = torch.cat([response_logprobs(trainer_model, mb, cfg.rollout.temperature)
+                                for mb in exp.micro_batches(micro_batch)])
+    t_trainer = time.perf_counter() - t0
+    metrics = mismatch_metrics(exp.rollout_logprobs, trainer_lp, exp.response_mask)
+    curves = mismatch_position_curves(exp.rollout_logprobs, trainer_lp, exp.response_mask)
+    return {
+        "mode": mode,
+        "kl_k3": metrics["mismatch/kl_k3"],
+        "kl_k1": metrics["mismatch/kl_k1"],
+        "abs_delta_mean": metrics["mismatch/abs_delta_mean"],
+        "abs_delta_max": metrics["mismatch/abs_delta_max"],
+        "ratio_outside_frac": metrics["mismatch/ratio_outside_frac"],
+        "tokens": int(metrics["mismatch/num_tokens"]),
+        "response_len_mean": float(exp.response_mask.sum(1).mean()),
+        "rollout_s": t_rollout,
+        "trainer_s": t_trainer,
+        "metrics": metrics,
+        "curve_kl_k3": curves["kl_k3"].tolist(),
+        "curve_abs_delta": curves["abs_delta"].tolist(),
+    }
+
+
+def run(config: str | None = None, overrides: tuple[str, ...] = (), modes: tuple[str, ...] = MODES,
+        num_prompts: int = 8, group_size: int = 4, ignore_eos: bool = False, out_dir: str = "results/bench",
+        name: str | None = None) -> dict:
+    cfg = load_config(config, list(overrides))
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    task = build_task(cfg)
+    base_model, tokenizer = build_policy(cfg, task)
+    encode = prompt_encoder(cfg, tokenizer, task)
+    prompts = [encode(p) for p in task.problems(0, num_prompts, cfg.run.seed) for _ in range(group_size)]
+    rows = []
+    for mode in modes:
+        mode_cfg = copy.deepcopy(cfg)
+        mode_cfg.precision.mode = mode
+        row = measure_mode(mode_cfg, base_model, tokenizer, task, prompts, cfg.train.micro_batch_size, ignore_eos)
+        rows.append(row)
+        print(f"  {mode:8s} kl_k3 {row['kl_k3']:.3e}  kl_k1 {row['kl_k1']:.3e}  |dlogp| mean {row['abs_delta_mean']:.3e} "
+              f"max {row['abs_delta_max']:.3e}  tokens {row['tokens']}", flush=True)
+    by_mode = {r["mode"]: r for r in rows}
+    summary = {}
+    if "mixed" in by_mode and "unified" in by_mode:
+        summary["kl_mixed_over_unified"] = by_mode["mixed"]["kl_k3"] / max(by_mode["unified"]["kl_k3"], 1e-30)
+    if "bf16" in by_mode and "unified" in by_mode:
+        summary["kl_unified_over_bf16"] = by_mode["unified"]["kl_k3"] / max(by_mode["bf16"]["kl_k3"], 1e-30)
+    name = name or f"mismatch-{cfg.model.path if cfg.model.path in ('tiny', 'smollm2') else 'model'}"
+    table = markdown_table([{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows],
+                           ["mode", "kl_k3", "kl_k1", "abs_delta_mean", "abs_delta_max", "ratio_outside_frac",
+                            "tokens", "response_len_mean"])
+    md = (f"Model `{cfg.model.path}`, task `{cfg.task.name}` {dict(cfg.task.params)}, {num_prompts} prompts x "
+          f"{group_size} samples, max {cfg.rollout.max_new_tokens} new tokens, temperature "
+          f"{cfg.rollout.temperature}, same seeds in every mode.\n\n{table}\n\n"
+          + "\n".join(f"- {k}: {v:.4g}" for k, v in summary.items()))
+    payload = {"config": config, "overrides": list(overrides), "rows": rows, "summary": summary}
+    write_results(name, payload, md, out_dir)
+    print("  " + ", ".join(f"{k} = {v:.4g}" for k, v in summary.items()))
+    return payload
