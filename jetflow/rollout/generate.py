@@ -1,0 +1,51 @@
+"""`jetflow generate`: prompts in, completions out, through the native rollout engine."""
+
+from __future__ import annotations
+
+import torch
+
+from jetflow.rollout.engine import RolloutEngine, SamplingParams
+
+PRECISIONS = ("fp32", "bf16", "fp8")
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    """EOS ids from the tokenizer and from the model config (which may list several)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    cfg_eos = model.config.eos_token_id
+    if cfg_eos is not None:
+        ids.update(int(i) for i in (cfg_eos if isinstance(cfg_eos, (list, tuple)) else [cfg_eos]))
+    return sorted(ids)
+
+
+def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
+                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = True, precision: str = "fp32",
+                  device: str | None = None, print_output: bool = True) -> list[str]:
+    """Generate a completion for each prompt and print it. `chat` renders each prompt as one user
+    message with the tokenizer's chat template (when it has one). `precision` is the linear kind
+    applied to the model: fp32, bf16 or fp8 (the FP8 recipe, emulated on the CPU)."""
+    from jetflow.model import load, load_tokenizer
+    from jetflow.precision import FP8Recipe, apply_precision
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: valid precisions are {PRECISIONS}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load(model_path, device=dev).eval()
+    if precision != "fp32":
+        apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None)
+    tok = load_tokenizer(model_path)
+    texts = list(prompts)
+    if chat and getattr(tok, "chat_template", None):
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in texts]
+    ids = [tok.encode(t) for t in texts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    engine = RolloutEngine(model, _eos_ids(model, tok), pad, max_batch=min(len(ids), 32),
+                           max_seq_len=max(map(len, ids)) + max_new_tokens, device=dev, tokenizer=tok)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    out = engine.generate(ids, params, seeds=[seed + i for i in range(len(ids))])
+    if print_output:
+        for i, (prompt, text, reason) in enumerate(zip(prompts, out.text, out.finish_reason)):
+            print(f"=== [{i}] {prompt}\n{text}\n--- ({len(out.token_ids[i])} tokens, {reason})", flush=True)
+    return out.text
