@@ -86,9 +86,9 @@ class ModelConfig:
 class RolloutConfig:
     backend: str = "native"
     """native | vllm."""
-    group_size: int = 8
+    group_size: int = 4
     """Samples per prompt (GRPO group)."""
-    max_new_tokens: int = 32
+    max_new_tokens: int = 12
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -137,10 +137,10 @@ class TrainConfig:
     """native | megatron."""
     fp8_backend: str = "jetflow"
     """jetflow (this recipe's own GEMMs) | te (Transformer Engine Float8BlockScaling)."""
-    steps: int = 20
+    steps: int = 12
     """RL steps."""
     prompts_per_step: int = 8
-    lr: float = 1e-6
+    lr: float = 2e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0

@@ -6,4 +6,4 @@ bash scripts/install.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec jetflow bench gemm "$@"
+exec jetflow train "$@"

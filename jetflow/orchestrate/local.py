@@ -73,8 +73,24 @@ def supervised_warmup(cfg: Config, trainer_model, task, encode, tokenizer, logge
             progress.set_postfix_str(f"sft {step + 1}/{n} loss {metrics['loss/sft']:.3f}")
 
 
+def check_backends(cfg: Config) -> None:
+    """The vLLM, Megatron-Core and TE backends exist as components but `jetflow train` runs the native
+    ones only: say so instead of silently running something else."""
+    wired = {"rollout.backend": ("native", "jetflow.rollout.vllm.VLLMRollout"),
+             "train.backend": ("native", "jetflow.train.megatron.MegatronPolicy"),
+             "train.fp8_backend": ("jetflow", "jetflow.train.te")}
+    for key, (supported, component) in wired.items():
+        section, field = key.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if value != supported:
+            raise ConfigError(f"{key}={value!r}: `jetflow train` runs {key}={supported!r} today; the {value} "
+                              f"backend is available as the library component {component} but is not wired "
+                              "into the training loop yet")
+
+
 def train(cfg: Config) -> Path:
     """Run (or resume) the configured RL run; returns its directory."""
+    check_backends(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     run_dir = prepare_run_dir(cfg)

@@ -38,3 +38,17 @@ def test_recipe_from_config():
     cfg = load_config(None, ["precision.scale_rule=pow2", "precision.fmt=hybrid"])
     r = cfg.precision.recipe()
     assert r.scale_rule == "pow2" and r.grad_format == "e5m2" and r.weight_block == (128, 128)
+
+
+def test_configs_default_yaml_is_the_embedded_default():
+    from pathlib import Path
+    from jetflow.config import Config, to_dict
+    root = Path(__file__).resolve().parents[2]
+    assert to_dict(load_config(root / "configs/default.yaml")) == to_dict(Config())
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "configs").rglob("*.yaml")):
+        load_config(path)
