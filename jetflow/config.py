@@ -88,7 +88,7 @@ class RolloutConfig:
     """native | vllm."""
     group_size: int = 4
     """Samples per prompt (GRPO group)."""
-    max_new_tokens: int = 12
+    max_new_tokens: int = 10
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -139,7 +139,7 @@ class TrainConfig:
     """jetflow (this recipe's own GEMMs) | te (Transformer Engine Float8BlockScaling)."""
     steps: int = 12
     """RL steps."""
-    prompts_per_step: int = 8
+    prompts_per_step: int = 6
     lr: float = 2e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
