@@ -129,7 +129,7 @@ class Trainer:
                     f"{self.consecutive_bad} consecutive steps with a NaN/Inf loss or gradient "
                     f"(train.max_bad_steps={self.cfg.max_bad_steps}); stopping. The last good checkpoint is intact.")
         with warnings.catch_warnings():  # a skipped step still advances the schedule, on purpose
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
             self.scheduler.step()
         out["train/skipped"] = 0.0 if finite else 1.0
         out["train/skipped_total"] = float(self.skipped_steps)
