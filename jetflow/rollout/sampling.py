@@ -10,7 +10,8 @@ trainer's policy needs). Greedy decoding (temperature 0) picks argmax(logits) an
 log_softmax(logits)[a]: the log-prob of that token under the unfiltered, untempered model.
 
 Sampling inverts the CDF: one uniform u per row picks the first token whose cumulative weight
-exceeds u * total (weights exp(score - max), cumulated in float64, so the draw is exact to ~1e-12).
+exceeds u * total (weights exp(score - max) in fp32, cumulated in float64 so that rounding in the
+running sum does not shift the boundaries of small-probability tokens).
 That costs one random number per row instead of one per vocabulary entry (Gumbel-max), which matters
 at 49k-entry vocabularies on a CPU. Each row's uniform comes from that row's own torch.Generator, so
 a request's tokens do not depend on which other requests share its batch.

