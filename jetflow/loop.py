@@ -45,6 +45,20 @@ def resolve_correction(cfg: Config) -> str:
     return "token_tis" if cfg.precision.mode == "mixed" else "none"
 
 
+def observe_kv_amax(logprobs_fn: Callable[[Experience], torch.Tensor], quantizer, prompts: list[list[int]],
+                    pad_id: int, device) -> None:
+    """Let an FP8 KV quantizer observe K/V amax over a trainer forward of `prompts` (each prompt's
+    last token stands in as the response); `quantizer.recalibrate()` then turns it into scales."""
+    zeros = torch.zeros(len(prompts))
+    exp = pack_experience([p[:-1] for p in prompts], [p[-1:] for p in prompts], [[0.0]] * len(prompts),
+                          zeros, zeros, pad_id, device=device)
+    quantizer.calibrating = True
+    try:
+        logprobs_fn(exp)
+    finally:
+        quantizer.calibrating = False
+
+
 def request_seed(run_seed: int, step: int, index: int) -> int:
     """Per-request sampling seed: a run reproduces, whatever the batch composition."""
     return (run_seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
@@ -76,12 +90,7 @@ class RLLoop:
 
     def _calibrate_kv(self, prompts: list[list[int]]) -> None:
         """First FP8 KV scales: a trainer forward over the prompts, before anything was generated."""
-        zeros = torch.zeros(len(prompts))
-        exp = pack_experience([p[:-1] for p in prompts], [p[-1:] for p in prompts], [[0.0]] * len(prompts),
-                              zeros, zeros, self.pad_id, device=self.cfg.model.device)
-        self.kv_quantizer.calibrating = True
-        self.trainer.compute_logprobs(exp)
-        self.kv_quantizer.calibrating = False
+        observe_kv_amax(self.trainer.compute_logprobs, self.kv_quantizer, prompts, self.pad_id, self.cfg.model.device)
 
     def step(self, step: int) -> dict[str, float]:
         cfg = self.cfg

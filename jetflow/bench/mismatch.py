@@ -18,7 +18,7 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.config import Config, load_config
-from jetflow.loop import request_seed
+from jetflow.loop import observe_kv_amax, request_seed
 from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
                                        prompt_encoder, stop_token_ids)
 from jetflow.orchestrate.native_rollout import NativeRollout
@@ -45,14 +45,10 @@ def measure_mode(cfg: Config, base_model, tokenizer, task, prompts: list[list[in
     kv_quantizer = attach_kv_fp8(trainer_model, cfg, "trainer")
     attach_kv_fp8(rollout_model, cfg, "rollout")
     if kv_quantizer is not None:  # calibrate the FP8 KV scales on a trainer forward over the prompts
-        zeros = torch.zeros(len(prompts))
-        calib = pack_experience([p[:-1] for p in prompts], [p[-1:] for p in prompts], [[0.0]] * len(prompts),
-                                zeros, zeros, tokenizer.pad_token_id, cfg.model.device)
-        kv_quantizer.calibrating = True
-        with torch.no_grad():
-            for mb in calib.micro_batches(micro_batch):
-                response_logprobs(trainer_model, mb)
-        kv_quantizer.calibrating = False
+        def forward(exp):
+            with torch.no_grad():
+                return [response_logprobs(trainer_model, mb) for mb in exp.micro_batches(micro_batch)]
+        observe_kv_amax(forward, kv_quantizer, prompts, tokenizer.pad_token_id, cfg.model.device)
         kv_scales = kv_quantizer.recalibrate()
     rollout.load_weights(build_update(trainer_model, mode, 0, fingerprint, kv_scales=kv_scales))
     seeds = [request_seed(cfg.run.seed, 0, i) for i in range(len(prompts))]
