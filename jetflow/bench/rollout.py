@@ -247,14 +247,36 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
                "loadavg_1m": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
                "openmp_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}}
     cols = ["system", "batch", "tokens_per_s", "vs_hf", "seconds", "prefill_s", "decode_ms_per_step",
-            "kv_cache_mib", "model_mib", "peak_rss_delta_mib"]
+            "kv_cache_mib", "model_mib", "peak_memory_mib", "peak_rss_delta_mib"]
     md = (f"Generation throughput: batch x {prompt_len} prompt tokens + exactly {new_tokens} new tokens, sampling at "
           f"temperature 1, median of {reps} interleaved runs; tokens/s = new tokens / wall time of the whole call "
           f"(prefill included). bf16 / fp8 on the CPU are emulated in fp32 (the recipe's overhead, not FP8 "
           f"hardware). Machine load average (1 min) before / after: {load_before[0]:.1f} / "
           f"{payload['loadavg_1m']['after']:.1f} on {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}.\n\n" + markdown_table(rows, cols)
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. vLLM runs after the others, in its own process "
+          f"(not interleaved). peak_memory = KV cache + model (+ the packed lm_head copy); peak_rss_delta = "
+          f"growth of the resident set during a run.\n\n" + markdown_table(rows, cols)
           + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
     path = write_results(f"rollout-{tag}", payload, md, out_dir)
     print(f"wrote {path}")
     return payload
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="jetflow rollout throughput vs HF transformers (and vLLM)")
+    ap.add_argument("--model", default=".cache/models/smollm2", help="HF model directory")
+    ap.add_argument("--batch", type=int, nargs="+", default=[16])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp8"])
+    ap.add_argument("--compiled", nargs="*", default=[], help="precisions to also run with the compiled decode step")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--out-dir", default="results/bench")
+    a = ap.parse_args()
+    run(a.model, batch_sizes=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, precisions=a.precisions,
+        compare_hf=not a.no_hf, compare_vllm=not a.no_vllm, reps=a.reps, out_dir=a.out_dir,
+        compiled_precisions=a.compiled)
