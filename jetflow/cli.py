@@ -13,6 +13,7 @@ Commands that take a config accept `--config FILE` and any number of `key=value`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -21,7 +22,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from jetflow.orchestrate.local import train
     cfg = load_config(args.config, args.overrides)
     run_dir = train(cfg)
-    print(f"run complete: {run_dir}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"run complete: {run_dir}")
     return 0
 
 

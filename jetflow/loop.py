@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 import torch
 
 from jetflow.config import Config
+from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import apply_correction, group_advantages, mismatch_metrics
 from jetflow.rl.experience import Experience, pack_experience
 from jetflow.sync import StaleWeightsError, WeightUpdate, build_update
@@ -67,8 +68,9 @@ def request_seed(run_seed: int, step: int, index: int) -> int:
 class RLLoop:
     def __init__(self, cfg: Config, trainer, rollout: RolloutSide, task: Task,
                  encode_prompt: Callable[[Problem], list[int]], pad_id: int, fingerprint: str | None,
-                 kv_quantizer=None):
+                 kv_quantizer=None, dp: DataParallel = SINGLE):
         self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task
+        self.dp = dp  # data-parallel ranks: each runs its share of the step's prompt groups
         self.encode_prompt, self.pad_id, self.fingerprint = encode_prompt, pad_id, fingerprint
         self.kv_quantizer = kv_quantizer  # the trainer's FP8 KV quantizer (precision.kv_cache_fp8), or None
         self.correction = resolve_correction(cfg)
@@ -82,6 +84,8 @@ class RLLoop:
         t0 = time.perf_counter()
         kv_scales = None
         if self.kv_quantizer is not None:  # per-step recalibration from the trainer's latest forward
+            self.dp.max_(self.kv_quantizer.k_amax)  # one scale per layer across data-parallel ranks
+            self.dp.max_(self.kv_quantizer.v_amax)
             kv_scales = self.kv_quantizer.recalibrate()
         update = build_update(self.trainer.model, self.cfg.precision.mode, self.trainer.version, self.fingerprint,
                               kv_scales=kv_scales)
@@ -97,14 +101,16 @@ class RLLoop:
         metrics: dict[str, float] = {}
         t_start = time.perf_counter()
         n, group = cfg.train.prompts_per_step, cfg.rollout.group_size
-        problems = self.task.problems(step * n, n, cfg.run.seed)
+        mine = self.dp.shard(n)  # this rank's prompt groups (all of them in a single process)
+        problems = self.task.problems(step * n + mine.start, len(mine), cfg.run.seed)
         prompts = [self.encode_prompt(p) for p in problems for _ in range(group)]
         if self.kv_quantizer is not None and not self.kv_quantizer.calibrated:
             self._calibrate_kv(prompts[::group])
         metrics.update(self.sync())
 
         # Rollout: each prompt group_size times.
-        seeds = [request_seed(cfg.run.seed, step, i) for i in range(len(prompts))]
+        first = mine.start * group  # seeds follow the global request index: any rank count samples alike
+        seeds = [request_seed(cfg.run.seed, step, first + i) for i in range(len(prompts))]
         t0 = time.perf_counter()
         out = self.rollout.generate(prompts, seeds)
         metrics["time/rollout"] = time.perf_counter() - t0
@@ -151,4 +157,8 @@ class RLLoop:
         })
         metrics["time/step"] = time.perf_counter() - t_start
         metrics["throughput/tokens_per_s"] = float(exp.attention_mask.sum()) / metrics["time/step"]
+        if self.dp.enabled:  # rank means (train/* are global already); throughput adds up over ranks
+            metrics = self.dp.mean_dict(metrics)
+            for key in ("throughput/tokens_per_s", "throughput/rollout_tokens_per_s"):
+                metrics[key] *= self.dp.world_size
         return metrics

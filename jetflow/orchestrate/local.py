@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from jetflow.config import Config, ConfigError, save_config, to_dict
+from jetflow.distributed import SINGLE, DataParallel, init_from_env, shutdown
 from jetflow.loop import RLLoop
 from jetflow.metrics_log import MetricsLogger
 from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
@@ -30,15 +31,21 @@ COMPLETE = "COMPLETE"
 SFT_INDEX_OFFSET = 10_000_000  # supervised warm-up draws problems far from the RL prompts
 
 
-def prepare_run_dir(cfg: Config) -> Path:
+def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
+    """Every rank checks the directory; rank 0 alone writes to it (the others wait for it)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     if run_dir.exists() and not cfg.run.resume:
         if (run_dir / COMPLETE).exists() or latest_checkpoint(run_dir) or (run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"run directory {run_dir} already holds a run; pass run.resume=true to continue it, "
                               "or choose another run.name")
+    dp.barrier()  # no rank may see rank 0's fresh files before it checked
+    if not dp.is_main:
+        dp.barrier()
+        return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / COMPLETE).unlink(missing_ok=True)
     save_config(cfg, run_dir / "config.yaml")
+    dp.barrier()
     return run_dir
 
 
@@ -52,23 +59,26 @@ def _truncate_metrics(run_dir: Path, keep_before_step: int, sft_done: bool) -> N
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
-def supervised_warmup(cfg: Config, trainer_model, task, encode, tokenizer, logger, progress) -> None:
+def supervised_warmup(cfg: Config, trainer_model, task, encode, tokenizer, logger, progress,
+                      dp: DataParallel = SINGLE) -> None:
     """A short supervised phase on reference answers (for models trained from scratch)."""
     n = cfg.train.sft_warmup_steps
     sft_cfg = replace(cfg.train, lr=cfg.train.sft_lr, warmup_steps=max(1, n // 10), steps=n, min_lr_ratio=0.1,
                       micro_batch_size=cfg.train.sft_batch_size)
-    sft = Trainer(trainer_model, sft_cfg, cfg.algo, total_steps=n)
-    bs = cfg.train.sft_batch_size
+    sft = Trainer(trainer_model, sft_cfg, cfg.algo, total_steps=n, dp=dp)
+    mine = dp.shard(cfg.train.sft_batch_size)
+    bs = len(mine)
     end = task.stop[0] if task.stop else ""
     for step in range(n):
-        problems = task.problems(SFT_INDEX_OFFSET + step * bs, bs, cfg.run.seed)
+        problems = task.problems(SFT_INDEX_OFFSET + step * cfg.train.sft_batch_size + mine.start, bs, cfg.run.seed)
         prompts = [encode(p) for p in problems]
         answers = [tokenizer.encode(p.answer + end) + [tokenizer.eos_token_id] for p in problems]
         zeros = torch.zeros(bs)
         exp = pack_experience(prompts, answers, [[0.0] * len(a) for a in answers], zeros, zeros,
                               tokenizer.pad_token_id, cfg.model.device)
         metrics = sft.sft_step(exp)
-        logger.log(step, metrics, phase="sft")
+        if logger is not None:
+            logger.log(step, metrics, phase="sft")
         if progress is not None:
             progress.set_postfix_str(f"sft {step + 1}/{n} loss {metrics['loss/sft']:.3f}")
 
@@ -89,11 +99,26 @@ def check_backends(cfg: Config) -> None:
 
 
 def train(cfg: Config) -> Path:
-    """Run (or resume) the configured RL run; returns its directory."""
+    """Run (or resume) the configured RL run; returns its directory.
+
+    Under torchrun (WORLD_SIZE > 1) every rank runs this with its share of each step's prompts
+    (jetflow.distributed); rank 0 alone writes logs, checkpoints and the summary.
+    """
     check_backends(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
-    run_dir = prepare_run_dir(cfg)
+    dp = init_from_env(cfg.model.device)
+    try:
+        return _train(cfg, dp)
+    finally:
+        shutdown(dp)
+
+
+def _train(cfg: Config, dp: DataParallel) -> Path:
+    if cfg.train.prompts_per_step % dp.world_size or cfg.train.sft_batch_size % dp.world_size:
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} and train.sft_batch_size="
+                          f"{cfg.train.sft_batch_size} must be multiples of the data-parallel size {dp.world_size}")
+    run_dir = prepare_run_dir(cfg, dp)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
 
@@ -104,7 +129,7 @@ def train(cfg: Config) -> Path:
     recipe = cfg.precision.recipe()
     fingerprint = recipe.fingerprint() if cfg.precision.mode in ("mixed", "unified") else None
 
-    trainer = Trainer(model, cfg.train, cfg.algo)
+    trainer = Trainer(model, cfg.train, cfg.algo, dp=dp)
     kv_quantizer = attach_kv_fp8(model, cfg, "trainer")
 
     def trainer_state() -> dict:
@@ -121,22 +146,30 @@ def train(cfg: Config) -> Path:
         if kv_quantizer is not None and "kv_quantizer" in saved:
             kv_quantizer.load_state_dict(saved["kv_quantizer"])
         start_step, sft_done = state["next_step"], state["sft_done"]
-    _truncate_metrics(run_dir, start_step, sft_done)
+    if dp.is_main:
+        _truncate_metrics(run_dir, start_step, sft_done)
 
-    logger = MetricsLogger(run_dir, cfg.run.tensorboard)
+    def checkpoint(step: int) -> None:
+        if dp.is_main:
+            save_checkpoint(run_dir, step, model, trainer_state(), {"next_step": step, "sft_done": sft_done})
+        dp.barrier()
+
+    logger = MetricsLogger(run_dir, cfg.run.tensorboard) if dp.is_main else None
     progress = None
-    if cfg.run.progress:
+    if cfg.run.progress and dp.is_main:
         from tqdm import tqdm
         progress = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{cfg.run.name} [{cfg.precision.mode}]",
                         file=sys.stderr, dynamic_ncols=True)
-    print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  recipe={recipe.fingerprint()}  "
-          f"model={cfg.model.path} ({model.num_params() / 1e6:.1f}M params)", file=sys.stderr)
+    if dp.is_main:
+        print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  recipe={recipe.fingerprint()}  "
+              f"model={cfg.model.path} ({model.num_params() / 1e6:.1f}M params)  data-parallel ranks={dp.world_size}",
+              file=sys.stderr)
 
     try:
         if cfg.train.sft_warmup_steps and not sft_done:
-            supervised_warmup(cfg, model, task, encode, tokenizer, logger, progress)
+            supervised_warmup(cfg, model, task, encode, tokenizer, logger, progress, dp)
             sft_done = True
-            save_checkpoint(run_dir, 0, model, trainer_state(), {"next_step": 0, "sft_done": True})
+            checkpoint(0)
 
         rollout_model = apply_mode(copy_model(model), cfg, "rollout")
         attach_kv_fp8(rollout_model, cfg, "rollout")
@@ -144,11 +177,12 @@ def train(cfg: Config) -> Path:
         rollout = NativeRollout(rollout_model, cfg, tokenizer, stop_token_ids(tokenizer, model, task), task.stop,
                                 max_seq_len=2 * max_prompt + cfg.rollout.max_new_tokens + 16,
                                 fingerprint=fingerprint)
-        loop = RLLoop(cfg, trainer, rollout, task, encode, tokenizer.pad_token_id, fingerprint, kv_quantizer)
+        loop = RLLoop(cfg, trainer, rollout, task, encode, tokenizer.pad_token_id, fingerprint, kv_quantizer, dp)
 
         for step in range(start_step, cfg.train.steps):
             metrics = loop.step(step)
-            logger.log(step, metrics)
+            if logger is not None:
+                logger.log(step, metrics)
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix_str(
@@ -158,14 +192,15 @@ def train(cfg: Config) -> Path:
                     f"{metrics['throughput/tokens_per_s']:.0f} tok/s")
             every = cfg.train.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
-                save_checkpoint(run_dir, step + 1, model, trainer_state(),
-                                {"next_step": step + 1, "sft_done": sft_done})
+                checkpoint(step + 1)
 
-        save_checkpoint(run_dir, cfg.train.steps, model, trainer_state(),
-                        {"next_step": cfg.train.steps, "sft_done": sft_done})
-        write_summary(run_dir, cfg, trainer)
+        checkpoint(cfg.train.steps)
+        if dp.is_main:
+            write_summary(run_dir, cfg, trainer)
+        dp.barrier()
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
         if progress is not None:
             progress.close()
     return run_dir
@@ -186,6 +221,7 @@ def write_summary(run_dir: Path, cfg: Config, trainer: Trainer) -> dict:
         "mismatch_kl_k3_max": max((r["mismatch/kl_k3"] for r in rows), default=0.0),
         "step_time_mean": sum(r["time/step"] for r in rows) / max(len(rows), 1),
         "skipped_steps": trainer.skipped_steps,
+        "data_parallel_size": trainer.dp.world_size,
         "config": to_dict(cfg),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

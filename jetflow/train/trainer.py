@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from jetflow.config import AlgoConfig, TrainConfig
+from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import agg_denominator, policy_loss
 from jetflow.rl.experience import Experience
 
@@ -51,8 +52,10 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
 
 
 class Trainer:
-    def __init__(self, model: nn.Module, train: TrainConfig, algo: AlgoConfig, total_steps: int | None = None):
+    def __init__(self, model: nn.Module, train: TrainConfig, algo: AlgoConfig, total_steps: int | None = None,
+                 dp: DataParallel = SINGLE):
         self.model, self.cfg, self.algo = model, train, algo
+        self.dp = dp  # data-parallel ranks: each holds part of the batch (jetflow.distributed)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, betas=tuple(train.betas),
                                            weight_decay=train.weight_decay)
@@ -79,7 +82,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         agg = self.algo.loss_agg
         micro = exp.micro_batches(self.cfg.micro_batch_size)
-        total_denominator = sum(agg_denominator(mb.response_mask, agg) for mb in micro) or 1.0
+        total_denominator = self.dp.sum(sum(agg_denominator(mb.response_mask, agg) for mb in micro)) or 1.0
         sums: dict[str, float] = {}
         loss_total = 0.0
         for mb in micro:
@@ -101,16 +104,22 @@ class Trainer:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         micro = exp.micro_batches(self.cfg.micro_batch_size)
-        total_tokens = float(exp.response_mask.sum()) or 1.0
+        total_tokens = self.dp.sum(float(exp.response_mask.sum())) or 1.0
         loss_total = 0.0
         for mb in micro:
             logprobs = response_logprobs(self.model, mb)
             loss = -(logprobs * mb.response_mask).sum() / total_tokens
             loss.backward()
             loss_total += loss.item()
-        return self._apply_gradients(loss_total, {"loss/sft": loss_total}, t0)
+        return self._apply_gradients(loss_total, {}, t0, sft=True)
 
-    def _apply_gradients(self, loss_value: float, metrics: dict[str, float], t0: float) -> dict[str, float]:
+    def _apply_gradients(self, loss_value: float, metrics: dict[str, float], t0: float,
+                         sft: bool = False) -> dict[str, float]:
+        # Each rank holds its share of the global-batch loss and gradient: sum both over ranks.
+        self.dp.all_reduce_grads(self.params)
+        summed = self.dp.sum_dict({**metrics, "_loss": loss_value})
+        loss_value = summed.pop("_loss")
+        metrics = {"loss/sft": loss_value} if sft else summed
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or float("inf"))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         out = dict(metrics)

@@ -1,0 +1,119 @@
+"""Data parallelism for the native trainer (torchrun; gloo on CPU, NCCL on GPU).
+
+Each rank owns whole GRPO groups: rank r takes prompts [r*n/W, (r+1)*n/W) of the step's n prompts,
+generates their samples, computes their log-probs and backpropagates its share of the loss. The loss
+denominators (tokens or sequences) are summed over ranks first, so each rank's gradient is its part
+of the global-batch gradient, and one all-reduce SUM of the gradients gives every rank exactly the
+gradient a single process would compute over the whole batch.
+
+This is what DistributedDataParallel does, done explicitly after gradient accumulation: the trainer
+projects only the response columns through lm_head (`forward_hidden` + `lm_head`), bypassing the
+module's `forward`, which DDP's hooks rely on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"  # where reduction buffers live (NCCL reduces CUDA tensors only)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, n: int) -> range:
+        """This rank's slice of n items (n must divide evenly: ranks hold whole groups)."""
+        if n % self.world_size:
+            raise ValueError(f"{n} items do not split evenly over {self.world_size} data-parallel ranks")
+        per = n // self.world_size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def sum(self, value: float) -> float:
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())
+
+    def sum_dict(self, values: dict[str, float]) -> dict[str, float]:
+        if not self.enabled or not values:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return dict(zip(keys, t.cpu().tolist()))
+
+    def mean_dict(self, values: dict[str, float]) -> dict[str, float]:
+        """Scalar metrics averaged over ranks (`*_max` keys take the max), identical on every rank."""
+        if not self.enabled:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
+        is_max = torch.tensor([k.endswith("max") for k in keys], device=self.device)
+        summed, maxed = t.clone(), t.clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+        out = torch.where(is_max, maxed, summed / self.world_size)
+        return dict(zip(keys, out.cpu().tolist()))
+
+    def max_(self, tensor: torch.Tensor) -> None:
+        """In-place element-wise max over ranks (e.g. FP8 KV amax, so every rank gets one scale)."""
+        if self.enabled:
+            buf = tensor.to(self.device)
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+            tensor.copy_(buf)
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum gradients over ranks in one flat buffer (ranks already scaled by the global denominator)."""
+        if not self.enabled:
+            return
+        for p in params:  # a rank whose micro-batches were all empty still joins the reduction
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+SINGLE = DataParallel()
+
+
+def init_from_env(device: str = "cpu") -> DataParallel:
+    """Join the process group torchrun describes (WORLD_SIZE > 1); a single process otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return SINGLE
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+    return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                        device=f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu")
+
+
+def shutdown(dp: DataParallel) -> None:
+    if dp.enabled and dist.is_initialized():
+        dist.destroy_process_group()
