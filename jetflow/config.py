@@ -97,6 +97,8 @@ class RolloutConfig:
     """Stop strings (in addition to EOS)."""
     max_batch: int = 64
     """Largest batch the engine decodes at once (KV cache is sized from it)."""
+    num_engines: int = 1
+    """run.orchestrator=ray: rollout engine replicas (Ray actors); each step's requests are split among them."""
     vllm_gpu_memory_utilization: float = 0.2
     """vLLM: fraction of device memory (on CPU: of RAM) reserved for the KV cache."""
 
@@ -135,6 +137,11 @@ class AlgoConfig:
 class TrainConfig:
     backend: str = "native"
     """native | megatron."""
+    tensor_parallel_size: int = 1
+    """Megatron backend: tensor-parallel ranks (`jetflow train` runs 1 for now; the component runs N > 1
+    under torchrun)."""
+    pipeline_parallel_size: int = 1
+    """Megatron backend: pipeline stages (only 1: pipeline parallelism is not implemented)."""
     fp8_backend: str = "jetflow"
     """jetflow (this recipe's own GEMMs) | te (Transformer Engine Float8BlockScaling)."""
     steps: int = 12
@@ -155,6 +162,9 @@ class TrainConfig:
     sft_batch_size: int = 64
     checkpoint_every: int = 0
     """Write a checkpoint every N steps (0: only at the end)."""
+    num_workers: int = 1
+    """run.orchestrator=ray: trainer workers (Ray actors, data parallel over gloo/NCCL). Under torchrun the
+    data-parallel size is torchrun's world size instead."""
     max_bad_steps: int = 3
     """Consecutive NaN/Inf steps tolerated (skipped) before the run stops."""
 
@@ -172,6 +182,13 @@ class RunConfig:
     tensorboard: bool = True
     num_threads: int = 0
     """torch CPU threads (0: torch's default)."""
+    orchestrator: str = "local"
+    """local (this process, or one per rank under torchrun) | ray (rollout engines and trainer workers as
+    Ray actors; weights travel through the object store)."""
+    ray_address: str = ""
+    """run.orchestrator=ray: an existing cluster's address (`auto` inside a Ray job); empty starts a local one."""
+    ray_num_cpus: int = 0
+    """Local Ray cluster size (0: all cores)."""
 
 
 @dataclass
@@ -198,11 +215,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.correction": ("auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "ais"),
     "train.backend": ("native", "megatron"),
     "train.fp8_backend": ("jetflow", "te"),
+    "run.orchestrator": ("local", "ray"),
 }
 
 POSITIVE: tuple[str, ...] = (
     "rollout.group_size", "rollout.max_new_tokens", "rollout.max_batch", "train.prompts_per_step",
-    "train.micro_batch_size", "precision.group_size", "train.sft_batch_size", "algo.ppo_epochs")
+    "train.micro_batch_size", "precision.group_size", "train.sft_batch_size", "algo.ppo_epochs",
+    "rollout.num_engines", "train.num_workers")
 
 
 def _valid_keys(node: Any) -> list[str]:

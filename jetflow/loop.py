@@ -18,7 +18,7 @@ from jetflow.config import Config
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import apply_correction, group_advantages, mismatch_metrics
 from jetflow.rl.experience import Experience, pack_experience
-from jetflow.sync import StaleWeightsError, WeightUpdate, build_update
+from jetflow.sync import StaleWeightsError, WeightUpdate
 from jetflow.tasks import Problem, Task
 
 
@@ -87,8 +87,7 @@ class RLLoop:
             self.dp.max_(self.kv_quantizer.k_amax)  # one scale per layer across data-parallel ranks
             self.dp.max_(self.kv_quantizer.v_amax)
             kv_scales = self.kv_quantizer.recalibrate()
-        update = build_update(self.trainer.model, self.cfg.precision.mode, self.trainer.version, self.fingerprint,
-                              kv_scales=kv_scales)
+        update = self.trainer.weight_update(self.cfg.precision.mode, self.fingerprint, kv_scales)
         self.rollout.load_weights(update)
         return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(update.nbytes())}
 

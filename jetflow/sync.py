@@ -62,10 +62,16 @@ class WeightUpdate:
 
 def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | None = None,
                  with_checksum: bool = False, kv_scales: dict[str, torch.Tensor] | None = None) -> WeightUpdate:
-    """The payload for rollout engines after the trainer reached weight `version`."""
-    params = dict(model.named_parameters(remove_duplicate=True))
+    """The payload for rollout engines after the trainer reached weight `version`.
+
+    A model with `hf_state_dict()` / `quantized_weights()` methods (the Megatron backend's policy)
+    gives its HF-named weights and FP8 bytes through them (collectives under tensor parallelism:
+    call on every rank); any other model is read through `named_parameters` and its FP8 linears."""
+    hf_state_dict = getattr(model, "hf_state_dict", None)
+    params = hf_state_dict() if callable(hf_state_dict) else dict(model.named_parameters(remove_duplicate=True))
     if mode == "unified":
-        quantized = quantized_weights(model)  # the cached bytes the trainer computes with
+        own = getattr(model, "quantized_weights", None)
+        quantized = own() if callable(own) else quantized_weights(model)  # the cached bytes the trainer computes with
         skip = {f"{name}.weight" for name in quantized}
         tensors = {k: v.detach() for k, v in params.items() if k not in skip}
         update = WeightUpdate(version, mode, fingerprint, quantized, tensors)

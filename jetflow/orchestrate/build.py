@@ -86,11 +86,26 @@ def build_policy(cfg: Config, task: Task):
     return model, load_tokenizer(path)
 
 
+def build_tokenizer(cfg: Config, task: Task):
+    """The run's tokenizer alone (what a driver that holds no model needs)."""
+    if cfg.model.path == "tiny":
+        return build_tiny(cfg, task)[1]
+    path = smollm2_dir(cfg.model.cache_dir) if cfg.model.path == "smollm2" else Path(cfg.model.path)
+    return load_tokenizer(path)
+
+
 def copy_model(model: Decoder) -> Decoder:
-    """An independent copy with the same architecture and weights (the rollout side's model)."""
-    clone = Decoder(model.config).to(device=model.model.embed_tokens.weight.device,
-                                     dtype=model.model.embed_tokens.weight.dtype)
-    clone.load_state_dict(model.state_dict())
+    """An independent copy with the same architecture and weights (the rollout side's model).
+
+    `model` may also be a trainer model that gives HF-named weights through `hf_state_dict()` (the
+    Megatron backend's policy; a collective under tensor parallelism)."""
+    hf_state_dict = getattr(model, "hf_state_dict", None)
+    state = hf_state_dict() if callable(hf_state_dict) else model.state_dict()
+    embed = state["model.embed_tokens.weight"]
+    clone = Decoder(model.config).to(device=embed.device, dtype=embed.dtype)
+    missing, unexpected = clone.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set()):
+        raise KeyError(f"copy_model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     for p in clone.parameters():
         p.requires_grad_(False)
     return clone

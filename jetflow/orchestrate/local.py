@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,7 +23,9 @@ from jetflow.loop import RLLoop
 from jetflow.metrics_log import MetricsLogger
 from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
                                        prompt_encoder, stop_token_ids)
+from jetflow.orchestrate.megatron_trainer import build_trainer_model, check_megatron
 from jetflow.orchestrate.native_rollout import NativeRollout
+from jetflow.orchestrate.vllm_rollout import build_vllm_rollout, check_vllm
 from jetflow.rl.experience import pack_experience
 from jetflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from jetflow.train.trainer import Trainer
@@ -49,7 +52,7 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
     return run_dir
 
 
-def _truncate_metrics(run_dir: Path, keep_before_step: int, sft_done: bool) -> None:
+def truncate_metrics(run_dir: Path, keep_before_step: int, sft_done: bool) -> None:
     """On resume, drop metric rows of steps the checkpoint does not contain (they are redone)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -60,8 +63,9 @@ def _truncate_metrics(run_dir: Path, keep_before_step: int, sft_done: bool) -> N
 
 
 def supervised_warmup(cfg: Config, trainer_model, task, encode, tokenizer, logger, progress,
-                      dp: DataParallel = SINGLE) -> None:
-    """A short supervised phase on reference answers (for models trained from scratch)."""
+                      dp: DataParallel = SINGLE) -> list[dict]:
+    """A short supervised phase on reference answers (for models trained from scratch); returns its
+    per-step metrics."""
     n = cfg.train.sft_warmup_steps
     sft_cfg = replace(cfg.train, lr=cfg.train.sft_lr, warmup_steps=max(1, n // 10), steps=n, min_lr_ratio=0.1,
                       micro_batch_size=cfg.train.sft_batch_size)
@@ -69,6 +73,7 @@ def supervised_warmup(cfg: Config, trainer_model, task, encode, tokenizer, logge
     mine = dp.shard(cfg.train.sft_batch_size)
     bs = len(mine)
     end = task.stop[0] if task.stop else ""
+    rows = []
     for step in range(n):
         problems = task.problems(SFT_INDEX_OFFSET + step * cfg.train.sft_batch_size + mine.start, bs, cfg.run.seed)
         prompts = [encode(p) for p in problems]
@@ -77,18 +82,21 @@ def supervised_warmup(cfg: Config, trainer_model, task, encode, tokenizer, logge
         exp = pack_experience(prompts, answers, [[0.0] * len(a) for a in answers], zeros, zeros,
                               tokenizer.pad_token_id, cfg.model.device)
         metrics = sft.sft_step(exp)
+        rows.append(metrics)
         if logger is not None:
             logger.log(step, metrics, phase="sft")
         if progress is not None:
             progress.set_postfix_str(f"sft {step + 1}/{n} loss {metrics['loss/sft']:.3f}")
+    return rows
 
 
 def check_backends(cfg: Config) -> None:
-    """The vLLM, Megatron-Core and TE backends exist as components but `jetflow train` runs the native
-    ones only: say so instead of silently running something else."""
-    wired = {"rollout.backend": ("native", "jetflow.rollout.vllm.VLLMRollout"),
-             "train.backend": ("native", "jetflow.train.megatron.MegatronPolicy"),
-             "train.fp8_backend": ("jetflow", "jetflow.train.te")}
+    """Refuse backend choices `jetflow train` cannot run, instead of silently running something else:
+    Transformer Engine (not wired; it cannot be installed on the CPU machines), and Megatron / vLLM
+    layouts and options they do not support (jetflow.orchestrate.megatron_trainer / vllm_rollout)."""
+    check_megatron(cfg)
+    check_vllm(cfg)
+    wired = {"train.fp8_backend": ("jetflow", "jetflow.train.te")}
     for key, (supported, component) in wired.items():
         section, field = key.split(".")
         value = getattr(getattr(cfg, section), field)
@@ -98,15 +106,120 @@ def check_backends(cfg: Config) -> None:
                               "into the training loop yet")
 
 
+class TrainerSide:
+    """The trainer half of a run: task, tokenizer, policy model under the precision mode, optimizer,
+    optional FP8 KV quantizer. One per process (or per data-parallel rank / Ray trainer worker)."""
+
+    def __init__(self, cfg: Config, dp: DataParallel = SINGLE):
+        self.cfg, self.dp = cfg, dp
+        self.task = build_task(cfg)
+        model, self.tokenizer = build_policy(cfg, self.task)
+        self.encode = prompt_encoder(cfg, self.tokenizer, self.task)
+        self.model = build_trainer_model(cfg, model)  # the Decoder under the precision mode, or a MegatronPolicy of it
+        self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=dp)
+        self.kv_quantizer = attach_kv_fp8(self.model, cfg, "trainer")
+
+    def state(self) -> dict:
+        state = self.trainer.state_dict()
+        if self.kv_quantizer is not None:
+            state["kv_quantizer"] = self.kv_quantizer.state_dict()
+        return state
+
+    def restore(self, checkpoint: Path) -> dict:
+        """Load a checkpoint into model, optimizer and KV quantizer; returns its state (next_step, sft_done)."""
+        saved, state = load_checkpoint(checkpoint, self.model)
+        self.trainer.load_state_dict(saved)
+        if self.kv_quantizer is not None and "kv_quantizer" in saved:
+            self.kv_quantizer.load_state_dict(saved["kv_quantizer"])
+        return state
+
+    def save(self, run_dir: Path, step: int, sft_done: bool) -> None:
+        if self.dp.is_main:
+            save_checkpoint(run_dir, step, self.model, self.state(), {"next_step": step, "sft_done": sft_done})
+        self.dp.barrier()
+
+    def supervised_warmup(self, logger=None, progress=None) -> list[dict]:
+        return supervised_warmup(self.cfg, self.model, self.task, self.encode, self.tokenizer, logger, progress, self.dp)
+
+
+def build_trainer_side(cfg: Config, dp: DataParallel = SINGLE) -> TrainerSide:
+    return TrainerSide(cfg, dp)
+
+
+def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Path | None = None,
+                       dp: DataParallel = SINGLE):
+    """The rollout engine of a run. Beside a trainer (`side`) it starts from a copy of the trainer's
+    model; alone (a Ray rollout actor) it builds its own, whose weights the first sync replaces."""
+    if side is not None:
+        task, tokenizer, encode, source = side.task, side.tokenizer, side.encode, side.model
+    else:
+        task = build_task(cfg)
+        source, tokenizer = build_policy(cfg, task)
+        encode = prompt_encoder(cfg, tokenizer, task)
+    fingerprint = run_fingerprint(cfg)
+    max_prompt = max(len(encode(p)) for p in task.problems(0, 64, cfg.run.seed))
+    max_seq_len = 2 * max_prompt + cfg.rollout.max_new_tokens + 16
+    eos = stop_token_ids(tokenizer, source, task)
+    if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
+        return build_vllm_rollout(cfg, copy_model(source), tokenizer, eos, task.stop, max_seq_len,
+                                  run_dir / (f"vllm_engine_rank{dp.rank}" if dp.enabled else "vllm_engine"))
+    rollout_model = apply_mode(copy_model(source), cfg, "rollout")
+    attach_kv_fp8(rollout_model, cfg, "rollout")
+    return NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,
+                         fingerprint=fingerprint)
+
+
+def run_fingerprint(cfg: Config) -> str | None:
+    """The recipe fingerprint FP8 payloads carry (modes that quantize), else None."""
+    return cfg.precision.recipe().fingerprint() if cfg.precision.mode in ("mixed", "unified") else None
+
+
+def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint: Callable[[int], None],
+                 on_metrics: Callable[[dict], dict] | None = None, run_dir: Path | None = None) -> None:
+    """The RL steps of a run with their logs, progress bar and periodic checkpoints (logger None: not
+    the logging rank)."""
+    progress = None
+    if cfg.run.progress and logger is not None:
+        from tqdm import tqdm
+        progress = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{cfg.run.name} [{cfg.precision.mode}]",
+                        file=sys.stderr, dynamic_ncols=True)
+    try:
+        for step in range(start_step, cfg.train.steps):
+            metrics = loop.step(step)
+            if on_metrics is not None:
+                metrics = on_metrics(metrics)
+            if logger is not None:
+                logger.log(step, metrics)
+                if run_dir is not None:
+                    log_position_curves(run_dir, step, loop.last_experience)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix_str(
+                    f"reward {metrics['reward/mean']:.3f} kl {metrics['mismatch/kl_k3']:.1e} | "
+                    f"rollout {metrics['time/rollout']:.1f}s old {metrics['time/old_logprobs']:.1f}s "
+                    f"train {metrics['time/train']:.1f}s sync {metrics['time/sync']:.2f}s | "
+                    f"{metrics['throughput/tokens_per_s']:.0f} tok/s")
+            every = cfg.train.checkpoint_every
+            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
+                checkpoint(step + 1)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
 def train(cfg: Config) -> Path:
     """Run (or resume) the configured RL run; returns its directory.
 
     Under torchrun (WORLD_SIZE > 1) every rank runs this with its share of each step's prompts
-    (jetflow.distributed); rank 0 alone writes logs, checkpoints and the summary.
+    (jetflow.distributed); rank 0 alone writes logs, checkpoints and the summary. With
+    run.orchestrator=ray the same run is placed on Ray actors (jetflow.orchestrate.ray_run).
     """
     check_backends(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
+    if cfg.run.orchestrator == "ray":
+        from jetflow.orchestrate.ray_run import train_ray
+        return train_ray(cfg)
     dp = init_from_env(cfg.model.device)
     try:
         return _train(cfg, dp)
@@ -121,92 +234,52 @@ def _train(cfg: Config, dp: DataParallel) -> Path:
     run_dir = prepare_run_dir(cfg, dp)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
-
-    task = build_task(cfg)
-    model, tokenizer = build_policy(cfg, task)
-    encode = prompt_encoder(cfg, tokenizer, task)
-    apply_mode(model, cfg, "trainer")
-    recipe = cfg.precision.recipe()
-    fingerprint = recipe.fingerprint() if cfg.precision.mode in ("mixed", "unified") else None
-
-    trainer = Trainer(model, cfg.train, cfg.algo, dp=dp)
-    kv_quantizer = attach_kv_fp8(model, cfg, "trainer")
-
-    def trainer_state() -> dict:
-        state = trainer.state_dict()
-        if kv_quantizer is not None:
-            state["kv_quantizer"] = kv_quantizer.state_dict()
-        return state
+    side = build_trainer_side(cfg, dp)
 
     start_step, sft_done = 0, False
     checkpoint = latest_checkpoint(run_dir) if cfg.run.resume else None
     if checkpoint is not None:
-        saved, state = load_checkpoint(checkpoint, model)
-        trainer.load_state_dict(saved)
-        if kv_quantizer is not None and "kv_quantizer" in saved:
-            kv_quantizer.load_state_dict(saved["kv_quantizer"])
+        state = side.restore(checkpoint)
         start_step, sft_done = state["next_step"], state["sft_done"]
     if dp.is_main:
-        _truncate_metrics(run_dir, start_step, sft_done)
-
-    def checkpoint(step: int) -> None:
-        if dp.is_main:
-            save_checkpoint(run_dir, step, model, trainer_state(), {"next_step": step, "sft_done": sft_done})
-        dp.barrier()
-
-    logger = MetricsLogger(run_dir, cfg.run.tensorboard) if dp.is_main else None
-    progress = None
-    if cfg.run.progress and dp.is_main:
-        from tqdm import tqdm
-        progress = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{cfg.run.name} [{cfg.precision.mode}]",
-                        file=sys.stderr, dynamic_ncols=True)
-    if dp.is_main:
-        print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  recipe={recipe.fingerprint()}  "
-              f"model={cfg.model.path} ({model.num_params() / 1e6:.1f}M params)  data-parallel ranks={dp.world_size}",
+        truncate_metrics(run_dir, start_step, sft_done)
+        print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  recipe={cfg.precision.recipe().fingerprint()}  "
+              f"model={cfg.model.path} ({side.model.num_params() / 1e6:.1f}M params)  data-parallel ranks={dp.world_size}",
               file=sys.stderr)
-
+    logger = MetricsLogger(run_dir, cfg.run.tensorboard) if dp.is_main else None
     try:
         if cfg.train.sft_warmup_steps and not sft_done:
-            supervised_warmup(cfg, model, task, encode, tokenizer, logger, progress, dp)
+            side.supervised_warmup(logger)
             sft_done = True
-            checkpoint(0)
+            side.save(run_dir, 0, sft_done)
 
-        rollout_model = apply_mode(copy_model(model), cfg, "rollout")
-        attach_kv_fp8(rollout_model, cfg, "rollout")
-        max_prompt = max(len(encode(p)) for p in task.problems(0, 64, cfg.run.seed))
-        rollout = NativeRollout(rollout_model, cfg, tokenizer, stop_token_ids(tokenizer, model, task), task.stop,
-                                max_seq_len=2 * max_prompt + cfg.rollout.max_new_tokens + 16,
-                                fingerprint=fingerprint)
-        loop = RLLoop(cfg, trainer, rollout, task, encode, tokenizer.pad_token_id, fingerprint, kv_quantizer, dp)
-
-        for step in range(start_step, cfg.train.steps):
-            metrics = loop.step(step)
-            if logger is not None:
-                logger.log(step, metrics)
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix_str(
-                    f"reward {metrics['reward/mean']:.3f} kl {metrics['mismatch/kl_k3']:.1e} | "
-                    f"rollout {metrics['time/rollout']:.1f}s old {metrics['time/old_logprobs']:.1f}s "
-                    f"train {metrics['time/train']:.1f}s sync {metrics['time/sync']:.2f}s | "
-                    f"{metrics['throughput/tokens_per_s']:.0f} tok/s")
-            every = cfg.train.checkpoint_every
-            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
-                checkpoint(step + 1)
-
-        checkpoint(cfg.train.steps)
+        rollout = build_rollout_side(cfg, side, run_dir, dp)
+        loop = RLLoop(cfg, side.trainer, rollout, side.task, side.encode, side.tokenizer.pad_token_id,
+                      run_fingerprint(cfg), side.kv_quantizer, dp)
+        run_rl_steps(cfg, loop, start_step, logger, lambda step: side.save(run_dir, step, sft_done), run_dir=run_dir)
+        side.save(run_dir, cfg.train.steps, sft_done)
         if dp.is_main:
-            write_summary(run_dir, cfg, trainer)
+            write_summary(run_dir, cfg, side.trainer.skipped_steps, dp.world_size)
         dp.barrier()
     finally:
         if logger is not None:
             logger.close()
-        if progress is not None:
-            progress.close()
     return run_dir
 
 
-def write_summary(run_dir: Path, cfg: Config, trainer: Trainer) -> dict:
+def log_position_curves(run_dir: Path, step: int, exp) -> None:
+    """Append the step's mismatch by response index to mismatch_positions.jsonl (plotted by
+    `jetflow ablate`): mean k3 and token count per index; a resumed step's last row wins."""
+    if exp is None or exp.old_logprobs is None:
+        return
+    from jetflow.rl.mismatch import mismatch_position_curves
+    curves = mismatch_position_curves(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask)
+    row = {"step": step, **{k: [float(f"{x:.4g}") for x in v.tolist()] for k, v in curves.items()}}
+    with open(run_dir / "mismatch_positions.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_parallel_size: int = 1) -> dict:
     from jetflow.metrics_log import read_metrics
     rows = read_metrics(run_dir)
     rewards = [r["reward/mean"] for r in rows]
@@ -220,8 +293,8 @@ def write_summary(run_dir: Path, cfg: Config, trainer: Trainer) -> dict:
         "mismatch_kl_k3_mean": sum(r["mismatch/kl_k3"] for r in rows) / max(len(rows), 1),
         "mismatch_kl_k3_max": max((r["mismatch/kl_k3"] for r in rows), default=0.0),
         "step_time_mean": sum(r["time/step"] for r in rows) / max(len(rows), 1),
-        "skipped_steps": trainer.skipped_steps,
-        "data_parallel_size": trainer.dp.world_size,
+        "skipped_steps": skipped_steps,
+        "data_parallel_size": data_parallel_size,
         "config": to_dict(cfg),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -45,6 +45,17 @@ class QuantizedTensor:
     def fmt(self) -> str:
         return "e5m2" if self.data.dtype == torch.float8_e5m2 else "e4m3"
 
+    def __getstate__(self) -> dict:
+        """Pickle (Ray's object store, torch.save) as raw bytes: float8 storages do not unpickle in every
+        path (Ray fails on them), and the fp32 dequantized cache stays behind: only FP8 bytes and scales
+        travel."""
+        return {"bytes": self.data.contiguous().view(torch.uint8), "dtype": str(self.data.dtype).split(".")[-1],
+                "scale_inv": self.scale_inv, "block": self.block}
+
+    def __setstate__(self, state: dict) -> None:
+        self.data = state["bytes"].view(getattr(torch, state["dtype"]))
+        self.scale_inv, self.block, self.dequantized = state["scale_inv"], tuple(state["block"]), None
+
     def t(self) -> "QuantizedTensor":
         """Transpose: the same bytes and scales, blocks transposed (exact, no requantization)."""
         cached = None if self.dequantized is None else self.dequantized.t()

@@ -33,7 +33,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     tmp = root / f".tmp-step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    hf_state_dict = getattr(model, "hf_state_dict", None)  # a Megatron policy: HF names, TP shards gathered
+    state_dict = hf_state_dict() if callable(hf_state_dict) else model.state_dict()
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied: the embedding is the one copy
     save_file(tensors, str(tmp / "model.safetensors"))
@@ -60,7 +62,11 @@ def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
     """Restore model weights and RNG states; returns (trainer_state, state)."""
     path = Path(path)
     tensors = load_file(str(path / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if callable(getattr(model, "load_hf_state_dict", None)):  # a Megatron policy: HF names into its shards
+        model.load_hf_state_dict(tensors)
+        missing, unexpected = [], []
+    else:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not getattr(model.config, "tie_word_embeddings", False)]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "

@@ -704,6 +704,13 @@ class MegatronPolicy(nn.Module):
         """Logits (B, T, V) (argument order of `Decoder.forward`)."""
         return self.lm_head(self.forward_hidden(input_ids, attention_mask, position_ids))
 
+    def num_params(self) -> int:
+        """Parameters of the full model (every TP shard, not the vocabulary padding): `Decoder.num_params`."""
+        split = set(tensor_parallel_dims(self.config))
+        n = sum(p.numel() * (self.tp_size if name in split else 1) for name, p in self.gpt.named_parameters())
+        vocab_tables = 1 if self.config.tie_word_embeddings else 2
+        return n - vocab_tables * (self.padded_vocab - self.config.vocab_size) * self.config.hidden_size
+
     # Weights in HF names -----------------------------------------------------------------------
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(t) for _ in range(self.tp_size)]

@@ -73,6 +73,11 @@ class Trainer:
         return torch.cat([response_logprobs(self.model, mb, temperature)
                           for mb in exp.micro_batches(self.cfg.micro_batch_size)])
 
+    def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None):
+        """The payload for rollout engines at the current weight version (jetflow.sync)."""
+        from jetflow.sync import build_update
+        return build_update(self.model, mode, self.version, fingerprint, kv_scales=kv_scales)
+
     # One optimizer step ----------------------------------------------------------------------
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
         """Policy-gradient step over the whole batch (micro-batched); returns metrics."""
@@ -120,7 +125,9 @@ class Trainer:
         summed = self.dp.sum_dict({**metrics, "_loss": loss_value})
         loss_value = summed.pop("_loss")
         metrics = {"loss/sft": loss_value} if sft else summed
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or float("inf"))
+        max_norm = self.cfg.grad_clip or float("inf")
+        clip = getattr(self.model, "clip_grad_norm_", None)  # a tensor-parallel model's own: the norm over all ranks
+        grad_norm = clip(max_norm) if callable(clip) else torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         out = dict(metrics)
         out.update({"train/loss": loss_value, "train/grad_norm": float(grad_norm),

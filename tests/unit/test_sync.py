@@ -69,3 +69,16 @@ def test_payload_fp8_is_smaller_than_bf16():
     fp8 = build_update(trainer, "unified", 0, "x").nbytes()
     bf16 = build_update(trainer, "bf16", 0).nbytes()
     assert fp8 < bf16
+
+
+def test_quantized_tensor_pickles_as_its_bytes_and_scales():
+    """What Ray's object store and torch.save ship: the exact FP8 bytes and scales, no fp32 cache."""
+    import pickle
+
+    from jetflow.precision.quant import quantize_blocks
+    q = quantize_blocks(torch.randn(200, 300), (128, 128)).with_dequantized_cache()
+    back = pickle.loads(pickle.dumps(q))
+    assert back.data.dtype == torch.float8_e4m3fn and back.block == (128, 128) and back.dequantized is None
+    assert torch.equal(back.data.view(torch.uint8), q.data.view(torch.uint8))
+    assert torch.equal(back.scale_inv, q.scale_inv)
+    assert len(pickle.dumps(q)) < 200 * 300 * 2  # bytes + scales, not the 4-byte dequantized copy

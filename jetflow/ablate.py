@@ -1,0 +1,326 @@
+"""`jetflow ablate FILE`: run a grid of training runs described by one YAML file, then report.
+
+The ablation file (configs/ablations/precision.yaml is the full example, with comments):
+
+    name: precision                  # results go to results/<name>/ unless out_dir says otherwise
+    base_config: configs/tiny.yaml   # a run config (relative to the working directory, else to this
+                                     # file's directory), or null for the built-in defaults
+    overrides: [train.steps=30]      # key=value applied to every cell
+    grid:                            # the cells are the cross product of the axes, in this order
+      precision.mode: [bf16, mixed, unified]           # a config key and its values
+      length:                                          # a linked axis: each value (a mapping of
+                                                       # full config keys) sets several keys at once
+        - {id: len8, rollout.max_new_tokens: 8}
+        - {id: len64, rollout.max_new_tokens: 64, task.params.num_operands: 16}
+      algo.correction:                                 # a conditional axis: it only multiplies the
+        values: [none, token_tis, token_mis, ais]      # cells that match `only_when` (keys set by
+        only_when: {precision.mode: mixed}             # axes listed before it); the others keep
+                                                       # the base value and get no label
+      run.seed: [0, 1]
+    extra:                           # optional cells outside the grid: {id: ..., key: value, ...}
+      - {id: mixed-seqtis, precision.mode: mixed, algo.correction: seq_tis}
+
+A cell's id joins one label per axis (`mixed-token_mis-len64-seed0`): the value itself for
+precision.mode and algo.correction, `len<N>` for rollout.max_new_tokens, `seed<N>` for run.seed,
+`<last key part><value>` otherwise, the `id` of a linked value, or an axis' own `label: "lr{}"`.
+
+Every cell's config is resolved and validated (load_config, the task's parameters, the wired
+backends) before anything runs, so a typo fails at once and names the cell.
+
+Each cell is one `jetflow.orchestrate.local.train` run in <out_dir>/runs/<cell id>/, run in this
+process, one after another. In-process is enough: `train` seeds torch and Python's RNG itself, builds
+its model, trainer and engine from scratch and keeps no module-level state, and it saves a
+subprocess start and the torch import per cell. Resuming: a run directory with COMPLETE is skipped;
+one without is continued with `run.resume=true` from its last checkpoint (set
+`train.checkpoint_every` for fine-grained restarts), so re-running the command after a kill
+continues where it stopped. A cell whose directory was made with a different config is refused (its
+results would be mislabelled): delete that directory or choose another out_dir. A cell that raises is
+recorded in `<run dir>/error.txt`, the next cells still run, and the command exits non-zero.
+
+After each cell the report (summary.md / summary.json / metrics.jsonl / plots, see
+jetflow.ablate_report) is rewritten from whatever runs exist, so partial results are always readable.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import json
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from jetflow.config import Config, ConfigError, load_config, to_dict
+
+RUNS = "runs"
+ERROR_FILE = "error.txt"
+# Axis labels: "{}" is the value. Other keys get "<last key part><value>".
+LABELS = {"precision.mode": "{}", "algo.correction": "{}", "rollout.max_new_tokens": "len{}", "run.seed": "seed{}"}
+# Run settings that may differ between sessions of the same cell without changing its results.
+_SESSION_KEYS = ("resume", "progress", "tensorboard", "num_threads", "out_dir")
+
+
+@dataclass
+class Cell:
+    id: str
+    settings: dict[str, Any]
+    """The cell's own config keys (grid and extra), on top of the ablation's common overrides."""
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{k}={format_value(v)}" for k, v in self.settings.items()]
+
+
+@dataclass
+class Ablation:
+    name: str
+    source: Path
+    base_config: Path | None
+    overrides: list[str]
+    cells: list[Cell]
+    out_dir: Path
+    grid: dict[str, Any] = field(default_factory=dict)
+
+    def run_dir(self, cell: Cell) -> Path:
+        return self.out_dir / RUNS / cell.id
+
+
+def format_value(value: Any) -> str:
+    """A YAML value as the right-hand side of a `key=value` override (parsed back as YAML)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)  # JSON flow syntax is YAML
+    text = str(value)
+    if isinstance(value, float) and "e" in text and "." not in text:
+        text = text.replace("e", ".0e")  # YAML 1.1 reads 1e-05 as a string, 1.0e-05 as a float
+    try:
+        same = yaml.safe_load(text) == value
+    except yaml.YAMLError:
+        same = False
+    return text if same else json.dumps(text)
+
+
+def _label(key: str, value: Any, fmt: str | None = None) -> str:
+    fmt = fmt or LABELS.get(key, key.rsplit(".", 1)[-1] + "{}")
+    return re.sub(r"[^A-Za-z0-9._+=-]+", "_", fmt.format(format_value(value).strip('"')))
+
+
+def _parse_axis(name: str, spec: Any) -> tuple[list[tuple[str, dict]], dict]:
+    """-> ([(label, settings), ...], only_when). Accepts a list or {values, only_when, label}."""
+    only_when: dict = {}
+    fmt = None
+    if isinstance(spec, dict):
+        unknown = set(spec) - {"values", "only_when", "label"}
+        if unknown or "values" not in spec:
+            raise ConfigError(f"grid axis {name!r}: a mapping axis needs `values` (and may have `only_when`, "
+                              f"`label`); got keys {sorted(spec)}")
+        only_when, fmt, spec = spec.get("only_when") or {}, spec.get("label"), spec["values"]
+        if not isinstance(only_when, dict):
+            raise ConfigError(f"grid axis {name!r}: only_when must map keys to a value or a list of values")
+    if not isinstance(spec, list) or not spec:
+        raise ConfigError(f"grid axis {name!r}: needs a non-empty list of values")
+    values = []
+    for v in spec:
+        if isinstance(v, dict):  # a linked value: several keys at once
+            settings = {k: x for k, x in v.items() if k != "id"}
+            if not settings:
+                raise ConfigError(f"grid axis {name!r}: value {v} sets no key")
+            label = str(v["id"]) if "id" in v else "-".join(_label(k, x) for k, x in settings.items())
+            values.append((label, settings))
+        else:
+            values.append((_label(name, v, fmt), {name: v}))
+    return values, only_when
+
+
+def _matches(settings: dict, only_when: dict) -> bool:
+    def same(a, b):
+        return format_value(a) == format_value(b)
+    for key, want in only_when.items():
+        wants = want if isinstance(want, list) else [want]
+        if key not in settings or not any(same(settings[key], w) for w in wants):
+            return False
+    return True
+
+
+def expand_grid(grid: dict[str, Any] | None, extra: list[dict] | None = None) -> list[Cell]:
+    """The cells of a grid (cross product in axis order, conditional axes applied where they match)
+    followed by the extra cells; ids must be unique."""
+    partial: list[tuple[list[str], dict]] = [([], {})]
+    seen_keys: set[str] = set()
+    for name, spec in (grid or {}).items():
+        values, only_when = _parse_axis(name, spec)
+        missing = [k for k in only_when if k not in seen_keys]
+        if missing:
+            raise ConfigError(f"grid axis {name!r}: only_when keys {missing} are not set by an earlier axis")
+        nxt = []
+        for labels, settings in partial:
+            if only_when and not _matches(settings, only_when):
+                nxt.append((labels, settings))
+                continue
+            nxt += [([*labels, label], {**settings, **vs}) for label, vs in values]
+        partial = nxt
+        seen_keys.update(k for _, vs in values for k in vs)
+    cells = [Cell("-".join(labels) or "base", settings) for labels, settings in partial] if grid else []
+    for i, e in enumerate(extra or []):
+        if not isinstance(e, dict) or not {k for k in e if k != "id"}:
+            raise ConfigError(f"extra cell #{i}: needs a mapping of config keys, got {e!r}")
+        settings = {k: v for k, v in e.items() if k != "id"}
+        cells.append(Cell(str(e.get("id") or "-".join(_label(k, v) for k, v in settings.items())), settings))
+    ids = [c.id for c in cells]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ConfigError(f"cell ids are not unique: {dupes} (give linked values or extra cells an `id`)")
+    if not cells:
+        raise ConfigError("the ablation has no cells: give it a `grid` or `extra` cells")
+    return cells
+
+
+def _resolve_path(p: str, source: Path) -> Path:
+    path = Path(p)
+    if path.is_absolute() or path.exists():
+        return path
+    beside = source.parent / path
+    return beside if beside.exists() else path
+
+
+def load_ablation(path: str | Path, out_dir: str | Path | None = None) -> Ablation:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"ablation file not found: {path}")
+    spec = yaml.safe_load(path.read_text()) or {}
+    known = {"name", "base_config", "overrides", "grid", "extra", "out_dir"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {unknown}; valid keys: {sorted(known)}")
+    name = spec.get("name") or path.stem
+    overrides = spec.get("overrides") or []
+    if isinstance(overrides, dict):
+        overrides = [f"{k}={format_value(v)}" for k, v in overrides.items()]
+    base = spec.get("base_config")
+    base_path = _resolve_path(base, path) if base else None
+    out = Path(out_dir or spec.get("out_dir") or Path("results") / name)
+    return Ablation(name=name, source=path, base_config=base_path, overrides=[str(o) for o in overrides],
+                    cells=expand_grid(spec.get("grid"), spec.get("extra")), out_dir=out, grid=spec.get("grid") or {})
+
+
+def cell_config(ab: Ablation, cell: Cell, resume: bool = False) -> Config:
+    extra = [f"run.out_dir={ab.out_dir / RUNS}", f"run.name={cell.id}"] + (["run.resume=true"] if resume else [])
+    return load_config(ab.base_config, [*ab.overrides, *cell.overrides, *extra])
+
+
+def cell_status(run_dir: Path) -> str:
+    """complete | failed | partial (started, resumable) | pending."""
+    from jetflow.orchestrate.local import COMPLETE
+    if (run_dir / COMPLETE).exists():
+        return "complete"
+    if (run_dir / ERROR_FILE).exists():
+        return "failed"
+    return "partial" if run_dir.exists() else "pending"
+
+
+def _comparable(cfg: Config) -> dict:
+    d = to_dict(cfg)
+    for k in _SESSION_KEYS:
+        d["run"].pop(k, None)
+    return d
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in sorted(set(a) | set(b)) for k in _diff(a.get(key), b.get(key), f"{prefix}{key}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def validate(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
+    """Resolve every cell's config; raise ConfigError naming the first bad cell."""
+    from jetflow.orchestrate.build import build_task
+    from jetflow.orchestrate.local import check_backends
+    configs = {}
+    for cell in cells:
+        run_dir = ab.run_dir(cell)
+        try:
+            cfg = cell_config(ab, cell, resume=run_dir.exists())
+            check_backends(cfg)
+            build_task(cfg)  # task parameters are only checked when the task is built
+        except ConfigError as e:
+            raise ConfigError(f"cell {cell.id!r} ({' '.join(cell.overrides)}): {e}") from None
+        saved = run_dir / "config.yaml"
+        if saved.exists():
+            changed = _diff(_comparable(load_config(saved)), _comparable(cfg))
+            if changed:
+                raise ConfigError(f"cell {cell.id!r}: {run_dir} holds a run made with a different config "
+                                  f"({', '.join(changed)}); delete that directory to rerun the cell, or use "
+                                  "another --out-dir")
+        configs[cell.id] = cfg
+    return configs
+
+
+def select(cells: list[Cell], only: list[str] | None) -> list[Cell]:
+    """Cells whose id matches any of `only` (exact ids or shell patterns such as 'mixed-*')."""
+    if not only:
+        return cells
+    unmatched = [p for p in only if not any(fnmatch.fnmatchcase(c.id, p) for c in cells)]
+    if unmatched:
+        raise ConfigError(f"--only {unmatched} matches no cell; cells: {[c.id for c in cells]}")
+    return [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in only)]
+
+
+def run_ablation(path: str | Path, out_dir: str | Path | None = None, only: list[str] | None = None,
+                 dry_run: bool = False, command: str | None = None,
+                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> int:
+    """Validate, then run each selected cell not yet complete, rewriting the report after each.
+    Returns 0, or 1 if a cell failed. A dry run prints the cells and their overrides and runs nothing."""
+    ab = load_ablation(path, out_dir)
+    cells = select(ab.cells, only)
+    configs = validate(ab, cells)
+    if dry_run:
+        base = ab.base_config or "(defaults)"
+        print(f"ablation {ab.name}: {len(cells)} of {len(ab.cells)} cells, base {base}, out_dir {ab.out_dir}")
+        print(f"common overrides: {' '.join(ab.overrides) or '(none)'}")
+        for cell in cells:
+            print(f"  {cell.id:<32} [{cell_status(ab.run_dir(cell))}]  {' '.join(cell.overrides)}")
+        return 0
+
+    from jetflow.ablate_report import write_report
+    from jetflow.bench.common import command_line
+    from jetflow.orchestrate.local import train
+    command = command or command_line()
+    ab.out_dir.mkdir(parents=True, exist_ok=True)
+    failed, stale = [], True  # stale: no report written by this invocation yet
+    for i, cell in enumerate(cells, 1):
+        run_dir = ab.run_dir(cell)
+        status = cell_status(run_dir)
+        if status == "complete":
+            log(f"[ablate] {i}/{len(cells)} {cell.id}: complete, skipped")
+            continue
+        log(f"[ablate] {i}/{len(cells)} {cell.id}: {'resuming' if run_dir.exists() else 'starting'}  "
+            f"{' '.join(cell.overrides)}")
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        try:
+            train(configs[cell.id])
+        except Exception as e:  # noqa: BLE001 - one bad cell should not lose the others
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / ERROR_FILE).write_text(traceback.format_exc())
+            failed.append(cell.id)
+            log(f"[ablate] {cell.id}: FAILED ({type(e).__name__}: {e}); see {run_dir / ERROR_FILE}")
+        else:
+            log(f"[ablate] {cell.id}: done in {time.perf_counter() - t0:.1f}s")
+        report = write_report(ab, command)
+        stale = False
+        log(f"[ablate] report updated: {report}")
+    if stale:
+        report = write_report(ab, command)
+        log(f"[ablate] report: {report}")
+    if failed:
+        log(f"[ablate] {len(failed)} cell(s) failed: {failed}")
+    return 1 if failed else 0

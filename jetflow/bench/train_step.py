@@ -1,0 +1,113 @@
+"""`jetflow bench train-step`: one training step (forward + backward + AdamW) per precision mode.
+
+Work: jetflow's `Trainer.train_step` (micro-batched forward, GRPO policy loss, backward, gradient
+clipping, AdamW on the fp32 master weights) on one fixed synthetic batch: `batch` rows of
+`prompt_len` random prompt tokens + `response_len` random response tokens with random advantages,
+identical in every mode. The modes are the trainer sides of the precision modes: fp32, bf16 (bf16
+GEMMs) and unified (FP8 fprop / dgrad / wgrad; the weights are requantized after every optimizer
+step, as in a run). On the CPU the bf16 and FP8 GEMMs are emulated in fp32: the ratios there measure
+the recipe's overhead, not FP8 hardware.
+
+Each mode takes one warm-up step, then `reps` steps interleaved across the modes (so load from other
+processes hits every mode alike); the median is reported. tokens/s = batch * (prompt_len +
+response_len) / seconds per step; ratios are of tokens/s (above 1: faster than the reference).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from jetflow.bench.common import markdown_table, write_results
+from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
+from jetflow.orchestrate.build import TRAINER_KIND, apply_mode, build_policy, build_task, copy_model
+from jetflow.rl.experience import Experience
+from jetflow.train.trainer import Trainer
+
+MODES = ("fp32", "bf16", "unified")
+
+
+def build_trainers(cfg, modes: tuple[str, ...]) -> tuple[dict[str, Trainer], int, int]:
+    """({mode: Trainer over its own copy of the model}, vocab size, pad id); same initial weights."""
+    task = build_task(cfg)
+    base, tokenizer = build_policy(cfg, task)
+    trainers = {}
+    for mode in modes:
+        mode_cfg = copy.deepcopy(cfg)
+        mode_cfg.precision.mode = mode
+        model = apply_mode(copy_model(base), mode_cfg, "trainer")
+        for p in model.parameters():
+            p.requires_grad_(True)  # copy_model makes rollout-side copies, frozen
+        trainers[mode] = Trainer(model, mode_cfg.train, mode_cfg.algo)
+    return trainers, base.config.vocab_size, tokenizer.pad_token_id
+
+
+def timed_step(trainer: Trainer, exp: Experience) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    metrics = trainer.train_step(exp)
+    if exp.input_ids.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, metrics
+
+
+def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, prompt_len: int = 64,
+        response_len: int = 128, reps: int = 3, device: str | None = None, out_dir: str = "results/bench",
+        name: str | None = None) -> dict:
+    """Benchmark and write <out_dir>/train-step-<cpu|gpu>.{json,md} (or `name`); returns the payload."""
+    cfg = bench_config(model, [f"model.device={device}"] if device else [])
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    trainers, vocab, pad_id = build_trainers(cfg, tuple(modes))
+    exp = synthetic_experience(batch, prompt_len, response_len, vocab, pad_id, device=cfg.model.device)
+    batches = {mode: dataclasses.replace(exp, old_logprobs=t.compute_logprobs(exp)) for mode, t in trainers.items()}
+    tokens = batch * (prompt_len + response_len)
+    samples: dict[str, list[float]] = {mode: [] for mode in trainers}
+    last: dict[str, dict] = {}
+    with LoadAverage() as load:
+        for mode, trainer in trainers.items():  # warm-up: first-call allocations, optimizer state
+            timed_step(trainer, batches[mode])
+        for rep in range(reps):
+            for mode, trainer in trainers.items():
+                dt, last[mode] = timed_step(trainer, batches[mode])
+                samples[mode].append(dt)
+                print(f"  rep {rep}: {mode:8s} {dt * 1e3:9.1f} ms/step  {tokens / dt:8.1f} tokens/s", flush=True)
+    rows = []
+    for mode, times in samples.items():
+        sec = statistics.median(times)
+        rows.append({"mode": mode, "trainer_linear": TRAINER_KIND[mode], "ms_per_step": sec * 1e3,
+                     "tokens_per_s": tokens / sec, "ms_all": [round(t * 1e3, 1) for t in times],
+                     "loss": last[mode]["train/loss"], "grad_norm": last[mode]["train/grad_norm"],
+                     "skipped_steps": trainers[mode].skipped_steps})
+    by_mode = {r["mode"]: r for r in rows}
+    ratios = {}
+    for num, den in (("bf16", "fp32"), ("unified", "fp32"), ("unified", "bf16")):
+        if num in by_mode and den in by_mode:
+            ratios[f"{num}_over_{den}"] = by_mode[num]["tokens_per_s"] / by_mode[den]["tokens_per_s"]
+    if "fp32" in by_mode:
+        for r in rows:
+            r["vs_fp32"] = r["tokens_per_s"] / by_mode["fp32"]["tokens_per_s"]
+    for r in rows:
+        print(f"  {r['mode']:8s} {r['ms_per_step']:9.1f} ms/step  {r['tokens_per_s']:8.1f} tokens/s"
+              + (f"  {r['vs_fp32']:.2f}x fp32" if "vs_fp32" in r else ""))
+    print("  " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
+
+    dev = torch.device(cfg.model.device)
+    headline = {"name": "unified (FP8) / fp32 training tokens/s", "value": ratios.get("unified_over_fp32")}
+    payload = {"workload": {"model": model, "batch": batch, "prompt_len": prompt_len, "response_len": response_len,
+                            "tokens_per_step": tokens, "reps": reps, "micro_batch_size": cfg.train.micro_batch_size,
+                            "optimizer": "AdamW (fp32 master weights)", "loss": cfg.algo.loss_agg},
+               "rows": rows, "ratios": ratios, "headline": headline, "loadavg_1m": load.record()}
+    md = (f"One training step (forward + backward + AdamW, `Trainer.train_step`) of model `{model}` on a fixed "
+          f"synthetic batch of {batch} x ({prompt_len} prompt + {response_len} response) tokens; median of {reps} "
+          f"steps interleaved across modes after one warm-up step each. On the CPU bf16 / FP8 GEMMs are emulated in "
+          f"fp32 (the recipe's overhead, not FP8 hardware). {load.sentence()}\n\n"
+          + markdown_table(rows, ["mode", "trainer_linear", "ms_per_step", "tokens_per_s", "vs_fp32", "loss",
+                                  "skipped_steps"])
+          + "\n\n" + "\n".join(f"- {k} (tokens/s): {v:.3f}" for k, v in ratios.items()))
+    path = write_results(name or f"train-step-{'gpu' if dev.type == 'cuda' else 'cpu'}", payload, md, out_dir)
+    print(f"wrote {path}")
+    return payload

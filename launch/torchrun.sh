@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run `jetflow train` under torchrun, on one node or as one node of many.
+#
+#   launch/torchrun.sh --config configs/tiny.yaml train.steps=2             # 1 node, NPROC_PER_NODE=1
+#   NPROC_PER_NODE=2 launch/torchrun.sh --config configs/tiny.yaml          # 2 processes on this node
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 NPROC_PER_NODE=8 launch/torchrun.sh --config ...   # on host0
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=host0 NPROC_PER_NODE=8 launch/torchrun.sh --config ...   # on host1
+#
+# Environment: NNODES (default $SLURM_NNODES, else 1), NODE_RANK (default $SLURM_NODEID, else 0),
+# NPROC_PER_NODE (1), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500). Under srun the SLURM defaults
+# make one task per node enough. All arguments go to `jetflow train`.
+set -euo pipefail
+
+NNODES=${NNODES:-${SLURM_NNODES:-1}}
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+NPROC_PER_NODE=${NPROC_PER_NODE:-1}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+# the repository's virtual environment when there is one (relative to this script), else `python`
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=python
+if [[ -x $ROOT/.venv/bin/python ]]; then
+    PYTHON=$ROOT/.venv/bin/python
+fi
+
+exec "$PYTHON" -m torch.distributed.run \
+    --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
+    --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
+    -m jetflow.cli train "$@"

@@ -1,0 +1,169 @@
+"""A real one-node SLURM cluster on this machine (scripts/slurm_up.sh: munged, slurmctld, slurmd, all
+state in a temp directory) runs `jetflow launch slurm` for the tiny config, 2 RL steps on 1 node:
+torchrun with 2 processes, and a Ray cluster job (run.orchestrator=ray). Each job must complete with
+exit 0 and leave a complete run directory; the daemons are stopped by their pids afterwards, also
+when a test fails.
+
+Needs root (SlurmUser=root). Missing packages are apt-get installed when running as root, else the
+test is skipped. Deselect with `-m "not slurm"`.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from jetflow.cli import main
+from jetflow.metrics_log import read_metrics
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "squeue", "scontrol", "sinfo")
+JOB_TIMEOUT_S = 360
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """True for a running process; a zombie (killed, not yet reaped by init) counts as gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _ensure_slurm_installed() -> None:
+    if all(shutil.which(b) for b in (*DAEMONS, *CLIENTS)):
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip("SLURM / munge not installed and cannot apt-get them (needs root and apt-get)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "slurmctld", "slurmd", "slurm-client", "munge"]
+    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
+        done = subprocess.run(install, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"apt-get install of SLURM failed: {done.stderr.strip()[-300:]}")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running one-node cluster: yields the environment for its clients (SLURM_CONF)."""
+    if os.geteuid() != 0:
+        pytest.skip("a local SLURM cluster needs root (SlurmUser=root)")
+    _ensure_slurm_installed()
+    state = tmp_path_factory.mktemp("slurm")
+    env = {**os.environ, "SLURMCTLD_PORT": str(_free_port()), "SLURMD_PORT": str(_free_port())}
+    pids: dict[str, int] = {}
+    try:
+        up = subprocess.run(["bash", str(ROOT / "scripts/slurm_up.sh"), str(state)], env=env, capture_output=True,
+                            text=True, timeout=120)
+        pids = {d: int(p.read_text()) for d in DAEMONS if (p := state / f"{d}.pid").is_file()}
+        logs = "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted((state / "log").glob("*.log")))
+        assert up.returncode == 0, f"slurm_up.sh failed:\n{up.stdout}{up.stderr}\n{logs}"
+        assert set(pids) == set(DAEMONS), pids
+        yield {**os.environ, "SLURM_CONF": str(state / "slurm.conf")}
+    finally:
+        down = subprocess.run(["bash", str(ROOT / "scripts/slurm_down.sh"), str(state)], capture_output=True,
+                              text=True, timeout=60)
+        for pid in pids.values():  # whatever slurm_down.sh left: by pid, never by name
+            if _alive(pid):
+                os.kill(pid, 9)
+        time.sleep(0.2)
+        left = {d: p for d, p in pids.items() if _alive(p)}
+        assert down.returncode == 0 and not left, f"daemons still running: {left}\n{down.stderr}"
+
+
+def _job_state(job: str, env: dict) -> dict[str, str]:
+    line = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    return dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+
+
+def _run_job(slurm: dict, capsys, out_dir: Path, name: str, *launch_args: str) -> tuple[Path, str]:
+    """`jetflow launch slurm` a 2-step tiny run, wait for the job; returns (run dir, job output)."""
+    overrides = ["train.steps=2", "train.sft_warmup_steps=20", f"run.out_dir={out_dir}", f"run.name={name}",
+                 "run.progress=false", "run.tensorboard=false"]
+    cpus = str(min(2, os.cpu_count() or 1))
+    assert main(["launch", "slurm", "--config", "configs/tiny.yaml", "--nodes", "1", "--cpus-per-task", cpus,
+                 *launch_args, *overrides]) == 0
+    job = capsys.readouterr().out.split("submitted SLURM job ")[1].split(":")[0]
+    run_dir = out_dir / name
+    kind = launch_args[launch_args.index("--kind") + 1]
+    output = run_dir / "launch" / f"{kind}-{job}.out"
+
+    deadline = time.time() + JOB_TIMEOUT_S
+    info = _job_state(job, slurm)
+    while info.get("JobState") in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") and time.time() < deadline:
+        time.sleep(2)
+        info = _job_state(job, slurm)
+    log = output.read_text() if output.exists() else "(no job output)"
+    if info.get("JobState") in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        subprocess.run(["scancel", job], env=slurm)
+        pytest.fail(f"job {job} still {info['JobState']} after {JOB_TIMEOUT_S} s:\n{log}")
+    assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), f"{info}\n{log}"
+
+    assert (run_dir / "COMPLETE").exists() and (run_dir / "config.yaml").exists(), log
+    assert (run_dir / "launch" / f"{kind}.sbatch").exists()
+    assert [r["step"] for r in read_metrics(run_dir) if r["phase"] == "rl"] == [0, 1]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / latest).is_dir()
+    assert log.count("run complete:") == 1, log  # one process reports
+    return run_dir, log
+
+
+@pytest.fixture
+def job_env(slurm, monkeypatch):
+    """The cluster's client environment; sbatch exports it to the job (MASTER_PORT, RAY_* included)."""
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    return slurm
+
+
+def test_torchrun_job_two_processes_completes(job_env, tmp_path, capsys):
+    run_dir, _ = _run_job(job_env, capsys, tmp_path, "slurm-tiny", "--kind", "torchrun", "--nproc-per-node", "2")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["data_parallel_size"] == 2, summary
+
+
+def test_ray_job_completes_and_stops_ray(job_env, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    # Ray's session directory (its unix sockets must stay under 108 characters) kept apart from
+    # any other Ray instance on this machine; the head port outside Ray's worker port range
+    ray_tmp = Path(tempfile.mkdtemp(prefix="jf-ray-", dir="/tmp"))
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    monkeypatch.setenv("RAY_PORT", str(_free_port()))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        run_dir, log = _run_job(job_env, capsys, tmp_path, "slurm-ray", "--kind", "ray")
+        assert "orchestrator=ray" in log and (run_dir / "summary.json").exists()
+        deadline = time.time() + 60  # the job waited for its `ray start` steps; nothing of Ray is left
+        while (left := _processes_mentioning(str(ray_tmp))) and time.time() < deadline:
+            time.sleep(1)
+        assert not left, left
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text.encode() in (proc / "cmdline").read_bytes() and _alive(int(proc.name)):
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids

