@@ -5,9 +5,10 @@ What crosses depends on the precision mode:
   bf16     every tensor in bf16; the rollout side computes with bf16 GEMMs.
   mixed    every tensor in bf16; the rollout side quantizes the FP8 linears itself (the common
            recipe whose mismatch the ablations measure).
-  unified  the FP8 linears as the trainer's own quantized bytes + scale_inv (never requantized), the
-           rest (embeddings, norms, lm_head) as they are; the recipe fingerprint travels along and
-           the receiver refuses another recipe's bytes.
+  unified  the FP8 linears as the trainer's own quantized bytes + scale_inv (never requantized); the
+           other matrices (embeddings, lm_head, kept layers) in bf16, the grid both sides compute them
+           on; vectors (norms, biases) as they are. The recipe fingerprint travels along and the
+           receiver refuses another recipe's bytes.
 Every receipt checks the version (a stale or repeated update is refused) and, for FP8 payloads, that
 no scale is zero or non-finite (users of FP8 RL report all-zero and stale scales after sync).
 """
@@ -73,7 +74,10 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
         own = getattr(model, "quantized_weights", None)
         quantized = own() if callable(own) else quantized_weights(model)  # the cached bytes the trainer computes with
         skip = {f"{name}.weight" for name in quantized}
-        tensors = {k: v.detach() for k, v in params.items() if k not in skip}
+        # Matrices outside the FP8 linears (embeddings, lm_head, layers the recipe keeps) compute on the
+        # bf16 grid on both sides, so bf16 carries them exactly; vectors (norms, biases) go as they are.
+        tensors = {k: v.detach().to(torch.bfloat16) if v.dim() >= 2 else v.detach()
+                   for k, v in params.items() if k not in skip}
         update = WeightUpdate(version, mode, fingerprint, quantized, tensors)
     elif mode in ("bf16", "mixed"):
         update = WeightUpdate(version, mode, None, {}, {k: v.detach().to(torch.bfloat16) for k, v in params.items()})

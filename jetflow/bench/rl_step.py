@@ -103,11 +103,11 @@ def run(model: str = "smollm2", prompts: int = 4, group_size: int = 4, max_new_t
 
     def jetflow_step(k: int) -> None:
         for mode, loop in loops.items():
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             m = loop.step(k)
             dt = time.perf_counter() - t0
             records[f"jetflow {mode}"].append({
-                "seconds": dt, "rollout_s": m["time/rollout"], "old_logprobs_s": m["time/old_logprobs"],
+                "seconds": dt, "cpu_seconds": time.process_time() - cpu0, "rollout_s": m["time/rollout"], "old_logprobs_s": m["time/old_logprobs"],
                 "train_s": m["time/train"], "sync_s": m["time/sync"], "reward_mean": m["reward/mean"],
                 "response_len_mean": m["response/length_mean"], "torch_threads": torch.get_num_threads()})
             print(f"  step {k}: jetflow {mode:8s} {dt:7.2f} s  (rollout {m['time/rollout']:.2f}, old logprobs "
@@ -157,7 +157,8 @@ def run(model: str = "smollm2", prompts: int = 4, group_size: int = 4, max_new_t
     rows = []
     for system, recs in records.items():
         measured = recs[1:] or recs
-        row = {"system": system, "seconds_per_step": _median(measured, "seconds"), "warmup_s": recs[0]["seconds"],
+        row = {"system": system, "seconds_per_step": _median(measured, "seconds"),
+               "cpu_seconds_per_step": _median(measured, "cpu_seconds"), "warmup_s": recs[0]["seconds"],
                "seconds_all": [round(r["seconds"], 2) for r in recs],
                "response_len_mean": _median(measured, "response_len_mean"), "reward_mean": _median(measured, "reward_mean")}
         for key in ("rollout_s", "old_logprobs_s", "train_s", "sync_s"):
@@ -167,13 +168,20 @@ def run(model: str = "smollm2", prompts: int = 4, group_size: int = 4, max_new_t
     trl_row = next((r for r in rows if r["system"].startswith("trl")), None)
     ratios = {}
     if trl_row is not None:
+        trl_steps = records["trl GRPOTrainer fp32"]
         for r in rows:
             r["vs_trl"] = r["seconds_per_step"] / trl_row["seconds_per_step"]
+            r["cpu_vs_trl"] = r["cpu_seconds_per_step"] / trl_row["cpu_seconds_per_step"]
             if r is not trl_row:
-                ratios[f"{r['system'].replace(' ', '_')}_over_trl"] = r["vs_trl"]
+                key = r["system"].replace(" ", "_")
+                ratios[f"{key}_over_trl"] = r["vs_trl"]
+                ratios[f"{key}_over_trl_cpu"] = r["cpu_vs_trl"]
+                # each jetflow step ran right after the TRL step of the same index: the pairs shared the load
+                ratios[f"{key}_over_trl_paired_median"] = statistics.median(
+                    j["seconds"] / t["seconds"] for j, t in zip(records[r["system"]][1:], trl_steps[1:]))
     for r in rows:
-        print(f"  {r['system']:22s} {r['seconds_per_step']:7.2f} s/step" +
-              (f"  {r['vs_trl']:.2f}x TRL" if "vs_trl" in r else ""))
+        print(f"  {r['system']:22s} {r['seconds_per_step']:7.2f} s/step  {r['cpu_seconds_per_step']:7.2f} CPU s/step"
+              + (f"  {r['vs_trl']:.2f}x TRL (CPU time {r['cpu_vs_trl']:.2f}x)" if "vs_trl" in r else ""))
     for note in notes:
         print(f"  note: {note}")
 
@@ -190,9 +198,13 @@ def run(model: str = "smollm2", prompts: int = 4, group_size: int = 4, max_new_t
           f"same prompt strings and reward on every side. Median of {reps} steps after one warm-up step, the sides "
           f"interleaved step by step. jetflow: `RLLoop.step` (sync + rollout + old log-probs + update); TRL: one "
           f"`GRPOTrainer` optimizer step, fp32 on the CPU, no vLLM, no gradient checkpointing. {load.sentence()}\n\n"
-          + markdown_table(rows, ["system", "seconds_per_step", "vs_trl", "warmup_s", "rollout_s", "old_logprobs_s",
-                                  "train_s", "sync_s", "response_len_mean", "reward_mean"])
-          + ("\n\n" + "\n".join(f"- {k} (seconds per step): {v:.3f}" for k, v in ratios.items()) if ratios else "")
+          + markdown_table(rows, ["system", "seconds_per_step", "vs_trl", "cpu_seconds_per_step", "cpu_vs_trl",
+                                  "warmup_s", "rollout_s", "old_logprobs_s", "train_s", "sync_s", "response_len_mean",
+                                  "reward_mean"])
+          + "\n\nseconds = wall clock; cpu_seconds = this process's CPU time (all its threads), less sensitive to "
+            "other processes on a shared machine; `_paired_median` = median over steps of jetflow step k / TRL step k "
+            "(run back to back)."
+          + ("\n\n" + "\n".join(f"- {k}: {v:.3f}" for k, v in ratios.items()) if ratios else "")
           + ("\n\n" + "\n".join(f"- note: {n}" for n in notes) if notes else ""))
     tag = "gpu" if torch.device(cfg.model.device).type == "cuda" else "cpu"
     path = write_results(name or f"rl-step-{tag}", payload, md, out_dir)

@@ -6,9 +6,10 @@ one optimizer step per generation batch (`per_device_train_batch_size` = prompts
 `gradient_accumulation_steps` = 1), the dataset in order (step k sees the k-th block of prompts,
 as jetflow's loop does), and jetflow's clipping (epsilon / epsilon_high) and learning rate.
 
-A step is timed from the trainer's `on_step_begin` to its `on_step_end` callback: generation,
-reward, loss, backward and the optimizer step. `between_steps(k, record)` runs after step k's timing ends
-(the bench runs jetflow's step k there, so both sides see the same machine load).
+A step is timed (wall clock and this process's CPU time) from the trainer's `on_step_begin` to its
+`on_step_end` callback: generation, reward, loss, backward and the optimizer step; its rollout part
+(`model.generate`) is timed on its own too. `between_steps(k, record)` runs after step k's timing
+ends (the bench runs jetflow's step k there, so both sides see the same machine load).
 """
 
 from __future__ import annotations
@@ -71,17 +72,28 @@ def run_grpo_steps(model_dir: str, prompts_per_step: list[list[str]], score: Cal
 
     class StepTimer(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            self.t0 = time.perf_counter()
+            self.t0, self.cpu0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             k = state.global_step - 1
-            records[k].update(seconds=time.perf_counter() - self.t0, torch_threads=torch.get_num_threads())
+            records[k].update(seconds=time.perf_counter() - self.t0, cpu_seconds=time.process_time() - self.cpu0,
+                              torch_threads=torch.get_num_threads())
             step_of_call["k"] = k + 1
             if between_steps is not None:
                 between_steps(k, records[k])
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generate = model.generate
+
+    def timed_generate(*args, **kwargs):  # TRL's rollout: transformers generate on this model
+        t0 = time.perf_counter()
+        out = generate(*args, **kwargs)
+        rec = records[min(step_of_call["k"], len(records) - 1)]
+        rec["rollout_s"] = rec.get("rollout_s", 0.0) + time.perf_counter() - t0
+        return out
+
+    model.generate = timed_generate
     with tempfile.TemporaryDirectory(prefix="jetflow-trl-") as out_dir:
         args = trl.GRPOConfig(
             output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,

@@ -330,6 +330,10 @@ class Decoder(nn.Module):
         # RoPE inverse frequencies (D/2,), a non-persistent buffer (not in the state dict). Made on
         # the CPU even when the model is built on the meta device, and kept fp32 by `_apply`.
         self.register_buffer("rope_inv_freq", rope_inv_freq(config, device="cpu"), persistent=False)
+        self.embed_grid: torch.dtype | None = None
+        """Round embedding outputs to this dtype's grid (bf16 under the bf16 / mixed / unified modes,
+        as the recipe keeps embeddings in bf16): trainer and rollout then agree on them, and the
+        embedding can ship in bf16 (jetflow.sync)."""
 
     def _apply(self, fn, recurse=True):
         """After .to() / .cuda() / .bfloat16(): recompute rope_inv_freq in fp32 on its new device, so
@@ -406,6 +410,8 @@ class Decoder(nn.Module):
             mask = mask[:, None]  # (B|1, 1, T, S)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        if self.embed_grid is not None:  # the embedding computes on the bf16 grid (precision modes)
+            x = x.to(self.embed_grid).to(x.dtype)
         # RoPE tables in fp32, then cast to the activation dtype (as transformers does)
         freqs = position_ids[..., None].float() * self.rope_inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)

@@ -111,9 +111,15 @@ def copy_model(model: Decoder) -> Decoder:
     return clone
 
 
+def embedding_grid(kind: str) -> torch.dtype | None:
+    """Embeddings stay in bf16 under every reduced-precision kind (the recipe keeps them high precision)."""
+    return None if kind == "fp32" else torch.bfloat16
+
+
 def apply_mode(model: Decoder, cfg: Config, side: str) -> Decoder:
-    kinds = TRAINER_KIND if side == "trainer" else ROLLOUT_KIND
-    return apply_precision(model, kinds[cfg.precision.mode], cfg.precision.recipe(), cfg.precision.gemm_backend,
+    kind = (TRAINER_KIND if side == "trainer" else ROLLOUT_KIND)[cfg.precision.mode]
+    model.embed_grid = embedding_grid(kind)
+    return apply_precision(model, kind, cfg.precision.recipe(), cfg.precision.gemm_backend,
                            num_layers=model.config.num_layers)
 
 

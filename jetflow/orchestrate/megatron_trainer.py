@@ -66,13 +66,16 @@ def build_megatron_policy(cfg: Config, decoder: Decoder):
     """A MegatronPolicy with `decoder`'s config and weights, its linears under the precision mode."""
     from jetflow.train.megatron import MegatronConfigError, MegatronPolicy
 
+    from jetflow.orchestrate.build import TRAINER_KIND, embedding_grid
     try:
-        return MegatronPolicy.from_decoder(
+        policy = MegatronPolicy.from_decoder(
             decoder, kind=MEGATRON_KIND[cfg.precision.mode], recipe=cfg.precision.recipe(),
             gemm_backend=cfg.precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
             pipeline_parallel_size=cfg.train.pipeline_parallel_size, seed=cfg.run.seed)
     except MegatronConfigError as e:
         raise ConfigError(f"train.backend=megatron: {e}") from None
+    policy.embed_grid = embedding_grid(TRAINER_KIND[cfg.precision.mode])
+    return policy
 
 
 def build_trainer_model(cfg: Config, decoder: Decoder):

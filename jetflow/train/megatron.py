@@ -609,6 +609,7 @@ class MegatronPolicy(nn.Module):
             self.gpt.output_layer.weight = old.weight
         self._configure_linears()
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+        self.embed_grid: torch.dtype | None = None  # see Decoder.embed_grid
         self.to(device)
 
     # Construction helpers ----------------------------------------------------------------------
@@ -688,6 +689,8 @@ class MegatronPolicy(nn.Module):
         rope = torch.cat((freqs, freqs), dim=-1).transpose(0, 1)[:, :, None, :]  # (T, B, 1, D)
 
         x = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # (T, B, C)
+        if self.embed_grid is not None:  # as Decoder.embed_grid: embeddings on the bf16 grid
+            x = x.to(self.embed_grid).to(x.dtype)
         x = self.gpt.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)  # (T, B, C), final norm
         return x.transpose(0, 1)  # (B, T, C)
 

@@ -25,6 +25,9 @@ def test_unified_ships_the_trainers_bytes_and_rollout_matches_trainer():
     fp = cfg.precision.recipe().fingerprint()
     update = build_update(trainer, "unified", version=0, fingerprint=fp, with_checksum=True)
     assert set(update.quantized) == set(fp8_linears(trainer)) and update.quantized
+    # other matrices travel on the bf16 grid both sides compute them on; vectors as they are
+    assert update.tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert update.tensors["model.norm.weight"].dtype == torch.float32
     assert apply_update(rollout, update, current_version=-1, fingerprint=fp) == 0
     for name, layer in fp8_linears(rollout).items():
         assert layer.quantized_weight() is update.quantized[name]  # the same bytes, not a requantization
