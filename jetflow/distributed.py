@@ -23,9 +23,11 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DataParallel:
-    rank: int = 0
-    world_size: int = 1
+    rank: int = 0  # within the data-parallel group
+    world_size: int = 1  # data-parallel size
     device: str = "cpu"  # where reduction buffers live (NCCL reduces CUDA tensors only)
+    group: object = None  # the data-parallel process group (None: the whole world)
+    global_rank: int = 0  # rank in the world: rank 0 alone writes files
 
     @property
     def enabled(self) -> bool:
@@ -33,7 +35,7 @@ class DataParallel:
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.global_rank == 0
 
     def shard(self, n: int) -> range:
         """This rank's slice of n items (n must divide evenly: ranks hold whole groups)."""
@@ -46,7 +48,7 @@ class DataParallel:
         if not self.enabled:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return float(t.item())
 
     def sum_dict(self, values: dict[str, float]) -> dict[str, float]:
@@ -54,7 +56,7 @@ class DataParallel:
             return values
         keys = sorted(values)
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return dict(zip(keys, t.cpu().tolist()))
 
     def mean_dict(self, values: dict[str, float]) -> dict[str, float]:
@@ -65,8 +67,8 @@ class DataParallel:
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
         is_max = torch.tensor([k.endswith("max") for k in keys], device=self.device)
         summed, maxed = t.clone(), t.clone()
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self.group)
         out = torch.where(is_max, maxed, summed / self.world_size)
         return dict(zip(keys, out.cpu().tolist()))
 
@@ -74,7 +76,7 @@ class DataParallel:
         """In-place element-wise max over ranks (e.g. FP8 KV amax, so every rank gets one scale)."""
         if self.enabled:
             buf = tensor.to(self.device)
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
             tensor.copy_(buf)
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
@@ -86,15 +88,22 @@ class DataParallel:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
     def barrier(self) -> None:
-        if self.enabled:
+        """All processes of the world (data-parallel and model-parallel ranks alike)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+
+    def within(self, group, rank: int, world_size: int) -> "DataParallel":
+        """The data-parallel view of a world that also splits the model (Megatron tensor parallelism):
+        collectives over `group`, files still written by world rank 0."""
+        return DataParallel(rank=rank, world_size=world_size, device=self.device, group=group,
+                            global_rank=self.global_rank)
 
 
 SINGLE = DataParallel()
@@ -110,7 +119,7 @@ def init_from_env(device: str = "cpu") -> DataParallel:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
-    return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(),
+    return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(), global_rank=dist.get_rank(),
                         device=f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu")
 
 

@@ -107,8 +107,9 @@ def run(model: str = "smollm2", prompts: int = 4, group_size: int = 4, max_new_t
             m = loop.step(k)
             dt = time.perf_counter() - t0
             records[f"jetflow {mode}"].append({
-                "seconds": dt, "cpu_seconds": time.process_time() - cpu0, "rollout_s": m["time/rollout"], "old_logprobs_s": m["time/old_logprobs"],
-                "train_s": m["time/train"], "sync_s": m["time/sync"], "reward_mean": m["reward/mean"],
+                "seconds": dt, "cpu_seconds": time.process_time() - cpu0, "rollout_s": m["time/rollout"],
+                "old_logprobs_s": m["time/old_logprobs"], "train_s": m["time/train"], "sync_s": m["time/sync"],
+                "reward_mean": m["reward/mean"],
                 "response_len_mean": m["response/length_mean"], "torch_threads": torch.get_num_threads()})
             print(f"  step {k}: jetflow {mode:8s} {dt:7.2f} s  (rollout {m['time/rollout']:.2f}, old logprobs "
                   f"{m['time/old_logprobs']:.2f}, train {m['time/train']:.2f}, sync {m['time/sync']:.2f}; "
@@ -141,7 +142,8 @@ def run(model: str = "smollm2", prompts: int = 4, group_size: int = 4, max_new_t
                     return task.score(problems[i], completion).total
 
                 def between(k: int, record: dict) -> None:
-                    print(f"  step {k}: trl GRPOTrainer  {record['seconds']:7.2f} s  (mean response "
+                    print(f"  step {k}: trl GRPOTrainer  {record['seconds']:7.2f} s  (rollout "
+                          f"{record.get('rollout_s', float('nan')):.2f}; mean response "
                           f"{record.get('response_len_mean', float('nan')):.1f} tokens)", flush=True)
                     jetflow_step(k)
 
@@ -160,7 +162,8 @@ def run(model: str = "smollm2", prompts: int = 4, group_size: int = 4, max_new_t
         row = {"system": system, "seconds_per_step": _median(measured, "seconds"),
                "cpu_seconds_per_step": _median(measured, "cpu_seconds"), "warmup_s": recs[0]["seconds"],
                "seconds_all": [round(r["seconds"], 2) for r in recs],
-               "response_len_mean": _median(measured, "response_len_mean"), "reward_mean": _median(measured, "reward_mean")}
+               "response_len_mean": _median(measured, "response_len_mean"),
+               "reward_mean": _median(measured, "reward_mean")}
         for key in ("rollout_s", "old_logprobs_s", "train_s", "sync_s"):
             if recs[0].get(key) is not None:
                 row[key] = _median(measured, key)

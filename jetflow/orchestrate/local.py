@@ -23,11 +23,12 @@ from jetflow.loop import RLLoop
 from jetflow.metrics_log import MetricsLogger
 from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
                                        prompt_encoder, stop_token_ids)
-from jetflow.orchestrate.megatron_trainer import build_trainer_model, check_megatron
+from jetflow.orchestrate.megatron_trainer import (build_trainer_model, check_megatron, gather_trainer_state,
+                                                  model_data_parallel, select_trainer_state)
 from jetflow.orchestrate.native_rollout import NativeRollout
 from jetflow.orchestrate.vllm_rollout import build_vllm_rollout, check_vllm
 from jetflow.rl.experience import pack_experience
-from jetflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from jetflow.train.checkpoint import checkpoint_weights, latest_checkpoint, load_checkpoint, save_checkpoint
 from jetflow.train.trainer import Trainer
 
 COMPLETE = "COMPLETE"
@@ -116,6 +117,7 @@ class TrainerSide:
         model, self.tokenizer = build_policy(cfg, self.task)
         self.encode = prompt_encoder(cfg, self.tokenizer, self.task)
         self.model = build_trainer_model(cfg, model)  # the Decoder under the precision mode, or a MegatronPolicy of it
+        self.dp = dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
         self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=dp)
         self.kv_quantizer = attach_kv_fp8(self.model, cfg, "trainer")
 
@@ -128,14 +130,18 @@ class TrainerSide:
     def restore(self, checkpoint: Path) -> dict:
         """Load a checkpoint into model, optimizer and KV quantizer; returns its state (next_step, sft_done)."""
         saved, state = load_checkpoint(checkpoint, self.model)
+        saved = select_trainer_state(self.model, saved)
         self.trainer.load_state_dict(saved)
         if self.kv_quantizer is not None and "kv_quantizer" in saved:
             self.kv_quantizer.load_state_dict(saved["kv_quantizer"])
         return state
 
     def save(self, run_dir: Path, step: int, sft_done: bool) -> None:
+        weights = checkpoint_weights(self.model)  # every rank: gathering TP shards is a collective
+        trainer_state = gather_trainer_state(self.model, self.state())
         if self.dp.is_main:
-            save_checkpoint(run_dir, step, self.model, self.state(), {"next_step": step, "sft_done": sft_done})
+            save_checkpoint(run_dir, step, self.model, trainer_state, {"next_step": step, "sft_done": sft_done},
+                            model_state=weights)
         self.dp.barrier()
 
     def supervised_warmup(self, logger=None, progress=None) -> list[dict]:
@@ -162,7 +168,7 @@ def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Pa
     eos = stop_token_ids(tokenizer, source, task)
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
         return build_vllm_rollout(cfg, copy_model(source), tokenizer, eos, task.stop, max_seq_len,
-                                  run_dir / (f"vllm_engine_rank{dp.rank}" if dp.enabled else "vllm_engine"))
+                                  run_dir / (f"vllm_engine_rank{dp.global_rank}" if dp.global_rank else "vllm_engine"))
     rollout_model = apply_mode(copy_model(source), cfg, "rollout")
     attach_kv_fp8(rollout_model, cfg, "rollout")
     return NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,
@@ -228,13 +234,15 @@ def train(cfg: Config) -> Path:
 
 
 def _train(cfg: Config, dp: DataParallel) -> Path:
-    if cfg.train.prompts_per_step % dp.world_size or cfg.train.sft_batch_size % dp.world_size:
+    world = dp.world_size // cfg.train.tensor_parallel_size if cfg.train.backend == "megatron" else dp.world_size
+    if cfg.train.prompts_per_step % max(world, 1) or cfg.train.sft_batch_size % max(world, 1):
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} and train.sft_batch_size="
-                          f"{cfg.train.sft_batch_size} must be multiples of the data-parallel size {dp.world_size}")
+                          f"{cfg.train.sft_batch_size} must be multiples of the data-parallel size {world}")
     run_dir = prepare_run_dir(cfg, dp)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     side = build_trainer_side(cfg, dp)
+    dp = side.dp  # the data-parallel view (Megatron tensor parallelism splits the world further)
 
     start_step, sft_done = 0, False
     checkpoint = latest_checkpoint(run_dir) if cfg.run.resume else None

@@ -12,17 +12,18 @@ micro-batching and RL loop run unchanged; what differs goes through duck-typed h
   - checkpoints and the rollout side's copy: HF-named weights (`hf_state_dict` / `load_hf_state_dict`),
     so a checkpoint is the same file whichever backend wrote it.
 
-Parallelism: one process runs TP=1 (a gloo world of size 1); under torchrun each process is a
-data-parallel rank (jetflow.distributed) holding a whole TP=1 policy. `train.tensor_parallel_size > 1`
-is refused by `check_megatron` for now: the trainer side is ready (the policy's TP shards,
-`clip_grad_norm_` over the TP group, `hf_state_dict` / `quantized_weights` gathering the shards), but
-the data-parallel ranks of `jetflow train` would first have to span Megatron's DP group (world / TP)
-instead of the whole world. Pipeline parallelism is not implemented (refused too).
+Parallelism: one process runs TP=1 (a gloo world of size 1). Under `torchrun --nproc_per_node N` with
+`train.tensor_parallel_size=T`, Megatron splits the world into TP groups of T ranks and N / T data-
+parallel ranks: losses and gradients are summed over Megatron's data-parallel group only
+(`model_data_parallel`), every rank runs its own rollout engine on its DP rank's prompts, and world rank
+0 writes the checkpoint after all ranks gathered the weights; the optimizer state of every TP shard
+goes into it (`gather_trainer_state`). Pipeline parallelism is not implemented (refused).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from jetflow.config import Config, ConfigError
 from jetflow.model import Decoder
@@ -49,14 +50,11 @@ def check_megatron(cfg: Config) -> None:
     if cfg.precision.kv_cache_fp8:
         raise ConfigError("precision.kv_cache_fp8=true with train.backend=megatron is not supported: the trainer-side "
                           "K/V quantizer hooks the native Decoder's attention; use train.backend=native")
-    if t.tensor_parallel_size > 1:
-        raise ConfigError(
-            f"train.tensor_parallel_size={t.tensor_parallel_size}: tensor parallelism is not wired into "
-            "`jetflow train` yet. The trainer side supports it (MegatronPolicy shards, TP-aware gradient "
-            "clipping, HF weights gathered for sync and checkpoints; tests/integration/test_megatron_tp.py), but "
-            "`jetflow train` under torchrun treats every process as a data-parallel rank (jetflow.distributed), "
-            "which would sum the gradients of different TP shards; use train.tensor_parallel_size=1 (and torchrun "
-            "for data parallelism)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % t.tensor_parallel_size:
+        raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} needs a multiple of that many "
+                          f"processes, this run has {world}: launch with `torchrun --nproc_per_node "
+                          f"{t.tensor_parallel_size} -m jetflow.cli train ...` (or launch/torchrun.sh)")
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         from jetflow.train.megatron import INSTALL_HINT
         raise ConfigError(f"train.backend=megatron needs Megatron-Core, which is not installed: {INSTALL_HINT}")
@@ -84,3 +82,34 @@ def build_trainer_model(cfg: Config, decoder: Decoder):
         return build_megatron_policy(cfg, decoder)
     from jetflow.orchestrate.build import apply_mode
     return apply_mode(decoder, cfg, "trainer")
+
+
+def model_data_parallel(model, dp):
+    """The data-parallel view for a tensor-parallel MegatronPolicy: the ranks of one TP group hold the
+    same data and different shards, so losses and gradients are summed over Megatron's data-parallel
+    group only (world / TP ranks). Any other model: `dp` itself."""
+    if getattr(model, "tp_size", 1) == 1:
+        return dp
+    from megatron.core import parallel_state as ps
+    return dp.within(ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+
+def gather_trainer_state(model, state: dict) -> dict | None:
+    """Optimizer state is per TP shard: gather every TP rank's to TP rank 0 (None elsewhere), so one
+    checkpoint file holds all of them; `select_trainer_state` picks a rank's own on resume."""
+    if getattr(model, "tp_size", 1) == 1:
+        return state
+    import torch.distributed as dist
+    states = [None] * model.tp_size if model.tp_rank == 0 else None
+    dist.gather_object(state, states, group_dst=0, group=model.tp_group)
+    return {"tp_states": states} if model.tp_rank == 0 else None
+
+
+def select_trainer_state(model, saved: dict) -> dict:
+    if "tp_states" not in saved:
+        return saved
+    states = saved["tp_states"]
+    if len(states) != getattr(model, "tp_size", 1):
+        raise ConfigError(f"checkpoint holds optimizer state for {len(states)} tensor-parallel ranks, this run has "
+                          f"train.tensor_parallel_size={getattr(model, 'tp_size', 1)}")
+    return states[model.tp_rank]

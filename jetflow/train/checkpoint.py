@@ -26,15 +26,16 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, model_state: dict[str, torch.Tensor] | None = None) -> Path:
+    """`model_state`: the weights to write when the caller gathered them already (tensor parallelism:
+    a collective every rank joins before rank 0 writes); default: the model's own."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    hf_state_dict = getattr(model, "hf_state_dict", None)  # a Megatron policy: HF names, TP shards gathered
-    state_dict = hf_state_dict() if callable(hf_state_dict) else model.state_dict()
+    state_dict = model_state if model_state is not None else checkpoint_weights(model)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied: the embedding is the one copy
@@ -48,6 +49,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     for old in sorted(p for p in root.glob("step_*") if p != final)[:-max(keep - 1, 0) or None]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint stores: HF-named weights (a Megatron policy gathers its TP shards: a
+    collective, so every rank must call it)."""
+    hf_state_dict = getattr(model, "hf_state_dict", None)
+    return hf_state_dict() if callable(hf_state_dict) else model.state_dict()
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -3,6 +3,7 @@ global batch: same per-step loss (fp32, <= 1e-5) over 5 steps, one set of logs a
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,12 @@ from jetflow.metrics_log import read_metrics
 from jetflow.orchestrate.local import COMPLETE
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 COMMON = ["--config", "configs/tiny.yaml", "precision.mode=fp32", "train.steps=5", "train.sft_warmup_steps=20",
           "train.prompts_per_step=4", "rollout.group_size=4", "run.progress=false", "run.tensorboard=false",
           "run.num_threads=1"]
@@ -30,8 +37,8 @@ def _run(launcher: list[str], out: Path, name: str) -> Path:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
     one = _run([sys.executable], out, "one")
-    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"],
-               out, "two")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    two = _run(torchrun, out, "two")
     return one, two
 
 
