@@ -32,7 +32,12 @@ def environment() -> dict:
 
 
 def command_line() -> str:
-    return " ".join(["jetflow", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("jetflow") else " ".join(sys.argv)
+    """The command as a user would type it: `jetflow ...` whether run as the entry point or `python -m
+    jetflow.cli`, with arguments that need it shell-quoted."""
+    import shlex
+    entry = bool(sys.argv) and (sys.argv[0].endswith("jetflow") or sys.argv[0].endswith("jetflow/cli.py"))
+    args = sys.argv[1:] if entry else sys.argv
+    return " ".join(["jetflow" if entry else "", *map(shlex.quote, args)]).strip()
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 2, iters: int = 5,

@@ -53,7 +53,10 @@ def _own_headline(module_name: str, file_prefix: str) -> Callable:
         if device is not None and module_name != "rl_step":
             kw["device"] = device
         payload = module.run(model, out_dir=out_dir, **kw)
-        return f"{file_prefix}-{_device_tag(device)}", payload, payload["headline"]
+        headline = dict(payload["headline"])
+        if headline["value"] is None and payload.get("notes"):
+            headline["note"] = payload["notes"][0]  # e.g. why TRL did not run
+        return f"{file_prefix}-{_device_tag(device)}", payload, headline
     return runner
 
 
@@ -81,6 +84,8 @@ def run(model: str = "smollm2", benches: tuple[str, ...] = BENCHES, out_dir: str
         try:
             file, _, headline = RUNNERS[bench](model, out_dir, device, **options.get(bench, {}))
             row.update(file=f"{file}.md", headline=headline["name"], value=headline["value"])
+            if "note" in headline:
+                row["note"] = headline["note"]
         except Exception as e:  # one broken bench must not hide the others' results
             traceback.print_exc()
             row.update(error=f"{type(e).__name__}: {e}")
@@ -89,7 +94,8 @@ def run(model: str = "smollm2", benches: tuple[str, ...] = BENCHES, out_dir: str
     failed = [r["bench"] for r in rows if "error" in r]
     payload = {"model": model, "benches": list(benches), "options": options, "rows": rows, "failed": failed}
     table_rows = [{**r, "file": f"[{r['file']}]({r['file']})" if "file" in r else "",
-                   "value": r.get("value") if r.get("value") is not None else r.get("error", "n/a")} for r in rows]
+                   "value": r["value"] if r.get("value") is not None else r.get("error", r.get("note", "n/a"))}
+                  for r in rows]
     md = (f"Benchmark suite on model `{model}`: each line links the benchmark's own result (its workload, "
           f"machine load and full table).\n\n"
           + markdown_table(table_rows, ["bench", "headline", "value", "file", "seconds"]))

@@ -153,9 +153,10 @@ def build_trainer_side(cfg: Config, dp: DataParallel = SINGLE) -> TrainerSide:
 
 
 def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Path | None = None,
-                       dp: DataParallel = SINGLE):
+                       dp: DataParallel = SINGLE, engine_dir: Path | None = None):
     """The rollout engine of a run. Beside a trainer (`side`) it starts from a copy of the trainer's
-    model; alone (a Ray rollout actor) it builds its own, whose weights the first sync replaces."""
+    model; alone (a Ray rollout actor) it builds its own, whose weights the first sync replaces.
+    A vLLM engine starts from a checkpoint written to `engine_dir` (default: in the run directory)."""
     if side is not None:
         task, tokenizer, encode, source = side.task, side.tokenizer, side.encode, side.model
     else:
@@ -167,8 +168,8 @@ def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Pa
     max_seq_len = 2 * max_prompt + cfg.rollout.max_new_tokens + 16
     eos = stop_token_ids(tokenizer, source, task)
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
-        return build_vllm_rollout(cfg, copy_model(source), tokenizer, eos, task.stop, max_seq_len,
-                                  run_dir / (f"vllm_engine_rank{dp.global_rank}" if dp.global_rank else "vllm_engine"))
+        engine_dir = engine_dir or run_dir / (f"vllm_engine_rank{dp.global_rank}" if dp.global_rank else "vllm_engine")
+        return build_vllm_rollout(cfg, copy_model(source), tokenizer, eos, task.stop, max_seq_len, engine_dir)
     rollout_model = apply_mode(copy_model(source), cfg, "rollout")
     attach_kv_fp8(rollout_model, cfg, "rollout")
     return NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,

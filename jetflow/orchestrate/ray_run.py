@@ -59,10 +59,10 @@ def _load_cfg(cfg_dict: dict) -> Config:
 class RolloutWorker:
     """One rollout engine replica: jetflow's native engine over its own model copy."""
 
-    def __init__(self, cfg_dict: dict, num_threads: int = 1):
+    def __init__(self, cfg_dict: dict, num_threads: int, engine_dir: str):
         torch.set_num_threads(num_threads)
         from jetflow.orchestrate.local import build_rollout_side
-        self.rollout = build_rollout_side(_load_cfg(cfg_dict))
+        self.rollout = build_rollout_side(_load_cfg(cfg_dict), engine_dir=Path(engine_dir))
 
     def load_weights(self, update: WeightUpdate) -> int:
         self.rollout.load_weights(update)  # verifies version, fingerprint, checksum, scales
@@ -232,8 +232,8 @@ class RayRollout:
 
 def check_ray(cfg: Config) -> None:
     if cfg.train.backend != "native" or cfg.rollout.backend != "native":
-        raise ConfigError("run.orchestrator=ray runs the native trainer and rollout engines today "
-                          "(train.backend=native, rollout.backend=native)")
+        raise ConfigError("run.orchestrator=ray runs the native trainer and rollout engines today (train.backend="
+                          "native, rollout.backend=native); Megatron and vLLM run under torchrun / in-process")
     if cfg.precision.kv_cache_fp8:
         raise ConfigError("precision.kv_cache_fp8 is not supported under run.orchestrator=ray yet")
     if cfg.train.prompts_per_step % cfg.train.num_workers or cfg.train.sft_batch_size % cfg.train.num_workers:
@@ -263,7 +263,8 @@ def train_ray(cfg: Config) -> Path:
     port = _free_port()
     w = cfg.train.num_workers
     workers = [trainer_cls.remote(cfg_dict, r, w, port, threads) for r in range(w)]
-    engines = [rollout_cls.remote(cfg_dict, threads) for _ in range(cfg.rollout.num_engines)]
+    engines = [rollout_cls.remote(cfg_dict, threads, str(run_dir / f"rollout_engine{i}"))
+               for i in range(cfg.rollout.num_engines)]
     trainer = TrainerGroup(ray, workers, cfg)
     rollout = RayRollout(ray, engines)
     logger = MetricsLogger(run_dir, cfg.run.tensorboard)
