@@ -3,7 +3,8 @@
     driver (this process)          RLLoop: prompts, rewards, advantages, metrics, logs, checkpoints
     TrainerWorker x train.num_workers   a Trainer each, data parallel over gloo (NCCL on GPUs);
                                         worker 0 builds the weight update and puts it in the object store
-    RolloutWorker x rollout.num_engines the native engine over its own model copy
+    RolloutWorker x rollout.num_engines a rollout engine: native, or vLLM (rollout.backend=vllm) started
+                                        from a checkpoint of its own under the run directory
 
 Weights move once per step: worker 0 puts its `WeightUpdate` (under `unified` the FP8 bytes + scales
 it trains with) into the object store with a checksum; every rollout actor fetches it and verifies
@@ -231,9 +232,9 @@ class RayRollout:
 
 
 def check_ray(cfg: Config) -> None:
-    if cfg.train.backend != "native" or cfg.rollout.backend != "native":
-        raise ConfigError("run.orchestrator=ray runs the native trainer and rollout engines today (train.backend="
-                          "native, rollout.backend=native); Megatron and vLLM run under torchrun / in-process")
+    if cfg.train.backend != "native":
+        raise ConfigError("run.orchestrator=ray runs the native trainer today (train.backend=native); Megatron "
+                          "runs under torchrun")
     if cfg.precision.kv_cache_fp8:
         raise ConfigError("precision.kv_cache_fp8 is not supported under run.orchestrator=ray yet")
     if cfg.train.prompts_per_step % cfg.train.num_workers or cfg.train.sft_batch_size % cfg.train.num_workers:
