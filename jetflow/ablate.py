@@ -44,7 +44,6 @@ jetflow.ablate_report) is rewritten from whatever runs exist, so partial results
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import json
 import re
 import sys

@@ -14,6 +14,7 @@ module's `forward`, which DDP's hooks rely on.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -107,6 +108,13 @@ class DataParallel:
 
 
 SINGLE = DataParallel()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine right now (for a rendezvous: torchrun, gloo, Ray trainer workers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_from_env(device: str = "cpu") -> DataParallel:

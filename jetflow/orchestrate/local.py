@@ -112,13 +112,13 @@ class TrainerSide:
     optional FP8 KV quantizer. One per process (or per data-parallel rank / Ray trainer worker)."""
 
     def __init__(self, cfg: Config, dp: DataParallel = SINGLE):
-        self.cfg, self.dp = cfg, dp
+        self.cfg = cfg
         self.task = build_task(cfg)
         model, self.tokenizer = build_policy(cfg, self.task)
         self.encode = prompt_encoder(cfg, self.tokenizer, self.task)
         self.model = build_trainer_model(cfg, model)  # the Decoder under the precision mode, or a MegatronPolicy of it
-        self.dp = dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
-        self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=dp)
+        self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
+        self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp)
         self.kv_quantizer = attach_kv_fp8(self.model, cfg, "trainer")
 
     def state(self) -> dict:
@@ -146,10 +146,6 @@ class TrainerSide:
 
     def supervised_warmup(self, logger=None, progress=None) -> list[dict]:
         return supervised_warmup(self.cfg, self.model, self.task, self.encode, self.tokenizer, logger, progress, self.dp)
-
-
-def build_trainer_side(cfg: Config, dp: DataParallel = SINGLE) -> TrainerSide:
-    return TrainerSide(cfg, dp)
 
 
 def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Path | None = None,
@@ -242,7 +238,7 @@ def _train(cfg: Config, dp: DataParallel) -> Path:
     run_dir = prepare_run_dir(cfg, dp)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
-    side = build_trainer_side(cfg, dp)
+    side = TrainerSide(cfg, dp)
     dp = side.dp  # the data-parallel view (Megatron tensor parallelism splits the world further)
 
     start_step, sft_done = 0, False

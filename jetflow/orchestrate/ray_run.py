@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from jetflow.config import Config, ConfigError, to_dict
+from jetflow.distributed import free_port
 from jetflow.loop import RLLoop, Rollouts
 from jetflow.rl.experience import Experience
 from jetflow.sync import WeightUpdate
@@ -42,12 +42,6 @@ def import_ray():
     except ImportError as e:
         raise ImportError("run.orchestrator=ray needs Ray: pip install -e '.[ray]' (ray==2.60.0)") from e
     return ray
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _load_cfg(cfg_dict: dict) -> Config:
@@ -84,12 +78,12 @@ class TrainerWorker:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(master_port), "LOCAL_RANK": "0"})
         from jetflow.distributed import SINGLE, init_from_env
-        from jetflow.orchestrate.local import build_trainer_side
+        from jetflow.orchestrate.local import TrainerSide
         cfg = _load_cfg(cfg_dict)
         self.dp = init_from_env(cfg.model.device) if world_size > 1 else SINGLE
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
-        self.side = build_trainer_side(cfg, self.dp)
+        self.side = TrainerSide(cfg, self.dp)
 
     def supervised_warmup(self) -> list[dict]:
         return self.side.supervised_warmup()
@@ -261,7 +255,7 @@ def train_ray(cfg: Config) -> Path:
     rollout_cls, trainer_cls = _actor_classes(ray)
     cfg_dict = to_dict(cfg)
     threads = max(1, cfg.run.num_threads or 1)
-    port = _free_port()
+    port = free_port()
     w = cfg.train.num_workers
     workers = [trainer_cls.remote(cfg_dict, r, w, port, threads) for r in range(w)]
     engines = [rollout_cls.remote(cfg_dict, threads, str(run_dir / f"rollout_engine{i}"))

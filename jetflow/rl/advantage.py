@@ -6,7 +6,6 @@ the other samples of the same prompt, so no value network is needed (GRPO, Shao 
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 NORMS = ("mean_std", "mean", "none")

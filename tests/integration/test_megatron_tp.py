@@ -14,13 +14,14 @@ import copy
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from jetflow.distributed import free_port
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "megatron_tp_worker.py"
@@ -29,12 +30,6 @@ STEPS = 5
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
                                 reason="megatron-core not installed (pip install megatron-core==0.16.1)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc: int, out: Path) -> subprocess.Popen:

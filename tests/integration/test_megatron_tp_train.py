@@ -4,7 +4,6 @@ rank gets its own optimizer shard back) ends at the same weights as the uninterr
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +14,12 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core", reason="Megatron-Core is not installed (pip install -e '.[megatron]')")
 
+from jetflow.distributed import free_port  # noqa: E402
 from jetflow.metrics_log import read_metrics  # noqa: E402
 from jetflow.orchestrate.local import COMPLETE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 # Two PPO epochs: the second epoch's loss depends on the updated weights, so equal losses mean equal
 # updates (a first epoch's clipped loss is -mean(advantage) whatever the weights).
 COMMON = ["--config", "configs/tiny.yaml", "precision.mode=fp32", "train.backend=megatron", "train.steps=3",

@@ -11,7 +11,6 @@ test is skipped. Deselect with `-m "not slurm"`.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from jetflow.cli import main
+from jetflow.distributed import free_port
 from jetflow.metrics_log import read_metrics
 
 pytestmark = pytest.mark.slurm
@@ -29,11 +29,6 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "sinfo")
 JOB_TIMEOUT_S = 360
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -66,7 +61,7 @@ def slurm(tmp_path_factory):
         pytest.skip("a local SLURM cluster needs root (SlurmUser=root)")
     _ensure_slurm_installed()
     state = tmp_path_factory.mktemp("slurm")
-    env = {**os.environ, "SLURMCTLD_PORT": str(_free_port()), "SLURMD_PORT": str(_free_port())}
+    env = {**os.environ, "SLURMCTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port())}
     pids: dict[str, int] = {}
     try:
         up = subprocess.run(["bash", str(ROOT / "scripts/slurm_up.sh"), str(state)], env=env, capture_output=True,
@@ -129,7 +124,7 @@ def job_env(slurm, monkeypatch):
     """The cluster's client environment; sbatch exports it to the job (MASTER_PORT, RAY_* included)."""
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     return slurm
 
 
@@ -145,7 +140,7 @@ def test_ray_job_completes_and_stops_ray(job_env, tmp_path, capsys, monkeypatch)
     # any other Ray instance on this machine; the head port outside Ray's worker port range
     ray_tmp = Path(tempfile.mkdtemp(prefix="jf-ray-", dir="/tmp"))
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
-    monkeypatch.setenv("RAY_PORT", str(_free_port()))
+    monkeypatch.setenv("RAY_PORT", str(free_port()))
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     try:
         run_dir, log = _run_job(job_env, capsys, tmp_path, "slurm-ray", "--kind", "ray")

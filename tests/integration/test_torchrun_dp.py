@@ -3,23 +3,18 @@ global batch: same per-step loss (fp32, <= 1e-5) over 5 steps, one set of logs a
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from jetflow.distributed import free_port
 from jetflow.metrics_log import read_metrics
 from jetflow.orchestrate.local import COMPLETE
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 COMMON = ["--config", "configs/tiny.yaml", "precision.mode=fp32", "train.steps=5", "train.sft_warmup_steps=20",
           "train.prompts_per_step=4", "rollout.group_size=4", "run.progress=false", "run.tensorboard=false",
           "run.num_threads=1"]

@@ -176,12 +176,10 @@ def test_megatron_policy_sync_copy_and_checkpoint_equal_native(tmp_path, megatro
 def test_tensor_parallel_gradient_clipping_is_global(tmp_path):
     """TP=2 under torchrun takes the same *clipped* steps as TP=1: the Trainer clips with the policy's
     norm over the TP group (tests/integration/megatron_clip_worker.py)."""
-    import socket
+    from jetflow.distributed import free_port
 
     def launch(nproc: int) -> subprocess.Popen:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(port), str(ROOT / "tests/integration/megatron_clip_worker.py"),
                "--out", str(tmp_path / f"tp{nproc}.json")]
