@@ -26,6 +26,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_dir = train(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(f"run complete: {run_dir}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from jetflow.distributed import exit_process
+        exit_process(0)  # skip the interpreter teardown of the distributed runtime (see exit_process)
     return 0
 
 

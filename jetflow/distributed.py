@@ -13,8 +13,10 @@ module's `forward`, which DDP's hooks rely on.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -122,6 +124,7 @@ def init_from_env(device: str = "cpu") -> DataParallel:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return SINGLE
+    faulthandler.enable()  # a rank that dies in native code (SIGABRT, SIGSEGV) prints its Python stacks
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not dist.is_initialized():
         if backend == "nccl":
@@ -131,6 +134,26 @@ def init_from_env(device: str = "cpu") -> DataParallel:
                         device=f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu")
 
 
-def shutdown(dp: DataParallel) -> None:
-    if dp.enabled and dist.is_initialized():
+def shutdown(dp: DataParallel, completed: bool) -> None:
+    """Leave the process group. After a completed run every rank meets at a barrier first, so no rank
+    tears down its connections while another still uses them. After a failure the teardown is skipped
+    (torchtitan does the same): a collective teardown while another rank is stuck in a collective would
+    hang instead of letting the error end the job."""
+    if not (dp.enabled and dist.is_initialized()):
+        return
+    if completed:
+        dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """End a torchrun worker at once, after flushing stdout and stderr.
+
+    A finished gloo run once died in CI with SIGABRT ("terminate called without an active exception")
+    on rank 1 after every rank had passed the final barrier and rank 0 had reported the run complete:
+    a C++ thread of the distributed runtime torn down with the interpreter. torchrun then reports
+    the whole completed run as failed. The run's files are closed by then, so nothing is lost by
+    skipping the interpreter's teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -224,10 +224,13 @@ def train(cfg: Config) -> Path:
         from jetflow.orchestrate.ray_run import train_ray
         return train_ray(cfg)
     dp = init_from_env(cfg.model.device)
+    completed = False
     try:
-        return _train(cfg, dp)
+        run_dir = _train(cfg, dp)
+        completed = True
+        return run_dir
     finally:
-        shutdown(dp)
+        shutdown(dp, completed)
 
 
 def _train(cfg: Config, dp: DataParallel) -> Path:
