@@ -131,6 +131,10 @@ class AlgoConfig:
     """Parameters of the correction, e.g. {C: 2.0} or {lo: 0.5, hi: 2.0}."""
     ppo_epochs: int = 1
     """Optimizer passes over each rollout batch."""
+    old_logprobs: str = "auto"
+    """Where pi_old comes from. auto: with ppo_epochs = 1 and a row-local correction (all but ais), the
+    training forward's own detached log-probs (no extra forward); otherwise, and with `recompute`,
+    a separate no-grad forward before the update."""
 
 
 @dataclass
@@ -213,6 +217,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.adv_norm": ("mean_std", "mean", "none"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
     "algo.correction": ("auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "ais"),
+    "algo.old_logprobs": ("auto", "recompute"),
     "train.backend": ("native", "megatron"),
     "train.fp8_backend": ("jetflow", "te"),
     "run.orchestrator": ("local", "ray"),

@@ -17,6 +17,7 @@ import torch
 from jetflow.config import Config
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import apply_correction, group_advantages, mismatch_metrics
+from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience, pack_experience
 from jetflow.sync import StaleWeightsError, WeightUpdate
 from jetflow.tasks import Problem, Task
@@ -74,6 +75,9 @@ class RLLoop:
         self.encode_prompt, self.pad_id, self.fingerprint = encode_prompt, pad_id, fingerprint
         self.kv_quantizer = kv_quantizer  # the trainer's FP8 KV quantizer (precision.kv_cache_fp8), or None
         self.correction = resolve_correction(cfg)
+        # pi_old from the training forward itself: one update per rollout and per-sequence weights.
+        self.old_logprobs_from_update = (cfg.algo.old_logprobs == "auto" and cfg.algo.ppo_epochs == 1
+                                         and self.correction in ROW_LOCAL)
         self.last_experience: Experience | None = None
 
     def sync(self) -> dict[str, float]:
@@ -124,22 +128,30 @@ class RLLoop:
         exp = pack_experience(prompts, out.token_ids, out.logprobs, rewards, advantages, self.pad_id,
                               device=cfg.model.device)
 
-        # The trainer's log-probs of the same tokens under the same weight version.
-        t0 = time.perf_counter()
+        # The trainer's log-probs of the same tokens under the same weight version (pi_old), the
+        # rollout correction from them, and the update(s).
         if self.kv_quantizer is not None:
-            self.kv_quantizer.calibrating = True  # this forward's K/V amax sets the next step's scales
-        exp.old_logprobs = self.trainer.compute_logprobs(exp, cfg.rollout.temperature)
+            self.kv_quantizer.calibrating = True  # the next trainer forward's K/V amax sets the next step's scales
+        if self.old_logprobs_from_update:
+            train_metrics, exp.old_logprobs = self.trainer.train_step_on_policy(
+                exp, cfg.rollout.temperature, self.correction, cfg.algo.correction_params)
+            metrics["time/old_logprobs"] = 0.0  # came with the training forward
+        else:
+            t0 = time.perf_counter()
+            exp.old_logprobs = self.trainer.compute_logprobs(exp, cfg.rollout.temperature)
+            metrics["time/old_logprobs"] = time.perf_counter() - t0
         if self.kv_quantizer is not None:
             self.kv_quantizer.calibrating = False
-        metrics["time/old_logprobs"] = time.perf_counter() - t0
         metrics.update(mismatch_metrics(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask))
         correction = apply_correction(self.correction, exp.rollout_logprobs, exp.old_logprobs, exp.response_mask,
                                       **cfg.algo.correction_params)
         exp.is_weights = correction.weights
         metrics.update(correction.metrics)
-
-        for _ in range(cfg.algo.ppo_epochs):
-            metrics.update(self.trainer.train_step(exp, cfg.rollout.temperature))
+        if self.old_logprobs_from_update:
+            metrics.update(train_metrics)
+        else:
+            for _ in range(cfg.algo.ppo_epochs):
+                metrics.update(self.trainer.train_step(exp, cfg.rollout.temperature))
         self.last_experience = exp
 
         lengths = [len(t) for t in out.token_ids]

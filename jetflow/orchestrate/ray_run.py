@@ -101,6 +101,11 @@ class TrainerWorker:
         metrics = self.side.trainer.train_step(exp, temperature)
         return metrics, self.side.trainer.version
 
+    def train_step_on_policy(self, exp: Experience, temperature: float, correction: str,
+                             correction_params: dict) -> tuple[dict, int, torch.Tensor]:
+        metrics, old = self.side.trainer.train_step_on_policy(exp, temperature, correction, correction_params)
+        return metrics, self.side.trainer.version, old
+
     def weight_update(self, mode: str, fingerprint: str | None):
         """Build the update and put it in the object store; returns (ref, bytes) so the driver never
         copies the weights itself."""
@@ -155,9 +160,19 @@ class TrainerGroup:
 
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
         results = self.ray.get([w.train_step.remote(s, temperature) for w, s in zip(self.workers, self._shards(exp))])
-        metrics, self.version = results[0]  # train metrics are summed over ranks already: identical on all
+        return self._stepped(*results[0])
+
+    def _stepped(self, metrics: dict[str, float], version: int) -> dict[str, float]:
+        """Record a step's outcome; train metrics are summed over ranks already, identical on all."""
+        self.version = version
         self.skipped_steps = int(metrics.get("train/skipped_total", self.skipped_steps))
         return metrics
+
+    def train_step_on_policy(self, exp: Experience, temperature: float, correction: str,
+                             correction_params: dict) -> tuple[dict[str, float], torch.Tensor]:
+        results = self.ray.get([w.train_step_on_policy.remote(s, temperature, correction, correction_params)
+                                for w, s in zip(self.workers, self._shards(exp))])
+        return self._stepped(*results[0][:2]), torch.cat([old for _, _, old in results])
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales=None) -> RemoteUpdate:
         if kv_scales is not None:

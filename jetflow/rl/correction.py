@@ -260,6 +260,10 @@ CORRECTIONS: dict[str, Callable[..., CorrectionResult]] = {
 }
 
 
+ROW_LOCAL = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
+"""Corrections whose weights for a sequence depend on that sequence alone (`ais` needs the batch)."""
+
+
 @torch.no_grad()
 def apply_correction(
     name: str, rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, **params: float

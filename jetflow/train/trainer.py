@@ -80,9 +80,36 @@ class Trainer:
 
     # One optimizer step ----------------------------------------------------------------------
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
-        """Policy-gradient step over the whole batch (micro-batched); returns metrics."""
+        """Policy-gradient step over the whole batch (micro-batched) against exp.old_logprobs and
+        exp.is_weights; returns metrics."""
         if exp.old_logprobs is None:
             raise ValueError("train_step needs exp.old_logprobs (compute_logprobs first)")
+        metrics, _ = self._policy_step(exp, temperature)
+        return metrics
+
+    def train_step_on_policy(self, exp: Experience, temperature: float, correction: str,
+                             correction_params: dict | None = None) -> tuple[dict[str, float], Tensor]:
+        """The step when the trainer still holds the rollout's weight version and one update follows
+        (algo.ppo_epochs = 1): pi_old is then the training forward's own log-probs, detached, so the
+        separate no-grad forward of `compute_logprobs` is not needed. The rollout correction's weights
+        come from each micro-batch alone, so `correction` must be row-local (every mode but `ais`).
+
+        Returns (metrics, old_logprobs (B, R)): the same numbers `compute_logprobs` gives, for the
+        mismatch metrics."""
+        from jetflow.rl.correction import ROW_LOCAL, apply_correction
+        if correction not in ROW_LOCAL:
+            raise ValueError(f"correction {correction!r} needs batch-wide statistics; "
+                             f"train_step_on_policy takes only {', '.join(ROW_LOCAL)}")
+
+        def weigh(mb: Experience, old: Tensor) -> Tensor:
+            return apply_correction(correction, mb.rollout_logprobs, old, mb.response_mask,
+                                    **(correction_params or {})).weights
+        return self._policy_step(exp, temperature, weigh)
+
+    def _policy_step(self, exp: Experience, temperature: float, weigh=None) -> tuple[dict[str, float], Tensor | None]:
+        """One optimizer step of the policy loss. Without `weigh`, pi_old and the correction weights are
+        exp's; with it, pi_old is each micro-batch's detached log-probs and weigh(mb, old) gives its
+        weights. Returns (metrics, old_logprobs (B, R) when weigh is given)."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         agg = self.algo.loss_agg
@@ -90,19 +117,27 @@ class Trainer:
         total_denominator = self.dp.sum(sum(agg_denominator(mb.response_mask, agg) for mb in micro)) or 1.0
         sums: dict[str, float] = {}
         loss_total = 0.0
+        olds: list[Tensor] = []
         for mb in micro:
             weight = agg_denominator(mb.response_mask, agg) / total_denominator
-            if weight == 0:
+            if weight == 0:  # no response tokens: nothing to learn, and its log-probs are all masked
+                olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
                 continue
-            logprobs = response_logprobs(self.model, mb, temperature)
-            loss, metrics = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+            logprobs = response_logprobs(self.model, mb, temperature)  # (b, R)
+            if weigh is None:
+                old, is_weights = mb.old_logprobs, mb.is_weights
+            else:
+                old = logprobs.detach()
+                is_weights = weigh(mb, old)
+                olds.append(old)
+            loss, metrics = policy_loss(logprobs, old, mb.advantages, mb.response_mask,
                                         clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
-                                        is_weights=mb.is_weights)
+                                        is_weights=is_weights)
             (loss * weight).backward()
             loss_total += loss.item() * weight
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * weight
-        return self._apply_gradients(loss_total, sums, t0)
+        return self._apply_gradients(loss_total, sums, t0), (torch.cat(olds) if weigh is not None else None)
 
     def sft_step(self, exp: Experience) -> dict[str, float]:
         """Supervised step: mean negative log-likelihood of the response tokens."""

@@ -91,3 +91,47 @@ def test_checkpoint_round_trip_and_atomic_latest(tmp_path):
     for (k, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), k
     assert not math.isnan(trainer2.optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp8"])
+@pytest.mark.parametrize("correction", ["none", "token_tis", "seq_mis"])
+def test_on_policy_step_equals_recompute_then_step(kind, correction):
+    """pi_old taken from the training forward (one update per rollout) gives the log-probs, loss and
+    weights of the separate no-grad forward followed by the step, also under FP8 (unified) GEMMs."""
+    import copy
+
+    from jetflow.precision import FP8Recipe
+    from jetflow.precision.linear import apply_precision
+    from jetflow.rl import apply_correction
+
+    cfg = load_config(None, ["train.micro_batch_size=2"])
+    model = tiny_model()
+    if kind == "fp8":
+        apply_precision(model, "fp8", FP8Recipe(), gemm_backend="emulate", num_layers=2)
+    exp = batch()
+    exp.rollout_logprobs = exp.rollout_logprobs * 3.0  # rollout far from the trainer: weights != 1
+    params = {"lo": 0.01, "hi": 1e4} if correction == "seq_mis" else {}
+    two_pass, fused = Trainer(model, cfg.train, cfg.algo), Trainer(copy.deepcopy(model), cfg.train, cfg.algo)
+
+    exp.old_logprobs = two_pass.compute_logprobs(exp, temperature=0.9)
+    exp.is_weights = apply_correction(correction, exp.rollout_logprobs, exp.old_logprobs, exp.response_mask,
+                                      **params).weights
+    assert not torch.allclose(exp.is_weights, torch.ones_like(exp.is_weights)) or correction == "none"
+    want_old = exp.old_logprobs
+    want = two_pass.train_step(exp, temperature=0.9)
+    exp.old_logprobs, exp.is_weights = None, None
+    got, old = fused.train_step_on_policy(exp, 0.9, correction, params)
+
+    mask = exp.response_mask.bool()
+    torch.testing.assert_close(old[mask], want_old[mask], rtol=0, atol=1e-6)
+    assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5, abs=1e-7)
+    assert got["train/loss"] != 0.0
+    assert fused.version == two_pass.version == 1
+    for (name, a), b in zip(model.state_dict().items(), fused.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_on_policy_step_refuses_a_batch_wide_correction():
+    cfg = load_config(None, [])
+    with pytest.raises(ValueError, match="ais"):
+        Trainer(tiny_model(), cfg.train, cfg.algo).train_step_on_policy(batch(), 1.0, "ais")
