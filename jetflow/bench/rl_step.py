@@ -2,10 +2,10 @@
 
 One step = rollout of `prompts` x `group_size` samples (at most `max_new_tokens` each, stopping at
 EOS, temperature 1) + rewards + group advantages + policy-gradient update (AdamW). jetflow's step is
-`RLLoop.step` as `jetflow train` runs it (weight sync, rollout on the native engine, the trainer's
-old log-probs and mismatch metrics, the update); TRL's is one `GRPOTrainer` optimizer step (see
-jetflow.bench.trl_grpo for its settings; with one optimizer step per generation TRL skips the
-separate old-log-prob forward, jetflow does not). Both sides get the same chat-templated prompt
+`RLLoop.step` as `jetflow train` runs it (weight sync, rollout on the native engine, the update,
+whose own forward gives the old log-probs and mismatch metrics); TRL's is one `GRPOTrainer` optimizer
+step (see jetflow.bench.trl_grpo for its settings). With one optimizer step per generation neither
+side runs a separate old-log-prob forward. Both sides get the same chat-templated prompt
 strings (the token ids are checked equal), the same reward (jetflow's task verifier), the same
 learning rate and clipping, in fp32 on the same model. jetflow also runs `unified` (FP8; emulated on
 the CPU).
@@ -199,7 +199,8 @@ def run(model: str = "smollm2", prompts: int = 4, group_size: int = 4, max_new_t
     md = (f"Seconds per GRPO step on model `{model}`: {prompts} prompts x {group_size} samples, at most "
           f"{max_new_tokens} new tokens (EOS stops), temperature {cfg.rollout.temperature}, task `{cfg.task.name}`, "
           f"same prompt strings and reward on every side. Median of {reps} steps after one warm-up step, the sides "
-          f"interleaved step by step. jetflow: `RLLoop.step` (sync + rollout + old log-probs + update); TRL: one "
+          f"interleaved step by step. jetflow: `RLLoop.step` (sync + rollout + update; with ppo_epochs=1 the "
+          f"update's own forward gives the old log-probs, algo.old_logprobs=auto); TRL: one "
           f"`GRPOTrainer` optimizer step, fp32 on the CPU, no vLLM, no gradient checkpointing. {load.sentence()}\n\n"
           + markdown_table(rows, ["system", "seconds_per_step", "vs_trl", "cpu_seconds_per_step", "cpu_vs_trl",
                                   "warmup_s", "rollout_s", "old_logprobs_s", "train_s", "sync_s", "response_len_mean",

@@ -71,16 +71,27 @@ class RolloutWorker:
 
 
 class TrainerWorker:
-    """One data-parallel rank of the trainer (rank 0 also builds weight updates and checkpoints)."""
+    """One data-parallel rank of the trainer (rank 0 also builds weight updates and checkpoints).
 
-    def __init__(self, cfg_dict: dict, rank: int, world_size: int, master_port: int, num_threads: int = 1):
+    Built in two calls, because joining the process group blocks until every rank joins: the
+    constructor, then `setup` with the address rank 0 listens on (`rendezvous_address`, asked of rank 0
+    on whatever node Ray placed it)."""
+
+    def __init__(self, cfg_dict: dict, rank: int, world_size: int, num_threads: int = 1):
         torch.set_num_threads(num_threads)
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+        self.cfg_dict, self.rank, self.world_size = cfg_dict, rank, world_size
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        import ray
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "MASTER_ADDR": master_addr,
                            "MASTER_PORT": str(master_port), "LOCAL_RANK": "0"})
         from jetflow.distributed import SINGLE, init_from_env
         from jetflow.orchestrate.local import TrainerSide
-        cfg = _load_cfg(cfg_dict)
-        self.dp = init_from_env(cfg.model.device) if world_size > 1 else SINGLE
+        cfg = _load_cfg(self.cfg_dict)
+        self.dp = init_from_env(cfg.model.device) if self.world_size > 1 else SINGLE
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
         self.side = TrainerSide(cfg, self.dp)
@@ -262,17 +273,20 @@ def train_ray(cfg: Config) -> Path:
     run_dir = prepare_run_dir(cfg)
     started_here = not ray.is_initialized()
     if started_here:
+        # Actors share nodes with each other: OpenMP threads that spin while idle would steal their cores.
+        runtime_env = {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
         if cfg.run.ray_address:
-            ray.init(address=cfg.run.ray_address)
+            ray.init(address=cfg.run.ray_address, runtime_env=runtime_env)
         else:
             ray.init(num_cpus=cfg.run.ray_num_cpus or os.cpu_count(), include_dashboard=False,
-                     log_to_driver=True, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}})
+                     log_to_driver=True, runtime_env=runtime_env)
     rollout_cls, trainer_cls = _actor_classes(ray)
     cfg_dict = to_dict(cfg)
     threads = max(1, cfg.run.num_threads or 1)
-    port = free_port()
     w = cfg.train.num_workers
-    workers = [trainer_cls.remote(cfg_dict, r, w, port, threads) for r in range(w)]
+    workers = [trainer_cls.remote(cfg_dict, r, w, threads) for r in range(w)]
+    master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
+    ray.get([wk.setup.remote(master_addr, master_port) for wk in workers])
     engines = [rollout_cls.remote(cfg_dict, threads, str(run_dir / f"rollout_engine{i}"))
                for i in range(cfg.rollout.num_engines)]
     trainer = TrainerGroup(ray, workers, cfg)
