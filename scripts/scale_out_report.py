@@ -1,6 +1,7 @@
 """Scale-out and backend agreement on the tiny config, measured and written to results/scale-out.md:
-torchrun data parallel (2 ranks) and Megatron tensor parallel (TP=2) against one process, and vLLM
-rollout engines (in-process, and as Ray actors) against the trainer, all in fp32.
+torchrun data parallel (2 ranks) and Megatron tensor parallel (TP=2, under torchrun and as Ray trainer
+workers) against one process, and vLLM rollout engines (in-process, and as Ray actors) against the
+trainer, all in fp32.
 
     python scripts/scale_out_report.py [OUT_DIR]     # runs under OUT_DIR (default: a temp dir)
 """
@@ -47,6 +48,8 @@ def main(out: Path) -> None:
     dp2 = train(out, "dp2", launcher=torchrun())
     mg1 = train(out, "megatron-tp1", "train.backend=megatron")
     tp2 = train(out, "megatron-tp2", "train.backend=megatron", "train.tensor_parallel_size=2", launcher=torchrun())
+    ray_tp2 = train(out, "ray-megatron-tp2", "train.backend=megatron", "train.tensor_parallel_size=2",
+                    "run.orchestrator=ray", "train.num_workers=2", "run.ray_num_cpus=2")
     vllm = train(out, "vllm", "rollout.backend=vllm", "train.steps=2")
     ray_vllm = train(out, "ray-vllm", "rollout.backend=vllm", "train.steps=2", "run.orchestrator=ray",
                      "rollout.num_engines=2", "run.ray_num_cpus=2")
@@ -55,6 +58,10 @@ def main(out: Path) -> None:
          max_diff(one, dp2, "train/grad_norm")),
         ("Megatron TP=1 vs native", max_diff(one, mg1, "train/loss"), max_diff(one, mg1, "train/grad_norm")),
         ("Megatron TP=2 (torchrun) vs TP=1", max_diff(mg1, tp2, "train/loss"), max_diff(mg1, tp2, "train/grad_norm")),
+        ("Megatron TP=2 as 2 Ray trainer workers vs TP=2 (torchrun)", max_diff(tp2, ray_tp2, "train/loss"),
+         max_diff(tp2, ray_tp2, "train/grad_norm")),
+        ("Megatron TP=2 as 2 Ray trainer workers vs native", max_diff(one, ray_tp2, "train/loss"),
+         max_diff(one, ray_tp2, "train/grad_norm")),
     ]
     lines = ["# Scale-out and backend agreement (tiny config, fp32)", "",
              "Command: `python scripts/scale_out_report.py`  ",

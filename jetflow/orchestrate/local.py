@@ -95,7 +95,7 @@ def check_backends(cfg: Config) -> None:
     """Refuse backend choices `jetflow train` cannot run, instead of silently running something else:
     Transformer Engine (not wired; it cannot be installed on the CPU machines), and Megatron / vLLM
     layouts and options they do not support (jetflow.orchestrate.megatron_trainer / vllm_rollout)."""
-    check_megatron(cfg)
+    check_megatron(cfg, world=cfg.train.num_workers if cfg.run.orchestrator == "ray" else None)
     check_vllm(cfg)
     wired = {"train.fp8_backend": ("jetflow", "jetflow.train.te")}
     for key, (supported, component) in wired.items():

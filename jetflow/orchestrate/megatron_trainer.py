@@ -32,8 +32,9 @@ from jetflow.model import Decoder
 MEGATRON_KIND = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16", "unified": "fp8"}
 
 
-def check_megatron(cfg: Config) -> None:
-    """Refuse parallel layouts and options the Megatron backend does not run, before anything is built."""
+def check_megatron(cfg: Config, world: int | None = None) -> None:
+    """Refuse parallel layouts and options the Megatron backend does not run, before anything is built.
+    `world`: the trainer's process count (default: torchrun's WORLD_SIZE)."""
     t = cfg.train
     if t.tensor_parallel_size < 1 or t.pipeline_parallel_size < 1:
         raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} and train.pipeline_parallel_size="
@@ -50,11 +51,12 @@ def check_megatron(cfg: Config) -> None:
     if cfg.precision.kv_cache_fp8:
         raise ConfigError("precision.kv_cache_fp8=true with train.backend=megatron is not supported: the trainer-side "
                           "K/V quantizer hooks the native Decoder's attention; use train.backend=native")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
     if world % t.tensor_parallel_size:
         raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} needs a multiple of that many "
                           f"processes, this run has {world}: launch with `torchrun --nproc_per_node "
-                          f"{t.tensor_parallel_size} -m jetflow.cli train ...` (or launch/torchrun.sh)")
+                          f"{t.tensor_parallel_size} -m jetflow.cli train ...` (or launch/torchrun.sh), or under "
+                          f"run.orchestrator=ray set train.num_workers to a multiple of it")
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         from jetflow.train.megatron import INSTALL_HINT
         raise ConfigError(f"train.backend=megatron needs Megatron-Core, which is not installed: {INSTALL_HINT}")

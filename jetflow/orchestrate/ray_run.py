@@ -1,7 +1,9 @@
 """`run.orchestrator=ray`: rollout engines and trainer workers as Ray actors.
 
     driver (this process)          RLLoop: prompts, rewards, advantages, metrics, logs, checkpoints
-    TrainerWorker x train.num_workers   a Trainer each, data parallel over gloo (NCCL on GPUs);
+    TrainerWorker x train.num_workers   a Trainer each, data parallel over gloo (NCCL on GPUs); with
+                                        train.backend=megatron, tensor-parallel groups of
+                                        train.tensor_parallel_size workers (same rows, weight shards);
                                         worker 0 builds the weight update and puts it in the object store
     RolloutWorker x rollout.num_engines a rollout engine: native, or vLLM (rollout.backend=vllm) started
                                         from a checkpoint of its own under the run directory
@@ -118,16 +120,18 @@ class TrainerWorker:
         return metrics, self.side.trainer.version, old
 
     def weight_update(self, mode: str, fingerprint: str | None):
-        """Build the update and put it in the object store; returns (ref, bytes) so the driver never
-        copies the weights itself."""
+        """Build the update; rank 0 puts it in the object store and returns (ref, bytes), so the driver
+        never copies the weights itself. Every worker is called: a tensor-parallel model gathers its
+        shards collectively. The others return (None, 0)."""
         import ray
         from jetflow.sync import build_update
         update = build_update(self.side.model, mode, self.side.trainer.version, fingerprint, with_checksum=True)
-        return ray.put(update), update.nbytes()
+        return (ray.put(update), update.nbytes()) if self.rank == 0 else (None, 0)
 
     def info(self) -> dict:
         t = self.side.trainer
-        return {"version": t.version, "skipped_steps": t.skipped_steps, "num_params": self.side.model.num_params()}
+        return {"version": t.version, "skipped_steps": t.skipped_steps, "num_params": self.side.model.num_params(),
+                "dp_rank": self.side.dp.rank, "dp_size": self.side.dp.world_size}
 
 
 def _actor_classes(ray):
@@ -150,24 +154,34 @@ class RemoteUpdate:
 
 
 class TrainerGroup:
-    """The loop's `trainer`: splits each batch row-wise over the workers (whole GRPO groups each)."""
+    """The loop's `trainer`: splits each batch row-wise over the data-parallel ranks (whole GRPO groups
+    each). `dp_ranks[i]` is worker i's data-parallel rank: the workers of one tensor-parallel group
+    (Megatron) share a rank and get the same rows."""
 
-    def __init__(self, ray, workers: list, cfg: Config):
-        self.ray, self.workers, self.cfg = ray, workers, cfg
+    def __init__(self, ray, workers: list, cfg: Config, dp_ranks: list[int]):
+        self.ray, self.workers, self.cfg, self.dp_ranks = ray, workers, cfg, dp_ranks
+        self.dp_size = max(dp_ranks) + 1
         self.version = 0
         self.skipped_steps = 0
 
     def _shards(self, exp: Experience) -> list[Experience]:
-        n, w = exp.batch_size, len(self.workers)
-        group = self.cfg.rollout.group_size
-        if n % (w * group):
-            raise ValueError(f"{n} sequences do not split into whole groups over {w} trainer workers")
-        per = n // w
-        return [exp.select(slice(i * per, (i + 1) * per)) for i in range(w)]
+        """Worker i's rows: its data-parallel rank's share of the batch."""
+        n, group = exp.batch_size, self.cfg.rollout.group_size
+        if n % (self.dp_size * group):
+            raise ValueError(f"{n} sequences do not split into whole groups over {self.dp_size} data-parallel ranks")
+        per = n // self.dp_size
+        return [exp.select(slice(r * per, (r + 1) * per)) for r in self.dp_ranks]
+
+    def _rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per-row results of every worker -> the batch's, one worker per data-parallel rank, in order."""
+        first: dict[int, torch.Tensor] = {}
+        for r, part in zip(self.dp_ranks, parts):
+            first.setdefault(r, part)
+        return torch.cat([first[r] for r in range(self.dp_size)])
 
     def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> torch.Tensor:
         parts = [w.compute_logprobs.remote(s, temperature) for w, s in zip(self.workers, self._shards(exp))]
-        return torch.cat(self.ray.get(parts))
+        return self._rows(self.ray.get(parts))
 
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
         results = self.ray.get([w.train_step.remote(s, temperature) for w, s in zip(self.workers, self._shards(exp))])
@@ -183,12 +197,12 @@ class TrainerGroup:
                              correction_params: dict) -> tuple[dict[str, float], torch.Tensor]:
         results = self.ray.get([w.train_step_on_policy.remote(s, temperature, correction, correction_params)
                                 for w, s in zip(self.workers, self._shards(exp))])
-        return self._stepped(*results[0][:2]), torch.cat([old for _, _, old in results])
+        return self._stepped(*results[0][:2]), self._rows([old for _, _, old in results])
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales=None) -> RemoteUpdate:
         if kv_scales is not None:
             raise ConfigError("precision.kv_cache_fp8 is not supported under run.orchestrator=ray yet")
-        ref, size = self.ray.get(self.workers[0].weight_update.remote(mode, fingerprint))
+        ref, size = self.ray.get([w.weight_update.remote(mode, fingerprint) for w in self.workers])[0]
         return RemoteUpdate(ref, self.version, size)
 
 
@@ -252,14 +266,16 @@ class RayRollout:
 
 
 def check_ray(cfg: Config) -> None:
-    if cfg.train.backend != "native":
-        raise ConfigError("run.orchestrator=ray runs the native trainer today (train.backend=native); Megatron "
-                          "runs under torchrun")
+    """Refuse what the Ray placement cannot run (Megatron's own layout checks run in check_megatron,
+    with train.num_workers as the process count)."""
     if cfg.precision.kv_cache_fp8:
         raise ConfigError("precision.kv_cache_fp8 is not supported under run.orchestrator=ray yet")
-    if cfg.train.prompts_per_step % cfg.train.num_workers or cfg.train.sft_batch_size % cfg.train.num_workers:
-        raise ConfigError(f"train.prompts_per_step and train.sft_batch_size must be multiples of "
-                          f"train.num_workers={cfg.train.num_workers}")
+    t = cfg.train
+    tp = t.tensor_parallel_size if t.backend == "megatron" else 1
+    dp = t.num_workers // tp
+    if t.prompts_per_step % dp or t.sft_batch_size % dp:
+        raise ConfigError(f"train.prompts_per_step and train.sft_batch_size must be multiples of the data-parallel "
+                          f"size {dp} (train.num_workers={t.num_workers} / tensor_parallel_size={tp})")
 
 
 def train_ray(cfg: Config) -> Path:
@@ -289,7 +305,8 @@ def train_ray(cfg: Config) -> Path:
     ray.get([wk.setup.remote(master_addr, master_port) for wk in workers])
     engines = [rollout_cls.remote(cfg_dict, threads, str(run_dir / f"rollout_engine{i}"))
                for i in range(cfg.rollout.num_engines)]
-    trainer = TrainerGroup(ray, workers, cfg)
+    infos = ray.get([wk.info.remote() for wk in workers])
+    trainer = TrainerGroup(ray, workers, cfg, [i["dp_rank"] for i in infos])
     rollout = RayRollout(ray, engines)
     logger = MetricsLogger(run_dir, cfg.run.tensorboard)
     try:
