@@ -56,10 +56,15 @@ def test_killed_rollout_actor_loses_no_sample(tmp_path, monkeypatch):
         assert a["sync/bytes"] == b["sync/bytes"]
 
 
-def test_bad_ray_config_is_refused_up_front(tmp_path):
+@pytest.mark.parametrize("overrides, message", [
+    (["train.num_workers=3"], "multiples of the data-parallel size 3"),
+    (["train.num_workers=3", "train.backend=megatron", "train.tensor_parallel_size=2"],
+     "set train.num_workers to a multiple of it"),
+])
+def test_bad_ray_config_is_refused_up_front(tmp_path, overrides, message):
     cfg = load_config(ROOT / "configs/tiny.yaml", [*COMMON, f"run.out_dir={tmp_path}", "run.orchestrator=ray",
-                                                   "train.num_workers=3"])
-    with pytest.raises(Exception, match="multiples of train.num_workers=3"):
+                                                   *overrides])
+    with pytest.raises(Exception, match=message):
         train(cfg)
     assert not (tmp_path / "tiny").exists()
 
