@@ -87,10 +87,8 @@ class RLLoop:
             return {"time/sync": 0.0, "sync/bytes": 0.0}
         t0 = time.perf_counter()
         kv_scales = None
-        if self.kv_quantizer is not None:  # per-step recalibration from the trainer's latest forward
-            self.dp.max_(self.kv_quantizer.k_amax)  # one scale per layer across data-parallel ranks
-            self.dp.max_(self.kv_quantizer.v_amax)
-            kv_scales = self.kv_quantizer.recalibrate()
+        if self.kv_quantizer is not None:  # per-step recalibration from the trainer's latest forward,
+            kv_scales = self.kv_quantizer.recalibrate(self.dp)  # one scale per layer across data-parallel ranks
         update = self.trainer.weight_update(self.cfg.precision.mode, self.fingerprint, kv_scales)
         self.rollout.load_weights(update)
         return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(update.nbytes())}

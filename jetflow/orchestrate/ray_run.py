@@ -119,14 +119,25 @@ class TrainerWorker:
         metrics, old = self.side.trainer.train_step_on_policy(exp, temperature, correction, correction_params)
         return metrics, self.side.trainer.version, old
 
-    def weight_update(self, mode: str, fingerprint: str | None):
+    def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None):
         """Build the update; rank 0 puts it in the object store and returns (ref, bytes), so the driver
         never copies the weights itself. Every worker is called: a tensor-parallel model gathers its
         shards collectively. The others return (None, 0)."""
         import ray
         from jetflow.sync import build_update
-        update = build_update(self.side.model, mode, self.side.trainer.version, fingerprint, with_checksum=True)
+        update = build_update(self.side.model, mode, self.side.trainer.version, fingerprint, with_checksum=True,
+                              kv_scales=kv_scales)
         return (ray.put(update), update.nbytes()) if self.rank == 0 else (None, 0)
+
+    # The FP8 KV quantizer of this worker's model (precision.kv_cache_fp8), driven by RemoteKVQuantizer.
+    def kv_calibrated(self) -> bool:
+        return self.side.kv_quantizer.calibrated
+
+    def kv_set_calibrating(self, on: bool) -> None:
+        self.side.kv_quantizer.calibrating = on
+
+    def kv_recalibrate(self) -> dict:
+        return self.side.kv_quantizer.recalibrate(self.side.dp)
 
     def info(self) -> dict:
         t = self.side.trainer
@@ -165,10 +176,11 @@ class TrainerGroup:
         self.skipped_steps = 0
 
     def _shards(self, exp: Experience) -> list[Experience]:
-        """Worker i's rows: its data-parallel rank's share of the batch."""
-        n, group = exp.batch_size, self.cfg.rollout.group_size
-        if n % (self.dp_size * group):
-            raise ValueError(f"{n} sequences do not split into whole groups over {self.dp_size} data-parallel ranks")
+        """Worker i's rows: its data-parallel rank's share of the batch. (Advantages are computed on the
+        driver and the loss denominators are global, so a shard need not hold whole GRPO groups.)"""
+        n = exp.batch_size
+        if n % self.dp_size:
+            raise ValueError(f"{n} sequences do not split evenly over {self.dp_size} data-parallel ranks")
         per = n // self.dp_size
         return [exp.select(slice(r * per, (r + 1) * per)) for r in self.dp_ranks]
 
@@ -200,10 +212,30 @@ class TrainerGroup:
         return self._stepped(*results[0][:2]), self._rows([old for _, _, old in results])
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales=None) -> RemoteUpdate:
-        if kv_scales is not None:
-            raise ConfigError("precision.kv_cache_fp8 is not supported under run.orchestrator=ray yet")
-        ref, size = self.ray.get([w.weight_update.remote(mode, fingerprint) for w in self.workers])[0]
+        ref, size = self.ray.get([w.weight_update.remote(mode, fingerprint, kv_scales) for w in self.workers])[0]
         return RemoteUpdate(ref, self.version, size)
+
+
+class RemoteKVQuantizer:
+    """The loop's `kv_quantizer` under Ray: the trainer workers' FP8 KV quantizers, driven together.
+    Each worker observes K/V amax in its own forwards; `recalibrate` max-reduces it over the workers'
+    data-parallel group and every worker sets the same scales (worker 0's are returned)."""
+
+    def __init__(self, ray, workers: list):
+        self.ray, self.workers = ray, workers
+
+    @property
+    def calibrated(self) -> bool:
+        return self.ray.get(self.workers[0].kv_calibrated.remote())
+
+    def _set_calibrating(self, on: bool) -> None:
+        self.ray.get([w.kv_set_calibrating.remote(on) for w in self.workers])
+
+    calibrating = property(fset=_set_calibrating, doc="Set on every worker: observe K/V amax in the next forwards.")
+
+    def recalibrate(self, dp=None) -> dict:
+        """`dp` is the driver's (a single process): the reduction runs among the workers."""
+        return self.ray.get([w.kv_recalibrate.remote() for w in self.workers])[0]
 
 
 class RayRollout:
@@ -268,8 +300,6 @@ class RayRollout:
 def check_ray(cfg: Config) -> None:
     """Refuse what the Ray placement cannot run (Megatron's own layout checks run in check_megatron,
     with train.num_workers as the process count)."""
-    if cfg.precision.kv_cache_fp8:
-        raise ConfigError("precision.kv_cache_fp8 is not supported under run.orchestrator=ray yet")
     t = cfg.train
     tp = t.tensor_parallel_size if t.backend == "megatron" else 1
     dp = t.num_workers // tp
@@ -333,8 +363,9 @@ def train_ray(cfg: Config) -> Path:
 
         task = build_task(cfg)
         tokenizer = build_tokenizer(cfg, task)
+        kv_quantizer = RemoteKVQuantizer(ray, workers) if cfg.precision.kv_cache_fp8 else None
         loop = RLLoop(cfg, trainer, rollout, task, prompt_encoder(cfg, tokenizer, task), tokenizer.pad_token_id,
-                      run_fingerprint(cfg))
+                      run_fingerprint(cfg), kv_quantizer)
 
         def step_metrics(metrics: dict) -> dict:
             metrics["rollout/actor_restarts_total"] = float(rollout.restarts)

@@ -49,8 +49,13 @@ class KVQuantizer:
         vs = self.v_scale[layer].to(v.device)
         return fake_quantize_per_tensor(k, ks), fake_quantize_per_tensor(v, vs)
 
-    def recalibrate(self) -> dict[str, torch.Tensor]:
-        """Turn the observed amax into new scales (and clear it); returns them."""
+    def recalibrate(self, dp=None) -> dict[str, torch.Tensor]:
+        """Turn the observed amax into new scales (and clear it); returns them. With `dp` (a
+        jetflow.distributed.DataParallel), the amax is first max-reduced over its ranks, so every
+        rank sets the same scales."""
+        if dp is not None:
+            dp.max_(self.k_amax)
+            dp.max_(self.v_amax)
         if not bool(torch.isfinite(self.k_amax).all() and torch.isfinite(self.v_amax).all()):
             raise ValueError("KV calibration saw NaN or Inf in K or V; refusing to set FP8 KV scales")
         factor = 2.0**self.margin / E4M3_MAX
