@@ -135,14 +135,11 @@ def init_from_env(device: str = "cpu") -> DataParallel:
 
 
 def shutdown(dp: DataParallel, completed: bool) -> None:
-    """Leave the process group. After a completed run every rank meets at a barrier first, so no rank
-    tears down its connections while another still uses them. After a failure the teardown is skipped
-    (torchtitan does the same): a collective teardown while another rank is stuck in a collective would
-    hang instead of letting the error end the job."""
-    if not (dp.enabled and dist.is_initialized()):
-        return
-    if completed:
-        dist.barrier()
+    """Leave the process group after a completed run (whose last collective is a barrier of all ranks,
+    so none tears down its connections while another still uses them). After a failure the teardown is
+    skipped (torchtitan does the same): a collective teardown while another rank is stuck in a
+    collective would hang instead of letting the error end the job."""
+    if completed and dp.enabled and dist.is_initialized():
         dist.destroy_process_group()
 
 

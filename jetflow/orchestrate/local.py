@@ -8,6 +8,7 @@ COMPLETE is an unfinished run: `run.resume=true` continues it from its last chec
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -95,7 +96,9 @@ def check_backends(cfg: Config) -> None:
     """Refuse backend choices `jetflow train` cannot run, instead of silently running something else:
     Transformer Engine (not wired; it cannot be installed on the CPU machines), and Megatron / vLLM
     layouts and options they do not support (jetflow.orchestrate.megatron_trainer / vllm_rollout)."""
-    check_megatron(cfg, world=cfg.train.num_workers if cfg.run.orchestrator == "ray" else None)
+    processes = cfg.train.num_workers if cfg.run.orchestrator == "ray" else int(os.environ.get("WORLD_SIZE", "1"))
+    check_megatron(cfg, world=processes)
+    check_batch_split(cfg, processes)
     check_vllm(cfg)
     wired = {"train.fp8_backend": ("jetflow", "jetflow.train.te")}
     for key, (supported, component) in wired.items():
@@ -105,6 +108,18 @@ def check_backends(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r}: `jetflow train` runs {key}={supported!r} today; the {value} "
                               f"backend is available as the library component {component} but is not wired "
                               "into the training loop yet")
+
+
+def check_batch_split(cfg: Config, processes: int) -> None:
+    """Each step's prompts and each SFT batch split evenly over the data-parallel ranks: the trainer
+    processes (torchrun ranks or Ray trainer workers), divided by the tensor-parallel size under Megatron."""
+    t = cfg.train
+    tp = t.tensor_parallel_size if t.backend == "megatron" else 1
+    dp = max(processes // tp, 1)
+    if t.prompts_per_step % dp or t.sft_batch_size % dp:
+        raise ConfigError(f"train.prompts_per_step={t.prompts_per_step} and train.sft_batch_size={t.sft_batch_size} "
+                          f"must be multiples of the data-parallel size {dp} ({processes} trainer processes / "
+                          f"tensor_parallel_size={tp})")
 
 
 class TrainerSide:
@@ -234,10 +249,6 @@ def train(cfg: Config) -> Path:
 
 
 def _train(cfg: Config, dp: DataParallel) -> Path:
-    world = dp.world_size // cfg.train.tensor_parallel_size if cfg.train.backend == "megatron" else dp.world_size
-    if cfg.train.prompts_per_step % max(world, 1) or cfg.train.sft_batch_size % max(world, 1):
-        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} and train.sft_batch_size="
-                          f"{cfg.train.sft_batch_size} must be multiples of the data-parallel size {world}")
     run_dir = prepare_run_dir(cfg, dp)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config, ConfigError, to_dict
+from jetflow.config import Config, to_dict
 from jetflow.distributed import free_port
 from jetflow.loop import RLLoop, Rollouts
 from jetflow.rl.experience import Experience
@@ -297,24 +297,12 @@ class RayRollout:
                         weight_version=versions.pop())
 
 
-def check_ray(cfg: Config) -> None:
-    """Refuse what the Ray placement cannot run (Megatron's own layout checks run in check_megatron,
-    with train.num_workers as the process count)."""
-    t = cfg.train
-    tp = t.tensor_parallel_size if t.backend == "megatron" else 1
-    dp = t.num_workers // tp
-    if t.prompts_per_step % dp or t.sft_batch_size % dp:
-        raise ConfigError(f"train.prompts_per_step and train.sft_batch_size must be multiples of the data-parallel "
-                          f"size {dp} (train.num_workers={t.num_workers} / tensor_parallel_size={tp})")
-
-
 def train_ray(cfg: Config) -> Path:
     """The run of `jetflow.orchestrate.local.train`, with the work placed on Ray actors."""
     from jetflow.metrics_log import MetricsLogger
     from jetflow.orchestrate.build import build_task, build_tokenizer, prompt_encoder
     from jetflow.orchestrate.local import prepare_run_dir, run_fingerprint, run_rl_steps, truncate_metrics, write_summary
     from jetflow.train.checkpoint import latest_checkpoint
-    check_ray(cfg)
     ray = import_ray()
     run_dir = prepare_run_dir(cfg)
     started_here = not ray.is_initialized()

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
-from jetflow.rl import agg_denominator, policy_loss
+from jetflow.rl import agg_denominator, apply_correction, policy_loss
+from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
 
 
@@ -96,7 +97,6 @@ class Trainer:
 
         Returns (metrics, old_logprobs (B, R)): the same numbers `compute_logprobs` gives, for the
         mismatch metrics."""
-        from jetflow.rl.correction import ROW_LOCAL, apply_correction
         if correction not in ROW_LOCAL:
             raise ValueError(f"correction {correction!r} needs batch-wide statistics; "
                              f"train_step_on_policy takes only {', '.join(ROW_LOCAL)}")
