@@ -71,33 +71,44 @@ def _pad_cols(t: torch.Tensor, multiple: int, value: float = 0.0) -> torch.Tenso
     return _pad_rows(t.t(), multiple, value).t()
 
 
-def _outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
-    """Same values, column-major storage (cuBLAS wants 1x128 scales outer-dim-major)."""
-    return scale.t().contiguous().t()
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
-def _scaled_mm_blockwise(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
-    """torch._scaled_mm with 1x128 x 128x128 (or 1x128 x 1x128) block scales; bf16 out.
+def blockwise_operands(a: QuantizedTensor, b: QuantizedTensor):
+    """The four `torch._scaled_mm` arguments for a @ b.T with block scales, laid out as cuBLASLt's
+    block-scaling contract (cuBLAS docs, "scaling factors layouts"; checked by torch's ScaledBlas.cpp)
+    wants them; returns (mat_a (M', K'), mat_b (K', N'), scale_a, scale_b). Padding is exact: padded
+    data are zeros (scale 1), and the caller slices the (M, N) result out of the (M', N') product.
 
-    cuBLAS needs K in whole 128-blocks (partial edge blocks are zero-padded: exact), scale tensors
-    whose leading dim is a multiple of 4 (rows padded with unit scales), and b column-major.
+      mat_a   (M4, K128)  row-major; M padded to 4 (16-byte aligned scale columns), K to whole 128-blocks
+      mat_b   (K128, N16) column-major; cuBLAS wants both of mat_b's dims divisible by 16
+      scale_a (M4, K/128) outer-dim-major: strides (1, M4)
+      scale_b 128x128 blocks: (K/128, N/128) with strides (1, L4), L4 = K/128 rounded up to 4 (without
+              that padding cuBLASLt silently computes wrong answers, pytorch#166752);
+              1x128 groups: (K/128, N16) row-major
     """
     group = a.block[1]
     if group != 128 or b.block[1] != 128 or b.block[0] not in (1, 128):
         raise ValueError(f"scaled_mm backend supports 1x128 x (128x128 | 1x128) blocks, got {a.block} x {b.block}")
-    m, n = a.shape[0], b.shape[0]
-    a_data, b_data = _pad_cols(a.data, 128), _pad_cols(b.data, 128)  # K -> multiple of 128
-    a_data = _pad_rows(a_data, 4)
-    a_scale = _outer_dim_major(_pad_rows(a.scale_inv, 4, 1.0))  # (M4, K/128)
+    a_data = _pad_rows(_pad_cols(a.data, 128), 4)  # (M4, K128)
+    b_data = _pad_rows(_pad_cols(b.data, 128), 16)  # (N16, K128)
+    scale_a = _pad_rows(a.scale_inv, 4, 1.0).t().contiguous().t()  # (M4, kb), strides (1, M4)
     if b.block[0] == 128:
-        kb = b.scale_inv.shape[1]
-        b_scale = _pad_cols(b.scale_inv, 4, 1.0)[:, :kb].t()  # (K/128, N/128), leading dim % 4 == 0
+        nb, kb = b.scale_inv.shape
+        padded = b.scale_inv.new_ones(nb, _round_up(kb, 4))
+        padded[:, :kb] = b.scale_inv
+        scale_b = padded[:, :kb].t()  # (kb, nb), strides (1, L4)
     else:
-        b_data = _pad_rows(b_data, 4)
-        b_scale = _pad_rows(b.scale_inv, 4, 1.0).t().contiguous()  # (K/128, N4)
-    out = torch._scaled_mm(a_data.contiguous(), b_data.contiguous().t(), a_scale, b_scale,
-                           out_dtype=torch.bfloat16)
-    return out[:m, :n]
+        scale_b = _pad_rows(b.scale_inv, 16, 1.0).t().contiguous()  # (kb, N16)
+    return a_data.contiguous(), b_data.contiguous().t(), scale_a, scale_b
+
+
+def _scaled_mm_blockwise(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+    """torch._scaled_mm with 1x128 x 128x128 (or 1x128 x 1x128) block scales; bf16 out, (M, N)."""
+    mat_a, mat_b, scale_a, scale_b = blockwise_operands(a, b)
+    out = torch._scaled_mm(mat_a, mat_b, scale_a, scale_b, out_dtype=torch.bfloat16)
+    return out[:a.shape[0], :b.shape[0]]
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
