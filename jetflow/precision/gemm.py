@@ -6,11 +6,13 @@ blocked along the contraction dim K:
   b: 128 x 128 blocks (weights) or 1 x 128 groups (the weight-gradient GEMM's second operand)
 
 Backends:
-  scaled_mm  Hopper (SM90+, CUDA >= 12.9): torch._scaled_mm with block scales, fp32 accumulation,
-             bf16 output (the only output dtype cuBLAS offers for block scaling).
-  emulate    anywhere: dequantize both operands to fp32, fp32 matmul. The same math as the
-             hardware path up to accumulation order.
-`auto` picks scaled_mm on a capable CUDA device, else emulate.
+  scaled_mm  Hopper (SM90, CUDA >= 12.9): cuBLASLt's block-scaled FP8 GEMM through torch
+             (`F.scaled_mm`, or `torch._scaled_mm` where that is missing or an operand is E5M2),
+             fp32 accumulation, bf16 output (the only output dtype cuBLAS offers for block scaling).
+  emulate    anywhere: dequantize both operands to fp32, fp32 matmul. The same products with fp32
+             accumulation; unlike the hardware path, the output is not rounded to bf16.
+`auto` picks scaled_mm on a capable CUDA device, else emulate. Blackwell (SM100+) is left to the
+emulation: torch offers DeepSeek-style 128-blocks on SM90 only.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _device_supports_block_scaled_mm(device_index: int) -> bool:
     major, _ = torch.cuda.get_device_capability(device_index)
     cuda = torch.version.cuda or "0.0"
     cuda_major, cuda_minor = (int(p) for p in cuda.split(".")[:2])
-    return major >= 9 and (cuda_major, cuda_minor) >= (12, 9)
+    return major == 9 and (cuda_major, cuda_minor) >= (12, 9)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -58,56 +60,80 @@ def fp8_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = 
     return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
 
 
-def _pad_rows(t: torch.Tensor, multiple: int, value: float = 0.0) -> torch.Tensor:
-    extra = -t.shape[0] % multiple
-    if extra == 0:
+def _pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    """t (r, c) padded at the bottom and right to (rows, cols) with `value`; t itself if no padding."""
+    if t.shape == (rows, cols):
         return t
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # F.pad has no float8 kernels
-        return torch.cat([t, torch.zeros(extra, *t.shape[1:], dtype=t.dtype, device=t.device)])
-    return F.pad(t, (0, 0, 0, extra), value=value)
-
-
-def _pad_cols(t: torch.Tensor, multiple: int, value: float = 0.0) -> torch.Tensor:
-    return _pad_rows(t.t(), multiple, value).t()
+    out = t.new_zeros(rows, cols)
+    if value:
+        out.fill_(value)
+    out[:t.shape[0], :t.shape[1]] = t
+    return out
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def blockwise_operands(a: QuantizedTensor, b: QuantizedTensor):
-    """The four `torch._scaled_mm` arguments for a @ b.T with block scales, laid out as cuBLASLt's
-    block-scaling contract (cuBLAS docs, "scaling factors layouts"; checked by torch's ScaledBlas.cpp)
-    wants them; returns (mat_a (M', K'), mat_b (K', N'), scale_a, scale_b). Padding is exact: padded
-    data are zeros (scale 1), and the caller slices the (M, N) result out of the (M', N') product.
+def scaled_mm_api(a: QuantizedTensor, b: QuantizedTensor) -> str:
+    """Which torch entry point runs a @ b.T: "v2" (`F.scaled_mm`, explicit scaling recipes) when
+    torch has it and both operands are E4M3 (its DeepSeek recipes take E4M3 only), else "v1"
+    (`torch._scaled_mm`, which infers the recipe from the scale shapes and also takes one E5M2
+    operand: the gradients under the `hybrid` format)."""
+    e4m3 = a.data.dtype == b.data.dtype == torch.float8_e4m3fn
+    return "v2" if e4m3 and hasattr(F, "scaled_mm") else "v1"
 
-      mat_a   (M4, K128)  row-major; M padded to 4 (16-byte aligned scale columns), K to whole 128-blocks
-      mat_b   (K128, N16) column-major; cuBLAS wants both of mat_b's dims divisible by 16
-      scale_a (M4, K/128) outer-dim-major: strides (1, M4)
-      scale_b 128x128 blocks: (K/128, N/128) with strides (1, L4), L4 = K/128 rounded up to 4 (without
-              that padding cuBLASLt silently computes wrong answers, pytorch#166752);
-              1x128 groups: (K/128, N16) row-major
+
+def blockwise_operands(a: QuantizedTensor, b: QuantizedTensor, api: str):
+    """The operands of a @ b.T for torch's block-scaled FP8 GEMM, laid out as cuBLASLt's contract
+    wants them (cuBLAS docs, "1D and 128x128 2D block scaling"; pytorch#166752); returns
+    (mat_a (M', K'), mat_b (K', N'), scale_a, scale_b). Padding is exact: padded data are zeros
+    (scale 1), and the caller slices the (M, N) result out of the (M', N') product.
+
+      mat_a    (M4, K') row-major: M padded to 4 (16-byte aligned scale columns), K to 128-blocks
+      mat_b    (K', N') column-major: N padded to 16 (cuBLAS wants both dims divisible by 16), to
+               whole 128-blocks for v2's 128x128 scales
+      scale_a  (M4, K'/128), strides (1, M4)
+      scale_b  128x128 blocks, v2: (L4, N'/128), strides (1, L4), L4 = K'/128 rounded up to 4;
+               128x128 blocks, v1: (K'/128, N'/128), strides (1, K'/128) with K padded to 512, so
+                 that K'/128 == L4: torch versions disagree on whether v1 wants the K-block stride
+                 rounded up to 4, and both accept it when it already is;
+               1x128 groups: (N', K'/128), strides (1, N') for v2; the same memory as (K'/128, N')
+                 row-major for v1.
     """
     group = a.block[1]
     if group != 128 or b.block[1] != 128 or b.block[0] not in (1, 128):
         raise ValueError(f"scaled_mm backend supports 1x128 x (128x128 | 1x128) blocks, got {a.block} x {b.block}")
-    a_data = _pad_rows(_pad_cols(a.data, 128), 4)  # (M4, K128)
-    b_data = _pad_rows(_pad_cols(b.data, 128), 16)  # (N16, K128)
-    scale_a = _pad_rows(a.scale_inv, 4, 1.0).t().contiguous().t()  # (M4, kb), strides (1, M4)
-    if b.block[0] == 128:
-        nb, kb = b.scale_inv.shape
-        padded = b.scale_inv.new_ones(nb, _round_up(kb, 4))
-        padded[:, :kb] = b.scale_inv
-        scale_b = padded[:, :kb].t()  # (kb, nb), strides (1, L4)
+    if api not in ("v1", "v2"):
+        raise ValueError(f"scaled_mm api {api!r}: expected 'v1' or 'v2'")
+    weight_blocks = b.block[0] == 128
+    (m, k), n = a.shape, b.shape[0]
+    k_pad = _round_up(k, 512 if weight_blocks and api == "v1" else 128)
+    n_pad = _round_up(n, 128 if weight_blocks and api == "v2" else 16)
+    m_pad, kb = _round_up(m, 4), k_pad // 128
+    mat_a = _pad_to(a.data, m_pad, k_pad).contiguous()  # (M4, K') row-major
+    mat_b = _pad_to(b.data, n_pad, k_pad).contiguous().t()  # (K', N') column-major
+    scale_a = _pad_to(a.scale_inv, m_pad, kb, 1.0).t().contiguous().t()  # (M4, kb), strides (1, M4)
+    if weight_blocks:
+        l4 = _round_up(kb, 4)  # == kb under v1 (K' is a multiple of 512)
+        scale_b = _pad_to(b.scale_inv, -(-n_pad // 128), l4, 1.0).contiguous().t()  # (L4, N'/128), strides (1, L4)
     else:
-        scale_b = _pad_rows(b.scale_inv, 16, 1.0).t().contiguous()  # (kb, N16)
-    return a_data.contiguous(), b_data.contiguous().t(), scale_a, scale_b
+        scale_b = _pad_to(b.scale_inv, n_pad, kb, 1.0).t().contiguous()  # (kb, N') row-major
+        if api == "v2":
+            scale_b = scale_b.t()  # (N', kb), strides (1, N')
+    return mat_a, mat_b, scale_a, scale_b
 
 
 def _scaled_mm_blockwise(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
-    """torch._scaled_mm with 1x128 x 128x128 (or 1x128 x 1x128) block scales; bf16 out, (M, N)."""
-    mat_a, mat_b, scale_a, scale_b = blockwise_operands(a, b)
-    out = torch._scaled_mm(mat_a, mat_b, scale_a, scale_b, out_dtype=torch.bfloat16)
+    """cuBLASLt's block-scaled FP8 GEMM, 1x128 x 128x128 (or 1x128 x 1x128); bf16 out, (M, N)."""
+    api = scaled_mm_api(a, b)
+    mat_a, mat_b, scale_a, scale_b = blockwise_operands(a, b, api)
+    if api == "v2":
+        recipe_b = F.ScalingType.BlockWise128x128 if b.block[0] == 128 else F.ScalingType.BlockWise1x128
+        out = F.scaled_mm(mat_a, mat_b, scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b,
+                          output_dtype=torch.bfloat16)
+    else:
+        out = torch._scaled_mm(mat_a, mat_b, scale_a, scale_b, out_dtype=torch.bfloat16)
     return out[:a.shape[0], :b.shape[0]]
 
 

@@ -14,7 +14,7 @@ pytestmark = [
 
 def _needs_hopper():
     if resolve_backend("auto", torch.device("cuda")) != "scaled_mm":
-        pytest.skip("block-scaled torch._scaled_mm needs SM90+ and CUDA >= 12.9")
+        pytest.skip("block-scaled torch._scaled_mm needs SM90 and CUDA >= 12.9")
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 256, 512), (7, 384, 576), (128, 1536, 576), (1024, 4096, 4096),
