@@ -216,7 +216,9 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
                            decode_ms_per_step=1e3 * statistics.median(s["decode_s"] / max(1, s["decode_steps"])
                                                                        for s in stats),
                            kv_cache_mib=mem["kv_cache_bytes"] / 2**20, model_mib=mem["model_bytes"] / 2**20,
-                           peak_memory_mib=mem["peak_memory_bytes"] / 2**20)
+                           # CUDA: this runner's own peak allocation (memory_stats() would report the last run's)
+                           peak_memory_mib=(max(s[2] for s in samples[name]) if dev.type == "cuda"
+                                            else mem["peak_memory_bytes"]) / 2**20)
             else:
                 row["model_mib"] = sum(p.numel() * p.element_size() for p in obj.parameters()) / 2**20
             rows.append(row)

@@ -145,9 +145,27 @@ class TrainerWorker:
                 "dp_rank": self.side.dp.rank, "dp_size": self.side.dp.world_size}
 
 
-def _actor_classes(ray):
-    rollout = ray.remote(num_cpus=0, max_restarts=ACTOR_RESTARTS, max_task_retries=0)(RolloutWorker)
-    trainer = ray.remote(num_cpus=0)(TrainerWorker)
+def gpus_per_actor(device: str, num_trainers: int, num_engines: int, cluster_gpus: float) -> float:
+    """The GPU share each actor asks Ray for. On CUDA every actor needs one: Ray hides the GPUs
+    (CUDA_VISIBLE_DEVICES="") from an actor that asks for none. A whole GPU each when the cluster
+    has that many; with one trainer worker and fewer GPUs, equal shares, so the rollout engines
+    colocate with it. Several trainer workers must not share a GPU (NCCL refuses two ranks on one
+    device), and fractional shares cannot promise that, so that case is refused."""
+    if not device.startswith("cuda"):
+        return 0
+    actors = num_trainers + num_engines
+    if cluster_gpus >= actors:
+        return 1.0
+    if num_trainers == 1 and cluster_gpus > 0:
+        return cluster_gpus / actors
+    raise RuntimeError(f"model.device={device!r}: {num_trainers} trainer workers and {num_engines} rollout engines "
+                       f"need {actors} GPUs, the Ray cluster has {cluster_gpus:g} (with fewer GPUs, use one trainer "
+                       "worker: the engines then share its GPUs)")
+
+
+def _actor_classes(ray, num_gpus: float = 0):
+    rollout = ray.remote(num_cpus=0, num_gpus=num_gpus, max_restarts=ACTOR_RESTARTS, max_task_retries=0)(RolloutWorker)
+    trainer = ray.remote(num_cpus=0, num_gpus=num_gpus)(TrainerWorker)
     return rollout, trainer
 
 
@@ -314,10 +332,11 @@ def train_ray(cfg: Config) -> Path:
         else:
             ray.init(num_cpus=cfg.run.ray_num_cpus or os.cpu_count(), include_dashboard=False,
                      log_to_driver=True, runtime_env=runtime_env)
-    rollout_cls, trainer_cls = _actor_classes(ray)
+    w = cfg.train.num_workers
+    gpus = gpus_per_actor(cfg.model.device, w, cfg.rollout.num_engines, ray.cluster_resources().get("GPU", 0))
+    rollout_cls, trainer_cls = _actor_classes(ray, gpus)
     cfg_dict = to_dict(cfg)
     threads = max(1, cfg.run.num_threads or 1)
-    w = cfg.train.num_workers
     workers = [trainer_cls.remote(cfg_dict, r, w, threads) for r in range(w)]
     master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
     ray.get([wk.setup.remote(master_addr, master_port) for wk in workers])

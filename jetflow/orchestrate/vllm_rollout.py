@@ -105,7 +105,8 @@ def build_vllm_rollout(cfg: Config, model: Decoder, tokenizer, eos_token_ids: li
         raise ConfigError(f"rollout.backend=vllm: {e}") from None
     execution = choose_execution(cfg, model.config)
     recipe = cfg.precision.recipe()
-    dtype = "bfloat16" if execution == "bf16" else "float32"
+    # vLLM's fp8 method runs bf16 activations (it refuses float32); fp8 on the CPU is dequantized weights
+    dtype = "bfloat16" if execution in ("bf16", "fp8") else "float32"
     max_model_len = min(max_seq_len, model.config.max_position_embeddings)
     r = cfg.rollout
     single_token_stops = {s for s in stop if len(tokenizer.encode(s)) == 1}  # already in eos_token_ids

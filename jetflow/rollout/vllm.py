@@ -269,6 +269,9 @@ class VLLMRollout:
                                  "quantization_config with weight_block_size in config.json)")
             if recipe is None:
                 raise ValueError("execution='fp8' needs the recipe (its fingerprint guards every update)")
+            if dtype != "bfloat16":
+                raise ValueError(f"execution='fp8' with dtype={dtype!r}: vLLM's fp8 method computes in bfloat16 "
+                                 "(it refuses float32 for FP8 checkpoints); pass dtype='bfloat16'")
             if list(quant["weight_block_size"]) != list(recipe.weight_block):
                 raise ValueError(f"checkpoint weight_block_size {quant['weight_block_size']} != recipe "
                                  f"weight_block {list(recipe.weight_block)}")

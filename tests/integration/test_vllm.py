@@ -269,6 +269,14 @@ def test_fp8_execution_refuses_blocks_that_straddle_fused_projections(tmp_path):
         VLLMRollout(tmp_path, recipe=RECIPE, dtype="bfloat16")
 
 
+def test_fp8_execution_refuses_float32_activations(tmp_path):
+    """vLLM's fp8 method computes in bf16 and refuses a float32 engine: said before any engine starts."""
+    trainer = apply_precision(tiny_model(tied=False, seed=2), "fp8", RECIPE, "emulate", num_layers=2)
+    export_fp8(trainer, tmp_path, RECIPE)
+    with pytest.raises(ValueError, match="bfloat16"):
+        VLLMRollout(tmp_path, recipe=RECIPE, dtype="float32")
+
+
 @pytest.mark.slow
 def test_smollm2_chat_greedy_matches_native_engine(smollm2_dir):
     """SmolLM2-135M-Instruct (converted with jetflow), chat prompts, greedy, fp32: 32 steps past any
