@@ -256,7 +256,7 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
           f"hardware). Machine load average (1 min) before / after: {load_before[0]:.1f} / "
           f"{payload['loadavg_1m']['after']:.1f} on {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. vLLM runs after the others, in its own process "
-          f"(not interleaved). peak_memory = KV cache + model (+ the packed lm_head copy); peak_rss_delta = "
+          f"(not interleaved). peak_memory = KV cache + model (+ the prepacked fp32 weight copies); peak_rss_delta = "
           f"growth of the resident set during a run.\n\n" + markdown_table(rows, cols)
           + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
     path = write_results(f"rollout-{tag}", payload, md, out_dir)

@@ -23,15 +23,16 @@ len(prompt) + max_new_tokens <= max_seq_len slots (checked before any work is do
 
 Numerics: the engine calls the model's own modules (`forward_hidden`, then `lm_head`), so whatever
 precision converter was applied to the model (fp32 / bf16 / FP8 recipe linears) is what rollout
-runs: the rollout policy is the model's policy. One exception for speed: a plain fp32 lm_head on
-the CPU runs on a oneDNN-prepacked copy of its weight (same products, fp32 accumulation, ~1e-6
-apart; see `_lm_head`). Log-probs are those of the sampling distribution (see
+runs: the rollout policy is the model's policy. One exception for speed: on the CPU, plain fp32
+linears run on oneDNN-prepacked copies of their weights (same products, fp32 accumulation, ~1e-6
+apart; `jetflow.rollout.cpu_pack`). Log-probs are those of the sampling distribution (see
 `jetflow.rollout.sampling`).
 
 Speed on the CPU (SmolLM2-135M fp32, batch 16, 64 + 128 tokens, 2 cores): a decode step is ~90% GEMM
 at M = 16 rows, the same GEMMs every fp32 implementation runs, so the margin over HF generate()
-comes from what surrounds them: no growing cache copies, lm_head on the last position only and
-packed, one random number per row for sampling, and finished rows dropped. See results/bench.
+comes from running them on prepacked weights and from what surrounds them: no growing cache
+copies, lm_head on the last position only, one random number per row for sampling, and finished
+rows dropped. See results/bench.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ from __future__ import annotations
 import copy
 import resource
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from jetflow.model.kv_cache import KVCache
+from jetflow.rollout.cpu_pack import PackedLinears
 from jetflow.rollout.sampling import sample
 
 FINISH_REASONS = ("eos", "stop", "length")
@@ -126,7 +129,8 @@ class RolloutEngine:
     compact_fraction: drop finished rows from the batch once this fraction of it is done (0: at
         every finish; >= 1: never, the chunk just ends when all rows are done).
     compile: torch.compile the decode step's forward (see `_compiled_hidden`).
-    pack_lm_head: on the CPU, run a plain fp32 lm_head on a oneDNN-prepacked copy (see `_lm_head`).
+    pack_linears: on the CPU, run plain fp32 linears on oneDNN-prepacked weight copies (one more
+        fp32 copy of those weights; `jetflow.rollout.cpu_pack`); ignored with compile.
 
     `weight_version` is set by whoever loads new weights into `model` (e.g. the trainer -> rollout
     sync); every output carries the version it was generated with.
@@ -134,7 +138,7 @@ class RolloutEngine:
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, max_batch: int, max_seq_len: int,
                  device: str | torch.device = "cpu", cache_dtype: torch.dtype | None = None, tokenizer=None,
-                 compact_fraction: float = 0.25, compile: bool = False, pack_lm_head: bool = True):
+                 compact_fraction: float = 0.25, compile: bool = False, pack_linears: bool = True):
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch >= 1 and max_seq_len >= 2, got {max_batch}, {max_seq_len}")
         if eos_token_ids is None:
@@ -153,8 +157,9 @@ class RolloutEngine:
         self._rss_start = _max_rss_bytes()
         # the one KV cache: (max_batch, H_kv, max_seq_len, D) per layer; chunks use views of it
         self.cache: KVCache = model.new_cache(max_batch, max_seq_len, cache_dtype, self.device)
-        self.pack_lm_head = pack_lm_head
-        self._head_key, self._head_packed = None, None  # oneDNN-packed lm_head weight (see _lm_head)
+        # prepacked CPU weights (not with compile: the compiled graph keeps ATen's linears)
+        self._packed = (PackedLinears(model, max_batch) if pack_linears and not compile and self.device.type == "cpu"
+                        and PackedLinears.available() else None)
         # the decode step's forward_hidden: torch.compile'd if asked (prefill always runs eager)
         self._decode_hidden = self._compiled_hidden() if compile else model.forward_hidden
 
@@ -188,7 +193,7 @@ class RolloutEngine:
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "compactions": 0}
         # long prompts together: less padding per chunk (outputs are returned in the caller's order)
         order = sorted(requests, key=lambda r: len(r.prompt), reverse=True)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._packed.applied(version) if self._packed else nullcontext():
             for start in range(0, len(order), self.max_batch):
                 self._run_chunk(order[start:start + self.max_batch], params, stats)
         new_tokens = sum(len(r.tokens) for r in requests)
@@ -217,8 +222,8 @@ class RolloutEngine:
             if t.data_ptr() not in seen:  # tied weights counted once
                 seen.add(t.data_ptr())
                 model_bytes += t.numel() * t.element_size()
-        packed = 0 if self._head_packed is None else self.model.lm_head.weight.numel() * 4  # the packed copy
-        out = {"kv_cache_bytes": kv, "model_bytes": model_bytes, "packed_lm_head_bytes": packed}
+        packed = self._packed.packed_bytes() if self._packed else 0  # the prepacked weight copies
+        out = {"kv_cache_bytes": kv, "model_bytes": model_bytes, "packed_weight_bytes": packed}
         if self.device.type == "cuda":
             out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         else:
@@ -298,31 +303,7 @@ class RolloutEngine:
         """Logits (B, V) of the last position only: the model's forward_hidden, then its lm_head."""
         hidden = hidden or self.model.forward_hidden
         h = hidden(ids, position_ids=positions, attention_mask=mask, cache=cache)  # (B, T, C)
-        return self._lm_head(h[:, -1])  # (B, V)
-
-    def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """lm_head on (B, C) -> (B, V).
-
-        A plain fp32 head on the CPU runs as a oneDNN GEMM on a prepacked (blocked) copy of its
-        weight: for a few rows against SmolLM2's 49k x 576 head that is 2-2.5x faster than
-        F.linear (MKL) on 2 cores, the same products with fp32 accumulation (results agree to
-        ~1e-6; only the summation order differs). The copy is repacked whenever the weight tensor,
-        its in-place version counter or the engine's weight_version changes. Any other head (bf16 /
-        FP8 precision linears, GPU, no oneDNN) is called as the module it is."""
-        head = self.model.lm_head
-        if not self._can_pack(head):
-            return head(h)
-        w = head.weight
-        key = (w.data_ptr(), w._version, self.weight_version)
-        if key != self._head_key:
-            self._head_packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.max_batch)
-            self._head_key = key
-        return torch.ops.mkldnn._linear_pointwise(h, self._head_packed, head.bias, "none", [], "")
-
-    def _can_pack(self, head) -> bool:
-        return (self.pack_lm_head and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
-                and isinstance(head, torch.nn.Linear) and head.weight.dtype == torch.float32
-                and (type(head) is torch.nn.Linear or getattr(head, "kind", None) == "fp32"))
+        return self.model.lm_head(h[:, -1])  # (B, V)
 
     def _compiled_hidden(self):
         """torch.compile of the model's forward_hidden for the decode step (optional; the decoder

@@ -190,8 +190,8 @@ def test_memory_stats(model):
 
 
 def test_weights_updated_in_place_are_used(model):
-    """The engine caches a packed copy of the lm_head weight; an in-place update (as the trainer ->
-    rollout sync does it) must reach the next generate call."""
+    """The engine caches packed copies of the fp32 linear weights; an in-place update (as the trainer
+    -> rollout sync does it) must reach the next generate call."""
     m = copy.deepcopy(model)
     eng = engine(m, eos_token_ids=[])
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -205,3 +205,30 @@ def test_weights_updated_in_place_are_used(model):
     after = eng.generate(PROMPTS[:2], params)
     assert after.token_ids == [reference_greedy(m, p, 8, set()) for p in PROMPTS[:2]]
     assert after.token_ids != before.token_ids
+
+
+def test_prepacked_linears_are_the_model_within_fp32_noise(model):
+    """On the CPU the fp32 linears run on oneDNN-prepacked weights during generate: the same
+    sampled tokens and log-probs as the plain modules (<= 1e-5), every linear packed, and the
+    model's own forwards back in place afterwards."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    packed_eng, plain_eng = engine(model), engine(model, pack_linears=False)
+    packed = packed_eng.generate(PROMPTS, params, seeds=list(range(len(PROMPTS))))
+    plain = plain_eng.generate(PROMPTS, params, seeds=list(range(len(PROMPTS))))
+    assert packed.token_ids == plain.token_ids
+    diff = max((torch.tensor(a) - torch.tensor(b)).abs().max().item() for a, b in zip(packed.logprobs, plain.logprobs))
+    assert diff <= 1e-5
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert packed_eng.memory_stats()["packed_weight_bytes"] == sum(m.weight.numel() * 4 for m in linears)
+    assert plain_eng.memory_stats()["packed_weight_bytes"] == 0
+    assert not any("forward" in m.__dict__ for m in linears)
+
+
+def test_only_fp32_linears_are_packed(model):
+    m = apply_precision(copy.deepcopy(model), "bf16", None)
+    m.model.layers[0].mlp.down_proj.kind = "fp32"  # a PrecisionLinear computing in fp32 is packed too
+    eng = engine(m)
+    eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=3))
+    kept_fp32 = [x for x in m.modules() if isinstance(x, torch.nn.Linear) and getattr(x, "kind", "fp32") == "fp32"]
+    assert kept_fp32 == [m.model.layers[0].mlp.down_proj]
+    assert eng.memory_stats()["packed_weight_bytes"] == sum(x.weight.numel() * 4 for x in kept_fp32)
