@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """`python scripts/rollout_pack_ab.py [reps]`. Same-run A/B: jetflow engine with and without prepacked linears, and HF generate(); SmolLM2 fp32,
 batch 16, 64 prompt + 128 new tokens, temperature 1, EOS ignored; interleaved reps, medians."""
-import json, os, statistics, sys, time, torch
+import json, os, statistics, sys, torch
 from jetflow.bench.rollout import _hf_runner, _time
 from jetflow.model import load, load_tokenizer
 from jetflow.rollout import RolloutEngine, SamplingParams
