@@ -2,22 +2,13 @@
 """`python scripts/rollout_pack_ab.py [reps]`. Same-run A/B: jetflow engine with and without prepacked linears, and HF generate(); SmolLM2 fp32,
 batch 16, 64 prompt + 128 new tokens, temperature 1, EOS ignored; interleaved reps, medians."""
 import json, os, statistics, sys, torch
-from jetflow.bench.rollout import _hf_runner, _time
-from jetflow.model import load, load_tokenizer
-from jetflow.rollout import RolloutEngine, SamplingParams
+from jetflow.bench.rollout import _hf_runner, _jetflow_runner, _time
 path, reps = ".cache/models/smollm2", int(sys.argv[1]) if len(sys.argv) > 1 else 3
 dev = torch.device("cpu")
 g = torch.Generator().manual_seed(16)
 prompts = torch.randint(100, 49152, (16, 64), generator=g).tolist()
-model = load(path).eval()
-tok = load_tokenizer(path)
 def jf(pack):
-    eng = RolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, max_batch=16, max_seq_len=192, pack_linears=pack)
-    def run(p, seed, n=128):
-        out = eng.generate(p, SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True),
-                           seeds=[seed * 1000 + i for i in range(len(p))])
-        return out.stats
-    return run
+    return _jetflow_runner(path, "fp32", 16, 64, 128, dev, pack_linears=pack)[0]
 runners = {"jetflow fp32 (prepacked linears)": jf(True), "jetflow fp32 (plain F.linear)": jf(False),
            "hf transformers fp32": _hf_runner(path, 128, dev)[0]}
 for fn in runners.values():

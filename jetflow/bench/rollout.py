@@ -86,7 +86,7 @@ class _PeakRSS:
 
 
 def _jetflow_runner(model_path: str, precision: str, batch: int, prompt_len: int, new_tokens: int, device,
-                    compile: bool = False):
+                    compile: bool = False, pack_linears: bool = True):
     from jetflow.model import load, load_tokenizer
     from jetflow.precision import FP8Recipe, apply_precision
     from jetflow.rollout import RolloutEngine, SamplingParams
@@ -96,7 +96,8 @@ def _jetflow_runner(model_path: str, precision: str, batch: int, prompt_len: int
         apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None)
     tok = load_tokenizer(model_path)
     engine = RolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, max_batch=batch,
-                           max_seq_len=prompt_len + new_tokens, device=device, compile=compile)
+                           max_seq_len=prompt_len + new_tokens, device=device, compile=compile,
+                           pack_linears=pack_linears)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
 
     def run(prompts, seed, n=new_tokens):

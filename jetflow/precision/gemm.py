@@ -116,7 +116,7 @@ def blockwise_operands(a: QuantizedTensor, b: QuantizedTensor, api: str):
     scale_a = _pad_to(a.scale_inv, m_pad, kb, 1.0).t().contiguous().t()  # (M4, kb), strides (1, M4)
     if weight_blocks:
         l4 = _round_up(kb, 4)  # == kb under v1 (K' is a multiple of 512)
-        scale_b = _pad_to(b.scale_inv, -(-n_pad // 128), l4, 1.0).contiguous().t()  # (L4, N'/128), strides (1, L4)
+        scale_b = _pad_to(b.scale_inv, _round_up(n_pad, 128) // 128, l4, 1.0).contiguous().t()  # (L4, N'/128), strides (1, L4)
     else:
         scale_b = _pad_to(b.scale_inv, n_pad, kb, 1.0).t().contiguous()  # (kb, N') row-major
         if api == "v2":

@@ -57,7 +57,8 @@ class PackedLinears:
     def applied(self, weight_version: int):
         """Within the block, every packable linear of the model computes on its packed weight."""
         modules = [m for m in self.model.modules() if packable(m)]
-        self._packed = {m: v for m, v in self._packed.items() if m in set(modules)}  # drop replaced modules
+        current = set(modules)
+        self._packed = {m: v for m, v in self._packed.items() if m in current}  # drop replaced modules
         for m in modules:
             m.forward = lambda x, m=m: self._linear(m, weight_version, x)  # an instance attribute shadows the class's
         try:
