@@ -47,6 +47,11 @@ class PrecisionConfig:
     """auto (Hopper torch._scaled_mm when available, else emulation) | scaled_mm | emulate."""
     kv_cache_fp8: bool = False
     """FP8 (E4M3) KV cache in the rollout engine, per-layer scales recalibrated each step."""
+    numerics: str = "auto"
+    """exact | fast | auto. exact: the rollout engine and the trainer compute every token with the
+    batch-invariant kernels (jetflow.kernels), so their log-probs agree bit for bit (CPU, native
+    engine and trainer). fast: torch's kernels (BLAS, SDPA), a few ulps apart. auto: exact where it
+    runs (CPU, native rollout and trainer), else fast."""
 
     def recipe(self) -> FP8Recipe:
         return FP8Recipe(fmt=self.fmt, weight_block=tuple(self.weight_block), group_size=self.group_size,
@@ -211,6 +216,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.fmt": FORMATS,
     "precision.scale_rule": SCALE_RULES,
     "precision.gemm_backend": ("auto", "scaled_mm", "emulate"),
+    "precision.numerics": ("auto", "exact", "fast"),
     "model.dtype": ("float32", "bfloat16"),
     "rollout.backend": ("native", "vllm"),
     "task.name": ("arithmetic", "countdown", "math"),
@@ -259,7 +265,27 @@ def validate(cfg: Config) -> Config:
         cfg.precision.recipe()
     except ValueError as e:
         raise ConfigError(f"precision: {e}") from None
+    if cfg.precision.numerics == "exact" and _exact_blocker(cfg):
+        raise ConfigError(f"precision.numerics=exact: {_exact_blocker(cfg)}; use precision.numerics=fast (or auto)")
     return cfg
+
+
+def _exact_blocker(cfg: Config) -> str | None:
+    """Why exact numerics cannot run with this config, or None."""
+    if not cfg.model.device.startswith("cpu"):
+        return f"the batch-invariant kernels run on the CPU only for now (model.device={cfg.model.device})"
+    if cfg.rollout.backend != "native":
+        return f"rollout.backend={cfg.rollout.backend} computes with its own kernels (only the native engine runs jetflow's)"
+    if cfg.train.backend != "native":
+        return f"train.backend={cfg.train.backend} computes attention with its own kernels"
+    return None
+
+
+def resolve_numerics(cfg: Config) -> str:
+    """precision.numerics with `auto` resolved: exact wherever it can run, else fast."""
+    if cfg.precision.numerics != "auto":
+        return cfg.precision.numerics
+    return "fast" if _exact_blocker(cfg) else "exact"
 
 
 def _explain(e: OmegaConfBaseException) -> ConfigError:

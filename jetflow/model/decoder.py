@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from jetflow.kernels import invariant
 from jetflow.model.kv_cache import KVCache
 
 # model_type -> HF architecture class name
@@ -245,6 +246,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+NUMERICS = ("fast", "exact")
+"""fast: torch's kernels (SDPA, BLAS). exact: the batch-invariant kernels (jetflow.kernels.invariant),
+so a token's hidden states come out bit for bit the same in a full forward, a prefill and a cached
+decode, whatever else is in the batch."""
+
+
+def silu_exact(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) as x / (1 + exp(-x)): exp, add and divide give the same bits in a vector lane and
+    in a scalar tail, while torch's fused sigmoid / silu kernels do not (measured: 4% of values
+    differ), which would make a row's result depend on where it falls in the tensor."""
+    return x / (1 + torch.exp(-x))
+
+
+@dataclass
+class AttentionPlan:
+    """How every layer of one forward attends (built once per forward by `Decoder.forward_hidden`)."""
+
+    exact: bool
+    positions: torch.Tensor  # (B, T) position of each new token
+    mask: torch.Tensor | None = None  # fast path: bool (B|1, 1, T, S) for SDPA, or None
+    is_causal: bool = False  # fast path: SDPA's own causal mask is exact here
+    start: int | None = None  # cache writes: slots [start, start + T) of every row ...
+    row_slots: torch.Tensor | None = None  # ... or slot row_slots[b] of row b (one token per row)
+    end: int | None = None  # key slots [0, end) after the write
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -264,7 +291,7 @@ class Attention(nn.Module):
         # in cached decoding alike, so trainer and rollout see the same K/V values.
         self.kv_quantizer = None
 
-    def forward(self, x, cos, sin, mask, is_causal, cache: KVCache | None):
+    def forward(self, x, cos, sin, plan: AttentionPlan, cache: KVCache | None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
@@ -276,11 +303,16 @@ class Attention(nn.Module):
         if self.kv_quantizer is not None:
             k, v = self.kv_quantizer(self.layer_idx, k, v)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = cache.length + T
+            # (B, H_kv, S, D); K is (B, H_kv, D, S) in an exact-numerics cache
+            k, v = cache.update(self.layer_idx, k, v, plan.start, plan.row_slots, plan.end)
             k, v = k.to(q.dtype), v.to(q.dtype)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal,
-            enable_gqa=self.num_kv_heads != self.num_heads)  # (B, H, T, D)
+        if plan.exact:
+            kt = k if cache is not None else k.transpose(-1, -2).contiguous()  # (B, H_kv, D, S)
+            y = invariant.attention(q, kt, v, plan.positions, 1.0 / math.sqrt(self.head_dim))  # (B, H, T, D)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=plan.mask, is_causal=plan.is_causal,
+                enable_gqa=self.num_kv_heads != self.num_heads)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)  # (B, T, C)
 
@@ -295,8 +327,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, exact: bool = False):
+        gate = self.gate_proj(x)
+        return self.down_proj((silu_exact(gate) if exact else F.silu(gate)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -307,9 +340,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, is_causal, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache)
-        x = x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, plan: AttentionPlan, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache)
+        x = x + self.mlp(self.post_attention_layernorm(x), plan.exact)
         return x  # (B, T, C)
 
 
@@ -330,6 +363,8 @@ class Decoder(nn.Module):
         # RoPE inverse frequencies (D/2,), a non-persistent buffer (not in the state dict). Made on
         # the CPU even when the model is built on the meta device, and kept fp32 by `_apply`.
         self.register_buffer("rope_inv_freq", rope_inv_freq(config, device="cpu"), persistent=False)
+        self.numerics = "fast"
+        """fast | exact (NUMERICS): set with the precision of the linears (jetflow.orchestrate.build)."""
         self.embed_grid: torch.dtype | None = None
         """Round embedding outputs to this dtype's grid (bf16 under the bf16 / mixed / unified modes,
         as the recipe keeps embeddings in bf16): trainer and rollout then agree on them, and the
@@ -367,47 +402,50 @@ class Decoder(nn.Module):
         """Final hidden states (B, T, C), after the last norm and before lm_head.
 
         input_ids: (B, T) new tokens.
-        attention_mask: bool (B, S), True = real token, False = padding (left padding in a batch).
-            Without a cache S = T; with a cache S = cache.length + T and it covers every slot so far.
+        attention_mask: bool, True = real token, False = padding. Without a cache: (B, T), any
+            padding in fast numerics, one contiguous run of real tokens per row in exact numerics
+            (left-padded prompt + right-padded response, as a trainer batch is). With a cache:
+            (B, cache.length + T) covering every slot so far, left padding, fast numerics only.
         position_ids: (B, T). Default: the number of real tokens before each token,
-            `cumsum(attention_mask) - 1` over the last T slots (= arange when there is no padding);
-            without a mask, arange(cache.length, cache.length + T).
-        cache: if given, the T new tokens are written into slots [cache.length, cache.length + T)
-            and attend to all earlier valid slots; then this method advances cache.length by T.
+            `cumsum(attention_mask) - 1` (= arange without padding); with a cache and no mask,
+            arange(cache.length, cache.length + T).
+        cache: if given, the T new tokens are written into it and attend to its earlier slots; then
+            this method raises cache.length. With an attention_mask, slots [cache.length,
+            cache.length + T) of every row; without one, slot = position (right-padded rows: row b's
+            token at position p goes to slot p and attends slots 0..p), the layout the rollout
+            engine uses and exact numerics needs.
 
-        Each token attends to the valid slots at or before its own. A padding token (mask False)
-        attends only to itself, so its (meaningless) outputs stay finite instead of NaN.
+        Each token attends to the valid slots at or before its own. A padding token attends only to
+        itself (fast) or to the slots before it (exact), so its (meaningless) outputs stay finite.
         """
+        exact = self.numerics == "exact"
+        if exact:
+            invariant.check_device(input_ids.device)
         B, T = input_ids.shape
         L = cache.length if cache is not None else 0
-        S = L + T
         device = input_ids.device
-        if cache is not None:
-            cache.check_room(T)
         if attention_mask is not None:
+            S = L + T
             if attention_mask.shape != (B, S):
                 raise ValueError(
                     f"attention_mask must be (B, cache.length + T) = ({B}, {S}), got {tuple(attention_mask.shape)}")
             attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+            if exact:
+                if cache is not None:
+                    raise ValueError("exact numerics with a KV cache need right-padded rows (slot = position): "
+                                     "pass position_ids, not an attention_mask")
+                if position_ids is not None:
+                    raise ValueError("exact numerics with an attention_mask derive the positions themselves; "
+                                     "do not pass position_ids")
+                return self._forward_aligned(input_ids, attention_mask)
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, L:]  # (B, T)
             else:
-                position_ids = torch.arange(L, S, device=device).expand(B, T)
-
-        # attention mask for SDPA: bool (B, 1, T, S), or None with is_causal where that is exact
-        mask, is_causal = None, False
-        if attention_mask is None and L == 0:
-            is_causal = T > 1  # plain causal square
-        elif attention_mask is None and T == 1:
-            pass  # one new token attends to every slot
-        else:
-            q_slot = torch.arange(L, S, device=device)[:, None]  # (T, 1)
-            k_slot = torch.arange(S, device=device)[None, :]  # (1, S)
-            mask = (k_slot <= q_slot)[None]  # (1, T, S)
-            if attention_mask is not None:
-                mask = (mask & attention_mask[:, None, :]) | (k_slot == q_slot)  # (B, T, S)
-            mask = mask[:, None]  # (B|1, 1, T, S)
+                position_ids = torch.arange(L, L + T, device=device).expand(B, T)
+        elif exact and cache is None and not torch.equal(position_ids, torch.arange(T, device=device).expand(B, T)):
+            raise ValueError("exact numerics without a KV cache need slot = position: position_ids must be arange(T)")
+        plan = self._attention_plan(position_ids, attention_mask, cache, exact)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         if self.embed_grid is not None:  # the embedding computes on the bf16 grid (precision modes)
@@ -418,15 +456,81 @@ class Decoder(nn.Module):
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, is_causal, cache)
+            x = layer(x, cos, sin, plan, cache)
         if cache is not None:
-            cache.advance(T)
+            cache.advance_to(plan.end)
         return self.model.norm(x)  # (B, T, C)
 
+    def _attention_plan(self, positions: torch.Tensor, attention_mask: torch.Tensor | None,
+                        cache: KVCache | None, exact: bool) -> AttentionPlan:
+        """Where this forward's K/V go and which slots each query sees (see forward_hidden)."""
+        B, T = positions.shape
+        device = positions.device
+        plan = AttentionPlan(exact=exact, positions=positions)
+        if cache is not None and cache.k_transposed != exact:
+            raise ValueError(f"this KV cache was made for {'exact' if cache.k_transposed else 'fast'} numerics, "
+                             f"the model runs {self.numerics}: make it with model.new_cache")
+        if cache is not None and attention_mask is not None:  # left padding: contiguous slots, masked
+            L = cache.length
+            plan.start, plan.end = L, L + T
+            cache.check_end(plan.end)
+            q_slot = torch.arange(L, L + T, device=device)[:, None]  # (T, 1)
+            k_slot = torch.arange(L + T, device=device)[None, :]  # (1, S)
+            mask = (k_slot <= q_slot)[None] & attention_mask[:, None, :]
+            plan.mask = (mask | (k_slot == q_slot))[:, None]  # (B, 1, T, S)
+            return plan
+        if cache is not None:  # slot = position
+            uniform = bool((positions == positions[:1]).all())
+            first = int(positions[0, 0])
+            contiguous = uniform and (T == 1 or bool((positions[0, 1:] - positions[0, :-1] == 1).all()))
+            if contiguous:
+                plan.start, plan.end = first, max(cache.length, first + T)
+            elif T == 1:
+                plan.row_slots = positions[:, 0]
+                plan.end = max(cache.length, int(plan.row_slots.max()) + 1)
+            else:
+                raise ValueError("with a KV cache, position_ids must be one contiguous range shared by every row "
+                                 "(a prefill), or one token per row (a decode step)")
+            cache.check_end(plan.end)
+            S = plan.end
+        else:
+            S = T
+        if exact:
+            return plan
+        if attention_mask is not None:  # no cache, padded rows: real slots at or before the query
+            q_slot = torch.arange(T, device=device)[:, None]
+            k_slot = torch.arange(T, device=device)[None, :]
+            mask = (k_slot <= q_slot)[None] & attention_mask[:, None, :]
+            plan.mask = (mask | (k_slot == q_slot))[:, None]  # (B, 1, T, T)
+        elif cache is None or (plan.start == 0 and plan.end == T):
+            plan.is_causal = T > 1  # a plain causal square
+        elif not (T == 1 and bool((positions[:, 0] == S - 1).all())):  # else one token sees every slot
+            k_slot = torch.arange(S, device=device)
+            plan.mask = (k_slot[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+        return plan
+
+    def _forward_aligned(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Exact numerics on padded rows: shift each row so its real tokens start at slot 0 (slot =
+        position, as in the rollout engine's cache), run, and shift the hidden states back."""
+        B, T = input_ids.shape
+        cols = torch.arange(T, device=input_ids.device)
+        start = attention_mask.long().argmax(-1)  # (B,) first real token
+        count = attention_mask.sum(-1)  # (B,)
+        run = (cols[None] >= start[:, None]) & (cols[None] < (start + count)[:, None])
+        if not torch.equal(run, attention_mask):
+            raise ValueError("exact numerics need each row's real tokens to be one contiguous run "
+                             "(left-padded prompt, right-padded response)")
+        shift = (start[:, None] + cols[None]) % T  # (B, T): aligned column j holds original column shift[b, j]
+        hidden = self.forward_hidden(input_ids.gather(1, shift))  # (B, T, C), positions arange(T)
+        back = (cols[None] - start[:, None]) % T  # (B, T)
+        return hidden.gather(1, back[..., None].expand(-1, -1, hidden.shape[-1]))
+
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None) -> KVCache:
-        """A KVCache for this model (dtype/device default to the embedding's)."""
+        """A KVCache for this model (dtype/device default to the embedding's; K transposed under exact
+        numerics, the layout the invariant attention reads)."""
         w = self.model.embed_tokens.weight
-        return KVCache.for_model(self.config, batch_size, max_len, dtype or w.dtype, device or w.device)
+        return KVCache.for_model(self.config, batch_size, max_len, dtype or w.dtype, device or w.device,
+                                 k_transposed=self.numerics == "exact")
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # shared (tied) parameters counted once

@@ -1,12 +1,16 @@
 """A preallocated key/value cache for incremental decoding with `jetflow.model.Decoder`.
 
-Layout: one K and one V tensor per layer, each (B, H_kv, S_max, D), allocated once. Slots
-[0, length) are filled. A forward pass with T new tokens writes them into slots
-[length, length + T) of every layer (`update`) and then advances `length` by T (`advance`, called by
-`Decoder.forward` once after the last layer). The cache never grows: writing past `max_len` raises.
+Layout: one K and one V tensor per layer, allocated once, (B, H_kv, S_max, D) each; with
+`k_transposed` (the exact numerics mode) K is kept as (B, H_kv, D, S_max), the layout the
+batch-invariant attention reads keys in. A forward pass writes its T new tokens' K/V into slots and
+then raises `length`, the high-water mark: slots [0, length) hold data for some row.
 
-Padding is not the cache's business: a left-padded batch simply keeps its padding slots in the cache,
-and the attention mask passed to the decoder (B, length + T) says which slots are real.
+Two ways to fill it (the decoder picks by what it is given):
+- slot = position (right-padded rows, what the rollout engine does): a row's token at position p
+  lives in slot p; a prefill writes slots [0, T) of every row, a decode step writes one slot per row
+  (`update(..., row_slots=positions)`). Queries see the slots at or before their own position, so a
+  row's layout does not depend on the other rows, which exact numerics needs.
+- contiguous slots [length, length + T) for every row (left-padded rows with an attention mask).
 
 FP8 KV hook: `quantize_kv`, if set, is a callable applied to K and to V (each (B, H_kv, T, D)) before
 they are stored, e.g. a fake-quantizer that rounds to the FP8 grid and back. It is None by default.
@@ -14,6 +18,7 @@ they are stored, e.g. a fake-quantizer that rounds to the FP8 grid and back. It 
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -29,6 +34,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        k_transposed: bool = False,
     ):
         if max_len <= 0:
             raise ValueError(f"KVCache max_len must be positive, got {max_len}")
@@ -39,54 +45,109 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (batch_size, num_kv_heads, max_len, head_dim)  # (B, H_kv, S_max, D)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.length = 0  # slots filled so far (the same for every row of the batch)
+        self.k_transposed = k_transposed
+        v_shape = (batch_size, num_kv_heads, max_len, head_dim)  # (B, H_kv, S_max, D)
+        k_shape = (batch_size, num_kv_heads, head_dim, max_len) if k_transposed else v_shape
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.length = 0  # high-water mark: slots [0, length) hold data for some row
         self.quantize_kv: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def for_model(cls, model_config, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> "KVCache":
+                  device: torch.device | str = "cpu", k_transposed: bool = False) -> "KVCache":
         """A cache shaped for a `ModelConfig` (num_layers, num_kv_heads, head_dim)."""
         c = model_config
-        return cls(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, dtype, device)
+        return cls(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, dtype, device, k_transposed)
 
     def check_room(self, t: int) -> None:
-        """Raise if `t` more tokens do not fit."""
-        if self.length + t > self.max_len:
+        """Raise if `t` more tokens after `length` do not fit."""
+        self.check_end(self.length + t)
+
+    def check_end(self, end: int) -> None:
+        """Raise if slots up to `end` (exclusive) do not fit."""
+        if end > self.max_len:
             raise RuntimeError(
-                f"KVCache overflow: {self.length} slots filled + {t} new tokens > max_len={self.max_len}; "
-                f"allocate a larger cache (max_len >= prompt length + new tokens)"
-            )
+                f"KVCache overflow: writing up to slot {end} > max_len={self.max_len}; "
+                f"allocate a larger cache (max_len >= prompt length + new tokens)")
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, H_kv, T, D) at slots [length, length + T) of `layer`.
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None,
+               row_slots: torch.Tensor | None = None, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H_kv, T, D) of `layer` and return that layer's K and V over slots [0, end).
 
-        Returns views of that layer's K and V over slots [0, length + T): (B, H_kv, length + T, D).
-        Does not advance `length` (all layers of one forward write the same slots); see `advance`.
+        Where: at slots [start, start + T) of every row (start defaults to `length`), or, for one
+        new token per row (T = 1), at slot row_slots[b] of row b. `end` (default: start + T, or
+        max(length, max(row_slots) + 1)) bounds the returned views: K (B, H_kv, end, D), or
+        (B, H_kv, D, end) for a k_transposed cache; V (B, H_kv, end, D). Does not move `length`
+        (every layer of one forward writes the same slots); see `advance_to`.
         """
-        t = k.shape[2]
-        self.check_room(t)
         if k.shape[0] != self.batch_size:
             raise ValueError(f"KVCache was allocated for batch {self.batch_size}, got batch {k.shape[0]}")
         if self.quantize_kv is not None:
             k, v = self.quantize_kv(k), self.quantize_kv(v)
-        end = self.length + t
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        K, V = self.k[layer], self.v[layer]
+        if row_slots is not None:
+            if k.shape[2] != 1:
+                raise ValueError("KVCache.update: row_slots writes one token per row (T = 1)")
+            if end is None:
+                end = max(self.length, int(row_slots.max()) + 1)
+            self.check_end(end)
+            rows = torch.arange(self.batch_size, device=K.device)
+            slots = row_slots.to(K.device)
+            V[rows, :, slots] = v[:, :, 0]  # (B, H_kv, D)
+            if self.k_transposed:
+                K[rows, :, :, slots] = k[:, :, 0]
+            else:
+                K[rows, :, slots] = k[:, :, 0]
+        else:
+            start = self.length if start is None else start
+            t = k.shape[2]
+            end = start + t if end is None else end
+            self.check_end(max(end, start + t))
+            V[:, :, start:start + t] = v
+            if self.k_transposed:
+                K[:, :, :, start:start + t] = k.transpose(-1, -2)
+            else:
+                K[:, :, start:start + t] = k
+        return (K[..., :end] if self.k_transposed else K[:, :, :end]), V[:, :, :end]
+
+    def advance_to(self, end: int) -> None:
+        """Mark slots up to `end` as holding data (called once per forward, after every layer wrote)."""
+        self.check_end(end)
+        self.length = max(self.length, end)
 
     def advance(self, t: int) -> None:
-        """Mark `t` more slots as filled (called once per forward, after every layer wrote them)."""
-        self.check_room(t)
-        self.length += t
+        """Mark `t` more slots as filled."""
+        self.advance_to(self.length + t)
 
     def reset(self) -> None:
         """Forget all slots (the memory is kept and overwritten by the next forward)."""
         self.length = 0
 
+    def view(self, rows: int, length: int) -> "KVCache":
+        """A KVCache over the first `rows` rows of this one with `length` slots filled. A shallow copy
+        shares everything (dtype, max_len, the FP8 `quantize_kv` hook); the per-layer tensors are
+        narrowed to views, so nothing is allocated."""
+        view = copy.copy(self)
+        view.k = [k[:rows] for k in self.k]
+        view.v = [v[:rows] for v in self.v]
+        view.batch_size, view.length = rows, length
+        return view
+
+    def compact(self, view: "KVCache", keep: torch.Tensor) -> "KVCache":
+        """Move the rows `keep` (ascending) of `view` (a view of this cache) to the front; a view over
+        them with the same filled slots."""
+        L = view.length
+        for full in self.v:
+            full[:len(keep), :, :L] = full[:, :, :L].index_select(0, keep)  # (B', H_kv, L, D)
+        for full in self.k:
+            if self.k_transposed:
+                full[:len(keep), :, :, :L] = full[..., :L].index_select(0, keep)  # (B', H_kv, D, L)
+            else:
+                full[:len(keep), :, :L] = full[:, :, :L].index_select(0, keep)
+        return self.view(len(keep), L)
+
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.num_kv_heads}, "
                 f"length={self.length}/{self.max_len}, head_dim={self.head_dim}, dtype={self.dtype}, "
-                f"device={self.device})")
+                f"device={self.device}, k_transposed={self.k_transposed})")

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from jetflow.config import Config, ConfigError
+from jetflow.config import Config, ConfigError, resolve_numerics
 from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
@@ -117,10 +117,14 @@ def embedding_grid(kind: str) -> torch.dtype | None:
 
 
 def apply_mode(model: Decoder, cfg: Config, side: str) -> Decoder:
+    """The precision mode's linears (and numerics) for one side, in place."""
     kind = (TRAINER_KIND if side == "trainer" else ROLLOUT_KIND)[cfg.precision.mode]
+    numerics = resolve_numerics(cfg)
     model.embed_grid = embedding_grid(kind)
+    if isinstance(model, Decoder):
+        model.numerics = numerics
     return apply_precision(model, kind, cfg.precision.recipe(), cfg.precision.gemm_backend,
-                           num_layers=model.config.num_layers)
+                           num_layers=model.config.num_layers, numerics=numerics)
 
 
 def prompt_encoder(cfg: Config, tokenizer, task: Task) -> Callable[[Problem], list[int]]:

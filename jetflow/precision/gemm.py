@@ -13,6 +13,10 @@ Backends:
              accumulation; unlike the hardware path, the output is not rounded to bf16.
 `auto` picks scaled_mm on a capable CUDA device, else emulate. Blackwell (SM100+) is left to the
 emulation: torch offers DeepSeek-style 128-blocks on SM90 only.
+
+Exact numerics (`numerics="exact"`, CPU): the emulation's fp32 product runs on the batch-invariant
+GEMM (jetflow.kernels.invariant), so a row's result does not depend on how many rows share the call:
+the rollout engine's decode rows and the trainer's full-sequence rows come out bit for bit equal.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from jetflow.kernels import invariant
 from jetflow.precision.quant import QuantizedTensor
 
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulate")
+NUMERICS = ("fast", "exact")
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,12 +54,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def fp8_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32,
-               backend: str = "auto") -> torch.Tensor:
-    """a @ b.T -> (M, N) in out_dtype; a (M, K) with (1, g) groups, b (N, K) with (128, 128) or (1, g)."""
+               backend: str = "auto", numerics: str = "fast") -> torch.Tensor:
+    """a @ b.T -> (M, N) in out_dtype; a (M, K) with (1, g) groups, b (N, K) with (128, 128) or (1, g).
+    numerics="exact": the batch-invariant GEMM on the dequantized operands (b's panels cached on b)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_matmul: contraction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if a.block[0] != 1:
         raise ValueError(f"fp8_matmul: a must be blocked 1 x g along K, got block {a.block}")
+    if numerics == "exact":
+        invariant.check_device(a.data.device)
+        if b.packed is None:
+            b.packed = invariant.pack_weight(b.dequantize())
+        return invariant.gemm(a.dequantize(), b.packed, b.shape[0]).to(out_dtype)
     backend = resolve_backend(backend, a.data.device)
     if backend == "scaled_mm":
         return _scaled_mm_blockwise(a, b).to(out_dtype)
@@ -138,14 +150,22 @@ def _scaled_mm_blockwise(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                weight_on_grid: bool = False) -> torch.Tensor:
+                weight_on_grid: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """A bf16 GEMM: bf16 operands, fp32 accumulation, bf16-rounded output, returned in x's dtype.
 
     On CUDA this is a real bf16 GEMM. On the CPU, bf16 matmul is a slow fallback (FACTS.md), so the
     operands are rounded to the bf16 grid and multiplied in fp32: the same values a bf16 tensor-core
     GEMM produces, up to accumulation order. `weight_on_grid` says the fp32 weight is already rounded
     to bf16 (a cached copy), which saves re-rounding a large weight on every decode step.
+    `packed` (exact numerics): the bf16-grid weight's panels; the product then runs on the
+    batch-invariant GEMM, and the bias is added after it.
     """
+    if packed is not None:
+        w = weight if weight_on_grid else weight.bfloat16().float()
+        out = invariant.matmul(x.bfloat16().float(), w, packed)
+        if bias is not None:
+            out = out + bias.bfloat16().float()
+        return out.bfloat16().to(x.dtype)
     if x.is_cuda:
         out = F.linear(x.bfloat16(), weight.bfloat16(), None if bias is None else bias.bfloat16())
         return out.to(x.dtype)

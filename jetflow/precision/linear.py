@@ -15,6 +15,10 @@ The quantized weight is cached per weight version (the tensor's in-place version
 optimizer step bumps), so each weight is quantized once per optimizer step and those same bytes serve
 every forward of the step and every export to a rollout engine. A rollout-side layer can instead be
 handed quantized bytes directly (`load_quantized`), which it then uses as they are.
+
+`numerics="exact"` runs every forward product on the batch-invariant GEMM (jetflow.kernels.invariant)
+on weight panels packed once per weight version: a row's output is then the same bits whether the
+row is one of 16 decode rows or of 9,600 trainer rows. Backward GEMMs stay torch's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetflow.precision.gemm import bf16_linear, fp8_matmul, resolve_backend
+from jetflow.kernels import invariant
+from jetflow.precision.gemm import NUMERICS, bf16_linear, fp8_matmul, resolve_backend
 from jetflow.precision.quant import QuantizedTensor, quantize_blocks
 from jetflow.precision.recipe import FP8Recipe
 
@@ -38,12 +43,12 @@ def quantize_weight_for_recipe(weight: torch.Tensor, recipe: FP8Recipe, name: st
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, wq: QuantizedTensor, recipe: FP8Recipe, backend: str, name: str,
-                save_input: bool):
+                save_input: bool, numerics: str):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)  # (M, K)
         group, rule, margin = recipe.group_size, recipe.scale_rule, recipe.margin
         xq = quantize_blocks(x2, (1, group), recipe.forward_format, rule, margin, f"{name}.input")
-        y = fp8_matmul(xq, wq, out_dtype=x.dtype, backend=backend)  # (M, N)
+        y = fp8_matmul(xq, wq, out_dtype=x.dtype, backend=backend, numerics=numerics)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
         if save_input:
@@ -73,15 +78,15 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.weight_dtype)
         ctx.saved_x = ctx.saved_w = None
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: QuantizedTensor,
-               recipe: FP8Recipe, backend: str = "auto", name: str = "linear") -> torch.Tensor:
+               recipe: FP8Recipe, backend: str = "auto", name: str = "linear", numerics: str = "fast") -> torch.Tensor:
     """Functional FP8 linear with FP8 fprop, dgrad and wgrad. `wq` is `weight` quantized by the recipe."""
     # The 128x1 copy of the input is only needed for the weight gradient of a graph being recorded.
     save_input = torch.is_grad_enabled() and weight.requires_grad
-    return _FP8LinearFunction.apply(x, weight, bias, wq, recipe, backend, name, save_input)
+    return _FP8LinearFunction.apply(x, weight, bias, wq, recipe, backend, name, save_input, numerics)
 
 
 class PrecisionLinear(nn.Linear):
@@ -89,10 +94,15 @@ class PrecisionLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, kind: str = "fp32",
                  recipe: FP8Recipe | None = None, gemm_backend: str = "auto", name: str = "linear",
-                 device=None, dtype=None):
+                 numerics: str = "fast", device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         if kind not in LINEAR_KINDS:
             raise ValueError(f"PrecisionLinear kind={kind!r}: valid kinds are {LINEAR_KINDS}")
+        if numerics not in NUMERICS:
+            raise ValueError(f"PrecisionLinear numerics={numerics!r}: valid modes are {NUMERICS}")
+        self.numerics = numerics
+        self._pack_key: tuple | None = None
+        self._packed: torch.Tensor | None = None  # exact numerics: panels of the (fp32 | bf16-grid) weight
         if kind == "fp8" and recipe is None:
             raise ValueError(f"{name}: an fp8 linear needs an FP8Recipe")
         self.kind, self.recipe, self.gemm_backend, self.name = kind, recipe, gemm_backend, name
@@ -110,7 +120,7 @@ class PrecisionLinear(nn.Linear):
         return new
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, kind={self.kind}"
+        return f"{super().extra_repr()}, kind={self.kind}, numerics={self.numerics}"
 
     # The quantized weight ----------------------------------------------------------------------
     def quantized_weight(self) -> QuantizedTensor:
@@ -134,6 +144,16 @@ class PrecisionLinear(nn.Linear):
             self._cached, self._cache_key = w.detach().bfloat16().float(), key
         return self._cached
 
+    def _packed_weight(self) -> torch.Tensor:
+        """Exact numerics: panels of the weight this kind multiplies by (fp32, or its bf16 grid), once per
+        weight version."""
+        w = self.weight
+        key = (self.kind, w.data_ptr(), w._version, w.dtype, w.device)
+        if key != self._pack_key:
+            self._packed = invariant.pack_weight(self._bf16_weight() if self.kind == "bf16" else w)
+            self._pack_key = key
+        return self._packed
+
     def load_quantized(self, wq: QuantizedTensor) -> None:
         """Use these FP8 bytes as they are (rollout side of `unified`): no requantization."""
         if tuple(wq.shape) != (self.out_features, self.in_features):
@@ -150,14 +170,20 @@ class PrecisionLinear(nn.Linear):
 
     # Forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        exact = self.numerics == "exact"
         if self.kind == "fp32":
+            if exact:
+                y = invariant.matmul(x, self.weight, self._packed_weight())
+                return y if self.bias is None else y + self.bias
             return F.linear(x, self.weight, self.bias)
         if self.kind == "bf16":
+            packed = self._packed_weight() if exact else None
             if x.is_cuda or torch.is_grad_enabled():
-                return bf16_linear(x, self.weight, self.bias)
-            return bf16_linear(x, self._bf16_weight(), self.bias, weight_on_grid=True)  # rounded once per version
+                return bf16_linear(x, self.weight, self.bias, packed=packed)
+            return bf16_linear(x, self._bf16_weight(), self.bias, weight_on_grid=True,
+                               packed=packed)  # rounded once per version
         return fp8_linear(x, self.weight, self.bias, self.quantized_weight(), self.recipe, self.gemm_backend,
-                          self.name)
+                          self.name, self.numerics)
 
 
 def _layer_index(module_name: str) -> int | None:
@@ -169,8 +195,8 @@ def _layer_index(module_name: str) -> int | None:
 
 
 def apply_precision(model: nn.Module, kind: str, recipe: FP8Recipe | None = None,
-                    gemm_backend: str = "auto", num_layers: int | None = None) -> nn.Module:
-    """Swap every nn.Linear of `model` for a PrecisionLinear of `kind`, in place.
+                    gemm_backend: str = "auto", num_layers: int | None = None, numerics: str = "fast") -> nn.Module:
+    """Swap every nn.Linear of `model` for a PrecisionLinear of `kind` and `numerics`, in place.
 
     Under kind="fp8", modules the recipe keeps in high precision (embeddings, lm_head, norms, routers,
     first/last N layers) become bf16 linears instead. Parameters are shared, not copied.
@@ -192,11 +218,13 @@ def apply_precision(model: nn.Module, kind: str, recipe: FP8Recipe | None = None
         replacements.append((name, module, module_kind))
     for name, module, module_kind in replacements:
         if isinstance(module, PrecisionLinear):
-            module.kind, module.recipe, module.gemm_backend = module_kind, recipe, gemm_backend
-            module._cache_key = module._cached = module._loaded = None
+            if numerics not in NUMERICS:
+                raise ValueError(f"apply_precision numerics={numerics!r}: valid modes are {NUMERICS}")
+            module.kind, module.recipe, module.gemm_backend, module.numerics = module_kind, recipe, gemm_backend, numerics
+            module._cache_key = module._cached = module._loaded = module._pack_key = module._packed = None
             continue
         new = PrecisionLinear.from_linear(module, kind=module_kind, recipe=recipe, gemm_backend=gemm_backend,
-                                          name=name)
+                                          name=name, numerics=numerics)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)

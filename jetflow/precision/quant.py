@@ -36,6 +36,8 @@ class QuantizedTensor:
     dequantized: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional cached fp32 dequantization (the CPU emulation of a GEMM reads it instead of
     dequantizing the same weight again for every call)."""
+    packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Optional cached panels of the dequantized weight for the batch-invariant GEMM (exact numerics)."""
 
     @property
     def shape(self) -> torch.Size:
@@ -55,6 +57,7 @@ class QuantizedTensor:
     def __setstate__(self, state: dict) -> None:
         self.data = state["bytes"].view(getattr(torch, state["dtype"]))
         self.scale_inv, self.block, self.dequantized = state["scale_inv"], tuple(state["block"]), None
+        self.packed = None
 
     def t(self) -> "QuantizedTensor":
         """Transpose: the same bytes and scales, blocks transposed (exact, no requantization)."""

@@ -3,10 +3,9 @@
 Never imports `jetflow.train` (trainer and rollout meet in `jetflow.loop` / `jetflow.sync`)."""
 
 from jetflow.rollout.engine import FINISH_REASONS, RolloutEngine, RolloutOutput, SamplingParams
-from jetflow.rollout.sampling import (apply_temperature, filter_logits, greedy, sample, token_logprobs,
-                                      top_k_filter, top_p_filter)
+from jetflow.rollout.sampling import filter_logits, greedy, sample, top_k_filter, top_p_filter
 
 __all__ = [
     "FINISH_REASONS", "RolloutEngine", "RolloutOutput", "SamplingParams",
-    "apply_temperature", "filter_logits", "greedy", "sample", "token_logprobs", "top_k_filter", "top_p_filter",
+    "filter_logits", "greedy", "sample", "top_k_filter", "top_p_filter",
 ]

@@ -21,10 +21,12 @@ from torch import nn
 
 
 def packable(module: nn.Module) -> bool:
-    """A plain fp32 linear on the CPU (nn.Linear, or a PrecisionLinear of kind fp32)."""
+    """A plain fp32 linear on the CPU (nn.Linear, or a PrecisionLinear of kind fp32 under fast numerics:
+    under exact numerics the linear runs its own batch-invariant GEMM, which oneDNN's is not)."""
     return (isinstance(module, nn.Linear) and module.weight.device.type == "cpu"
             and module.weight.dtype == torch.float32
-            and (type(module) is nn.Linear or getattr(module, "kind", None) == "fp32"))
+            and (type(module) is nn.Linear
+                 or (getattr(module, "kind", None) == "fp32" and getattr(module, "numerics", "fast") == "fast")))
 
 
 class PackedLinears:

@@ -7,12 +7,14 @@
 
 How a batch runs:
 - At most `max_batch` requests decode together; more are processed in chunks of `max_batch`.
-- Prompts are left-padded to the longest prompt of the chunk; the attention mask (B, slots) marks the
-  padding, and position ids count real tokens only, so a padded request sees exactly the positions
-  it would see alone. When a chunk has no padding no mask is passed at all (the decoder's fast path).
-- Prefill runs the whole (B, P) block once; only the last position goes through lm_head.
-- Each decode step feeds the B sampled tokens (B, 1). A request stops on one of its EOS ids, on a
-  stop string (checked on the decoded tail of its new tokens), or at max_new_tokens.
+- Prompts are right-padded to the longest prompt of the chunk, and a request's token at position p
+  lives in KV slot p: every request starts at slot 0 and sees exactly the slots it would see alone
+  (the layout exact numerics needs: attention's reduction order then never depends on the batch).
+- Prefill runs the whole (B, P) block once; only each request's last prompt position goes through
+  lm_head.
+- Each decode step feeds the B sampled tokens (B, 1), each at its own position (written to its own
+  slot). A request stops on one of its EOS ids, on a stop string (checked on the decoded tail of its
+  new tokens), or at max_new_tokens.
 - Finished rows are dropped from the batch (and their KV rows from the cache, via index_select)
   once at least `compact_fraction` of the rows are done, so a long tail of unfinished requests does
   not pay for the finished ones. The loop ends as soon as every row is done.
@@ -23,10 +25,12 @@ len(prompt) + max_new_tokens <= max_seq_len slots (checked before any work is do
 
 Numerics: the engine calls the model's own modules (`forward_hidden`, then `lm_head`), so whatever
 precision converter was applied to the model (fp32 / bf16 / FP8 recipe linears) is what rollout
-runs: the rollout policy is the model's policy. One exception for speed: on the CPU, plain fp32
-linears run on oneDNN-prepacked copies of their weights (same products, fp32 accumulation, ~1e-6
-apart; `jetflow.rollout.cpu_pack`). Log-probs are those of the sampling distribution (see
-`jetflow.rollout.sampling`).
+runs: the rollout policy is the model's policy. Log-probs are those of the sampling distribution,
+computed by the function the trainer uses (`jetflow.model.logprobs.token_logprobs`). Under exact
+numerics (`model.numerics == "exact"`) every row is computed by the batch-invariant kernels, so the
+rollout log-probs equal the trainer's full-forward log-probs bit for bit. Under fast numerics, for
+speed on the CPU, plain fp32 linears run on oneDNN-prepacked copies of their weights (same
+products, fp32 accumulation, ~1e-6 apart; `jetflow.rollout.cpu_pack`).
 
 Speed on the CPU (SmolLM2-135M fp32, batch 16, 64 + 128 tokens, 2 cores): a decode step is ~90% GEMM
 at M = 16 rows, the same GEMMs every fp32 implementation runs, so the margin over HF generate()
@@ -37,7 +41,6 @@ rows dropped. See results/bench.
 
 from __future__ import annotations
 
-import copy
 import resource
 import time
 from contextlib import nullcontext
@@ -157,6 +160,8 @@ class RolloutEngine:
         self._rss_start = _max_rss_bytes()
         # the one KV cache: (max_batch, H_kv, max_seq_len, D) per layer; chunks use views of it
         self.cache: KVCache = model.new_cache(max_batch, max_seq_len, cache_dtype, self.device)
+        if compile and getattr(model, "numerics", "fast") == "exact":
+            raise ValueError("compile=True is for fast numerics; the exact kernels are already compiled C++")
         # prepacked CPU weights (not with compile: the compiled graph keeps ATen's linears)
         self._packed = (PackedLinears(model, max_batch) if pack_linears and not compile and self.device.type == "cpu"
                         and PackedLinears.available() else None)
@@ -240,26 +245,24 @@ class RolloutEngine:
 
     def _run_chunk(self, reqs: list[_Request], params: SamplingParams, stats: dict) -> None:
         B, dev = len(reqs), self.device
-        lens = [len(r.prompt) for r in reqs]
-        P = max(lens)
-        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)  # (B, P), left-padded
-        mask = torch.ones(B, P + params.max_new_tokens, dtype=torch.bool)  # (B, slots): False = padding
+        lens = torch.tensor([len(r.prompt) for r in reqs], device=dev)  # (B,)
+        P = int(lens.max())
+        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)  # (B, P), right-padded
         for b, r in enumerate(reqs):
-            ids[b, P - lens[b]:] = torch.tensor(r.prompt)
-            mask[b, :P - lens[b]] = False
-        ids, mask = ids.to(dev), mask.to(dev)
-        padded = min(lens) != P
-        positions = (mask[:, :P].long().cumsum(-1) - 1).clamp(min=0)  # (B, P) real tokens before each
-        next_pos = torch.tensor(lens, device=dev)  # (B,) position of each row's next token
+            ids[b, :len(r.prompt)] = torch.tensor(r.prompt)
+        ids = ids.to(dev)
 
         t0 = time.perf_counter()
-        cache = self._cache_view(B, 0)
-        logits = self._forward_last(ids, positions, mask[:, :P] if padded else None, cache)  # (B, V), eager
+        cache = self.cache.view(B, 0)
+        positions = torch.arange(P, device=dev).expand(B, P)  # slot = position
+        h = self.model.forward_hidden(ids, position_ids=positions, cache=cache)  # (B, P, C), eager
+        logits = self.model.lm_head(h[torch.arange(B, device=dev), lens - 1])  # (B, V): each last prompt token
         stats["prefill_s"] += _elapsed(t0, dev)
 
         t0 = time.perf_counter()
         rows = list(reqs)  # the request in each row of the running batch
         done = [False] * B
+        next_pos = lens  # (B,) position (= KV slot) of each row's next token
         stop_window = self._stop_window(params.stop)
         while True:
             gens = [r.generator for r in rows] if params.temperature > 0 else None
@@ -285,25 +288,16 @@ class RolloutEngine:
             if n_done and n_done >= self.compact_fraction * len(rows):
                 keep = [b for b in range(len(rows)) if not done[b]]
                 idx = torch.tensor(keep, device=dev)
-                cache = self._compact(cache, idx)
+                cache = self.cache.compact(cache, idx)
                 rows = [rows[b] for b in keep]
                 done = [False] * len(rows)
-                tokens, next_pos, mask = tokens[idx], next_pos[idx], mask[idx]
-                padded = padded and not bool(mask[:, :P].all())
+                tokens, next_pos = tokens[idx], next_pos[idx]
                 stats["compactions"] += 1
-            L = cache.length
-            logits = self._forward_last(tokens[:, None], next_pos[:, None], mask[:, :L + 1] if padded else None,
-                                        cache, self._decode_hidden)  # (B, V)
+            h = self._decode_hidden(tokens[:, None], position_ids=next_pos[:, None], cache=cache)  # (B, 1, C)
+            logits = self.model.lm_head(h[:, -1])  # (B, V)
             next_pos = next_pos + 1
             stats["decode_steps"] += 1
         stats["decode_s"] += _elapsed(t0, dev)
-
-    def _forward_last(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                      cache: KVCache, hidden=None) -> torch.Tensor:
-        """Logits (B, V) of the last position only: the model's forward_hidden, then its lm_head."""
-        hidden = hidden or self.model.forward_hidden
-        h = hidden(ids, position_ids=positions, attention_mask=mask, cache=cache)  # (B, T, C)
-        return self.model.lm_head(h[:, -1])  # (B, V)
 
     def _compiled_hidden(self):
         """torch.compile of the model's forward_hidden for the decode step (optional; the decoder
@@ -315,27 +309,6 @@ class RolloutEngine:
         (norms, RoPE, SwiGLU); the GEMMs themselves stay ATen's. The first call compiles (tens of
         seconds on a CPU)."""
         return torch.compile(self.model.forward_hidden, mode="default", dynamic=True)
-
-    # ------------------------------------------------------------------------------------------
-    # KV cache views
-
-    def _cache_view(self, rows: int, length: int) -> KVCache:
-        """A KVCache over the first `rows` rows of the preallocated cache, `length` slots filled.
-
-        A shallow copy shares everything (dtype, max_len, the FP8 `quantize_kv` hook); only the
-        per-layer tensors are narrowed to views, so nothing is allocated."""
-        view = copy.copy(self.cache)
-        view.k = [k[:rows] for k in self.cache.k]  # (rows, H_kv, max_seq_len, D) views
-        view.v = [v[:rows] for v in self.cache.v]
-        view.batch_size, view.length = rows, length
-        return view
-
-    def _compact(self, cache: KVCache, keep: torch.Tensor) -> KVCache:
-        """Move the rows `keep` (ascending) of the filled slots to the front; a view over them."""
-        L = cache.length
-        for full in self.cache.k + self.cache.v:
-            full[:len(keep), :, :L] = full[:, :, :L].index_select(0, keep)  # (B', H_kv, L, D)
-        return self._cache_view(len(keep), L)
 
     # ------------------------------------------------------------------------------------------
     # stop strings and text

@@ -6,8 +6,10 @@ Filtering sets the removed logits to -inf, so the *sampling distribution* is
     pi(a) = softmax(filter(logits / temperature))[a]
 
 and the log-prob returned for a sampled token is log pi(a) (what an importance ratio against the
-trainer's policy needs). Greedy decoding (temperature 0) picks argmax(logits) and returns
-log_softmax(logits)[a]: the log-prob of that token under the unfiltered, untempered model.
+trainer's policy needs), computed by `jetflow.model.logprobs.token_logprobs`, the function the
+trainer computes its log-probs with: unfiltered, the two agree bit for bit on the same logits.
+Greedy decoding (temperature 0) picks argmax(logits) and returns log_softmax(logits)[a]: the
+log-prob of that token under the unfiltered, untempered model.
 
 Sampling inverts the CDF: one uniform u per row picks the first token whose cumulative weight
 exceeds u * total (weights exp(score - max) in fp32, cumulated in float64 so that rounding in the
@@ -21,17 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from jetflow.model.logprobs import tempered, token_logprobs
+
 # Candidate set for the top-p fast path: the exact answer is found within the top TOP_P_CANDIDATES
 # logits whenever they already hold the top_p mass (then no full-vocabulary sort is needed).
 TOP_P_CANDIDATES = 256
-
-
-def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature in fp32 (temperature > 0)."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to scale logits (0 means greedy), got {temperature}")
-    logits = logits.float()
-    return logits if temperature == 1.0 else logits / temperature
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,14 +66,7 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The log-space sampling distribution before normalisation: filter(logits / temperature) in fp32."""
-    return top_p_filter(top_k_filter(apply_temperature(logits, temperature), top_k), top_p)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[b, tokens[b]] for logits (B, V) and tokens (B,), in fp32, without
-    materialising the full log_softmax."""
-    logits = logits.float()
-    return logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # (B,)
+    return top_p_filter(top_k_filter(tempered(logits, temperature), top_k), top_p)
 
 
 def row_uniforms(generators: list[torch.Generator] | None, batch: int, device) -> torch.Tensor:
@@ -114,5 +103,4 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: floa
     u = row_uniforms(generators, B, scores.device)  # (B, 1)
     # first index whose cumulative weight exceeds u * total: never a zero-weight (filtered) token
     tokens = torch.searchsorted(cdf, u * total, right=True)[:, 0].clamp_(max=V - 1)  # (B,)
-    logprobs = scores.gather(1, tokens[:, None])[:, 0] - top[:, 0] - total[:, 0].log().float()
-    return tokens, logprobs
+    return tokens, token_logprobs(scores, tokens)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
+from jetflow.model.logprobs import token_logprobs
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
@@ -45,11 +46,8 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
     """
     P, R = exp.prompt_len, exp.response_ids.shape[1]
     hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask)  # (B, P + R, C)
-    logits = model.lm_head(hidden[:, P - 1:P + R - 1]).float()  # (B, R, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, exp.response_ids[..., None]).squeeze(-1)  # (B, R)
+    logits = model.lm_head(hidden[:, P - 1:P + R - 1])  # (B, R, V)
+    return token_logprobs(logits, exp.response_ids, temperature)  # (B, R), the rollout engine's function
 
 
 class Trainer:

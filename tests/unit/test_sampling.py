@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from jetflow.rollout.sampling import (TOP_P_CANDIDATES, apply_temperature, filter_logits, greedy, sample,
-                                      token_logprobs, top_k_filter, top_p_filter)
+from jetflow.model.logprobs import tempered, token_logprobs
+from jetflow.rollout.sampling import TOP_P_CANDIDATES, filter_logits, greedy, sample, top_k_filter, top_p_filter
 
 NEG = float("-inf")
 
@@ -33,10 +33,10 @@ def test_greedy_picks_argmax_with_log_softmax_logprob():
 
 def test_temperature_scales_logits():
     logits = torch.tensor([[1.0, 2.0, 4.0]])
-    assert apply_temperature(logits, 0.5).tolist() == [[2.0, 4.0, 8.0]]
-    assert apply_temperature(logits, 1.0).tolist() == logits.tolist()
+    assert tempered(logits, 0.5).tolist() == [[2.0, 4.0, 8.0]]
+    assert tempered(logits, 1.0).tolist() == logits.tolist()
     with pytest.raises(ValueError):
-        apply_temperature(logits, 0.0)
+        tempered(logits, 0.0)
 
 
 def test_top_k_hand_written():
