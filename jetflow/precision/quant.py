@@ -7,9 +7,17 @@ One function, `quantize_blocks`, handles every granularity of the recipe by its 
 Partial blocks at the edges (576 = 4.5 x 128) are allowed: each edge block gets its own scale from
 the values it really holds.
 
-scale_inv = amax * 2**margin / fp8_max in fp32 (so value = fp8 * scale_inv), or that rounded up to a
-power of two under the `pow2` rule. An all-zero block gets scale_inv = 1 and exact zeros. A NaN or
-Inf anywhere is an error naming the tensor: the FP8 cast alone would silently turn inf into 448.
+Scales follow vLLM's FP8 kernel contract (`per_token_group_quant_fp8`), so that a rollout engine
+running vLLM's kernels quantizes activations to the very bytes the trainer does:
+  absmax    = max(amax, 1e-10)                     (the reduction is seeded with eps)
+  scale_inv = absmax * 2**margin / fp8_max         (fp32, a division; margin 0 in vLLM)
+  pow2:       scale_inv = 2**ceil(log2(max(scale_inv, 1e-10)))
+  data      = clamp(x / scale_inv, -fp8_max, fp8_max) cast with round to nearest even
+so value = data * scale_inv. An all-zero block gets scale_inv = 1e-10 / fp8_max and exact zeros; a
+block of tiny values (below 1e-10) quantizes to zeros. log2 is evaluated in fp64 and rounded once to
+fp32 (a correctly rounded log2f up to double rounding), so the power of two does not depend on which
+SIMD path evaluates it. A NaN or Inf anywhere is an error naming the tensor: the FP8 cast alone would
+silently turn inf into 448.
 """
 
 from __future__ import annotations
@@ -83,16 +91,17 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+AMAX_EPS = 1e-10
+"""vLLM's eps: the seed of the group absmax reduction (and the floor of log2's argument under pow2)."""
+
+
 def compute_scale_inv(amax: torch.Tensor, fmt: str, scale_rule: str = "fp32", margin: int = 0) -> torch.Tensor:
-    """Per-block scale_inv from per-block amax (fp32). Zero blocks get 1.0."""
-    amax = amax.float()
-    scale_inv = amax * (2.0**margin) / FP8_MAX[fmt]
-    scale_inv = torch.where(amax > 0, scale_inv, torch.ones_like(scale_inv))
+    """Per-block scale_inv (fp32) from per-block amax, by vLLM's contract (see the module docstring)."""
+    absmax = amax.float().clamp(min=AMAX_EPS)
+    scale_inv = absmax * (2.0**margin) / FP8_MAX[fmt]
     if scale_rule == "pow2":
-        # Round up to a power of two exactly: s = m * 2**e with m in [0.5, 1); m == 0.5 is already one.
-        mantissa, exponent = torch.frexp(scale_inv)
-        exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
-        scale_inv = torch.ldexp(torch.ones_like(scale_inv), exponent)
+        log2 = torch.log2(scale_inv.clamp(min=AMAX_EPS).double()).float()  # fp32 log2, rounded once
+        scale_inv = torch.ldexp(torch.ones_like(scale_inv), torch.ceil(log2).int())  # 2**ceil(...), exact
     elif scale_rule != "fp32":
         raise ValueError(f"scale_rule={scale_rule!r}: valid rules are ('fp32', 'pow2')")
     return scale_inv
@@ -125,9 +134,7 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3", 
             f"{tuple(x.shape)}; refusing to quantize it to FP8 (the cast would hide it)")
     scale_inv = compute_scale_inv(amax, fmt, scale_rule, margin)  # (nr, nc)
     fp8_max = FP8_MAX[fmt]
-    scaled = blocks / scale_inv[:, None, :, None]
-    if fmt == "e5m2":  # E5M2 casts overflow to inf; the E4M3 cast saturates at 448 by itself (FACTS.md)
-        scaled = scaled.clamp_(-fp8_max, fp8_max)
+    scaled = (blocks / scale_inv[:, None, :, None]).clamp_(-fp8_max, fp8_max)
     data = scaled.to(FP8_DTYPES[fmt]).reshape(nr * block[0], nc * block[1])
     if data.shape != (rows, cols):
         data = data[:rows, :cols].contiguous()
