@@ -2,13 +2,15 @@
 
 What crosses depends on the precision mode:
   fp32     every tensor in fp32.
-  bf16     every tensor in bf16; the rollout side computes with bf16 GEMMs.
-  mixed    every tensor in bf16; the rollout side quantizes the FP8 linears itself (the common
-           recipe whose mismatch the ablations measure).
+  bf16     matrices in bf16, the grid both sides compute them on (bf16 GEMMs, bf16 embeddings);
+           vectors (norms, biases) as they are, since the trainer computes norms with its own.
+  mixed    as bf16; the rollout side quantizes the FP8 linears itself (the common recipe whose
+           mismatch the ablations measure).
   unified  the FP8 linears as the trainer's own quantized bytes + scale_inv (never requantized); the
            other matrices (embeddings, lm_head, kept layers) in bf16, the grid both sides compute them
            on; vectors (norms, biases) as they are. The recipe fingerprint travels along and the
            receiver refuses another recipe's bytes.
+So in every mode but mixed the rollout side computes with exactly the trainer's values.
 Every receipt checks the version (a stale or repeated update is refused) and, for FP8 payloads, that
 no scale is zero or non-finite (users of FP8 RL report all-zero and stale scales after sync).
 """
@@ -70,17 +72,20 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
     call on every rank); any other model is read through `named_parameters` and its FP8 linears."""
     hf_state_dict = getattr(model, "hf_state_dict", None)
     params = hf_state_dict() if callable(hf_state_dict) else dict(model.named_parameters(remove_duplicate=True))
+
+    def bf16_matrices(skip=frozenset()) -> dict[str, torch.Tensor]:
+        # Matrices outside FP8 linears (bf16 linears, embeddings, lm_head, layers the recipe keeps)
+        # compute on the bf16 grid on both sides, so bf16 carries them exactly; vectors go as they are.
+        return {k: v.detach().to(torch.bfloat16) if v.dim() >= 2 else v.detach()
+                for k, v in params.items() if k not in skip}
+
     if mode == "unified":
         own = getattr(model, "quantized_weights", None)
         quantized = own() if callable(own) else quantized_weights(model)  # the cached bytes the trainer computes with
-        skip = {f"{name}.weight" for name in quantized}
-        # Matrices outside the FP8 linears (embeddings, lm_head, layers the recipe keeps) compute on the
-        # bf16 grid on both sides, so bf16 carries them exactly; vectors (norms, biases) go as they are.
-        tensors = {k: v.detach().to(torch.bfloat16) if v.dim() >= 2 else v.detach()
-                   for k, v in params.items() if k not in skip}
-        update = WeightUpdate(version, mode, fingerprint, quantized, tensors)
+        update = WeightUpdate(version, mode, fingerprint, quantized,
+                              bf16_matrices({f"{name}.weight" for name in quantized}))
     elif mode in ("bf16", "mixed"):
-        update = WeightUpdate(version, mode, None, {}, {k: v.detach().to(torch.bfloat16) for k, v in params.items()})
+        update = WeightUpdate(version, mode, None, {}, bf16_matrices())
     elif mode == "fp32":
         update = WeightUpdate(version, mode, None, {}, {k: v.detach() for k, v in params.items()})
     else:

@@ -2,48 +2,59 @@
 
 For each mode, from the same starting weights: the trainer side and the rollout side are built as
 in a real run (jetflow.orchestrate.build), the weights cross through jetflow.sync, the rollout
-engine samples responses with the same per-request seeds, and the trainer computes its log-probs
-of those tokens. Reported: token KL (k3, k1), |delta logp| and the rest of jetflow.rl.mismatch, by
-response position too. This is the measurement behind the project's claim: `mixed` (bf16 trainer,
-FP8 rollout) is off-policy by construction, `unified` (one recipe, the same bytes) is not.
+engine (native, or vLLM with `rollout.backend=vllm`) samples responses with the same per-request
+seeds, and the trainer computes its log-probs of those tokens. Reported: token KL (k3, k1), max and
+mean |delta logp|, the share of tokens whose two log-probs are exactly equal, and the rest of
+jetflow.rl.mismatch, by response position too. This is the measurement behind the project's claim:
+`mixed` (bf16 trainer, FP8 rollout) is off-policy by construction, `unified` (one recipe, the same
+bytes, and under exact numerics one computation) is not: its KL is 0 and mixed / unified infinite.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from jetflow.bench.common import markdown_table, write_results
-from jetflow.config import Config, load_config
+from jetflow.config import Config, load_config, resolve_numerics
 from jetflow.loop import observe_kv_amax, request_seed
 from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
                                        prompt_encoder, stop_token_ids)
 from jetflow.orchestrate.native_rollout import NativeRollout
 from jetflow.rl import mismatch_metrics, mismatch_position_curves
-from jetflow.rl.experience import pack_experience
+from jetflow.rl.experience import Experience, pack_experience
 from jetflow.sync import build_update
 from jetflow.train.trainer import response_logprobs
 
 MODES = ("bf16", "mixed", "unified")
 
 
-def measure_mode(cfg: Config, base_model, tokenizer, task, prompts: list[list[int]], micro_batch: int = 16,
-                 ignore_eos: bool = False) -> dict:
+def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list[int]], micro_batch: int = 16,
+                    ignore_eos: bool = False, engine_dir: str | None = None) -> tuple[Experience, torch.Tensor, dict]:
+    """Rollout and trainer log-probs of the same sampled tokens under cfg's precision mode:
+    (exp with exp.rollout_logprobs (B, R), trainer log-probs (B, R), timings)."""
     mode = cfg.precision.mode
     trainer_model = apply_mode(copy_model(base_model), cfg, "trainer")
-    rollout_model = apply_mode(copy_model(base_model), cfg, "rollout")
     fingerprint = cfg.precision.recipe().fingerprint() if mode in ("mixed", "unified") else None
     max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
-    rollout = NativeRollout(rollout_model, cfg, tokenizer, stop_token_ids(tokenizer, base_model, task), task.stop,
-                            max_seq_len, fingerprint)
-    if ignore_eos:
-        rollout.params = dataclasses.replace(rollout.params, ignore_eos=True)
+    eos = stop_token_ids(tokenizer, base_model, task)
+    if cfg.rollout.backend == "vllm":
+        from jetflow.orchestrate.vllm_rollout import build_vllm_rollout
+        rollout = build_vllm_rollout(cfg, copy_model(base_model), tokenizer, [] if ignore_eos else eos, task.stop,
+                                     max_seq_len, Path(engine_dir or tempfile.mkdtemp(prefix="jetflow-vllm-")))
+    else:
+        rollout_model = apply_mode(copy_model(base_model), cfg, "rollout")
+        attach_kv_fp8(rollout_model, cfg, "rollout")
+        rollout = NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len, fingerprint)
+        if ignore_eos:
+            rollout.params = dataclasses.replace(rollout.params, ignore_eos=True)
     kv_scales = None
     kv_quantizer = attach_kv_fp8(trainer_model, cfg, "trainer")
-    attach_kv_fp8(rollout_model, cfg, "rollout")
     if kv_quantizer is not None:  # calibrate the FP8 KV scales on a trainer forward over the prompts
         def forward(exp):
             with torch.no_grad():
@@ -62,24 +73,38 @@ def measure_mode(cfg: Config, base_model, tokenizer, task, prompts: list[list[in
     with torch.no_grad():
         trainer_lp = torch.cat([response_logprobs(trainer_model, mb, cfg.rollout.temperature)
                                 for mb in exp.micro_batches(micro_batch)])
-    t_trainer = time.perf_counter() - t0
+    return exp, trainer_lp, {"rollout_s": t_rollout, "trainer_s": time.perf_counter() - t0}
+
+
+def measure_mode(cfg: Config, base_model, tokenizer, task, prompts: list[list[int]], micro_batch: int = 16,
+                 ignore_eos: bool = False) -> dict:
+    exp, trainer_lp, timings = paired_logprobs(cfg, base_model, tokenizer, task, prompts, micro_batch, ignore_eos)
     metrics = mismatch_metrics(exp.rollout_logprobs, trainer_lp, exp.response_mask)
     curves = mismatch_position_curves(exp.rollout_logprobs, trainer_lp, exp.response_mask)
     return {
-        "mode": mode,
+        "mode": cfg.precision.mode,
+        "rollout": cfg.rollout.backend,
+        "numerics": resolve_numerics(cfg),
         "kl_k3": metrics["mismatch/kl_k3"],
         "kl_k1": metrics["mismatch/kl_k1"],
         "abs_delta_mean": metrics["mismatch/abs_delta_mean"],
         "abs_delta_max": metrics["mismatch/abs_delta_max"],
+        "equal_frac": metrics["mismatch/equal_frac"],
         "ratio_outside_frac": metrics["mismatch/ratio_outside_frac"],
         "tokens": int(metrics["mismatch/num_tokens"]),
         "response_len_mean": float(exp.response_mask.sum(1).mean()),
-        "rollout_s": t_rollout,
-        "trainer_s": t_trainer,
+        **timings,
         "metrics": metrics,
         "curve_kl_k3": curves["kl_k3"].tolist(),
         "curve_abs_delta": curves["abs_delta"].tolist(),
     }
+
+
+def ratio(a: float, b: float) -> float | str:
+    """a / b, or "inf" when b is exactly 0 and a is not (JSON has no infinity)."""
+    if b == 0:
+        return "inf" if a > 0 else "undefined"
+    return a / b
 
 
 def run(config: str | None = None, overrides: tuple[str, ...] = (), modes: tuple[str, ...] = MODES,
@@ -99,22 +124,22 @@ def run(config: str | None = None, overrides: tuple[str, ...] = (), modes: tuple
         row = measure_mode(mode_cfg, base_model, tokenizer, task, prompts, cfg.train.micro_batch_size, ignore_eos)
         rows.append(row)
         print(f"  {mode:8s} kl_k3 {row['kl_k3']:.3e}  kl_k1 {row['kl_k1']:.3e}  |dlogp| mean {row['abs_delta_mean']:.3e} "
-              f"max {row['abs_delta_max']:.3e}  tokens {row['tokens']}", flush=True)
+              f"max {row['abs_delta_max']:.3e}  equal {row['equal_frac']:.1%}  tokens {row['tokens']}", flush=True)
     by_mode = {r["mode"]: r for r in rows}
     summary = {}
     if "mixed" in by_mode and "unified" in by_mode:
-        summary["kl_mixed_over_unified"] = by_mode["mixed"]["kl_k3"] / max(by_mode["unified"]["kl_k3"], 1e-30)
+        summary["kl_mixed_over_unified"] = ratio(by_mode["mixed"]["kl_k3"], by_mode["unified"]["kl_k3"])
     if "bf16" in by_mode and "unified" in by_mode:
-        summary["kl_unified_over_bf16"] = by_mode["unified"]["kl_k3"] / max(by_mode["bf16"]["kl_k3"], 1e-30)
+        summary["kl_unified_over_bf16"] = ratio(by_mode["unified"]["kl_k3"], by_mode["bf16"]["kl_k3"])
     name = name or f"mismatch-{cfg.model.path if cfg.model.path in ('tiny', 'smollm2') else 'model'}"
     table = markdown_table([{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows],
-                           ["mode", "kl_k3", "kl_k1", "abs_delta_mean", "abs_delta_max", "ratio_outside_frac",
-                            "tokens", "response_len_mean"])
+                           ["mode", "rollout", "numerics", "kl_k3", "kl_k1", "abs_delta_mean", "abs_delta_max",
+                            "equal_frac", "ratio_outside_frac", "tokens", "response_len_mean"])
     md = (f"Model `{cfg.model.path}`, task `{cfg.task.name}` {dict(cfg.task.params)}, {num_prompts} prompts x "
           f"{group_size} samples, max {cfg.rollout.max_new_tokens} new tokens, temperature "
           f"{cfg.rollout.temperature}, same seeds in every mode.\n\n{table}\n\n"
-          + "\n".join(f"- {k}: {v:.4g}" for k, v in summary.items()))
+          + "\n".join(f"- {k}: {v if isinstance(v, str) else f'{v:.4g}'}" for k, v in summary.items()))
     payload = {"config": config, "overrides": list(overrides), "rows": rows, "summary": summary}
     write_results(name, payload, md, out_dir)
-    print("  " + ", ".join(f"{k} = {v:.4g}" for k, v in summary.items()))
+    print("  " + ", ".join(f"{k} = {v if isinstance(v, str) else f'{v:.4g}'}" for k, v in summary.items()))
     return payload

@@ -10,6 +10,7 @@ pi_train / pi_rollout (samples come from the rollout, so E[r] = 1 when the two a
     abs_delta_mean/max mean / max |delta|
     exp_abs_delta_mean mean exp(|delta|)             >= 1; the typical multiplicative error
     ratio_outside_frac share of r outside [0.5, 2]
+    equal_frac         share of tokens whose two log-probs are exactly equal (1 under exact numerics)
     num_tokens         n
 
 Each metric is also reported per response-position bin: ``mismatch/<name>/pos_<i>of<K>``. Bins
@@ -36,7 +37,7 @@ def _stats(delta: Tensor) -> dict[str, float]:
     n = delta.numel()
     if n == 0:
         names = ("kl_k1", "kl_k3", "chi2", "ess", "abs_delta_mean", "abs_delta_max",
-                 "exp_abs_delta_mean", "ratio_outside_frac", "num_tokens")
+                 "exp_abs_delta_mean", "ratio_outside_frac", "equal_frac", "num_tokens")
         return {k: 0.0 for k in names}
     d = delta.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (n,)
     r = torch.exp(d)  # (n,)
@@ -50,6 +51,7 @@ def _stats(delta: Tensor) -> dict[str, float]:
         "abs_delta_max": float(delta.abs().max()),
         "exp_abs_delta_mean": float(torch.exp(d.abs()).mean()),
         "ratio_outside_frac": float(((r < _OUTSIDE_LO) | (r > _OUTSIDE_HI)).double().mean()),
+        "equal_frac": float((delta == 0).double().mean()),
         "num_tokens": float(n),
     }
 

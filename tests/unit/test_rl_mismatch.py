@@ -35,6 +35,8 @@ def test_whole_batch_metrics_by_hand():
     assert m["mismatch/exp_abs_delta_mean"] == pytest.approx(9.5 / 4)
     # outside [0.5, 2]: 3 and 0.25
     assert m["mismatch/ratio_outside_frac"] == pytest.approx(0.5)
+    # exactly equal log-probs: the r = 1 token (delta 0) of the four
+    assert m["mismatch/equal_frac"] == 0.25
     assert m["mismatch/num_tokens"] == 4
 
 
@@ -50,8 +52,9 @@ def test_position_bins_by_hand():
     assert m["mismatch/chi2/pos_1of2"] == pytest.approx(0.0625 - 1)
     assert m["mismatch/ess/pos_1of2"] == pytest.approx(1.0)
     assert m["mismatch/ratio_outside_frac/pos_1of2"] == 1.0
-    # 9 metrics, whole batch + 2 bins
-    assert len(m) == 9 * 3
+    assert m["mismatch/equal_frac/pos_0of2"] == pytest.approx(1 / 3)
+    # 10 metrics, whole batch + 2 bins
+    assert len(m) == 10 * 3
 
 
 def test_empty_bin_and_empty_mask_are_zero_not_nan():
