@@ -153,6 +153,8 @@ static inline void gemm_micro(const float* Ap, const float* B, int64_t kc, float
     }
   }
   for (int64_t k = 0; k < kc; k++) {
+    __builtin_prefetch(B + (k + 12) * NR);  // decode streams the weight from memory: fetch ahead
+    __builtin_prefetch(B + (k + 12) * NR + 16);
     vf b0 = v_load(B + k * NR), b1 = v_load(B + k * NR + VL);
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
@@ -241,8 +243,8 @@ extern "C" void jf_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const
   if (nchunks >= 4 * (int64_t)omp_get_max_threads()) {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < nchunks; i++) work(i, 0, P);
-  } else {
-#pragma omp parallel for schedule(dynamic, 1)
+  } else {  // contiguous panel ranges per thread: each streams one region of the weight in order
+#pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < nchunks * P; t++) work(t / P, t % P, t % P + 1);
   }
   std::free(Ap);

@@ -1,0 +1,103 @@
+"""The price of exact numerics on SmolLM2-135M (CPU): rollout new tokens/s and training-step time,
+exact vs fast, in fp32 and unified, in one run with interleaved repetitions (load from other
+processes then hits every variant alike); medians reported.
+
+    python scripts/exact_cost.py [--reps 3] [--batch 16] [--prompt-len 64] [--new-tokens 128]
+        [--train-batch 8] [--out results/exact-on-policy]
+
+Rollout: the native engine, `batch` random prompts of `prompt_len` tokens, `new_tokens` sampled each
+(EOS ignored), prefill included. Train step: `Trainer.train_step_on_policy` (forward, GRPO loss,
+backward, AdamW) on `train_batch` rows of prompt_len + new_tokens random tokens. Writes cost.json /
+cost.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from jetflow.bench.common import markdown_table, write_results
+from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
+from jetflow.orchestrate.build import apply_mode, build_policy, build_task, copy_model
+from jetflow.rollout import RolloutEngine, SamplingParams
+from jetflow.train.trainer import Trainer
+
+VARIANTS = [(mode, numerics) for mode in ("fp32", "unified") for numerics in ("fast", "exact")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--train-batch", type=int, default=8)
+    ap.add_argument("--out", default="results/exact-on-policy")
+    args = ap.parse_args()
+
+    base_cfg = bench_config("smollm2")
+    task = build_task(base_cfg)
+    base, tok = build_policy(base_cfg, task)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, base.config.vocab_size, (args.batch, args.prompt_len), generator=gen).tolist()
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
+    exp = synthetic_experience(args.train_batch, args.prompt_len, args.new_tokens, base.config.vocab_size,
+                               tok.pad_token_id)
+
+    engines, trainers = {}, {}
+    for mode, numerics in VARIANTS:
+        cfg = copy.deepcopy(base_cfg)
+        cfg.precision.mode, cfg.precision.numerics = mode, numerics
+        rollout_model = apply_mode(copy_model(base), cfg, "rollout")
+        engines[mode, numerics] = RolloutEngine(rollout_model, eos_token_ids=[], pad_token_id=tok.pad_token_id,
+                                                max_batch=args.batch, max_seq_len=args.prompt_len + args.new_tokens + 1)
+        trainer_model = apply_mode(copy_model(base), cfg, "trainer")
+        for p in trainer_model.parameters():
+            p.requires_grad_(True)
+        trainers[mode, numerics] = Trainer(trainer_model, cfg.train, cfg.algo)
+
+    rollout_s = {v: [] for v in VARIANTS}
+    train_s = {v: [] for v in VARIANTS}
+    seeds = list(range(args.batch))
+    with LoadAverage() as load:
+        for v in VARIANTS:  # warm-up: kernels built, weights packed, first-touch allocations
+            engines[v].generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), seeds)
+            trainers[v].train_step_on_policy(exp, 1.0, "none")
+        for rep in range(args.reps):
+            for v in VARIANTS:
+                t0 = time.perf_counter()
+                out = engines[v].generate(prompts, params, seeds)
+                rollout_s[v].append(time.perf_counter() - t0)
+                assert sum(map(len, out.token_ids)) == args.batch * args.new_tokens
+                t0 = time.perf_counter()
+                trainers[v].train_step_on_policy(exp, 1.0, "none")
+                train_s[v].append(time.perf_counter() - t0)
+            print(f"rep {rep}: " + ", ".join(f"{m}/{n} rollout {rollout_s[m, n][-1]:.1f}s train {train_s[m, n][-1]:.1f}s"
+                                             for m, n in VARIANTS), flush=True)
+
+    rows = []
+    for mode, numerics in VARIANTS:
+        r, t = statistics.median(rollout_s[mode, numerics]), statistics.median(train_s[mode, numerics])
+        fr, ft = statistics.median(rollout_s[mode, "fast"]), statistics.median(train_s[mode, "fast"])
+        rows.append({"mode": mode, "numerics": numerics,
+                     "rollout_new_tokens_per_s": args.batch * args.new_tokens / r,
+                     "rollout_vs_fast": fr / r, "train_step_s": t, "train_step_vs_fast": t / ft,
+                     "rollout_s_all": rollout_s[mode, numerics], "train_s_all": train_s[mode, numerics]})
+    table = markdown_table([{k: v for k, v in r.items() if not k.endswith("_all")} for r in rows],
+                           ["mode", "numerics", "rollout_new_tokens_per_s", "rollout_vs_fast", "train_step_s",
+                            "train_step_vs_fast"])
+    md = (f"SmolLM2-135M-Instruct, CPU. Rollout: {args.batch} prompts x {args.prompt_len} tokens, {args.new_tokens} new "
+          f"tokens each (prefill included). Train step: {args.train_batch} x {args.prompt_len + args.new_tokens} "
+          f"tokens, forward + backward + AdamW. Medians of {args.reps} interleaved repetitions. rollout_vs_fast: "
+          f"exact tokens/s over fast tokens/s (below 1: exact is slower); train_step_vs_fast: exact seconds over "
+          f"fast seconds (above 1: exact is slower).\n\n{table}\n\n{load.sentence()}")
+    write_results("cost", {"args": vars(args), "rows": rows, "load": load.record()}, md, args.out)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
