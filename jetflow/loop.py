@@ -154,7 +154,10 @@ class RLLoop:
 
         lengths = [len(t) for t in out.token_ids]
         generated = sum(lengths)
+        mask = exp.response_mask
         metrics.update({
+            # the rollout's own log-perplexity of what it sampled (nats per token)
+            "policy/rollout_log_ppl": float(-(exp.rollout_logprobs * mask).sum() / mask.sum().clamp(min=1)),
             "reward/mean": rewards.mean().item(),
             "reward/accuracy": sum(s.correct for s in scores) / len(scores),
             "reward/format": sum(s.format_ok for s in scores) / len(scores),

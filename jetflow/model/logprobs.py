@@ -27,7 +27,14 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / temperature) per position, in nats: (..., V) -> (...) fp32."""
-    logp = torch.log_softmax(tempered(logits, temperature), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+@torch.no_grad()
+def token_entropy(logits: Tensor, temperature: float = 1.0, rows_per_chunk: int = 1024) -> Tensor:
+    """Entropy of softmax(logits / temperature) per position, in nats: (..., V) -> (...) fp32, no
+    gradient (a diagnostic). Computed `rows_per_chunk` positions at a time, so the (..., V)
+    temporaries stay small for long responses."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])  # (N, V)
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for i in range(0, flat.shape[0], rows_per_chunk):
+        logp = torch.log_softmax(tempered(flat[i:i + rows_per_chunk], temperature), dim=-1)
+        out[i:i + rows_per_chunk] = -(logp.exp() * logp).sum(-1)
+    return out.reshape(logits.shape[:-1])

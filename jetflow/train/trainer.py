@@ -17,7 +17,7 @@ from torch import Tensor
 
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
-from jetflow.model.logprobs import token_logprobs
+from jetflow.model.logprobs import token_entropy, token_logprobs
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
@@ -38,8 +38,10 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
     return f
 
 
-def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.0) -> Tensor:
-    """log pi(a_t | s_t) of the response tokens under `model`: (B, R), fp32.
+def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.0,
+                      with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """log pi(a_t | s_t) of the response tokens under `model`: (B, R), fp32; with `with_entropy`,
+    also the policy's entropy at each response position (B, R), detached.
 
     Only the R columns that predict response tokens go through lm_head (the vocab projection is the
     largest GEMM of a small model). Logits are divided by the sampling temperature, as in the rollout.
@@ -47,7 +49,8 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
     P, R = exp.prompt_len, exp.response_ids.shape[1]
     hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask)  # (B, P + R, C)
     logits = model.lm_head(hidden[:, P - 1:P + R - 1])  # (B, R, V)
-    return token_logprobs(logits, exp.response_ids, temperature)  # (B, R), the rollout engine's function
+    logp = token_logprobs(logits, exp.response_ids, temperature)  # (B, R), the rollout engine's function
+    return (logp, token_entropy(logits, temperature)) if with_entropy else logp
 
 
 class Trainer:
@@ -116,12 +119,15 @@ class Trainer:
         sums: dict[str, float] = {}
         loss_total = 0.0
         olds: list[Tensor] = []
+        entropy_sum, tokens = 0.0, 0.0
         for mb in micro:
             weight = agg_denominator(mb.response_mask, agg) / total_denominator
             if weight == 0:  # no response tokens: nothing to learn, and its log-probs are all masked
                 olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
                 continue
-            logprobs = response_logprobs(self.model, mb, temperature)  # (b, R)
+            logprobs, entropy = response_logprobs(self.model, mb, temperature, with_entropy=True)  # (b, R) each
+            entropy_sum += float((entropy * mb.response_mask).sum())
+            tokens += float(mb.response_mask.sum())
             if weigh is None:
                 old, is_weights = mb.old_logprobs, mb.is_weights
             else:
@@ -135,6 +141,10 @@ class Trainer:
             loss_total += loss.item() * weight
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * weight
+        # the policy's entropy per response token (nats): this rank's share of the mean over every
+        # rank's tokens (the metrics are summed over ranks below)
+        all_tokens = self.dp.sum(tokens)
+        sums["policy/entropy"] = entropy_sum / all_tokens if all_tokens else 0.0
         return self._apply_gradients(loss_total, sums, t0), (torch.cat(olds) if weigh is not None else None)
 
     def sft_step(self, exp: Experience) -> dict[str, float]:

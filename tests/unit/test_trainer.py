@@ -38,6 +38,23 @@ def test_response_logprobs_equal_unpadded_full_forward():
     assert exp.response_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
 
 
+def test_train_step_logs_the_policy_entropy_of_the_response_tokens():
+    """policy/entropy = mean over response tokens of -sum p log p of softmax(logits / T), computed by
+    hand in float64 from a plain forward of each unpadded row (before the update)."""
+    cfg = load_config(None, ["train.micro_batch_size=2"])
+    model, exp = tiny_model(), batch()
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    responses = [[20, 21], [22, 23, 24], [25]]
+    entropies = []
+    with torch.no_grad():
+        for p, r in zip(prompts, responses):
+            logits = model(torch.tensor([p + r]))[0, len(p) - 1:len(p) + len(r) - 1].double() / 0.7
+            probs = torch.softmax(logits, -1)
+            entropies += (-(probs * probs.log()).sum(-1)).tolist()
+    metrics, _ = Trainer(model, cfg.train, cfg.algo).train_step_on_policy(exp, 0.7, "none")
+    assert metrics["policy/entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-5)
+
+
 def test_lr_schedule_warmup_then_cosine():
     f = lr_lambda(warmup_steps=4, total_steps=14, min_ratio=0.1)
     assert [f(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
