@@ -48,17 +48,21 @@ def main() -> None:
     exp = synthetic_experience(args.train_batch, args.prompt_len, args.new_tokens, base.config.vocab_size,
                                tok.pad_token_id)
 
-    engines, trainers = {}, {}
+    configs, engines = {}, {}
     for mode, numerics in VARIANTS:
-        cfg = copy.deepcopy(base_cfg)
+        cfg = configs[mode, numerics] = copy.deepcopy(base_cfg)
         cfg.precision.mode, cfg.precision.numerics = mode, numerics
         rollout_model = apply_mode(copy_model(base), cfg, "rollout")
         engines[mode, numerics] = RolloutEngine(rollout_model, eos_token_ids=[], pad_token_id=tok.pad_token_id,
                                                 max_batch=args.batch, max_seq_len=args.prompt_len + args.new_tokens + 1)
-        trainer_model = apply_mode(copy_model(base), cfg, "trainer")
-        for p in trainer_model.parameters():
+
+    def trainer(v) -> Trainer:  # built per measurement: four trainers with Adam state do not fit in 24 GiB
+        model = apply_mode(copy_model(base), configs[v], "trainer")
+        for p in model.parameters():
             p.requires_grad_(True)
-        trainers[mode, numerics] = Trainer(trainer_model, cfg.train, cfg.algo)
+        t = Trainer(model, configs[v].train, configs[v].algo)
+        t.train_step_on_policy(exp, 1.0, "none")  # warm-up: weights packed / quantized, Adam state allocated
+        return t
 
     rollout_s = {v: [] for v in VARIANTS}
     train_s = {v: [] for v in VARIANTS}
@@ -66,16 +70,17 @@ def main() -> None:
     with LoadAverage() as load:
         for v in VARIANTS:  # warm-up: kernels built, weights packed, first-touch allocations
             engines[v].generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), seeds)
-            trainers[v].train_step_on_policy(exp, 1.0, "none")
         for rep in range(args.reps):
             for v in VARIANTS:
                 t0 = time.perf_counter()
                 out = engines[v].generate(prompts, params, seeds)
                 rollout_s[v].append(time.perf_counter() - t0)
                 assert sum(map(len, out.token_ids)) == args.batch * args.new_tokens
+                step = trainer(v)
                 t0 = time.perf_counter()
-                trainers[v].train_step_on_policy(exp, 1.0, "none")
+                step.train_step_on_policy(exp, 1.0, "none")
                 train_s[v].append(time.perf_counter() - t0)
+                del step
             print(f"rep {rep}: " + ", ".join(f"{m}/{n} rollout {rollout_s[m, n][-1]:.1f}s train {train_s[m, n][-1]:.1f}s"
                                              for m, n in VARIANTS), flush=True)
 

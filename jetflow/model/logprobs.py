@@ -27,14 +27,20 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` (the same operations, differentiable) and the entropy of softmax(logits /
+    temperature) at each position in nats (no gradient: a diagnostic), from one log_softmax."""
+    logp = torch.log_softmax(tempered(logits, temperature), dim=-1)  # (..., V)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy_from_logp(logp)
+
+
 @torch.no_grad()
-def token_entropy(logits: Tensor, temperature: float = 1.0, rows_per_chunk: int = 1024) -> Tensor:
-    """Entropy of softmax(logits / temperature) per position, in nats: (..., V) -> (...) fp32, no
-    gradient (a diagnostic). Computed `rows_per_chunk` positions at a time, so the (..., V)
-    temporaries stay small for long responses."""
-    flat = logits.detach().reshape(-1, logits.shape[-1])  # (N, V)
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+def entropy_from_logp(logp: Tensor, rows_per_chunk: int = 1024) -> Tensor:
+    """-sum p log p over the last dim of log-probabilities (..., V) -> (...) fp32, `rows_per_chunk`
+    positions at a time so the temporaries stay small for long responses."""
+    flat = logp.detach().reshape(-1, logp.shape[-1])  # (N, V)
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logp.device)
     for i in range(0, flat.shape[0], rows_per_chunk):
-        logp = torch.log_softmax(tempered(flat[i:i + rows_per_chunk], temperature), dim=-1)
-        out[i:i + rows_per_chunk] = -(logp.exp() * logp).sum(-1)
-    return out.reshape(logits.shape[:-1])
+        chunk = flat[i:i + rows_per_chunk]
+        out[i:i + rows_per_chunk] = -(chunk.exp() * chunk).sum(-1)
+    return out.reshape(logp.shape[:-1])

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
-from jetflow.model.logprobs import token_entropy, token_logprobs
+from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
@@ -49,8 +49,9 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
     P, R = exp.prompt_len, exp.response_ids.shape[1]
     hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask)  # (B, P + R, C)
     logits = model.lm_head(hidden[:, P - 1:P + R - 1])  # (B, R, V)
-    logp = token_logprobs(logits, exp.response_ids, temperature)  # (B, R), the rollout engine's function
-    return (logp, token_entropy(logits, temperature)) if with_entropy else logp
+    if with_entropy:  # the same log-probs (one log_softmax), and the entropy from it
+        return token_logprobs_and_entropy(logits, exp.response_ids, temperature)
+    return token_logprobs(logits, exp.response_ids, temperature)  # (B, R), the rollout engine's function
 
 
 class Trainer:
