@@ -7,8 +7,8 @@ processes then hits every variant alike); medians reported.
 
 Rollout: the native engine, `batch` random prompts of `prompt_len` tokens, `new_tokens` sampled each
 (EOS ignored), prefill included. Train step: `Trainer.train_step_on_policy` (forward, GRPO loss,
-backward, AdamW) on `train_batch` rows of prompt_len + new_tokens random tokens. Writes cost.json /
-cost.md under --out.
+backward, AdamW) on `train_batch` rows of prompt_len + new_tokens random tokens, the mean of
+`train_steps` steps after two warm-up steps. Writes cost.json / cost.md under --out.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--train-batch", type=int, default=8)
+    ap.add_argument("--train-steps", type=int, default=2, help="timed steps per measurement (after 2 warm-up steps)")
     ap.add_argument("--out", default="results/exact-on-policy")
     args = ap.parse_args()
 
@@ -56,13 +57,20 @@ def main() -> None:
         engines[mode, numerics] = RolloutEngine(rollout_model, eos_token_ids=[], pad_token_id=tok.pad_token_id,
                                                 max_batch=args.batch, max_seq_len=args.prompt_len + args.new_tokens + 1)
 
-    def trainer(v) -> Trainer:  # built per measurement: four trainers with Adam state do not fit in 24 GiB
+    def train_step_seconds(v) -> float:
+        """Mean of `--train-steps` timed steps of a fresh trainer after two warm-up steps (weights packed
+        or quantized, Adam state allocated, the allocator settled); built per measurement, since four
+        trainers with Adam state do not fit in 24 GiB."""
         model = apply_mode(copy_model(base), configs[v], "trainer")
         for p in model.parameters():
             p.requires_grad_(True)
         t = Trainer(model, configs[v].train, configs[v].algo)
-        t.train_step_on_policy(exp, 1.0, "none")  # warm-up: weights packed / quantized, Adam state allocated
-        return t
+        for _ in range(2):
+            t.train_step_on_policy(exp, 1.0, "none")
+        t0 = time.perf_counter()
+        for _ in range(args.train_steps):
+            t.train_step_on_policy(exp, 1.0, "none")
+        return (time.perf_counter() - t0) / args.train_steps
 
     rollout_s = {v: [] for v in VARIANTS}
     train_s = {v: [] for v in VARIANTS}
@@ -76,11 +84,7 @@ def main() -> None:
                 out = engines[v].generate(prompts, params, seeds)
                 rollout_s[v].append(time.perf_counter() - t0)
                 assert sum(map(len, out.token_ids)) == args.batch * args.new_tokens
-                step = trainer(v)
-                t0 = time.perf_counter()
-                step.train_step_on_policy(exp, 1.0, "none")
-                train_s[v].append(time.perf_counter() - t0)
-                del step
+                train_s[v].append(train_step_seconds(v))
             print(f"rep {rep}: " + ", ".join(f"{m}/{n} rollout {rollout_s[m, n][-1]:.1f}s train {train_s[m, n][-1]:.1f}s"
                                              for m, n in VARIANTS), flush=True)
 
@@ -97,7 +101,8 @@ def main() -> None:
                             "train_step_vs_fast"])
     md = (f"SmolLM2-135M-Instruct, CPU. Rollout: {args.batch} prompts x {args.prompt_len} tokens, {args.new_tokens} new "
           f"tokens each (prefill included). Train step: {args.train_batch} x {args.prompt_len + args.new_tokens} "
-          f"tokens, forward + backward + AdamW. Medians of {args.reps} interleaved repetitions. rollout_vs_fast: "
+          f"tokens, forward + backward + AdamW, mean of {args.train_steps} steps after 2 warm-up steps. Medians of "
+          f"{args.reps} interleaved repetitions. rollout_vs_fast: "
           f"exact tokens/s over fast tokens/s (below 1: exact is slower); train_step_vs_fast: exact seconds over "
           f"fast seconds (above 1: exact is slower).\n\n{table}\n\n{load.sentence()}")
     write_results("cost", {"args": vars(args), "rows": rows, "load": load.record()}, md, args.out)
