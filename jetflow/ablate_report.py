@@ -3,11 +3,14 @@
 <out_dir>/summary.md     one row per cell, the exact command and the machine, the plots
 <out_dir>/summary.json   the same numbers, plus each cell's overrides and the environment
 <out_dir>/metrics.jsonl  every cell's metric rows (SFT and RL phases), each with a `cell` field
-<out_dir>/reward.png, mismatch_kl.png, mismatch_position.png
+<out_dir>/reward.png, entropy.png, mismatch_kl.png, mismatch_position.png
 <out_dir>/.gitignore     keeps the runs' checkpoints out of git (the rest of runs/ is small)
 
 Per cell: final reward = mean `reward/mean` over the last 3 RL steps, best = its maximum; mismatch KL
-= `mismatch/kl_k3` (KL(rollout || trainer) on the sampled tokens) mean and max over steps; times =
+= `mismatch/kl_k3` (KL(rollout || trainer) on the sampled tokens) mean and max over steps; equal =
+mean `mismatch/equal_frac` (share of tokens whose two log-probs are bitwise equal); entropy = the
+policy's entropy on the trainer side (`policy/entropy`), mean of the first and of the last 3 steps,
+beside the rollout's own log-perplexity (`policy/rollout_log_ppl`) of the last 3; times =
 mean seconds per step of each phase; tokens/s = mean of `throughput/tokens_per_s` (prompt + response
 tokens through the whole step) and `throughput/rollout_tokens_per_s` (generated tokens / rollout time).
 
@@ -34,7 +37,8 @@ TIME_KEYS = ("time/rollout", "time/old_logprobs", "time/train", "time/sync")
 COLUMNS = {  # summary.json key -> summary.md column
     "cell": "cell", "status": "status", "steps": "steps", "reward_final": "final reward",
     "reward_best": "best reward", "kl_k3_mean": "KL k3 mean", "kl_k3_max": "KL k3 max",
-    "response_length_mean": "resp len", "time_rollout": "rollout s", "time_old_logprobs": "old logp s",
+    "equal_frac_mean": "equal", "entropy_first": "entropy first", "entropy_final": "entropy last",
+    "rollout_log_ppl_final": "rollout log-ppl last", "response_length_mean": "resp len", "time_rollout": "rollout s", "time_old_logprobs": "old logp s",
     "time_train": "train s", "time_sync": "sync s", "tokens_per_s": "tok/s", "rollout_tokens_per_s": "rollout tok/s",
 }
 
@@ -64,6 +68,9 @@ def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str])
         "reward_best": max(rewards) if rewards else None,
         "accuracy_final": _mean(col("reward/accuracy")[-3:]),
         "kl_k3_mean": _mean(kl), "kl_k3_max": max(kl) if kl else None,
+        "equal_frac_mean": _mean(col("mismatch/equal_frac")),
+        "entropy_first": _mean(col("policy/entropy")[:3]), "entropy_final": _mean(col("policy/entropy")[-3:]),
+        "rollout_log_ppl_final": _mean(col("policy/rollout_log_ppl")[-3:]),
         "response_length_mean": _mean(col("response/length_mean")),
         "response_length_max": max((v for v in col("response/length_max") if v is not None), default=None),
         "truncated_frac": _mean(col("response/truncated_frac")),
@@ -157,7 +164,7 @@ def write_report(ab: "Ablation", command: str) -> Path:
     if not (out / ".gitignore").exists():
         (out / ".gitignore").write_text("runs/*/checkpoints/\n")
     env = environment()
-    rows, all_metrics, rewards, kls, positions = [], [], [], [], []
+    rows, all_metrics, rewards, entropies, kls, positions = [], [], [], [], [], []
     for cell in ab.cells:
         run_dir = ab.run_dir(cell)
         rows.append(cell_summary(cell.id, cell_status(run_dir), run_dir, cell.overrides))
@@ -165,13 +172,16 @@ def write_report(ab: "Ablation", command: str) -> Path:
         all_metrics += [{"cell": cell.id, **r} for r in metrics]
         rl = [r for r in metrics if r.get("phase") == "rl"]
         rewards.append((cell.id, [r["step"] for r in rl], [r.get("reward/mean") for r in rl]))
+        entropies.append((cell.id, [r["step"] for r in rl], [r.get("policy/entropy") for r in rl]))
         kls.append((cell.id, [r["step"] for r in rl], [r.get("mismatch/kl_k3") for r in rl]))
         curve = position_curve(run_dir)
         if curve is not None:
             positions.append((cell.id, *curve))
 
-    plots = {"reward": "reward.png", "mismatch_kl": "mismatch_kl.png", "mismatch_position": "mismatch_position.png"}
+    plots = {"reward": "reward.png", "entropy": "entropy.png", "mismatch_kl": "mismatch_kl.png", "mismatch_position": "mismatch_position.png"}
     _plot(out / plots["reward"], f"{ab.name}: reward", "reward/mean", "RL step", rewards)
+    _plot(out / plots["entropy"], f"{ab.name}: policy entropy (trainer side)", "policy/entropy (nats/token)",
+          "RL step", entropies)
     _plot(out / plots["mismatch_kl"], f"{ab.name}: rollout vs trainer mismatch", "mismatch KL k3 (log)", "RL step",
           kls, log_y=True)
     _plot(out / plots["mismatch_position"], f"{ab.name}: mismatch by response position (all steps pooled)",
@@ -202,14 +212,17 @@ def write_report(ab: "Ablation", command: str) -> Path:
         "",
         markdown_table(table_rows, list(COLUMNS.values())), "",
         "Final reward: mean `reward/mean` over the last 3 RL steps; best: its maximum. KL k3: "
-        "`mismatch/kl_k3`, KL(rollout || trainer) on the sampled tokens, mean and max over steps. "
+        "`mismatch/kl_k3`, KL(rollout || trainer) on the sampled tokens, mean and max over steps; equal: "
+        "mean share of tokens whose rollout and trainer log-probs are bitwise equal. entropy: the policy's "
+        "entropy per token on the trainer side (`policy/entropy`), first and last 3 steps; rollout log-ppl: "
+        "the rollout's own mean -log p of its tokens, last 3 steps. "
         "resp len: mean generated tokens. Times: mean seconds per step (rollout, trainer old log-probs, "
         "train, weight sync). tok/s: prompt + response tokens per step second; rollout tok/s: generated "
         "tokens per rollout second. Per-step rows of every cell: `metrics.jsonl`.", "",
     ]
     if failed:
         md += ["Failed cells (details in `runs/<cell>/error.txt`):", *failed, ""]
-    md += ["![reward](reward.png)", "", "![mismatch KL](mismatch_kl.png)", "",
+    md += ["![reward](reward.png)", "", "![entropy](entropy.png)", "", "![mismatch KL](mismatch_kl.png)", "",
            "Log axes leave out exact zeros (a step with no mismatch at all).", "",
            "![mismatch by position](mismatch_position.png)", ""]
     if no_pos:

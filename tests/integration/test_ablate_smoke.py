@@ -40,7 +40,8 @@ def test_report(smoke):
     for row in summary["cells"]:
         assert row["status"] == "complete" and row["steps"] == 2
         for key in ("reward_final", "reward_best", "kl_k3_mean", "kl_k3_max", "time_rollout", "time_old_logprobs",
-                    "time_train", "time_sync", "tokens_per_s", "rollout_tokens_per_s"):
+                    "time_train", "time_sync", "tokens_per_s", "rollout_tokens_per_s", "entropy_first", "entropy_final",
+                    "rollout_log_ppl_final", "equal_frac_mean"):
             assert row[key] is not None, key
     kl = {r["cell"]: r["kl_k3_mean"] for r in summary["cells"]}
     assert kl["mixed"] > kl["unified"]
@@ -50,7 +51,7 @@ def test_report(smoke):
     rows = [line for line in md.splitlines() if "| complete | 2 |" in line]
     assert [r.split(" | ")[0] for r in rows] == ["| mixed", "| unified"]
 
-    for name in ("reward.png", "mismatch_kl.png", "mismatch_position.png"):
+    for name in ("reward.png", "entropy.png", "mismatch_kl.png", "mismatch_position.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 5000, name
     for cell in cells:

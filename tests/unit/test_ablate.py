@@ -142,7 +142,8 @@ def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypat
         run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.precision.mode == "mixed":
             raise RuntimeError("boom")
-        rows = [{"step": s, "phase": "rl", "reward/mean": 0.5 * s, "mismatch/kl_k3": 0.0, "time/rollout": 1.0}
+        rows = [{"step": s, "phase": "rl", "reward/mean": 0.5 * s, "mismatch/kl_k3": 0.0, "time/rollout": 1.0,
+                 "policy/entropy": 2.0 - 0.5 * s}
                 for s in range(2)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (run_dir / local.COMPLETE).write_text("done\n")
@@ -160,6 +161,10 @@ def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     assert rows["mixed"]["status"] == "failed" and "boom" in rows["mixed"]["error"]
     assert rows["bf16"]["status"] == "complete" and rows["bf16"]["reward_best"] == 0.5
     assert rows["bf16"]["kl_k3_max"] == 0.0 and rows["bf16"]["time_train"] is None
+    # the first and last 3 steps of two: both mean (2.0 + 1.5) / 2
+    assert rows["bf16"]["entropy_first"] == rows["bf16"]["entropy_final"] == 1.75
+    assert rows["bf16"]["rollout_log_ppl_final"] is None  # not logged by the fake: an empty cell, no crash
+    assert (out / "entropy.png").read_bytes().startswith(b"\x89PNG")
     md = (out / "summary.md").read_text()
     assert "| mixed | failed |" in md and "RuntimeError: boom" in md
     assert (out / "mismatch_kl.png").read_bytes().startswith(b"\x89PNG")  # all-zero KL: "no data yet", still a PNG
