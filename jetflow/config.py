@@ -15,7 +15,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from jetflow.precision.recipe import FORMATS, PRECISION_MODES, SCALE_RULES, FP8Recipe
+from jetflow.precision.modes import PRECISION_MODES, PrecisionMode
+from jetflow.precision.recipe import FORMATS, SCALE_RULES, FP8Recipe
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,10 @@ class PrecisionConfig:
     batch-invariant kernels (jetflow.kernels), so their log-probs agree bit for bit (CPU, native
     engine and trainer). fast: torch's kernels (BLAS, SDPA), a few ulps apart. auto: exact where it
     runs (CPU, native rollout and trainer), else fast."""
+
+    @property
+    def precision_mode(self) -> PrecisionMode:
+        return PrecisionMode(self.mode)
 
     def recipe(self) -> FP8Recipe:
         return FP8Recipe(fmt=self.fmt, weight_block=tuple(self.weight_block), group_size=self.group_size,

@@ -9,8 +9,7 @@ that the rollout ran the weight version the trainer is at.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
@@ -19,32 +18,16 @@ from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import apply_correction, group_advantages, mismatch_metrics
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience, pack_experience
-from jetflow.sync import StaleWeightsError, WeightUpdate
+from jetflow.rollout.types import RolloutEngineSide
+from jetflow.sync import StaleWeightsError
 from jetflow.tasks import Problem, Task
-
-
-class RolloutSide(Protocol):
-    weight_version: int
-
-    def load_weights(self, update: WeightUpdate) -> None: ...
-
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> "Rollouts": ...
-
-
-@dataclass
-class Rollouts:
-    token_ids: list[list[int]]  # generated tokens per request
-    logprobs: list[list[float]]  # log pi_rollout of each generated token
-    texts: list[str]
-    finish_reasons: list[str]
-    weight_version: int
 
 
 def resolve_correction(cfg: Config) -> str:
     """`auto`: the modes whose rollout policy differs by construction (mixed) get token TIS."""
     if cfg.algo.correction != "auto":
         return cfg.algo.correction
-    return "token_tis" if cfg.precision.mode == "mixed" else "none"
+    return "token_tis" if cfg.precision.precision_mode.off_policy_by_design else "none"
 
 
 def observe_kv_amax(logprobs_fn: Callable[[Experience], torch.Tensor], quantizer, prompts: list[list[int]],
@@ -67,7 +50,7 @@ def request_seed(run_seed: int, step: int, index: int) -> int:
 
 
 class RLLoop:
-    def __init__(self, cfg: Config, trainer, rollout: RolloutSide, task: Task,
+    def __init__(self, cfg: Config, trainer, rollout: RolloutEngineSide, task: Task,
                  encode_prompt: Callable[[Problem], list[int]], pad_id: int, fingerprint: str | None,
                  kv_quantizer=None, dp: DataParallel = SINGLE):
         self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task

@@ -25,7 +25,7 @@ from jetflow.config import Config, load_config, resolve_numerics
 from jetflow.loop import observe_kv_amax, request_seed
 from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
                                        prompt_encoder, stop_token_ids)
-from jetflow.orchestrate.native_rollout import NativeRollout
+from jetflow.rollout.native import NativeRollout
 from jetflow.rl import mismatch_metrics, mismatch_position_curves
 from jetflow.rl.experience import Experience, pack_experience
 from jetflow.sync import build_update

@@ -29,7 +29,7 @@ from jetflow.config import Config
 from jetflow.loop import RLLoop
 from jetflow.orchestrate.build import (apply_mode, build_policy, build_task, copy_model, prompt_encoder,
                                        smollm2_dir, stop_token_ids)
-from jetflow.orchestrate.native_rollout import NativeRollout
+from jetflow.rollout.native import NativeRollout
 from jetflow.tasks import Problem, Task
 from jetflow.train.trainer import Trainer
 

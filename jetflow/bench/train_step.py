@@ -24,7 +24,8 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
-from jetflow.orchestrate.build import TRAINER_KIND, apply_mode, build_policy, build_task, copy_model
+from jetflow.orchestrate.build import apply_mode, build_policy, build_task, copy_model
+from jetflow.precision import PrecisionMode
 from jetflow.rl.experience import Experience
 from jetflow.train.trainer import Trainer
 
@@ -81,7 +82,7 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
     rows = []
     for mode, times in samples.items():
         sec = statistics.median(times)
-        rows.append({"mode": mode, "trainer_linear": TRAINER_KIND[mode], "ms_per_step": sec * 1e3,
+        rows.append({"mode": mode, "trainer_linear": PrecisionMode(mode).trainer_kind, "ms_per_step": sec * 1e3,
                      "tokens_per_s": tokens / sec, "ms_all": [round(t * 1e3, 1) for t in times],
                      "cpu_ms_per_step": statistics.median(cpu_samples[mode]) * 1e3,
                      "loss": last[mode]["train/loss"], "grad_norm": last[mode]["train/grad_norm"],

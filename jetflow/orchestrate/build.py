@@ -16,10 +16,6 @@ from jetflow.precision import apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
 from jetflow.tasks import Problem, Task, make_task
 
-# Trainer-side and rollout-side linear kinds for each precision mode.
-TRAINER_KIND = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16", "unified": "fp8"}
-ROLLOUT_KIND = {"fp32": "fp32", "bf16": "bf16", "mixed": "fp8", "unified": "fp8"}
-
 
 def build_task(cfg: Config) -> Task:
     params = dict(cfg.task.params)
@@ -118,7 +114,8 @@ def embedding_grid(kind: str) -> torch.dtype | None:
 
 def apply_mode(model: Decoder, cfg: Config, side: str) -> Decoder:
     """The precision mode's linears (and numerics) for one side, in place."""
-    kind = (TRAINER_KIND if side == "trainer" else ROLLOUT_KIND)[cfg.precision.mode]
+    mode = cfg.precision.precision_mode
+    kind = mode.trainer_kind if side == "trainer" else mode.rollout_kind
     numerics = resolve_numerics(cfg)
     model.embed_grid = embedding_grid(kind)
     if isinstance(model, Decoder):
@@ -156,7 +153,7 @@ def attach_kv_fp8(model: Decoder, cfg: Config, side: str) -> KVQuantizer | None:
     quantization under `unified` and otherwise only observes K/V amax to calibrate the rollout's scales."""
     if not cfg.precision.kv_cache_fp8:
         return None
-    apply = side == "rollout" or cfg.precision.mode == "unified"
+    apply = side == "rollout" or cfg.precision.precision_mode.trainer_kind == "fp8"
     quantizer = KVQuantizer(model.config.num_layers, margin=cfg.precision.margin, apply=apply)
     attach_kv_quantizer(model, quantizer)
     return quantizer

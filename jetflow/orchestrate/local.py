@@ -26,7 +26,7 @@ from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, 
                                        prompt_encoder, stop_token_ids)
 from jetflow.orchestrate.megatron_trainer import (build_trainer_model, check_megatron, gather_trainer_state,
                                                   model_data_parallel, select_trainer_state)
-from jetflow.orchestrate.native_rollout import NativeRollout
+from jetflow.rollout.native import NativeRollout
 from jetflow.orchestrate.vllm_rollout import build_vllm_rollout, check_vllm
 from jetflow.rl.experience import pack_experience
 from jetflow.train.checkpoint import checkpoint_weights, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -189,7 +189,7 @@ def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Pa
 
 def run_fingerprint(cfg: Config) -> str | None:
     """The recipe fingerprint FP8 payloads carry (modes that quantize), else None."""
-    return cfg.precision.recipe().fingerprint() if cfg.precision.mode in ("mixed", "unified") else None
+    return cfg.precision.recipe().fingerprint() if cfg.precision.precision_mode.quantizes else None
 
 
 def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint: Callable[[int], None],

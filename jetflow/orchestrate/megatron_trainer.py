@@ -28,9 +28,6 @@ import os
 from jetflow.config import Config, ConfigError
 from jetflow.model import Decoder
 
-# The GEMM kind of the trainer's linears per precision mode (as jetflow.orchestrate.build.TRAINER_KIND).
-MEGATRON_KIND = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16", "unified": "fp8"}
-
 
 def check_megatron(cfg: Config, world: int | None = None) -> None:
     """Refuse parallel layouts and options the Megatron backend does not run, before anything is built.
@@ -66,15 +63,16 @@ def build_megatron_policy(cfg: Config, decoder: Decoder):
     """A MegatronPolicy with `decoder`'s config and weights, its linears under the precision mode."""
     from jetflow.train.megatron import MegatronConfigError, MegatronPolicy
 
-    from jetflow.orchestrate.build import TRAINER_KIND, embedding_grid
+    from jetflow.orchestrate.build import embedding_grid
+    kind = cfg.precision.precision_mode.trainer_kind
     try:
         policy = MegatronPolicy.from_decoder(
-            decoder, kind=MEGATRON_KIND[cfg.precision.mode], recipe=cfg.precision.recipe(),
+            decoder, kind=kind, recipe=cfg.precision.recipe(),
             gemm_backend=cfg.precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
             pipeline_parallel_size=cfg.train.pipeline_parallel_size, seed=cfg.run.seed)
     except MegatronConfigError as e:
         raise ConfigError(f"train.backend=megatron: {e}") from None
-    policy.embed_grid = embedding_grid(TRAINER_KIND[cfg.precision.mode])
+    policy.embed_grid = embedding_grid(kind)
     return policy
 
 

@@ -31,7 +31,8 @@ import torch
 
 from jetflow.config import Config, to_dict
 from jetflow.distributed import free_port
-from jetflow.loop import RLLoop, Rollouts
+from jetflow.loop import RLLoop
+from jetflow.rollout.types import Rollouts
 from jetflow.rl.experience import Experience
 from jetflow.sync import WeightUpdate
 

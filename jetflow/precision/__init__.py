@@ -6,11 +6,11 @@ from jetflow.precision.gemm import GEMM_BACKENDS, bf16_linear, fp8_matmul, resol
 from jetflow.precision.linear import LINEAR_KINDS, PrecisionLinear, apply_precision, fp8_linear, fp8_linears
 from jetflow.precision.quant import (NonFiniteError, QuantizedTensor, dequantize, fake_quantize, quantize_blocks,
                                      quantize_colwise_groups, quantize_rowwise_groups, quantize_weight)
-from jetflow.precision.recipe import (FP8_MAX, PRECISION_MODES, FP8Recipe, RecipeMismatchError,
-                                      check_fingerprint)
+from jetflow.precision.modes import PRECISION_MODES, PrecisionMode
+from jetflow.precision.recipe import FP8_MAX, FP8Recipe, RecipeMismatchError, check_fingerprint
 
 __all__ = [
-    "FP8Recipe", "FP8_MAX", "PRECISION_MODES", "RecipeMismatchError", "check_fingerprint",
+    "FP8Recipe", "FP8_MAX", "PRECISION_MODES", "PrecisionMode", "RecipeMismatchError", "check_fingerprint",
     "QuantizedTensor", "NonFiniteError", "quantize_blocks", "quantize_weight", "quantize_rowwise_groups",
     "quantize_colwise_groups", "dequantize", "fake_quantize",
     "GEMM_BACKENDS", "fp8_matmul", "bf16_linear", "resolve_backend",

@@ -21,11 +21,6 @@ from typing import Literal
 
 import torch
 
-PRECISION_MODES = ("fp32", "bf16", "mixed", "unified")
-"""fp32: reference. bf16: bf16 train and rollout. mixed: bf16 train, FP8 rollout (weights quantized
-by the rollout side from the synced bf16 weights). unified: FP8 train forward/backward and FP8 rollout
-from the very same quantized bytes."""
-
 FORMATS = ("e4m3", "hybrid")
 SCALE_RULES = ("fp32", "pow2")
 

@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from jetflow.loop import Rollouts
+from jetflow.rollout.types import Rollouts
 from jetflow.precision import FP8Recipe, check_fingerprint, quantize_weight
 from jetflow.sync import CorruptWeightsError, StaleWeightsError, WeightUpdate
 

@@ -7,9 +7,9 @@ under `unified` the trainer's FP8 bytes, under `mixed` bf16 weights that it quan
 from __future__ import annotations
 
 from jetflow.config import Config
-from jetflow.loop import Rollouts
 from jetflow.model import Decoder
 from jetflow.rollout import RolloutEngine, SamplingParams
+from jetflow.rollout.types import Rollouts
 from jetflow.sync import WeightUpdate, apply_update
 
 
