@@ -21,7 +21,7 @@ import sys
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from jetflow.config import load_config
-    from jetflow.orchestrate.local import train
+    from jetflow.run.runner import train
     cfg = load_config(args.config, args.overrides)
     run_dir = train(cfg)
     if os.environ.get("RANK", "0") == "0":
@@ -45,7 +45,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                      ignore_eos=args.ignore_eos, out_dir=args.out_dir, name=args.name)
     elif args.what == "rollout":
         from jetflow.bench import rollout
-        from jetflow.orchestrate.build import smollm2_dir
+        from jetflow.run.build import smollm2_dir
         rollout.run(args.model or str(smollm2_dir(".cache/models")), out_dir=args.out_dir)
     elif args.what in ("train-step", "rl-step", "sync", "suite"):
         from jetflow.bench.suite import run_from_cli

@@ -6,10 +6,12 @@ import json
 import math
 from pathlib import Path
 
+METRICS_FILE = "metrics.jsonl"
+
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
         self._tb = None
@@ -33,6 +35,6 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path, phase: str = "rl") -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if r.get("phase") == phase]

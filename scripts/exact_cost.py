@@ -22,7 +22,7 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
-from jetflow.orchestrate.build import apply_mode, build_policy, build_task, copy_model
+from jetflow.run.build import apply_mode, build_policy, build_task, copy_model
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.train.trainer import Trainer
 

@@ -21,7 +21,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub in tests
 
 REPO = Path(__file__).resolve().parents[1]
-# the same place as jetflow.orchestrate.build.smollm2_dir(".cache/models"): one conversion for all
+# the same place as jetflow.run.build.smollm2_dir(".cache/models"): one conversion for all
 SMOLLM2_CACHE = REPO / ".cache" / "models" / "smollm2"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=100, max_position_embeddings=256)

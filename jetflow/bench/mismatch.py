@@ -1,7 +1,7 @@
 """`jetflow bench mismatch`: rollout-vs-trainer mismatch of each precision mode on the same prompts.
 
 For each mode, from the same starting weights: the trainer side and the rollout side are built as
-in a real run (jetflow.orchestrate.build), the weights cross through jetflow.sync, the rollout
+in a real run (jetflow.run.build), the weights cross through jetflow.sync, the rollout
 engine (native, or vLLM with `rollout.backend=vllm`) samples responses with the same per-request
 seeds, and the trainer computes its log-probs of those tokens. Reported: token KL (k3, k1), max and
 mean |delta logp|, the share of tokens whose two log-probs are exactly equal, and the rest of
@@ -22,8 +22,8 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.config import Config, load_config, resolve_numerics
-from jetflow.loop import observe_kv_amax, request_seed
-from jetflow.orchestrate.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
+from jetflow.run.loop import observe_kv_amax, request_seed
+from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
                                        prompt_encoder, stop_token_ids)
 from jetflow.rollout.native import NativeRollout
 from jetflow.rl import mismatch_metrics, mismatch_position_curves
@@ -44,7 +44,7 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
     max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
     eos = stop_token_ids(tokenizer, base_model, task)
     if cfg.rollout.backend == "vllm":
-        from jetflow.orchestrate.vllm_rollout import build_vllm_rollout
+        from jetflow.run.vllm_side import build_vllm_rollout
         rollout = build_vllm_rollout(cfg, copy_model(base_model), tokenizer, [] if ignore_eos else eos, task.stop,
                                      max_seq_len, Path(engine_dir or tempfile.mkdtemp(prefix="jetflow-vllm-")))
     else:

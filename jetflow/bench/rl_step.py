@@ -26,8 +26,8 @@ import torch
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config
 from jetflow.config import Config
-from jetflow.loop import RLLoop
-from jetflow.orchestrate.build import (apply_mode, build_policy, build_task, copy_model, prompt_encoder,
+from jetflow.run.loop import RLLoop
+from jetflow.run.build import (apply_mode, build_policy, build_task, copy_model, prompt_encoder,
                                        smollm2_dir, stop_token_ids)
 from jetflow.rollout.native import NativeRollout
 from jetflow.tasks import Problem, Task
@@ -37,7 +37,7 @@ JETFLOW_MODES = ("fp32", "unified")
 
 
 def build_loop(cfg: Config) -> tuple[RLLoop, Task, object]:
-    """The RL loop of `jetflow train` (jetflow.orchestrate.local.train) without a run directory."""
+    """The RL loop of `jetflow train` (jetflow.run.runner.train) without a run directory."""
     task = build_task(cfg)
     model, tokenizer = build_policy(cfg, task)
     encode = prompt_encoder(cfg, tokenizer, task)

@@ -35,7 +35,7 @@ def _gemm(model: str, out_dir: str, device: str | None, **kw) -> tuple[str, dict
 
 def _rollout(model: str, out_dir: str, device: str | None, **kw) -> tuple[str, dict, dict]:
     from jetflow.bench import rollout
-    from jetflow.orchestrate.build import smollm2_dir
+    from jetflow.run.build import smollm2_dir
     if model == "tiny":
         raise ValueError("rollout compares with HF generate and needs a Hugging Face model directory (not tiny)")
     path = str(smollm2_dir(".cache/models")) if model == "smollm2" else model

@@ -1,6 +1,6 @@
 """`jetflow bench sync`: bytes and seconds of one trainer -> rollout weight sync per precision mode.
 
-For each mode the trainer side and the rollout side are built as in a run (jetflow.orchestrate.build),
+For each mode the trainer side and the rollout side are built as in a run (jetflow.run.build),
 each over its own copy of the same weights. One sync = `jetflow.sync.build_update` on the trainer
 model after a simulated optimizer step (an in-place touch of every parameter bumps its version, so
 FP8 weights are requantized exactly as after a real step) + `apply_update` into the rollout model +
@@ -27,7 +27,7 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config
-from jetflow.orchestrate.build import apply_mode, build_policy, build_task, copy_model
+from jetflow.run.build import apply_mode, build_policy, build_task, copy_model
 from jetflow.precision import quantized_weights
 from jetflow.sync import WeightUpdate, apply_update, build_update
 

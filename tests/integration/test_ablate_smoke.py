@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from jetflow.ablate import load_ablation, run_ablation
-from jetflow.orchestrate.local import COMPLETE
+from jetflow.run.files import COMPLETE
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "configs/ablations/smoke.yaml"

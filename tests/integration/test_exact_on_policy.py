@@ -18,8 +18,8 @@ import torch
 
 from jetflow.bench.mismatch import paired_logprobs
 from jetflow.config import load_config
-from jetflow.loop import request_seed
-from jetflow.orchestrate.build import apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder
+from jetflow.run.loop import request_seed
+from jetflow.run.build import apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.sync import apply_update, build_update
 

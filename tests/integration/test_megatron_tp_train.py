@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core", reason="Megatron-Core is not installed (pip
 
 from jetflow.distributed import free_port  # noqa: E402
 from jetflow.metrics_log import read_metrics  # noqa: E402
-from jetflow.orchestrate.local import COMPLETE  # noqa: E402
+from jetflow.run.files import COMPLETE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

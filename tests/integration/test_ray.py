@@ -11,8 +11,9 @@ pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'
 
 from jetflow.config import load_config  # noqa: E402
 from jetflow.metrics_log import read_metrics  # noqa: E402
-from jetflow.orchestrate import ray_run  # noqa: E402
-from jetflow.orchestrate.local import COMPLETE, train  # noqa: E402
+from jetflow.run import ray_placement as ray_run  # noqa: E402
+from jetflow.run.files import COMPLETE
+from jetflow.run.runner import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["precision.mode=fp32", "train.steps=3", "train.sft_warmup_steps=20", "train.prompts_per_step=4",

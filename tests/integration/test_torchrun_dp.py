@@ -11,7 +11,7 @@ import pytest
 
 from jetflow.distributed import free_port
 from jetflow.metrics_log import read_metrics
-from jetflow.orchestrate.local import COMPLETE
+from jetflow.run.files import COMPLETE
 
 ROOT = Path(__file__).resolve().parents[2]
 

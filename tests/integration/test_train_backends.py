@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from jetflow.config import ConfigError, load_config
-from jetflow.orchestrate.local import COMPLETE, check_backends
+from jetflow.run.files import COMPLETE
+from jetflow.run.validate import validate_run
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -67,7 +68,7 @@ def cli_train(tmp_path: Path, name: str, *overrides: str, timeout: int = 300) ->
 def test_unsupported_backend_options_are_refused(overrides, match):
     cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
     with pytest.raises(ConfigError, match=match):
-        check_backends(cfg)
+        validate_run(cfg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ def test_vllm_rollout_unified_ships_the_trainers_fp8_bytes(tmp_path):
     assert [r["step"] for r in rows] == [0, 1]
     assert "execution=fp8_weights_dequantized" in log and "not FP8 execution" in log  # named on the CPU
     # what crossed is the unified payload (FP8 linears + scales, the rest fp32): under a third of fp32
-    from jetflow.orchestrate.build import apply_mode, build_policy, build_task
+    from jetflow.run.build import apply_mode, build_policy, build_task
     from jetflow.sync import build_update
     cfg = load_config(ROOT / "configs/tiny.yaml", ["precision.mode=unified"])
     model = apply_mode(build_policy(cfg, build_task(cfg))[0], cfg, "trainer")
@@ -138,8 +139,8 @@ def megatron_world():
 
 @needs_megatron
 def test_megatron_policy_sync_copy_and_checkpoint_equal_native(tmp_path, megatron_world):
-    from jetflow.orchestrate.build import apply_mode, build_policy, build_task, copy_model
-    from jetflow.orchestrate.megatron_trainer import build_trainer_model
+    from jetflow.run.build import apply_mode, build_policy, build_task, copy_model
+    from jetflow.run.megatron_side import build_trainer_model
     from jetflow.sync import build_update
     from jetflow.train.checkpoint import load_checkpoint, save_checkpoint
 

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from jetflow.config import load_config
 from jetflow.metrics_log import read_metrics
-from jetflow.orchestrate.local import COMPLETE, train
+from jetflow.run.files import COMPLETE
+from jetflow.run.runner import train
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["train.sft_warmup_steps=40", "train.prompts_per_step=4", "rollout.group_size=4", "run.progress=false",

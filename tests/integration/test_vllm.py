@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from jetflow.export import export_fp8
 from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer, save_hf_dir
-from jetflow.orchestrate.build import copy_model
+from jetflow.run.build import copy_model
 from jetflow.precision import FP8Recipe, RecipeMismatchError, apply_precision
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.vllm import VLLMRollout, check_payload, checkpoint_shapes, engine_payload, import_vllm

@@ -21,7 +21,7 @@ import torch
 
 from jetflow.model import load_hf_dir, load_tokenizer
 from jetflow.model.gguf import convert_gguf, smollm2_gguf_path
-from jetflow.orchestrate.build import copy_model
+from jetflow.run.build import copy_model
 from jetflow.precision import FP8Recipe, RecipeMismatchError, apply_precision
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.vllm import VLLMRollout

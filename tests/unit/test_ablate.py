@@ -135,7 +135,8 @@ def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     """train() is faked: `bf16` writes two metric rows and finishes, `mixed` raises."""
     import json
 
-    import jetflow.orchestrate.local as local
+    import jetflow.run.runner as runner
+    from jetflow.run.files import COMPLETE
 
     def fake_train(cfg):
         run_dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -146,10 +147,10 @@ def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypat
                  "policy/entropy": 2.0 - 0.5 * s}
                 for s in range(2)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (run_dir / local.COMPLETE).write_text("done\n")
+        (run_dir / COMPLETE).write_text("done\n")
         return run_dir
 
-    monkeypatch.setattr(local, "train", fake_train)
+    monkeypatch.setattr(runner, "train", fake_train)
     path = write(tmp_path, {"name": "f", "base_config": str(ROOT / "configs/tiny.yaml"),
                             "grid": {"precision.mode": ["mixed", "bf16"]}})
     out = tmp_path / "out"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jetflow.orchestrate.ray_run import gpus_per_actor
+from jetflow.run.ray_placement import gpus_per_actor
 
 
 def test_cpu_actors_ask_for_no_gpu():

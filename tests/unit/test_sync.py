@@ -5,7 +5,7 @@ import torch
 
 from jetflow.config import load_config
 from jetflow.model import Decoder, ModelConfig
-from jetflow.orchestrate.build import apply_mode, copy_model
+from jetflow.run.build import apply_mode, copy_model
 from jetflow.precision import RecipeMismatchError, fp8_linears
 from jetflow.sync import CorruptWeightsError, StaleWeightsError, apply_update, build_update
 

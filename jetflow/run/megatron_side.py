@@ -22,48 +22,17 @@ goes into it (`gather_trainer_state`). Pipeline parallelism is not implemented (
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 from jetflow.config import Config, ConfigError
 from jetflow.model import Decoder
+from jetflow.run.build import apply_mode, embedding_grid
 
-
-def check_megatron(cfg: Config, world: int | None = None) -> None:
-    """Refuse parallel layouts and options the Megatron backend does not run, before anything is built.
-    `world`: the trainer's process count (default: torchrun's WORLD_SIZE)."""
-    t = cfg.train
-    if t.tensor_parallel_size < 1 or t.pipeline_parallel_size < 1:
-        raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} and train.pipeline_parallel_size="
-                          f"{t.pipeline_parallel_size} must be >= 1")
-    if t.backend != "megatron":
-        if t.tensor_parallel_size != 1 or t.pipeline_parallel_size != 1:
-            raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} / pipeline_parallel_size="
-                              f"{t.pipeline_parallel_size}: model parallelism needs train.backend=megatron")
-        return
-    if t.pipeline_parallel_size != 1:
-        raise ConfigError(f"train.pipeline_parallel_size={t.pipeline_parallel_size}: pipeline parallelism is not "
-                          "implemented on the Megatron backend (jetflow's Trainer drives forward and backward itself; "
-                          "PP needs Megatron's pipeline schedule to own that loop); use train.pipeline_parallel_size=1")
-    if cfg.precision.kv_cache_fp8:
-        raise ConfigError("precision.kv_cache_fp8=true with train.backend=megatron is not supported: the trainer-side "
-                          "K/V quantizer hooks the native Decoder's attention; use train.backend=native")
-    world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    if world % t.tensor_parallel_size:
-        raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} needs a multiple of that many "
-                          f"processes, this run has {world}: launch with `torchrun --nproc_per_node "
-                          f"{t.tensor_parallel_size} -m jetflow.cli train ...` (or launch/torchrun.sh), or under "
-                          f"run.orchestrator=ray set train.num_workers to a multiple of it")
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        from jetflow.train.megatron import INSTALL_HINT
-        raise ConfigError(f"train.backend=megatron needs Megatron-Core, which is not installed: {INSTALL_HINT}")
 
 
 def build_megatron_policy(cfg: Config, decoder: Decoder):
     """A MegatronPolicy with `decoder`'s config and weights, its linears under the precision mode."""
     from jetflow.train.megatron import MegatronConfigError, MegatronPolicy
 
-    from jetflow.orchestrate.build import embedding_grid
     kind = cfg.precision.precision_mode.trainer_kind
     try:
         policy = MegatronPolicy.from_decoder(
@@ -80,7 +49,6 @@ def build_trainer_model(cfg: Config, decoder: Decoder):
     """What the Trainer trains: `decoder` under the precision mode, or a MegatronPolicy of it."""
     if cfg.train.backend == "megatron":
         return build_megatron_policy(cfg, decoder)
-    from jetflow.orchestrate.build import apply_mode
     return apply_mode(decoder, cfg, "trainer")
 
 

@@ -157,3 +157,8 @@ def attach_kv_fp8(model: Decoder, cfg: Config, side: str) -> KVQuantizer | None:
     quantizer = KVQuantizer(model.config.num_layers, margin=cfg.precision.margin, apply=apply)
     attach_kv_quantizer(model, quantizer)
     return quantizer
+
+
+def run_fingerprint(cfg: Config) -> str | None:
+    """The recipe fingerprint FP8 payloads carry (modes that quantize), else None."""
+    return cfg.precision.recipe().fingerprint() if cfg.precision.precision_mode.quantizes else None

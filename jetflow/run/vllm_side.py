@@ -25,7 +25,6 @@ process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so `jetflow train` needs no `__main_
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -37,17 +36,6 @@ from jetflow.model import CharTokenizer, Decoder, save_hf_dir
 
 KV_CACHE_MIN_BYTES = 64 << 20
 
-
-def check_vllm(cfg: Config) -> None:
-    """Refuse what the vLLM rollout side does not run, before anything is built (imports nothing heavy)."""
-    if cfg.rollout.backend != "vllm":
-        return
-    if cfg.precision.kv_cache_fp8:
-        raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm is not supported: the vLLM adapter "
-                          "does not load jetflow's per-step FP8 KV scales; use rollout.backend=native")
-    if importlib.util.find_spec("vllm") is None:
-        from jetflow.rollout.vllm import INSTALL_HINT
-        raise ConfigError(f"rollout.backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}")
 
 
 def choose_execution(cfg: Config, model_config) -> str:

@@ -1,4 +1,4 @@
-"""`jetflow ablate FILE`: run a grid of training runs described by one YAML file, then report.
+"""The grid of an ablation (`jetflow ablate FILE`): the YAML file, its cells and their configs.
 
 The ablation file (configs/ablations/precision.yaml is the full example, with comments):
 
@@ -26,19 +26,6 @@ precision.mode and algo.correction, `len<N>` for rollout.max_new_tokens, `seed<N
 
 Every cell's config is resolved and validated (load_config, the task's parameters, the wired
 backends) before anything runs, so a typo fails at once and names the cell.
-
-Each cell is one `jetflow.orchestrate.local.train` run in <out_dir>/runs/<cell id>/, run in this
-process, one after another. In-process is enough: `train` seeds torch and Python's RNG itself, builds
-its model, trainer and engine from scratch and keeps no module-level state, and it saves a
-subprocess start and the torch import per cell. Resuming: a run directory with COMPLETE is skipped;
-one without is continued with `run.resume=true` from its last checkpoint (set
-`train.checkpoint_every` for fine-grained restarts), so re-running the command after a kill
-continues where it stopped. A cell whose directory was made with a different config is refused (its
-results would be mislabelled): delete that directory or choose another out_dir. A cell that raises is
-recorded in `<run dir>/error.txt`, the next cells still run, and the command exits non-zero.
-
-After each cell the report (summary.md / summary.json / metrics.jsonl / plots, see
-jetflow.ablate_report) is rewritten from whatever runs exist, so partial results are always readable.
 """
 
 from __future__ import annotations
@@ -46,19 +33,18 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-import sys
-import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from jetflow.config import Config, ConfigError, load_config, to_dict
+from jetflow.run.build import build_task
+from jetflow.run.files import CONFIG_FILE
+from jetflow.run.validate import validate_run
 
 RUNS = "runs"
-ERROR_FILE = "error.txt"
 # Axis labels: "{}" is the value. Other keys get "<last key part><value>".
 LABELS = {"precision.mode": "{}", "algo.correction": "{}", "rollout.max_new_tokens": "len{}", "run.seed": "seed{}"}
 # Run settings that may differ between sessions of the same cell without changing its results.
@@ -216,16 +202,6 @@ def cell_config(ab: Ablation, cell: Cell, resume: bool = False) -> Config:
     return load_config(ab.base_config, [*ab.overrides, *cell.overrides, *extra])
 
 
-def cell_status(run_dir: Path) -> str:
-    """complete | failed | partial (started, resumable) | pending."""
-    from jetflow.orchestrate.local import COMPLETE
-    if (run_dir / COMPLETE).exists():
-        return "complete"
-    if (run_dir / ERROR_FILE).exists():
-        return "failed"
-    return "partial" if run_dir.exists() else "pending"
-
-
 def _comparable(cfg: Config) -> dict:
     d = to_dict(cfg)
     for k in _SESSION_KEYS:
@@ -241,18 +217,16 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 def validate(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
     """Resolve every cell's config; raise ConfigError naming the first bad cell."""
-    from jetflow.orchestrate.build import build_task
-    from jetflow.orchestrate.local import check_backends
     configs = {}
     for cell in cells:
         run_dir = ab.run_dir(cell)
         try:
             cfg = cell_config(ab, cell, resume=run_dir.exists())
-            check_backends(cfg)
+            validate_run(cfg)
             build_task(cfg)  # task parameters are only checked when the task is built
         except ConfigError as e:
             raise ConfigError(f"cell {cell.id!r} ({' '.join(cell.overrides)}): {e}") from None
-        saved = run_dir / "config.yaml"
+        saved = run_dir / CONFIG_FILE
         if saved.exists():
             changed = _diff(_comparable(load_config(saved)), _comparable(cfg))
             if changed:
@@ -271,55 +245,3 @@ def select(cells: list[Cell], only: list[str] | None) -> list[Cell]:
     if unmatched:
         raise ConfigError(f"--only {unmatched} matches no cell; cells: {[c.id for c in cells]}")
     return [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in only)]
-
-
-def run_ablation(path: str | Path, out_dir: str | Path | None = None, only: list[str] | None = None,
-                 dry_run: bool = False, command: str | None = None,
-                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> int:
-    """Validate, then run each selected cell not yet complete, rewriting the report after each.
-    Returns 0, or 1 if a cell failed. A dry run prints the cells and their overrides and runs nothing."""
-    ab = load_ablation(path, out_dir)
-    cells = select(ab.cells, only)
-    configs = validate(ab, cells)
-    if dry_run:
-        base = ab.base_config or "(defaults)"
-        print(f"ablation {ab.name}: {len(cells)} of {len(ab.cells)} cells, base {base}, out_dir {ab.out_dir}")
-        print(f"common overrides: {' '.join(ab.overrides) or '(none)'}")
-        for cell in cells:
-            print(f"  {cell.id:<32} [{cell_status(ab.run_dir(cell))}]  {' '.join(cell.overrides)}")
-        return 0
-
-    from jetflow.ablate_report import write_report
-    from jetflow.bench.common import command_line
-    from jetflow.orchestrate.local import train
-    command = command or command_line()
-    ab.out_dir.mkdir(parents=True, exist_ok=True)
-    failed, stale = [], True  # stale: no report written by this invocation yet
-    for i, cell in enumerate(cells, 1):
-        run_dir = ab.run_dir(cell)
-        status = cell_status(run_dir)
-        if status == "complete":
-            log(f"[ablate] {i}/{len(cells)} {cell.id}: complete, skipped")
-            continue
-        log(f"[ablate] {i}/{len(cells)} {cell.id}: {'resuming' if run_dir.exists() else 'starting'}  "
-            f"{' '.join(cell.overrides)}")
-        (run_dir / ERROR_FILE).unlink(missing_ok=True)
-        t0 = time.perf_counter()
-        try:
-            train(configs[cell.id])
-        except Exception as e:  # noqa: BLE001 - one bad cell should not lose the others
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / ERROR_FILE).write_text(traceback.format_exc())
-            failed.append(cell.id)
-            log(f"[ablate] {cell.id}: FAILED ({type(e).__name__}: {e}); see {run_dir / ERROR_FILE}")
-        else:
-            log(f"[ablate] {cell.id}: done in {time.perf_counter() - t0:.1f}s")
-        report = write_report(ab, command)
-        stale = False
-        log(f"[ablate] report updated: {report}")
-    if stale:
-        report = write_report(ab, command)
-        log(f"[ablate] report: {report}")
-    if failed:
-        log(f"[ablate] {len(failed)} cell(s) failed: {failed}")
-    return 1 if failed else 0

@@ -15,7 +15,7 @@ mean seconds per step of each phase; tokens/s = mean of `throughput/tokens_per_s
 tokens through the whole step) and `throughput/rollout_tokens_per_s` (generated tokens / rollout time).
 
 The position plot reads each run's `mismatch_positions.jsonl` (one row per RL step: mean k3 per
-response index and the token count there, written by jetflow.orchestrate.local) and pools all steps,
+response index and the token count there, written by jetflow.run.files) and pools all steps,
 weighting each index by its token count. Cells without that file are left out of that plot.
 """
 
@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jetflow.bench.common import environment, markdown_table
+from jetflow.metrics_log import METRICS_FILE
+from jetflow.run.files import ERROR_FILE, POSITIONS_FILE, run_status
 
 if TYPE_CHECKING:
-    from jetflow.ablate import Ablation
+    from jetflow.ablate.grid import Ablation
 
-POSITIONS_FILE = "mismatch_positions.jsonl"
 TIME_KEYS = ("time/rollout", "time/old_logprobs", "time/train", "time/sync")
 COLUMNS = {  # summary.json key -> summary.md column
     "cell": "cell", "status": "status", "steps": "steps", "reward_final": "final reward",
@@ -55,7 +56,7 @@ def _mean(values: list[Any]) -> float | None:
 
 
 def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str]) -> dict:
-    rl = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if r.get("phase") == "rl"]
+    rl = [r for r in _read_jsonl(run_dir / METRICS_FILE) if r.get("phase") == "rl"]
 
     def col(key: str) -> list[Any]:
         return [r.get(key) for r in rl]
@@ -81,7 +82,7 @@ def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str])
         "overrides": overrides,
         "run_dir": str(run_dir),
     }
-    error = run_dir / "error.txt"
+    error = run_dir / ERROR_FILE
     if status == "failed" and error.exists():
         lines = [line for line in error.read_text().splitlines() if line.strip()]
         row["error"] = lines[-1] if lines else "unknown error"
@@ -155,8 +156,6 @@ def _fmt_env(env: dict) -> str:
 
 def write_report(ab: "Ablation", command: str) -> Path:
     """Rebuild every report file of `ab` from its run directories; returns summary.md's path."""
-    from jetflow.ablate import cell_status
-
     out = ab.out_dir
     out.mkdir(parents=True, exist_ok=True)
     # results/ is committed; the runs' checkpoints (megabytes each, kept for resuming and for looking
@@ -167,8 +166,8 @@ def write_report(ab: "Ablation", command: str) -> Path:
     rows, all_metrics, rewards, entropies, kls, positions = [], [], [], [], [], []
     for cell in ab.cells:
         run_dir = ab.run_dir(cell)
-        rows.append(cell_summary(cell.id, cell_status(run_dir), run_dir, cell.overrides))
-        metrics = _read_jsonl(run_dir / "metrics.jsonl")
+        rows.append(cell_summary(cell.id, run_status(run_dir), run_dir, cell.overrides))
+        metrics = _read_jsonl(run_dir / METRICS_FILE)
         all_metrics += [{"cell": cell.id, **r} for r in metrics]
         rl = [r for r in metrics if r.get("phase") == "rl"]
         rewards.append((cell.id, [r["step"] for r in rl], [r.get("reward/mean") for r in rl]))

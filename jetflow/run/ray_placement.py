@@ -31,9 +31,11 @@ import torch
 
 from jetflow.config import Config, to_dict
 from jetflow.distributed import free_port
-from jetflow.loop import RLLoop
-from jetflow.rollout.types import Rollouts
 from jetflow.rl.experience import Experience
+from jetflow.rollout.types import Rollouts
+from jetflow.run.build import build_task, build_tokenizer, prompt_encoder, run_fingerprint
+from jetflow.run.files import engine_dir
+from jetflow.run.loop import RLLoop
 from jetflow.sync import WeightUpdate
 
 ACTOR_RESTARTS = 3  # per rollout actor, over a run
@@ -59,7 +61,7 @@ class RolloutWorker:
 
     def __init__(self, cfg_dict: dict, num_threads: int, engine_dir: str):
         torch.set_num_threads(num_threads)
-        from jetflow.orchestrate.local import build_rollout_side
+        from jetflow.run.sides import build_rollout_side
         self.rollout = build_rollout_side(_load_cfg(cfg_dict), engine_dir=Path(engine_dir))
 
     def load_weights(self, update: WeightUpdate) -> int:
@@ -92,7 +94,7 @@ class TrainerWorker:
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "MASTER_ADDR": master_addr,
                            "MASTER_PORT": str(master_port), "LOCAL_RANK": "0"})
         from jetflow.distributed import SINGLE, init_from_env
-        from jetflow.orchestrate.local import TrainerSide
+        from jetflow.run.sides import TrainerSide
         cfg = _load_cfg(self.cfg_dict)
         self.dp = init_from_env(cfg.model.device) if self.world_size > 1 else SINGLE
         torch.manual_seed(cfg.run.seed)
@@ -316,77 +318,76 @@ class RayRollout:
                         weight_version=versions.pop())
 
 
-def train_ray(cfg: Config) -> Path:
-    """The run of `jetflow.orchestrate.local.train`, with the work placed on Ray actors."""
-    from jetflow.metrics_log import MetricsLogger
-    from jetflow.orchestrate.build import build_task, build_tokenizer, prompt_encoder
-    from jetflow.orchestrate.local import prepare_run_dir, run_fingerprint, run_rl_steps, truncate_metrics, write_summary
-    from jetflow.train.checkpoint import latest_checkpoint
-    ray = import_ray()
-    run_dir = prepare_run_dir(cfg)
-    started_here = not ray.is_initialized()
-    if started_here:
-        # Actors share nodes with each other: OpenMP threads that spin while idle would steal their cores.
-        runtime_env = {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
-        if cfg.run.ray_address:
-            ray.init(address=cfg.run.ray_address, runtime_env=runtime_env)
-        else:
-            ray.init(num_cpus=cfg.run.ray_num_cpus or os.cpu_count(), include_dashboard=False,
-                     log_to_driver=True, runtime_env=runtime_env)
-    w = cfg.train.num_workers
-    gpus = gpus_per_actor(cfg.model.device, w, cfg.rollout.num_engines, ray.cluster_resources().get("GPU", 0))
-    rollout_cls, trainer_cls = _actor_classes(ray, gpus)
-    cfg_dict = to_dict(cfg)
-    threads = max(1, cfg.run.num_threads or 1)
-    workers = [trainer_cls.remote(cfg_dict, r, w, threads) for r in range(w)]
-    master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
-    ray.get([wk.setup.remote(master_addr, master_port) for wk in workers])
-    engines = [rollout_cls.remote(cfg_dict, threads, str(run_dir / f"rollout_engine{i}"))
-               for i in range(cfg.rollout.num_engines)]
-    infos = ray.get([wk.info.remote() for wk in workers])
-    trainer = TrainerGroup(ray, workers, cfg, [i["dp_rank"] for i in infos])
-    rollout = RayRollout(ray, engines)
-    logger = MetricsLogger(run_dir, cfg.run.tensorboard)
-    try:
-        start_step, sft_done = 0, False
-        checkpoint = latest_checkpoint(run_dir) if cfg.run.resume else None
-        if checkpoint is not None:
-            state = ray.get([wk.restore.remote(str(checkpoint)) for wk in workers])[0]
-            start_step, sft_done = state["next_step"], state["sft_done"]
-        info = ray.get(workers[0].info.remote())
-        trainer.version, trainer.skipped_steps = info["version"], info["skipped_steps"]
-        truncate_metrics(run_dir, start_step, sft_done)
-        print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  orchestrator=ray  trainer workers={w}  "
-              f"rollout engines={cfg.rollout.num_engines}  ({info['num_params'] / 1e6:.1f}M params)", file=sys.stderr)
+class RayPlacement:
+    """The run's trainer workers and rollout engines as Ray actors; the driver (this process) runs the
+    sequence and the loop. A context manager: leaving it kills the actors (and stops a Ray it started)."""
+    is_main = True
+    barrier = staticmethod(lambda: None)  # the workers meet at their own barriers (in `save`)
 
-        def save(step: int) -> None:  # every worker joins (rank 0 writes, then all meet at a barrier)
-            ray.get([wk.save_checkpoint.remote(str(run_dir), step, sft_done) for wk in workers])
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.ray = ray = import_ray()
+        self.started_here = not ray.is_initialized()
+        if self.started_here:
+            # Actors share nodes with each other: OpenMP threads that spin while idle would steal their cores.
+            runtime_env = {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
+            if cfg.run.ray_address:
+                ray.init(address=cfg.run.ray_address, runtime_env=runtime_env)
+            else:
+                ray.init(num_cpus=cfg.run.ray_num_cpus or os.cpu_count(), include_dashboard=False,
+                         log_to_driver=True, runtime_env=runtime_env)
+        w = self.data_parallel_size = cfg.train.num_workers
+        gpus = gpus_per_actor(cfg.model.device, w, cfg.rollout.num_engines, ray.cluster_resources().get("GPU", 0))
+        rollout_cls, trainer_cls = _actor_classes(ray, gpus)
+        cfg_dict = to_dict(cfg)
+        threads = max(1, cfg.run.num_threads or 1)
+        self.workers = workers = [trainer_cls.remote(cfg_dict, r, w, threads) for r in range(w)]
+        master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
+        ray.get([wk.setup.remote(master_addr, master_port) for wk in workers])
+        self.engines = [rollout_cls.remote(cfg_dict, threads, str(engine_dir(run_dir, "ray", i)))
+                        for i in range(cfg.rollout.num_engines)]
+        infos = ray.get([wk.info.remote() for wk in workers])
+        self.trainer = TrainerGroup(ray, workers, cfg, [i["dp_rank"] for i in infos])
+        self.rollout = RayRollout(ray, self.engines)
 
-        if cfg.train.sft_warmup_steps and not sft_done:
-            rows = ray.get([wk.supervised_warmup.remote() for wk in workers])[0]
-            for step, metrics in enumerate(rows):
-                logger.log(step, metrics, phase="sft")
-            sft_done = True
-            save(0)
+    def __enter__(self) -> "RayPlacement":
+        return self
 
+    def __exit__(self, *exc) -> None:
+        for actor in [*self.engines, *self.workers]:
+            self.ray.kill(actor)
+        if self.started_here:
+            self.ray.shutdown()
+
+    def describe(self) -> str:
+        info = self.ray.get(self.workers[0].info.remote())
+        return (f"orchestrator=ray  trainer workers={len(self.workers)}  rollout engines={len(self.engines)}  "
+                f"({info['num_params'] / 1e6:.1f}M params)")
+
+    def restore(self, checkpoint: Path) -> dict:
+        state = self.ray.get([wk.restore.remote(str(checkpoint)) for wk in self.workers])[0]
+        info = self.ray.get(self.workers[0].info.remote())
+        self.trainer.version, self.trainer.skipped_steps = info["version"], info["skipped_steps"]
+        return state
+
+    def supervised_warmup(self) -> list[dict]:
+        return self.ray.get([wk.supervised_warmup.remote() for wk in self.workers])[0]
+
+    def save(self, step: int, sft_done: bool) -> None:  # every worker joins (rank 0 writes, then all meet)
+        self.ray.get([wk.save_checkpoint.remote(str(self.run_dir), step, sft_done) for wk in self.workers])
+
+    def build_loop(self) -> RLLoop:
+        cfg = self.cfg
         task = build_task(cfg)
         tokenizer = build_tokenizer(cfg, task)
-        kv_quantizer = RemoteKVQuantizer(ray, workers) if cfg.precision.kv_cache_fp8 else None
-        loop = RLLoop(cfg, trainer, rollout, task, prompt_encoder(cfg, tokenizer, task), tokenizer.pad_token_id,
-                      run_fingerprint(cfg), kv_quantizer)
+        kv_quantizer = RemoteKVQuantizer(self.ray, self.workers) if cfg.precision.kv_cache_fp8 else None
+        return RLLoop(cfg, self.trainer, self.rollout, task, prompt_encoder(cfg, tokenizer, task),
+                      tokenizer.pad_token_id, run_fingerprint(cfg), kv_quantizer)
 
-        def step_metrics(metrics: dict) -> dict:
-            metrics["rollout/actor_restarts_total"] = float(rollout.restarts)
-            metrics["rollout/reissued_requests_total"] = float(rollout.reissued_requests)
-            return metrics
+    def step_metrics(self, metrics: dict) -> dict:
+        metrics["rollout/actor_restarts_total"] = float(self.rollout.restarts)
+        metrics["rollout/reissued_requests_total"] = float(self.rollout.reissued_requests)
+        return metrics
 
-        run_rl_steps(cfg, loop, start_step, logger, save, on_metrics=step_metrics, run_dir=run_dir)
-        save(cfg.train.steps)
-        write_summary(run_dir, cfg, skipped_steps=trainer.skipped_steps, data_parallel_size=w)
-    finally:
-        logger.close()
-        for actor in [*engines, *workers]:
-            ray.kill(actor)
-        if started_here:
-            ray.shutdown()
-    return run_dir
+    def skipped_steps(self) -> int:
+        return self.trainer.skipped_steps

@@ -1,0 +1,116 @@
+"""The run directory and every file name in it (the one owner of these names).
+
+<run.out_dir>/<run.name>/
+    config.yaml                 the resolved config (written first; a resume must match it)
+    metrics.jsonl               one JSON row per SFT / RL step (jetflow.metrics_log)
+    mismatch_positions.jsonl    per RL step: mean k3 and token count per response index
+    tensorboard/                event files (run.tensorboard)
+    checkpoints/                step_NNNNNN/ + latest (jetflow.train.checkpoint)
+    vllm_engine*/, rollout_engine*/   checkpoints the vLLM engines start from
+    summary.json + COMPLETE     written only when the run finished
+    error.txt                   the traceback of a failed ablation cell (jetflow.ablate)
+
+A directory without COMPLETE is an unfinished run: `run.resume=true` continues it from its last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from jetflow.config import Config, ConfigError, save_config, to_dict
+from jetflow.distributed import SINGLE, DataParallel
+from jetflow.metrics_log import METRICS_FILE, read_metrics
+from jetflow.train.checkpoint import latest_checkpoint
+
+CONFIG_FILE = "config.yaml"
+POSITIONS_FILE = "mismatch_positions.jsonl"
+SUMMARY_FILE = "summary.json"
+COMPLETE = "COMPLETE"
+ERROR_FILE = "error.txt"
+
+
+def run_dir_of(cfg: Config) -> Path:
+    return Path(cfg.run.out_dir) / cfg.run.name
+
+
+def engine_dir(run_dir: Path, kind: str, index: int = 0) -> Path:
+    """Where a rollout engine's start-up checkpoint goes: `vllm_engine[_rankN]` for a local / torchrun
+    rank's engine, `rollout_engineN` for a Ray rollout actor."""
+    if kind == "ray":
+        return run_dir / f"rollout_engine{index}"
+    return run_dir / (f"vllm_engine_rank{index}" if index else "vllm_engine")
+
+
+def run_status(run_dir: Path) -> str:
+    """complete | failed | partial (started, resumable) | pending."""
+    if (run_dir / COMPLETE).exists():
+        return "complete"
+    if (run_dir / ERROR_FILE).exists():
+        return "failed"
+    return "partial" if run_dir.exists() else "pending"
+
+
+def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
+    """Every rank checks the directory; rank 0 alone writes to it (the others wait for it)."""
+    run_dir = run_dir_of(cfg)
+    if run_dir.exists() and not cfg.run.resume:
+        if (run_dir / COMPLETE).exists() or latest_checkpoint(run_dir) or (run_dir / METRICS_FILE).exists():
+            raise ConfigError(f"run directory {run_dir} already holds a run; pass run.resume=true to continue it, "
+                              "or choose another run.name")
+    dp.barrier()  # no rank may see rank 0's fresh files before it checked
+    if not dp.is_main:
+        dp.barrier()
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / COMPLETE).unlink(missing_ok=True)
+    save_config(cfg, run_dir / CONFIG_FILE)
+    dp.barrier()
+    return run_dir
+
+
+def truncate_metrics(run_dir: Path, keep_before_step: int, sft_done: bool) -> None:
+    """On resume, drop metric rows of steps the checkpoint does not contain (they are redone)."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [r for r in rows if (r["phase"] == "sft" and sft_done) or (r["phase"] == "rl" and r["step"] < keep_before_step)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def append_position_curve(run_dir: Path, step: int, exp) -> None:
+    """Append the step's mismatch by response index to mismatch_positions.jsonl (plotted by
+    `jetflow ablate`): mean k3 and token count per index; a resumed step's last row wins."""
+    if exp is None or exp.old_logprobs is None:
+        return
+    from jetflow.rl.mismatch import mismatch_position_curves
+    curves = mismatch_position_curves(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask)
+    row = {"step": step, **{k: [float(f"{x:.4g}") for x in v.tolist()] for k, v in curves.items()}}
+    with open(run_dir / POSITIONS_FILE, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_parallel_size: int = 1) -> dict:
+    """summary.json from the RL rows of metrics.jsonl, then COMPLETE (the run is finished)."""
+    rows = read_metrics(run_dir)
+    rewards = [r["reward/mean"] for r in rows]
+    k = min(3, len(rewards))
+    summary = {
+        "steps": len(rows),
+        "mode": cfg.precision.mode,
+        "reward_first3": sum(rewards[:k]) / max(k, 1),
+        "reward_last3": sum(rewards[-k:]) / max(k, 1),
+        "reward_best": max(rewards, default=0.0),
+        "mismatch_kl_k3_mean": sum(r["mismatch/kl_k3"] for r in rows) / max(len(rows), 1),
+        "mismatch_kl_k3_max": max((r["mismatch/kl_k3"] for r in rows), default=0.0),
+        "step_time_mean": sum(r["time/step"] for r in rows) / max(len(rows), 1),
+        "skipped_steps": skipped_steps,
+        "data_parallel_size": data_parallel_size,
+        "config": to_dict(cfg),
+    }
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    (run_dir / COMPLETE).write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+    return summary

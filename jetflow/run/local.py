@@ -1,0 +1,54 @@
+"""The in-process placement: the trainer and its rollout engine in this process. Under torchrun
+(WORLD_SIZE > 1) every rank holds one of each and runs its share of each step's prompts
+(jetflow.distributed); rank 0 alone writes logs, checkpoints and the summary."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from jetflow.config import Config
+from jetflow.distributed import DataParallel
+from jetflow.run.build import run_fingerprint
+from jetflow.run.loop import RLLoop
+from jetflow.run.sides import TrainerSide, build_rollout_side
+
+
+class LocalPlacement:
+    def __init__(self, cfg: Config, dp: DataParallel, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        self.side = TrainerSide(cfg, dp)
+        self.dp = self.side.dp  # the data-parallel view (Megatron tensor parallelism splits the world further)
+        self.is_main, self.data_parallel_size = self.dp.is_main, self.dp.world_size
+
+    def describe(self) -> str:
+        return (f"model={self.cfg.model.path} ({self.side.model.num_params() / 1e6:.1f}M params)  "
+                f"data-parallel ranks={self.dp.world_size}")
+
+    def restore(self, checkpoint: Path) -> dict:
+        return self.side.restore(checkpoint)
+
+    def supervised_warmup(self) -> list[dict]:
+        return self.side.supervised_warmup()
+
+    def save(self, step: int, sft_done: bool) -> None:
+        self.side.save(self.run_dir, step, sft_done)
+
+    def build_loop(self) -> RLLoop:
+        side, cfg = self.side, self.cfg
+        rollout = build_rollout_side(cfg, side, self.run_dir, self.dp)
+        return RLLoop(cfg, side.trainer, rollout, side.task, side.encode, side.tokenizer.pad_token_id,
+                      run_fingerprint(cfg), side.kv_quantizer, self.dp)
+
+    def step_metrics(self, metrics: dict) -> dict:
+        return metrics
+
+    def skipped_steps(self) -> int:
+        return self.side.trainer.skipped_steps
+
+    def barrier(self) -> None:
+        self.dp.barrier()

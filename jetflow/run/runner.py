@@ -1,0 +1,39 @@
+"""`jetflow train`: check the config, choose the placement, run the sequence.
+
+    run.orchestrator=local   this process, or one rank of torchrun (jetflow.run.local)
+    run.orchestrator=ray     trainer workers and rollout engines as Ray actors (jetflow.run.ray_placement)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from jetflow.config import Config
+from jetflow.distributed import init_from_env, shutdown
+from jetflow.run.files import prepare_run_dir
+from jetflow.run.sequence import run_sequence
+from jetflow.run.validate import validate_run
+
+
+def train(cfg: Config) -> Path:
+    """Run (or resume) the configured RL run; returns its directory (see jetflow.run.files)."""
+    validate_run(cfg)
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    if cfg.run.orchestrator == "ray":
+        from jetflow.run.ray_placement import RayPlacement
+        run_dir = prepare_run_dir(cfg)
+        with RayPlacement(cfg, run_dir) as placement:
+            return run_sequence(cfg, placement, run_dir)
+    from jetflow.run.local import LocalPlacement
+    dp = init_from_env(cfg.model.device)
+    completed = False
+    try:
+        run_dir = prepare_run_dir(cfg, dp)
+        run_sequence(cfg, LocalPlacement(cfg, dp, run_dir), run_dir)
+        completed = True
+        return run_dir
+    finally:
+        shutdown(dp, completed)

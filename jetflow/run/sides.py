@@ -1,0 +1,113 @@
+"""The two sides of a run as one process holds them: the trainer side (task, tokenizer, policy model
+under the precision mode, optimizer, FP8 KV quantizer) and the rollout engine built beside it (or
+alone, in a Ray rollout actor)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from jetflow.config import Config
+from jetflow.distributed import SINGLE, DataParallel
+from jetflow.rl.experience import pack_experience
+from jetflow.rollout.native import NativeRollout
+from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder,
+                               run_fingerprint, stop_token_ids)
+from jetflow.run.files import engine_dir as run_engine_dir
+from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
+                                       select_trainer_state)
+from jetflow.run.vllm_side import build_vllm_rollout
+from jetflow.train.checkpoint import checkpoint_weights, load_checkpoint, save_checkpoint
+from jetflow.train.trainer import Trainer
+
+SFT_INDEX_OFFSET = 10_000_000  # supervised warm-up draws problems far from the RL prompts
+
+
+def supervised_warmup(cfg: Config, trainer_model, task, encode, tokenizer, dp: DataParallel = SINGLE) -> list[dict]:
+    """A short supervised phase on reference answers (for models trained from scratch); returns its
+    per-step metrics."""
+    n = cfg.train.sft_warmup_steps
+    sft_cfg = replace(cfg.train, lr=cfg.train.sft_lr, warmup_steps=max(1, n // 10), steps=n, min_lr_ratio=0.1,
+                      micro_batch_size=cfg.train.sft_batch_size)
+    sft = Trainer(trainer_model, sft_cfg, cfg.algo, total_steps=n, dp=dp)
+    mine = dp.shard(cfg.train.sft_batch_size)
+    bs = len(mine)
+    end = task.stop[0] if task.stop else ""
+    rows = []
+    for step in range(n):
+        problems = task.problems(SFT_INDEX_OFFSET + step * cfg.train.sft_batch_size + mine.start, bs, cfg.run.seed)
+        prompts = [encode(p) for p in problems]
+        answers = [tokenizer.encode(p.answer + end) + [tokenizer.eos_token_id] for p in problems]
+        zeros = torch.zeros(bs)
+        exp = pack_experience(prompts, answers, [[0.0] * len(a) for a in answers], zeros, zeros,
+                              tokenizer.pad_token_id, cfg.model.device)
+        metrics = sft.sft_step(exp)
+        rows.append(metrics)
+    return rows
+
+
+class TrainerSide:
+    """The trainer half of a run: task, tokenizer, policy model under the precision mode, optimizer,
+    optional FP8 KV quantizer. One per process (or per data-parallel rank / Ray trainer worker)."""
+
+    def __init__(self, cfg: Config, dp: DataParallel = SINGLE):
+        self.cfg = cfg
+        self.task = build_task(cfg)
+        model, self.tokenizer = build_policy(cfg, self.task)
+        self.encode = prompt_encoder(cfg, self.tokenizer, self.task)
+        self.model = build_trainer_model(cfg, model)  # the Decoder under the precision mode, or a MegatronPolicy of it
+        self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
+        self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp)
+        self.kv_quantizer = attach_kv_fp8(self.model, cfg, "trainer")
+
+    def state(self) -> dict:
+        state = self.trainer.state_dict()
+        if self.kv_quantizer is not None:
+            state["kv_quantizer"] = self.kv_quantizer.state_dict()
+        return state
+
+    def restore(self, checkpoint: Path) -> dict:
+        """Load a checkpoint into model, optimizer and KV quantizer; returns its state (next_step, sft_done)."""
+        saved, state = load_checkpoint(checkpoint, self.model)
+        saved = select_trainer_state(self.model, saved)
+        self.trainer.load_state_dict(saved)
+        if self.kv_quantizer is not None and "kv_quantizer" in saved:
+            self.kv_quantizer.load_state_dict(saved["kv_quantizer"])
+        return state
+
+    def save(self, run_dir: Path, step: int, sft_done: bool) -> None:
+        weights = checkpoint_weights(self.model)  # every rank: gathering TP shards is a collective
+        trainer_state = gather_trainer_state(self.model, self.state())
+        if self.dp.is_main:
+            save_checkpoint(run_dir, step, self.model, trainer_state, {"next_step": step, "sft_done": sft_done},
+                            model_state=weights)
+        self.dp.barrier()
+
+    def supervised_warmup(self) -> list[dict]:
+        return supervised_warmup(self.cfg, self.model, self.task, self.encode, self.tokenizer, self.dp)
+
+
+def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Path | None = None,
+                       dp: DataParallel = SINGLE, engine_dir: Path | None = None):
+    """The rollout engine of a run. Beside a trainer (`side`) it starts from a copy of the trainer's
+    model; alone (a Ray rollout actor) it builds its own, whose weights the first sync replaces.
+    A vLLM engine starts from a checkpoint written to `engine_dir` (default: in the run directory)."""
+    if side is not None:
+        task, tokenizer, encode, source = side.task, side.tokenizer, side.encode, side.model
+    else:
+        task = build_task(cfg)
+        source, tokenizer = build_policy(cfg, task)
+        encode = prompt_encoder(cfg, tokenizer, task)
+    fingerprint = run_fingerprint(cfg)
+    max_prompt = max(len(encode(p)) for p in task.problems(0, 64, cfg.run.seed))
+    max_seq_len = 2 * max_prompt + cfg.rollout.max_new_tokens + 16
+    eos = stop_token_ids(tokenizer, source, task)
+    if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
+        engine_dir = engine_dir or run_engine_dir(run_dir, "local", dp.global_rank)
+        return build_vllm_rollout(cfg, copy_model(source), tokenizer, eos, task.stop, max_seq_len, engine_dir)
+    rollout_model = apply_mode(copy_model(source), cfg, "rollout")
+    attach_kv_fp8(rollout_model, cfg, "rollout")
+    return NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,
+                         fingerprint=fingerprint)

@@ -1,0 +1,91 @@
+"""The checks a run passes before anything is built: one pass over the whole config, beside the
+per-key choices and ranges that jetflow.config.validate checks when the config is loaded.
+
+What is checked here needs more than the config: the process count (torchrun's WORLD_SIZE or the Ray
+workers), which optional backends are installed, which combinations the backends support.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from jetflow.config import Config, ConfigError
+
+
+def validate_run(cfg: Config, processes: int | None = None) -> None:
+    """Refuse backend choices `jetflow train` cannot run, instead of silently running something else.
+    `processes`: the trainer's process count (default: Ray's train.num_workers, else WORLD_SIZE)."""
+    if processes is None:
+        processes = cfg.train.num_workers if cfg.run.orchestrator == "ray" else int(os.environ.get("WORLD_SIZE", "1"))
+    check_megatron(cfg, world=processes)
+    check_batch_split(cfg, processes)
+    check_vllm(cfg)
+    check_wired(cfg)
+
+
+def check_wired(cfg: Config) -> None:
+    """Transformer Engine is a library component (jetflow.train.te), not wired into the training loop
+    (it cannot be installed on the CPU machines)."""
+    wired = {"train.fp8_backend": ("jetflow", "jetflow.train.te")}
+    for key, (supported, component) in wired.items():
+        section, field = key.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if value != supported:
+            raise ConfigError(f"{key}={value!r}: `jetflow train` runs {key}={supported!r} today; the {value} "
+                              f"backend is available as the library component {component} but is not wired "
+                              "into the training loop yet")
+
+
+def check_batch_split(cfg: Config, processes: int) -> None:
+    """Each step's prompts and each SFT batch split evenly over the data-parallel ranks: the trainer
+    processes (torchrun ranks or Ray trainer workers), divided by the tensor-parallel size under Megatron."""
+    t = cfg.train
+    tp = t.tensor_parallel_size if t.backend == "megatron" else 1
+    dp = max(processes // tp, 1)
+    if t.prompts_per_step % dp or t.sft_batch_size % dp:
+        raise ConfigError(f"train.prompts_per_step={t.prompts_per_step} and train.sft_batch_size={t.sft_batch_size} "
+                          f"must be multiples of the data-parallel size {dp} ({processes} trainer processes / "
+                          f"tensor_parallel_size={tp})")
+
+
+def check_megatron(cfg: Config, world: int | None = None) -> None:
+    """Refuse parallel layouts and options the Megatron backend does not run, before anything is built.
+    `world`: the trainer's process count (default: torchrun's WORLD_SIZE)."""
+    t = cfg.train
+    if t.tensor_parallel_size < 1 or t.pipeline_parallel_size < 1:
+        raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} and train.pipeline_parallel_size="
+                          f"{t.pipeline_parallel_size} must be >= 1")
+    if t.backend != "megatron":
+        if t.tensor_parallel_size != 1 or t.pipeline_parallel_size != 1:
+            raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} / pipeline_parallel_size="
+                              f"{t.pipeline_parallel_size}: model parallelism needs train.backend=megatron")
+        return
+    if t.pipeline_parallel_size != 1:
+        raise ConfigError(f"train.pipeline_parallel_size={t.pipeline_parallel_size}: pipeline parallelism is not "
+                          "implemented on the Megatron backend (jetflow's Trainer drives forward and backward itself; "
+                          "PP needs Megatron's pipeline schedule to own that loop); use train.pipeline_parallel_size=1")
+    if cfg.precision.kv_cache_fp8:
+        raise ConfigError("precision.kv_cache_fp8=true with train.backend=megatron is not supported: the trainer-side "
+                          "K/V quantizer hooks the native Decoder's attention; use train.backend=native")
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    if world % t.tensor_parallel_size:
+        raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} needs a multiple of that many "
+                          f"processes, this run has {world}: launch with `torchrun --nproc_per_node "
+                          f"{t.tensor_parallel_size} -m jetflow.cli train ...` (or launch/torchrun.sh), or under "
+                          f"run.orchestrator=ray set train.num_workers to a multiple of it")
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        from jetflow.train.megatron import INSTALL_HINT
+        raise ConfigError(f"train.backend=megatron needs Megatron-Core, which is not installed: {INSTALL_HINT}")
+
+
+def check_vllm(cfg: Config) -> None:
+    """Refuse what the vLLM rollout side does not run, before anything is built (imports nothing heavy)."""
+    if cfg.rollout.backend != "vllm":
+        return
+    if cfg.precision.kv_cache_fp8:
+        raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm is not supported: the vLLM adapter "
+                          "does not load jetflow's per-step FP8 KV scales; use rollout.backend=native")
+    if importlib.util.find_spec("vllm") is None:
+        from jetflow.rollout.vllm import INSTALL_HINT
+        raise ConfigError(f"rollout.backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}")

@@ -1,0 +1,137 @@
+"""RLLoop.step with a fake rollout engine and a fake trainer: what the loop hands each side, in which
+order, and what it computes from their answers (rewards, advantages, mismatch, correction, metrics)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from jetflow.config import load_config
+from jetflow.rollout.types import Rollouts
+from jetflow.run.loop import RLLoop, request_seed
+from jetflow.sync import StaleWeightsError, WeightUpdate
+from jetflow.tasks import Problem
+from jetflow.tasks.base import Reward
+
+
+class FakeTask:
+    """Problem i asks for the letter 'a' + i % 2; a response is right when it is that letter."""
+    stop = ()
+
+    def problems(self, start: int, n: int, seed: int) -> list[Problem]:
+        return [Problem(prompt=f"p{start + i}", answer="ab"[(start + i) % 2]) for i in range(n)]
+
+    def score(self, problem: Problem, text: str) -> Reward:
+        return Reward(total=float(text == problem.answer), correct=text == problem.answer, format_ok=True)
+
+
+class FakeEngine:
+    """Samples 'a' for even requests and 'b' for odd ones, two tokens each, at log-prob -1.0 per token."""
+
+    def __init__(self, stale: bool = False):
+        self.weight_version, self.stale = -1, stale
+        self.calls: list[tuple] = []
+
+    def load_weights(self, update: WeightUpdate) -> None:
+        self.calls.append(("load_weights", update.version))
+        self.weight_version = update.version
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
+        self.calls.append(("generate", [list(p) for p in prompts], list(seeds)))
+        n = len(prompts)
+        return Rollouts(token_ids=[[7, 8]] * n, logprobs=[[-1.0, -1.0]] * n, texts=["ab"[i % 2] for i in range(n)],
+                        finish_reasons=["stop"] * n, weight_version=self.weight_version - int(self.stale))
+
+
+class FakeTrainer:
+    """pi_old is -1.5 on every token (0.5 nats below the rollout's); a train step bumps the version."""
+
+    def __init__(self):
+        self.version, self.calls = 0, []
+
+    def weight_update(self, mode: str, fingerprint: str | None, kv_scales=None) -> WeightUpdate:
+        self.calls.append(("weight_update", mode, fingerprint))
+        return WeightUpdate(self.version, mode, fingerprint, tensors={"w": torch.zeros(3)})
+
+    def compute_logprobs(self, exp, temperature: float = 1.0) -> torch.Tensor:
+        self.calls.append(("compute_logprobs", temperature))
+        return torch.full(exp.response_ids.shape, -1.5) * exp.response_mask
+
+    def train_step(self, exp, temperature: float = 1.0) -> dict[str, float]:
+        self.calls.append(("train_step", exp))
+        self.version += 1
+        return {"loss/policy": 0.25}
+
+    def train_step_on_policy(self, exp, temperature, correction, correction_params):
+        self.calls.append(("train_step_on_policy", correction))
+        self.version += 1
+        return {"loss/policy": 0.5}, self.compute_logprobs(exp, temperature)
+
+
+def make_loop(mode: str = "unified", *overrides: str, stale: bool = False):
+    cfg = load_config("configs/tiny.yaml", [f"precision.mode={mode}", "train.prompts_per_step=2",
+                                            "rollout.group_size=2", "rollout.temperature=0.7", *overrides])
+    engine, trainer = FakeEngine(stale), FakeTrainer()
+    loop = RLLoop(cfg, trainer, engine, FakeTask(), lambda p: [ord(c) for c in p.prompt], pad_id=0,
+                  fingerprint="fp" if mode == "unified" else None)
+    return cfg, loop, engine, trainer
+
+
+def test_one_step_hands_weights_then_samples_then_trains_on_the_trainers_logprobs():
+    cfg, loop, engine, trainer = make_loop("unified", "algo.old_logprobs=recompute")
+    m = loop.step(3)
+
+    # the engine got the trainer's version 0 first, then every prompt group_size times with its seed
+    assert engine.calls[0] == ("load_weights", 0) and trainer.calls[0] == ("weight_update", "unified", "fp")
+    _, prompts, seeds = engine.calls[1]
+    assert prompts == [[ord("p"), ord("6")]] * 2 + [[ord("p"), ord("7")]] * 2  # step 3 x 2 prompts: p6, p7
+    assert seeds == [request_seed(cfg.run.seed, 3, i) for i in range(4)]
+
+    # pi_old from the trainer at the rollout temperature, then one update on it
+    assert ("compute_logprobs", 0.7) in trainer.calls
+    (exp,) = [c[1] for c in trainer.calls if c[0] == "train_step"]
+    assert torch.equal(exp.old_logprobs, torch.full((4, 2), -1.5))
+    assert torch.equal(exp.rollout_logprobs, torch.full((4, 2), -1.0))
+    # texts a, b, a, b against answers b, b... : p6 wants 'a', p7 wants 'b' -> rewards 1, 0, 0, 1
+    assert exp.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    # GRPO: each group (1, 0) and (0, 1) normalised by its mean and std
+    assert exp.advantages[0] > 0 > exp.advantages[1] and exp.advantages[3] > 0 > exp.advantages[2]
+    assert exp.is_weights is None or torch.all(exp.is_weights == 1)  # unified: no correction
+
+    assert m["reward/mean"] == 0.5 and m["reward/accuracy"] == 0.5
+    assert m["response/length_mean"] == 2.0 and m["response/truncated_frac"] == 0.0
+    assert m["loss/policy"] == 0.25 and m["weight_version"] == 1.0 and trainer.version == 1
+    # every token 0.5 nats apart: k1 = E[log p_rollout - log p_train] = 0.5, k3 = e^-0.5 - 1 + 0.5
+    assert m["mismatch/kl_k1"] == pytest.approx(0.5)
+    assert m["mismatch/kl_k3"] == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    assert m["mismatch/equal_frac"] == 0.0
+    assert m["policy/rollout_log_ppl"] == pytest.approx(1.0)
+    assert m["sync/bytes"] == 12.0 and m["time/step"] >= m["time/rollout"] >= 0
+
+
+def test_the_next_step_syncs_the_new_version_and_an_unchanged_version_is_not_resent():
+    _, loop, engine, trainer = make_loop("unified", "algo.old_logprobs=recompute")
+    loop.step(0)
+    loop.step(1)
+    assert [c for c in engine.calls if c[0] == "load_weights"] == [("load_weights", 0), ("load_weights", 1)]
+    trainer.version -= 1  # a skipped step: the trainer stays at the version the engine has
+    assert loop.sync() == {"time/sync": 0.0, "sync/bytes": 0.0}
+
+
+def test_mixed_corrects_with_token_tis_inside_the_training_forward():
+    _, loop, engine, trainer = make_loop("mixed")
+    m = loop.step(0)
+    assert ("train_step_on_policy", "token_tis") in trainer.calls
+    # no separate no-grad forward: pi_old comes out of the training step (the fake's own call inside it)
+    assert [c[0] for c in trainer.calls] == ["weight_update", "train_step_on_policy", "compute_logprobs"]
+    assert m["time/old_logprobs"] == 0.0 and m["loss/policy"] == 0.5
+    # token TIS weight = min(exp(old - rollout), cap) = exp(-0.5) on every token
+    assert torch.allclose(loop.last_experience.is_weights, torch.full((4, 2), math.exp(-0.5)))
+
+
+def test_a_rollout_sampled_with_other_weights_is_refused():
+    _, loop, _, _ = make_loop("unified", stale=True)
+    with pytest.raises(StaleWeightsError, match="rollout used weight version -1, trainer is at 0"):
+        loop.step(0)
