@@ -1,0 +1,89 @@
+"""Checks of the model against the parallel layout (pure: no Megatron needed)."""
+
+from __future__ import annotations
+
+from jetflow.model.decoder import ModelConfig
+from jetflow.precision import FP8Recipe
+
+from .deps import MegatronConfigError
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """VocabParallelEmbedding splits rows evenly over TP ranks: pad the vocab to a multiple of tp."""
+    return -(-vocab_size // tp) * tp
+
+
+def check_supported(config: ModelConfig, tp: int = 1) -> None:
+    """Raise MegatronConfigError if `config` cannot be built with tensor-parallel size `tp`."""
+    c = config
+    if c.o_bias != c.mlp_bias:
+        raise MegatronConfigError(
+            f"o_bias={c.o_bias} with mlp_bias={c.mlp_bias}: Megatron has one `add_bias_linear` flag for "
+            "o_proj, gate/up and down projections")
+    if c.o_bias and not c.qkv_bias:
+        raise MegatronConfigError("o_proj/MLP biases without q/k/v biases: Megatron's add_bias_linear also "
+                                  "adds a q/k/v bias")
+    if c.num_heads % c.num_kv_heads:
+        raise MegatronConfigError(f"num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
+    if tp < 1:
+        raise MegatronConfigError(f"tensor_parallel_size={tp} must be >= 1")
+    if c.num_kv_heads % tp:
+        raise MegatronConfigError(
+            f"num_kv_heads={c.num_kv_heads} is not a multiple of tensor_parallel_size={tp}: each rank must hold "
+            "whole KV groups (the q/k/v split of Megatron's fused linear_qkv)")
+    if c.intermediate_size % tp:
+        raise MegatronConfigError(f"intermediate_size={c.intermediate_size} is not a multiple of "
+                                  f"tensor_parallel_size={tp}")
+
+
+def _linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str]]:
+    """HF module suffix -> (out_features, in_features, 'column' | 'row') for one decoder layer."""
+    c = config
+    q, kv, hidden, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    return {
+        "self_attn.q_proj": (q, hidden, "column"), "self_attn.k_proj": (kv, hidden, "column"),
+        "self_attn.v_proj": (kv, hidden, "column"), "self_attn.o_proj": (hidden, q, "row"),
+        "mlp.gate_proj": (inter, hidden, "column"), "mlp.up_proj": (inter, hidden, "column"),
+        "mlp.down_proj": (hidden, inter, "row"),
+    }
+
+
+def segment_kind(kind: str, recipe: FP8Recipe | None, name: str, layer: int | None, num_layers: int) -> str:
+    """The GEMM kind of one HF linear under `kind`: fp8 layers the recipe keeps stay in bf16
+    (the same rule as `jetflow.precision.apply_precision`)."""
+    if kind == "fp8" and recipe.keeps_in_high_precision(name, layer, num_layers):
+        return "bf16"
+    return kind
+
+
+def check_fp8_tp_alignment(config: ModelConfig, tp: int, recipe: FP8Recipe, kind: str = "fp8") -> None:
+    """Raise MegatronConfigError naming the first FP8 layer whose TP shards cut through a block.
+
+    Column-parallel layers (q/k/v, gate/up, lm_head) split out_features: out / tp must be a multiple
+    of the weight block's rows and of the group size (dgrad quantizes the output gradient in 1 x group
+    groups along out_features). Row-parallel layers (o_proj, down_proj) split in_features: in / tp must
+    be a multiple of the block's columns and of the group size (activation groups along K). Otherwise
+    a rank would quantize partial blocks that the full weight does not have, and the trainer's bytes
+    would differ from the rollout engine's.
+    """
+    if kind != "fp8" or tp == 1:
+        return
+    br, bc = recipe.weight_block
+    g = recipe.group_size
+    layers = [(f"model.layers.{i}.{suffix}", i, shape)
+              for i in range(config.num_layers) for suffix, shape in _linear_shapes(config).items()]
+    layers.append(("lm_head", None, (padded_vocab_size(config.vocab_size, tp), config.hidden_size, "column")))
+    for name, layer, (out_f, in_f, style) in layers:
+        if segment_kind(kind, recipe, name, layer, config.num_layers) != "fp8":
+            continue
+        if style == "column":
+            per_rank, dim, need = out_f // tp, f"out_features {out_f}", (br, g)
+        else:
+            per_rank, dim, need = in_f // tp, f"in_features {in_f}", (bc, g)
+        bad = [n for n in need if per_rank % n]
+        if bad:
+            raise MegatronConfigError(
+                f"{name}: {style}-parallel FP8 shard of {dim} / tensor_parallel_size {tp} = {per_rank} is not a "
+                f"multiple of {bad[0]} (weight block {recipe.weight_block}, group {g}); a shard edge would cut "
+                "through a scaling block, so the ranks' FP8 bytes would not be the full weight's. Use a smaller "
+                "tensor_parallel_size or keep this layer in bf16 (recipe.keep_high_precision).")

@@ -1,0 +1,120 @@
+"""Linear layers: Megatron's parallel linears with jetflow's GEMMs (fp32, bf16, per-segment FP8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from jetflow.precision import FP8Recipe, QuantizedTensor, bf16_linear, fp8_linear, quantize_blocks, resolve_backend
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows of a (possibly fused) local weight that belong to one HF linear.
+
+    The local weight is viewed as (groups, rows_per_group, K); the segment is [:, start:stop].
+    linear_qkv: groups = local KV groups, segments q, k, v. linear_fc1: groups = 1, segments gate, up.
+    """
+
+    name: str  # HF module name, e.g. model.layers.0.self_attn.k_proj
+    groups: int
+    start: int
+    stop: int
+    kind: str  # fp32 | bf16 | fp8
+
+
+def _segment_rows(t: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """The segment's rows of a weight (N, K) or bias (N,): (groups * (stop - start), ...)."""
+    rest = t.shape[1:]
+    return t.reshape(seg.groups, -1, *rest)[:, seg.start:seg.stop].reshape(-1, *rest)
+
+
+def _dense(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if kind == "fp32":
+        return F.linear(x, w, b)
+    if kind == "bf16":
+        return bf16_linear(x, w, b)
+    raise ValueError(f"linear kind {kind!r}: valid kinds are fp32, bf16, fp8")
+
+
+class _JetflowLinearMixin:
+    """The local GEMM of a Megatron parallel linear, computed by jetflow under each segment's kind.
+
+    Megatron's `ColumnParallelLinear.forward` / `RowParallelLinear.forward` keep doing the TP work
+    (all-reduce of row-parallel outputs, gathers, bias handling); they call `_forward_impl` for the
+    local (M, K_local) x (N_local, K_local)^T product, which this mixin replaces.
+    """
+
+    parallel_dim = 0  # 0: column-parallel (out_features split), 1: row-parallel (in_features split)
+    segments: tuple[Segment, ...] = ()  # empty: one plain fp32 GEMM (before configure)
+    recipe: FP8Recipe | None = None
+    gemm_backend = "auto"
+    _wq_key: tuple | None = None  # (data_ptr, version, dtype, device) of the weight _wq was made from
+    _wq: dict[str, QuantizedTensor] = {}
+
+    def configure(self, segments: list[Segment], recipe: FP8Recipe | None, gemm_backend: str = "auto") -> None:
+        groups = {s.groups for s in segments}
+        if len(groups) != 1 or [s.start for s in segments][1:] != [s.stop for s in segments][:-1]:
+            raise ValueError(f"segments must share `groups` and tile the rows in order: {segments}")
+        if any(s.kind == "fp8" for s in segments) and recipe is None:
+            raise ValueError(f"{segments[0].name}: an fp8 segment needs an FP8Recipe")
+        self.segments, self.recipe, self.gemm_backend = tuple(segments), recipe, gemm_backend
+        self._wq_key, self._wq = None, {}
+
+    def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, sequence_parallel=False, **_):
+        if sequence_parallel:
+            raise NotImplementedError("jetflow's Megatron linears do not support sequence parallelism")
+        if allreduce_dgrad:  # column-parallel, tp > 1: identity forward, all-reduce of dX in backward
+            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+            input = copy_to_tensor_model_parallel_region(input, group=self.tp_group)
+        return self.local_linear(input, weight, bias)
+
+    def local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (..., K_local) -> (..., N_local); one GEMM per segment when kinds differ or any is fp8."""
+        kinds = {s.kind for s in self.segments} or {"fp32"}
+        if len(kinds) == 1 and "fp8" not in kinds:
+            return _dense(kinds.pop(), x, weight, bias)
+        wq = self.quantized_segments(weight)
+        outs = []
+        for seg in self.segments:
+            w = _segment_rows(weight, seg)  # (groups * rows, K)
+            b = None if bias is None else _segment_rows(bias, seg)
+            if seg.kind == "fp8":
+                y = fp8_linear(x, w, b, wq[seg.name], self.recipe, self.gemm_backend, seg.name)
+            else:
+                y = _dense(seg.kind, x, w, b)
+            outs.append(y.unflatten(-1, (seg.groups, seg.stop - seg.start)))  # (..., groups, rows)
+        return torch.cat(outs, dim=-1).flatten(-2)  # (..., N_local) in Megatron's fused row order
+
+    def quantized_segments(self, weight: torch.Tensor | None = None) -> dict[str, QuantizedTensor]:
+        """{HF module name: this rank's FP8 shard} of the fp8 segments, quantized once per weight version."""
+        weight = self.weight if weight is None else weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if key != self._wq_key:
+            r = self.recipe
+            emulate = resolve_backend(self.gemm_backend, weight.device) == "emulate"
+            self._wq = {}
+            for seg in self.segments:
+                if seg.kind != "fp8":
+                    continue
+                q = quantize_blocks(_segment_rows(weight.detach(), seg), r.weight_block, r.forward_format,
+                                    r.scale_rule, r.margin, f"{seg.name}.weight")
+                self._wq[seg.name] = q.with_dequantized_cache() if emulate else q
+            self._wq_key = key
+        return self._wq
+
+_CLASSES: dict[str, type] = {}
+
+
+def _linear_classes() -> tuple[type, type]:
+    """(JetflowColumnParallelLinear, JetflowRowParallelLinear), made on first use (Megatron is lazy)."""
+    if not _CLASSES:
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        _CLASSES["column"] = type("JetflowColumnParallelLinear", (_JetflowLinearMixin, ColumnParallelLinear),
+                                  {"parallel_dim": 0, "__doc__": "ColumnParallelLinear with jetflow's GEMMs."})
+        _CLASSES["row"] = type("JetflowRowParallelLinear", (_JetflowLinearMixin, RowParallelLinear),
+                               {"parallel_dim": 1, "__doc__": "RowParallelLinear with jetflow's GEMMs."})
+    return _CLASSES["column"], _CLASSES["row"]

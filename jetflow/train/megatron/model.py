@@ -1,0 +1,64 @@
+"""The Megatron model's pieces: TransformerConfig from a ModelConfig, and the layer spec with jetflow's
+linears and RMSNorm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from jetflow.model.decoder import ModelConfig, RMSNorm
+
+from .linear import _linear_classes
+
+
+class MegatronRMSNorm(RMSNorm):
+    """The native Decoder's RMSNorm (fp32 normalization, cast, then scale) with Megatron's signature."""
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps)
+
+
+def _transformer_config(c: ModelConfig, tp: int, params_dtype: torch.dtype, init_weights: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
+        num_attention_heads=c.num_heads, num_query_groups=c.num_kv_heads, kv_channels=c.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps, qk_layernorm=c.qk_norm,
+        gated_linear_unit=True, activation_func=F.silu,  # SwiGLU: silu(gate) * up
+        add_bias_linear=c.o_bias, add_qkv_bias=c.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
+        # fused kernels are CUDA/TE-only, and our own linears replace the fused GEMM paths
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, sequence_parallel=False,
+        use_cpu_initialization=True, perform_initialization=init_weights, params_dtype=params_dtype,
+    )
+
+
+def _block_spec(config: ModelConfig):
+    """A local (no Transformer Engine) layer spec with jetflow's linears and RMSNorm."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    column, row = _linear_classes()
+    qk_norm = MegatronRMSNorm if config.qk_norm else IdentityOp  # Qwen3: RMSNorm over D per head, before RoPE
+    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=MegatronRMSNorm,
+        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                  submodules=SelfAttentionSubmodules(
+                                      linear_qkv=column, core_attention=DotProductAttention, linear_proj=row,
+                                      q_layernorm=qk_norm, k_layernorm=qk_norm)),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=MegatronRMSNorm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+        mlp_bda=get_bias_dropout_add,
+    ))
+    return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=MegatronRMSNorm)

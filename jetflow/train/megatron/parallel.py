@@ -1,0 +1,68 @@
+"""Process groups: torch.distributed and Megatron's TP/PP/DP groups, and a device-agnostic TP gather."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .deps import MegatronConfigError, _require_megatron
+
+
+def initialize_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                        device: torch.device | str = "cpu") -> None:
+    """torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's TP/PP/DP process groups.
+
+    Under torchrun the world comes from its environment; without it a single-process world is made
+    (only valid for tensor_parallel_size == 1). Idempotent; a second call with other sizes raises.
+    Pipeline parallelism raises NotImplementedError: jetflow's Trainer drives forward and backward
+    itself (forward_hidden -> lm_head -> loss.backward()), while PP needs Megatron's microbatch
+    schedule (`get_forward_backward_func`) to own that loop; not wired up yet.
+    """
+    _require_megatron()
+    from megatron.core import parallel_state as ps
+
+    if pipeline_parallel_size != 1:
+        raise NotImplementedError(
+            f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not implemented on "
+            "jetflow's Megatron backend (the Trainer's forward/backward would have to run inside Megatron's "
+            "pipeline schedule); use tensor parallelism and data parallelism")
+    device = torch.device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tensor_parallel_size, pipeline_parallel_size):
+            raise MegatronConfigError(f"Megatron parallel state already initialized with (tp, pp) = {have}, "
+                                      f"not {(tensor_parallel_size, pipeline_parallel_size)}")
+        return
+    world = dist.get_world_size()
+    if world % (tensor_parallel_size * pipeline_parallel_size):
+        raise MegatronConfigError(f"world size {world} is not a multiple of tp * pp = "
+                                  f"{tensor_parallel_size * pipeline_parallel_size}")
+    ps.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather TP shards along the last dim; backward keeps this rank's slice of the gradient.
+
+    Megatron's `gather_from_tensor_model_parallel_region` does the same but allocates its output on
+    `torch.cuda.current_device()`; this one works on any device (gloo on the CPU, NCCL on GPUs)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(ctx.group), dim=-1)[ctx.rank].contiguous(), None
