@@ -58,8 +58,8 @@ def model_data_parallel(model, dp):
     group only (world / TP ranks). Any other model: `dp` itself."""
     if getattr(model, "tp_size", 1) == 1:
         return dp
-    from megatron.core import parallel_state as ps
-    return dp.within(ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    from jetflow.train.megatron.parallel import data_parallel_group
+    return dp.within(*data_parallel_group())
 
 
 def gather_trainer_state(model, state: dict) -> dict | None:

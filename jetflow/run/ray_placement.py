@@ -87,8 +87,7 @@ class TrainerWorker:
         self.cfg_dict, self.rank, self.world_size = cfg_dict, rank, world_size
 
     def rendezvous_address(self) -> tuple[str, int]:
-        import ray
-        return ray.util.get_node_ip_address(), free_port()
+        return import_ray().util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "MASTER_ADDR": master_addr,
@@ -126,7 +125,7 @@ class TrainerWorker:
         """Build the update; rank 0 puts it in the object store and returns (ref, bytes), so the driver
         never copies the weights itself. Every worker is called: a tensor-parallel model gathers its
         shards collectively. The others return (None, 0)."""
-        import ray
+        ray = import_ray()
         from jetflow.sync import build_update
         update = build_update(self.side.model, mode, self.side.trainer.version, fingerprint, with_checksum=True,
                               kv_scales=kv_scales)

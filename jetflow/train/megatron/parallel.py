@@ -66,3 +66,10 @@ class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.chunk(dist.get_world_size(ctx.group), dim=-1)[ctx.rank].contiguous(), None
+
+
+def data_parallel_group() -> tuple[object, int, int]:
+    """Megatron's data-parallel process group, this rank's place in it and its size (after
+    `initialize_parallel`): the ranks that hold the same weight shards and different data."""
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
