@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from jetflow.model.protocol import ShardedPolicy
 from jetflow.precision import QuantizedTensor, check_fingerprint, fp8_linears, quantized_weights
 
 
@@ -67,11 +68,11 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
                  with_checksum: bool = False, kv_scales: dict[str, torch.Tensor] | None = None) -> WeightUpdate:
     """The payload for rollout engines after the trainer reached weight `version`.
 
-    A model with `hf_state_dict()` / `quantized_weights()` methods (the Megatron backend's policy)
-    gives its HF-named weights and FP8 bytes through them (collectives under tensor parallelism:
+    A `ShardedPolicy` (the Megatron backend's) gives its HF-named weights and FP8 bytes through its
+    `hf_state_dict()` / `quantized_weights()` (collectives under tensor parallelism:
     call on every rank); any other model is read through `named_parameters` and its FP8 linears."""
-    hf_state_dict = getattr(model, "hf_state_dict", None)
-    params = hf_state_dict() if callable(hf_state_dict) else dict(model.named_parameters(remove_duplicate=True))
+    sharded = isinstance(model, ShardedPolicy)
+    params = model.hf_state_dict() if sharded else dict(model.named_parameters(remove_duplicate=True))
 
     def bf16_matrices(skip=frozenset()) -> dict[str, torch.Tensor]:
         # Matrices outside FP8 linears (bf16 linears, embeddings, lm_head, layers the recipe keeps)
@@ -80,8 +81,7 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
                 for k, v in params.items() if k not in skip}
 
     if mode == "unified":
-        own = getattr(model, "quantized_weights", None)
-        quantized = own() if callable(own) else quantized_weights(model)  # the cached bytes the trainer computes with
+        quantized = model.quantized_weights() if sharded else quantized_weights(model)  # the bytes the trainer computes with
         update = WeightUpdate(version, mode, fingerprint, quantized,
                               bf16_matrices({f"{name}.weight" for name in quantized}))
     elif mode in ("bf16", "mixed"):

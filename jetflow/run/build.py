@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from jetflow.config import Config, ConfigError, resolve_numerics
+from jetflow.model.protocol import hf_weights
 from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
@@ -93,10 +94,9 @@ def build_tokenizer(cfg: Config, task: Task):
 def copy_model(model: Decoder) -> Decoder:
     """An independent copy with the same architecture and weights (the rollout side's model).
 
-    `model` may also be a trainer model that gives HF-named weights through `hf_state_dict()` (the
-    Megatron backend's policy; a collective under tensor parallelism)."""
-    hf_state_dict = getattr(model, "hf_state_dict", None)
-    state = hf_state_dict() if callable(hf_state_dict) else model.state_dict()
+    `model` may also be a `ShardedPolicy` (the Megatron backend's: its HF-named weights are gathered,
+    a collective under tensor parallelism)."""
+    state = hf_weights(model)
     embed = state["model.embed_tokens.weight"]
     clone = Decoder(model.config).to(device=embed.device, dtype=embed.dtype)
     missing, unexpected = clone.load_state_dict(state, strict=False)

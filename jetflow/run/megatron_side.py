@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from jetflow.config import Config, ConfigError
 from jetflow.model import Decoder
+from jetflow.model.protocol import tensor_parallel_size
 from jetflow.run.build import apply_mode, embedding_grid
 
 
@@ -56,7 +57,7 @@ def model_data_parallel(model, dp):
     """The data-parallel view for a tensor-parallel MegatronPolicy: the ranks of one TP group hold the
     same data and different shards, so losses and gradients are summed over Megatron's data-parallel
     group only (world / TP ranks). Any other model: `dp` itself."""
-    if getattr(model, "tp_size", 1) == 1:
+    if tensor_parallel_size(model) == 1:
         return dp
     from jetflow.train.megatron.parallel import data_parallel_group
     return dp.within(*data_parallel_group())
@@ -65,7 +66,7 @@ def model_data_parallel(model, dp):
 def gather_trainer_state(model, state: dict) -> dict | None:
     """Optimizer state is per TP shard: gather every TP rank's to TP rank 0 (None elsewhere), so one
     checkpoint file holds all of them; `select_trainer_state` picks a rank's own on resume."""
-    if getattr(model, "tp_size", 1) == 1:
+    if tensor_parallel_size(model) == 1:
         return state
     import torch.distributed as dist
     states = [None] * model.tp_size if model.tp_rank == 0 else None
@@ -77,7 +78,7 @@ def select_trainer_state(model, saved: dict) -> dict:
     if "tp_states" not in saved:
         return saved
     states = saved["tp_states"]
-    if len(states) != getattr(model, "tp_size", 1):
+    if len(states) != tensor_parallel_size(model):
         raise ConfigError(f"checkpoint holds optimizer state for {len(states)} tensor-parallel ranks, this run has "
-                          f"train.tensor_parallel_size={getattr(model, 'tp_size', 1)}")
+                          f"train.tensor_parallel_size={tensor_parallel_size(model)}")
     return states[model.tp_rank]

@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from jetflow.model.protocol import ShardedPolicy, hf_weights
+
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
@@ -54,8 +56,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
 def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """What a checkpoint stores: HF-named weights (a Megatron policy gathers its TP shards: a
     collective, so every rank must call it)."""
-    hf_state_dict = getattr(model, "hf_state_dict", None)
-    return hf_state_dict() if callable(hf_state_dict) else model.state_dict()
+    return hf_weights(model)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -70,7 +71,7 @@ def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
     """Restore model weights and RNG states; returns (trainer_state, state)."""
     path = Path(path)
     tensors = load_file(str(path / "model.safetensors"))
-    if callable(getattr(model, "load_hf_state_dict", None)):  # a Megatron policy: HF names into its shards
+    if isinstance(model, ShardedPolicy):  # a Megatron policy: HF names into its shards
         model.load_hf_state_dict(tensors)
         missing, unexpected = [], []
     else:

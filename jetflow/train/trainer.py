@@ -18,6 +18,7 @@ from torch import Tensor
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
+from jetflow.model.protocol import ShardedPolicy
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
@@ -170,8 +171,10 @@ class Trainer:
         loss_value = summed.pop("_loss")
         metrics = {"loss/sft": loss_value} if sft else summed
         max_norm = self.cfg.grad_clip or float("inf")
-        clip = getattr(self.model, "clip_grad_norm_", None)  # a tensor-parallel model's own: the norm over all ranks
-        grad_norm = clip(max_norm) if callable(clip) else torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if isinstance(self.model, ShardedPolicy):  # the norm over all its shards
+            grad_norm = self.model.clip_grad_norm_(max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         out = dict(metrics)
         out.update({"train/loss": loss_value, "train/grad_norm": float(grad_norm),

@@ -169,6 +169,11 @@ def test_fp32_logits_equal_native(family):
     assert {k: v.shape for k, v in policy.hf_state_dict().items()} == \
         {k: v.shape for k, v in native.named_parameters()}
     assert all(torch.equal(policy.hf_state_dict()[k], v) for k, v in native.named_parameters())
+    # both are trainer models; only the Megatron policy keeps its weights in another layout
+    from jetflow.model.protocol import ShardedPolicy, TrainablePolicy, hf_weights, tensor_parallel_size
+    assert isinstance(native, TrainablePolicy) and not isinstance(native, ShardedPolicy)
+    assert isinstance(policy, ShardedPolicy) and tensor_parallel_size(policy) == 1 == tensor_parallel_size(native)
+    assert hf_weights(policy).keys() == policy.hf_state_dict().keys() and hf_weights(native).keys() == native.state_dict().keys()
 
 
 @needs_megatron
