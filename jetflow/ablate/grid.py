@@ -40,7 +40,6 @@ from typing import Any
 import yaml
 
 from jetflow.config import Config, ConfigError, load_config, to_dict
-from jetflow.run.build import build_task
 from jetflow.run.files import CONFIG_FILE
 from jetflow.run.validate import validate_run
 
@@ -223,7 +222,6 @@ def validate(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
         try:
             cfg = cell_config(ab, cell, resume=run_dir.exists())
             validate_run(cfg)
-            build_task(cfg)  # task parameters are only checked when the task is built
         except ConfigError as e:
             raise ConfigError(f"cell {cell.id!r} ({' '.join(cell.overrides)}): {e}") from None
         saved = run_dir / CONFIG_FILE

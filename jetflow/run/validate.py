@@ -11,6 +11,7 @@ import importlib.util
 import os
 
 from jetflow.config import Config, ConfigError
+from jetflow.run.build import build_task
 
 
 def validate_run(cfg: Config, processes: int | None = None) -> None:
@@ -22,6 +23,7 @@ def validate_run(cfg: Config, processes: int | None = None) -> None:
     check_batch_split(cfg, processes)
     check_vllm(cfg)
     check_wired(cfg)
+    build_task(cfg)  # the task's parameters are checked by the task itself (a ConfigError naming them)
 
 
 def check_wired(cfg: Config) -> None:
