@@ -1,5 +1,9 @@
-"""The Llama-family decoder in one file: Llama 3 (incl. "llama3" RoPE scaling), Qwen2 / Qwen2.5
+"""The Llama-family decoder: Llama 3 (incl. "llama3" RoPE scaling), Qwen2 / Qwen2.5
 (q/k/v biases), Qwen3 (RMSNorm on q and k per head), SmolLM2 (Llama architecture).
+
+This module holds ModelConfig and the Decoder with its forward passes; the attention (RoPE,
+AttentionPlan, the SDPA / invariant-kernel dispatch) lives in jetflow.model.attention, RMSNorm and
+the MLP in jetflow.model.layers. Their names stay importable from here.
 
 Design rules (other parts of jetflow rely on them):
 - Module and parameter names mirror Hugging Face exactly (`model.layers.0.self_attn.q_proj.weight`,
@@ -15,15 +19,22 @@ C hidden size, H query heads, H_kv key/value heads, D head dim, V vocab.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from jetflow.kernels import invariant
+from jetflow.model.attention import (  # noqa: F401  (re-exported: jetflow.model.decoder.apply_rope, ...)
+    Attention,
+    AttentionPlan,
+    apply_rope,
+    attention_plan,
+    rope_inv_freq,
+    rotate_half,
+)
 from jetflow.model.kv_cache import KVCache
+from jetflow.model.layers import MLP, RMSNorm, silu_exact  # noqa: F401  (re-exported)
 
 # model_type -> HF architecture class name
 SUPPORTED = {
@@ -200,136 +211,13 @@ class ModelConfig:
 
 
 # ------------------------------------------------------------------------------------------------
-# building blocks
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in fp32, cast back, then scale: the same order as transformers (matters in bf16)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
-    """Inverse frequencies (D/2,) in fp32, including Llama 3.1's frequency-dependent scaling."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the middle band blended
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, D); cos, sin (B, 1, T, D). HF's "rotate half" convention (not interleaved pairs)."""
-    return x * cos + rotate_half(x) * sin
+# the decoder
 
 
 NUMERICS = ("fast", "exact")
 """fast: torch's kernels (SDPA, BLAS). exact: the batch-invariant kernels (jetflow.kernels.invariant),
 so a token's hidden states come out bit for bit the same in a full forward, a prefill and a cached
 decode, whatever else is in the batch."""
-
-
-def silu_exact(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x) as x / (1 + exp(-x)): exp, add and divide give the same bits in a vector lane and
-    in a scalar tail, while torch's fused sigmoid / silu kernels do not (measured: 4% of values
-    differ), which would make a row's result depend on where it falls in the tensor."""
-    return x / (1 + torch.exp(-x))
-
-
-@dataclass
-class AttentionPlan:
-    """How every layer of one forward attends (built once per forward by `Decoder.forward_hidden`)."""
-
-    exact: bool
-    positions: torch.Tensor  # (B, T) position of each new token
-    mask: torch.Tensor | None = None  # fast path: bool (B|1, 1, T, S) for SDPA, or None
-    is_causal: bool = False  # fast path: SDPA's own causal mask is exact here
-    start: int | None = None  # cache writes: slots [start, start + T) of every row ...
-    row_slots: torch.Tensor | None = None  # ... or slot row_slots[b] of row b (one token per row)
-    end: int | None = None  # key slots [0, end) after the write
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        c = config
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-        # Optional FP8 K/V quantizer (jetflow.precision.kv), applied after RoPE in the full forward and
-        # in cached decoding alike, so trainer and rollout see the same K/V values.
-        self.kv_quantizer = None
-
-    def forward(self, x, cos, sin, plan: AttentionPlan, cache: KVCache | None):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_quantizer is not None:
-            k, v = self.kv_quantizer(self.layer_idx, k, v)
-        if cache is not None:
-            # (B, H_kv, S, D); K is (B, H_kv, D, S) in an exact-numerics cache
-            k, v = cache.update(self.layer_idx, k, v, plan.start, plan.row_slots, plan.end)
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        if plan.exact:
-            kt = k if cache is not None else k.transpose(-1, -2).contiguous()  # (B, H_kv, D, S)
-            y = invariant.attention(q, kt, v, plan.positions, 1.0 / math.sqrt(self.head_dim))  # (B, H, T, D)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=plan.mask, is_causal=plan.is_causal,
-                enable_gqa=self.num_kv_heads != self.num_heads)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H*D)
-        return self.o_proj(y)  # (B, T, C)
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        c = config
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-
-    def forward(self, x, exact: bool = False):
-        gate = self.gate_proj(x)
-        return self.down_proj((silu_exact(gate) if exact else F.silu(gate)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -364,7 +252,7 @@ class Decoder(nn.Module):
         # the CPU even when the model is built on the meta device, and kept fp32 by `_apply`.
         self.register_buffer("rope_inv_freq", rope_inv_freq(config, device="cpu"), persistent=False)
         self.numerics = "fast"
-        """fast | exact (NUMERICS): set with the precision of the linears (jetflow.orchestrate.build)."""
+        """fast | exact (NUMERICS): set with the precision of the linears (jetflow.run.build)."""
         self.embed_grid: torch.dtype | None = None
         """Round embedding outputs to this dtype's grid (bf16 under the bf16 / mixed / unified modes,
         as the recipe keeps embeddings in bf16): trainer and rollout then agree on them, and the
@@ -445,7 +333,7 @@ class Decoder(nn.Module):
                 position_ids = torch.arange(L, L + T, device=device).expand(B, T)
         elif exact and cache is None and not torch.equal(position_ids, torch.arange(T, device=device).expand(B, T)):
             raise ValueError("exact numerics without a KV cache need slot = position: position_ids must be arange(T)")
-        plan = self._attention_plan(position_ids, attention_mask, cache, exact)
+        plan = attention_plan(position_ids, attention_mask, cache, exact)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         if self.embed_grid is not None:  # the embedding computes on the bf16 grid (precision modes)
@@ -460,54 +348,6 @@ class Decoder(nn.Module):
         if cache is not None:
             cache.advance_to(plan.end)
         return self.model.norm(x)  # (B, T, C)
-
-    def _attention_plan(self, positions: torch.Tensor, attention_mask: torch.Tensor | None,
-                        cache: KVCache | None, exact: bool) -> AttentionPlan:
-        """Where this forward's K/V go and which slots each query sees (see forward_hidden)."""
-        B, T = positions.shape
-        device = positions.device
-        plan = AttentionPlan(exact=exact, positions=positions)
-        if cache is not None and cache.k_transposed != exact:
-            raise ValueError(f"this KV cache was made for {'exact' if cache.k_transposed else 'fast'} numerics, "
-                             f"the model runs {self.numerics}: make it with model.new_cache")
-        if cache is not None and attention_mask is not None:  # left padding: contiguous slots, masked
-            L = cache.length
-            plan.start, plan.end = L, L + T
-            cache.check_end(plan.end)
-            q_slot = torch.arange(L, L + T, device=device)[:, None]  # (T, 1)
-            k_slot = torch.arange(L + T, device=device)[None, :]  # (1, S)
-            mask = (k_slot <= q_slot)[None] & attention_mask[:, None, :]
-            plan.mask = (mask | (k_slot == q_slot))[:, None]  # (B, 1, T, S)
-            return plan
-        if cache is not None:  # slot = position
-            uniform = bool((positions == positions[:1]).all())
-            first = int(positions[0, 0])
-            contiguous = uniform and (T == 1 or bool((positions[0, 1:] - positions[0, :-1] == 1).all()))
-            if contiguous:
-                plan.start, plan.end = first, max(cache.length, first + T)
-            elif T == 1:
-                plan.row_slots = positions[:, 0]
-                plan.end = max(cache.length, int(plan.row_slots.max()) + 1)
-            else:
-                raise ValueError("with a KV cache, position_ids must be one contiguous range shared by every row "
-                                 "(a prefill), or one token per row (a decode step)")
-            cache.check_end(plan.end)
-            S = plan.end
-        else:
-            S = T
-        if exact:
-            return plan
-        if attention_mask is not None:  # no cache, padded rows: real slots at or before the query
-            q_slot = torch.arange(T, device=device)[:, None]
-            k_slot = torch.arange(T, device=device)[None, :]
-            mask = (k_slot <= q_slot)[None] & attention_mask[:, None, :]
-            plan.mask = (mask | (k_slot == q_slot))[:, None]  # (B, 1, T, T)
-        elif cache is None or (plan.start == 0 and plan.end == T):
-            plan.is_causal = T > 1  # a plain causal square
-        elif not (T == 1 and bool((positions[:, 0] == S - 1).all())):  # else one token sees every slot
-            k_slot = torch.arange(S, device=device)
-            plan.mask = (k_slot[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
-        return plan
 
     def _forward_aligned(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Exact numerics on padded rows: shift each row so its real tokens start at slot 0 (slot =
