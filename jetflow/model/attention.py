@@ -24,8 +24,8 @@ from jetflow.kernels import invariant
 from jetflow.model.kv_cache import KVCache
 from jetflow.model.layers import RMSNorm
 
-if TYPE_CHECKING:  # annotations only: this module must not import decoder.py at run time
-    from jetflow.model.decoder import ModelConfig
+if TYPE_CHECKING:
+    from jetflow.model.model_config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # annotations only: this module must not import decoder.py at run time
-    from jetflow.model.decoder import ModelConfig
+if TYPE_CHECKING:
+    from jetflow.model.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from jetflow.model.decoder import ModelConfig
+    from jetflow.model.model_config import ModelConfig
     from jetflow.precision import QuantizedTensor
 
 
