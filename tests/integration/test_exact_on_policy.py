@@ -19,7 +19,8 @@ import torch
 from jetflow.bench.mismatch import paired_logprobs
 from jetflow.config import load_config
 from jetflow.run.loop import request_seed
-from jetflow.run.build import apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder
+from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder,
+                               run_fingerprint)
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.sync import apply_update, build_update
 
@@ -92,7 +93,7 @@ def generate_alone_and_batched(cfg, model, tok, prompts, new_tokens: int, pick: 
     kv = attach_kv_fp8(rollout_model, cfg, "rollout")
     scales = None if kv is None else {"k_scale": torch.full((model.config.num_layers,), 0.05),
                                       "v_scale": torch.full((model.config.num_layers,), 0.05)}
-    fingerprint = cfg.precision.recipe().fingerprint() if cfg.precision.mode in ("mixed", "unified") else None
+    fingerprint = run_fingerprint(cfg)
     apply_update(rollout_model, build_update(trainer, cfg.precision.mode, 0, fingerprint, kv_scales=scales), -1,
                  fingerprint)
     engine = RolloutEngine(rollout_model, eos_token_ids=[], pad_token_id=tok.pad_token_id, max_batch=16,
