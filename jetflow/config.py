@@ -133,7 +133,8 @@ class AlgoConfig:
     loss_agg: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum."""
     kl_coef: float = 0.0
-    """KL penalty to the initial (reference) policy; 0 disables it and the reference model."""
+    """KL penalty to the initial (reference) policy. Must be 0 for now: the loss has the term
+    (jetflow.rl.loss.policy_loss) but `jetflow train` keeps no reference policy yet."""
     correction: str = "auto"
     """Rollout correction: auto (none for bf16 / unified, token_tis for mixed) | none | token_tis |
     token_mis | seq_tis | seq_mis | ais."""
@@ -266,6 +267,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("train.steps and train.sft_warmup_steps must be >= 0")
     if cfg.train.lr <= 0 or cfg.algo.clip_low < 0 or cfg.algo.clip_high < 0:
         raise ConfigError("train.lr must be > 0 and algo.clip_low / clip_high >= 0")
+    _check_ranges(cfg)
     try:
         cfg.precision.recipe()
     except ValueError as e:
@@ -273,6 +275,29 @@ def validate(cfg: Config) -> Config:
     if cfg.precision.numerics == "exact" and _exact_blocker(cfg):
         raise ConfigError(f"precision.numerics=exact: {_exact_blocker(cfg)}; use precision.numerics=fast (or auto)")
     return cfg
+
+
+def _check_ranges(cfg: Config) -> None:
+    """The numeric ranges outside which a run would silently do something else than asked."""
+    t, a, r = cfg.train, cfg.algo, cfg.rollout
+    checks = [
+        ("train.grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0 turns clipping off)"),
+        ("train.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
+        ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+        ("train.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0"),
+        ("train.sft_lr", t.sft_lr, t.sft_lr > 0, "> 0"),
+        ("train.betas", t.betas, len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "two values in [0, 1)"),
+        ("train.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 0, ">= 0 (0: only at the end)"),
+        ("train.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 0, ">= 0"),
+        ("rollout.top_k", r.top_k, r.top_k >= 0, ">= 0 (0 turns top-k off)"),
+        ("rollout.group_size", r.group_size, r.group_size >= 2,
+         ">= 2: GRPO's advantage is a reward minus its group's mean, so one sample per prompt learns nothing"),
+        ("algo.kl_coef", a.kl_coef, a.kl_coef == 0,
+         "0: a KL penalty needs a reference policy, which `jetflow train` does not keep yet"),
+    ]
+    for key, value, ok, valid in checks:
+        if not ok:
+            raise ConfigError(f"{key}={value!r} is out of range; it must be {valid}")
 
 
 def _exact_blocker(cfg: Config) -> str | None:

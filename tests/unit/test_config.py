@@ -54,3 +54,22 @@ def test_shipped_configs_load():
     assert run_configs
     for path in run_configs:  # ablation grids are checked by tests/unit/test_ablate.py
         load_config(path)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.grad_clip=-1", r"train.grad_clip=-1.0 is out of range; it must be >= 0"),
+    ("train.min_lr_ratio=-1", r"train.min_lr_ratio=-1.0 is out of range; it must be in \[0, 1\]"),
+    ("train.min_lr_ratio=1.5", r"train.min_lr_ratio=1.5 is out of range"),
+    ("train.weight_decay=-0.1", r"train.weight_decay"),
+    ("train.warmup_steps=-2", r"train.warmup_steps"),
+    ("train.betas=[0.9,1.0]", r"train.betas"),
+    ("train.checkpoint_every=-1", r"train.checkpoint_every"),
+    ("rollout.group_size=1", r"rollout.group_size=1 is out of range; it must be >= 2: GRPO"),
+    ("algo.kl_coef=0.1", r"algo.kl_coef=0.1 is out of range; it must be 0: a KL penalty needs a reference policy"),
+])
+def test_out_of_range_values_are_refused_by_name(override, message):
+    """Values that used to run silently as something else (gradient ascent, a negative LR, zero
+    advantages, a KL term that never reached the loss) are refused before anything is built."""
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/tiny.yaml", [override])
+    load_config("configs/tiny.yaml", ["train.grad_clip=0", "train.min_lr_ratio=0", "rollout.group_size=2"])  # edges
