@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -86,7 +87,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from jetflow.config import load_config
     from jetflow.export import export_fp8
     from jetflow.model import load_hf_dir
+    from jetflow.config import ConfigError
     cfg = load_config(args.config, args.overrides)
+    if Path(args.out).resolve() == Path(args.model).resolve():
+        raise ConfigError(f"jetflow export: --out {args.out} is the source model's directory; the export would "
+                          "overwrite its weights: choose another --out")
     model = load_hf_dir(args.model)
     out = export_fp8(model, args.out, cfg.precision.recipe(), tokenizer_dir=args.model)
     print(f"exported FP8 ({cfg.precision.recipe().fingerprint()}) -> {out}")
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # a clear one-line error for the user's mistakes, tracebacks for ours
         from jetflow.config import ConfigError
-        if isinstance(e, (ConfigError, FileNotFoundError)):
+        from jetflow.model.checkpoint import CheckpointError
+        if isinstance(e, (ConfigError, FileNotFoundError, CheckpointError)):
             print(f"jetflow: error: {e}", file=sys.stderr)
             return 2
         raise

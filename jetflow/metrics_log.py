@@ -34,7 +34,23 @@ class MetricsLogger:
             self._tb.close()
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a JSON-lines file (none if it does not exist). A torn last line, what a kill in the
+    middle of a write leaves, is dropped; a bad line anywhere else is an error naming it."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
+    return rows
+
+
 def read_metrics(run_dir: str | Path, phase: str = "rl") -> list[dict]:
-    path = Path(run_dir) / METRICS_FILE
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("phase") == phase]
+    return [r for r in read_jsonl(Path(run_dir) / METRICS_FILE) if r.get("phase") == phase]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jetflow.bench.common import environment, markdown_table
-from jetflow.metrics_log import METRICS_FILE
+from jetflow.metrics_log import METRICS_FILE, read_jsonl
 from jetflow.run.files import ERROR_FILE, POSITIONS_FILE, run_status
 
 if TYPE_CHECKING:
@@ -44,19 +44,13 @@ COLUMNS = {  # summary.json key -> summary.md column
 }
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _mean(values: list[Any]) -> float | None:
     vals = [v for v in values if v is not None]
     return sum(vals) / len(vals) if vals else None
 
 
 def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str]) -> dict:
-    rl = [r for r in _read_jsonl(run_dir / METRICS_FILE) if r.get("phase") == "rl"]
+    rl = [r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("phase") == "rl"]
 
     def col(key: str) -> list[Any]:
         return [r.get(key) for r in rl]
@@ -91,7 +85,7 @@ def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str])
 
 def position_curve(run_dir: Path) -> tuple[list[int], list[float]] | None:
     """Mean k3 per response index pooled over all RL steps (count-weighted), or None if not logged."""
-    by_step = {r["step"]: r for r in _read_jsonl(run_dir / POSITIONS_FILE)}  # a resumed step: the last row
+    by_step = {r["step"]: r for r in read_jsonl(run_dir / POSITIONS_FILE)}  # a resumed step: the last row
     if not by_step:
         return None
     total: list[float] = []
@@ -167,7 +161,7 @@ def write_report(ab: "Ablation", command: str) -> Path:
     for cell in ab.cells:
         run_dir = ab.run_dir(cell)
         rows.append(cell_summary(cell.id, run_status(run_dir), run_dir, cell.overrides))
-        metrics = _read_jsonl(run_dir / METRICS_FILE)
+        metrics = read_jsonl(run_dir / METRICS_FILE)
         all_metrics += [{"cell": cell.id, **r} for r in metrics]
         rl = [r for r in metrics if r.get("phase") == "rl"]
         rewards.append((cell.id, [r["step"] for r in rl], [r.get("reward/mean") for r in rl]))

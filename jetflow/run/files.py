@@ -22,7 +22,7 @@ from pathlib import Path
 
 from jetflow.config import Config, ConfigError, save_config, to_dict
 from jetflow.distributed import SINGLE, DataParallel
-from jetflow.metrics_log import METRICS_FILE, read_metrics
+from jetflow.metrics_log import METRICS_FILE, read_jsonl, read_metrics
 from jetflow.train.checkpoint import latest_checkpoint
 
 CONFIG_FILE = "config.yaml"
@@ -72,11 +72,12 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
 
 
 def truncate_metrics(run_dir: Path, keep_before_step: int, sft_done: bool) -> None:
-    """On resume, drop metric rows of steps the checkpoint does not contain (they are redone)."""
+    """On resume, drop metric rows of steps the checkpoint does not contain (they are redone), and a
+    torn last line."""
     path = run_dir / METRICS_FILE
     if not path.exists():
         return
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(path)  # without a torn last line: the next row must not be appended to it
     kept = [r for r in rows if (r["phase"] == "sft" and sft_done) or (r["phase"] == "rl" and r["step"] < keep_before_step)]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from jetflow.model.checkpoint import CheckpointError
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 
 
@@ -67,6 +69,17 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path if (path / "state.json").exists() else None
 
 
+def _load_state(file: Path):
+    """torch.load with weights_only=True: tensors, numbers, strings and containers only, so a
+    checkpoint from someone else cannot run code on this machine while it is read."""
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{file}: refused to load, it holds more than tensors and plain data ({first}); "
+                              "only load checkpoints you trust, and never with weights_only=False") from None
+
+
 def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
     """Restore model weights and RNG states; returns (trainer_state, state)."""
     path = Path(path)
@@ -80,9 +93,9 @@ def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
-    rng = torch.load(path / "rng.pt", weights_only=False)
+    rng = _load_state(path / "rng.pt")
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+    trainer_state = _load_state(path / "trainer.pt")
     state = json.loads((path / "state.json").read_text())
     return trainer_state, state

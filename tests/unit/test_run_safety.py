@@ -1,0 +1,80 @@
+"""Faults and bad input that used to lose or corrupt a run (issue 15): each case as it failed before."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from jetflow.cli import main
+from jetflow.metrics_log import MetricsLogger, read_metrics
+from jetflow.model import CheckpointError, Decoder, ModelConfig, save_hf_dir
+from jetflow.run.files import truncate_metrics
+from jetflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+def tiny_decoder() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                               num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=32))
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    """A kill in the middle of a write leaves half a JSON line; before, the resume's json.loads crashed
+    (and a row appended after it would have merged with it)."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "phase": "rl", "reward/mean": s / 10} for s in range(3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "phase": "rl", "rew')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    truncate_metrics(tmp_path, keep_before_step=2, sft_done=False)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    log.log(2, {"reward/mean": 0.5})
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+
+    path.write_text('{"step": 0, "phase": "rl"}\n{"step": 1, "ph\n{"step": 2, "phase": "rl"}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):  # not at the end: corrupt
+        read_metrics(tmp_path)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
+    """Resume unpickled trainer.pt and rng.pt with weights_only=False: any code in them ran."""
+    model = tiny_decoder()
+    save_checkpoint(tmp_path, 1, model, {"version": 1, "optimizer": {"state": {}}}, {"next_step": 1, "sft_done": False})
+    ckpt = latest_checkpoint(tmp_path)
+    state, meta = load_checkpoint(ckpt, tiny_decoder())  # an honest checkpoint loads (weights_only=True)
+    assert state["version"] == 1 and meta["next_step"] == 1
+
+    torch.save({"version": 1, "payload": _RunsCode()}, ckpt / "trainer.pt")
+    with pytest.raises(CheckpointError, match=r"trainer.pt: refused to load, it holds more than tensors"):
+        load_checkpoint(ckpt, tiny_decoder())
+
+
+def test_honest_rng_state_round_trips_under_weights_only(tmp_path):
+    model = tiny_decoder()
+    random.seed(5)
+    torch.manual_seed(5)
+    save_checkpoint(tmp_path, 0, model, {}, {"next_step": 0, "sft_done": True})
+    expected = (random.random(), torch.rand(3))
+    random.seed(6)
+    torch.manual_seed(6)
+    load_checkpoint(latest_checkpoint(tmp_path), model)
+    assert random.random() == expected[0] and torch.equal(torch.rand(3), expected[1])
+
+
+def test_export_into_its_own_source_directory_is_refused(tmp_path, capsys):
+    """`jetflow export --model X --out X` overwrote X's weights with the FP8 export."""
+    save_hf_dir(tiny_decoder(), tmp_path / "m")
+    before = (tmp_path / "m" / "model.safetensors").read_bytes()
+    assert main(["export", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "m" / ".." / "m")]) == 2
+    assert "is the source model's directory" in capsys.readouterr().err
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
