@@ -204,6 +204,9 @@ class RunConfig:
     """run.orchestrator=ray: an existing cluster's address (`auto` inside a Ray job); empty starts a local one."""
     ray_num_cpus: int = 0
     """Local Ray cluster size (0: all cores)."""
+    allow_changes: list[str] = field(default_factory=list)
+    """run.resume=true: config keys that may differ from the run's config.yaml (e.g. [train.steps,
+    train.lr]); they take effect from the resumed step. Any other difference is refused."""
 
 
 @dataclass

@@ -39,15 +39,13 @@ from typing import Any
 
 import yaml
 
-from jetflow.config import Config, ConfigError, load_config, to_dict
-from jetflow.run.files import CONFIG_FILE
+from jetflow.config import Config, ConfigError, load_config
+from jetflow.run.files import CONFIG_FILE, config_changes
 from jetflow.run.validate import validate_run
 
 RUNS = "runs"
 # Axis labels: "{}" is the value. Other keys get "<last key part><value>".
 LABELS = {"precision.mode": "{}", "algo.correction": "{}", "rollout.max_new_tokens": "len{}", "run.seed": "seed{}"}
-# Run settings that may differ between sessions of the same cell without changing its results.
-_SESSION_KEYS = ("resume", "progress", "tensorboard", "num_threads", "out_dir")
 
 
 @dataclass
@@ -201,19 +199,6 @@ def cell_config(ab: Ablation, cell: Cell, resume: bool = False) -> Config:
     return load_config(ab.base_config, [*ab.overrides, *cell.overrides, *extra])
 
 
-def _comparable(cfg: Config) -> dict:
-    d = to_dict(cfg)
-    for k in _SESSION_KEYS:
-        d["run"].pop(k, None)
-    return d
-
-
-def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [k for key in sorted(set(a) | set(b)) for k in _diff(a.get(key), b.get(key), f"{prefix}{key}.")]
-    return [] if a == b else [prefix.rstrip(".")]
-
-
 def validate(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
     """Resolve every cell's config; raise ConfigError naming the first bad cell."""
     configs = {}
@@ -226,7 +211,7 @@ def validate(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
             raise ConfigError(f"cell {cell.id!r} ({' '.join(cell.overrides)}): {e}") from None
         saved = run_dir / CONFIG_FILE
         if saved.exists():
-            changed = _diff(_comparable(load_config(saved)), _comparable(cfg))
+            changed = config_changes(load_config(saved), cfg)
             if changed:
                 raise ConfigError(f"cell {cell.id!r}: {run_dir} holds a run made with a different config "
                                   f"({', '.join(changed)}); delete that directory to rerun the cell, or use "

@@ -206,8 +206,15 @@ class Trainer:
                 "consecutive_bad": self.consecutive_bad}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore optimizer moments, schedule position and counters. The hyperparameters are this
+        trainer's config (the same as the checkpoint's unless a resume allowed them to change)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler.base_lrs = [self.cfg.lr for _ in self.optimizer.param_groups]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group.update(lr=self.cfg.lr * factor, initial_lr=self.cfg.lr, betas=tuple(self.cfg.betas),
+                         weight_decay=self.cfg.weight_decay)
         self.version = state["version"]
         self.skipped_steps = state["skipped_steps"]
         self.consecutive_bad = state["consecutive_bad"]

@@ -78,3 +78,28 @@ def test_export_into_its_own_source_directory_is_refused(tmp_path, capsys):
     assert main(["export", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "m" / ".." / "m")]) == 2
     assert "is the source model's directory" in capsys.readouterr().err
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
+
+
+def test_resume_with_a_changed_config_is_refused_unless_allowed_and_then_takes_effect(tmp_path):
+    """`run.resume=true` with a changed config ran silently, overwrote config.yaml, and the restored
+    scheduler kept the old learning rate."""
+    from jetflow.config import ConfigError, load_config
+    from jetflow.run.runner import train
+    from jetflow.train.trainer import lr_lambda
+
+    base = ["train.sft_warmup_steps=0", "train.prompts_per_step=2", "rollout.group_size=2", "run.progress=false",
+            "run.tensorboard=false", f"run.out_dir={tmp_path}", "run.name=r"]
+    run_dir = train(load_config("configs/tiny.yaml", [*base, "train.steps=1"]))
+    saved = (run_dir / "config.yaml").read_text()
+    changed = [*base, "train.steps=2", "train.lr=1e-3", "run.resume=true"]
+    with pytest.raises(ConfigError, match=r"train.lr, train.steps differ from its config.yaml.*"
+                                          r"run.allow_changes=\[train.lr,train.steps\]"):
+        train(load_config("configs/tiny.yaml", changed))
+    assert (run_dir / "config.yaml").read_text() == saved  # untouched
+
+    train(load_config("configs/tiny.yaml", [*changed, "run.allow_changes=[train.lr,train.steps]"]))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    # step 1 runs at the new lr on the new schedule (2 steps, cosine to 0.1), not the checkpoint's
+    assert rows[1]["train/lr"] == pytest.approx(1e-3 * lr_lambda(0, 2, 0.1)(1))
+    assert "lr: 0.001" in (run_dir / "config.yaml").read_text()
