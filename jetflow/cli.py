@@ -202,11 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a clear one-line error for the user's mistakes, tracebacks for ours
         from jetflow.config import ConfigError
         from jetflow.model.checkpoint import CheckpointError
+        from jetflow.run.stop import EXIT_STOPPED, RunStopped
+        if isinstance(e, RunStopped):  # a signal asked for it; the checkpoint is written
+            print(f"jetflow: {e}", file=sys.stderr)
+            return EXIT_STOPPED
         if isinstance(e, (ConfigError, FileNotFoundError, CheckpointError)):
             print(f"jetflow: error: {e}", file=sys.stderr)
             return 2
         raise
-
 
 if __name__ == "__main__":
     sys.exit(main())

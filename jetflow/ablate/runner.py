@@ -26,6 +26,7 @@ from typing import Callable
 from jetflow.ablate.grid import load_ablation, select, validate
 from jetflow.ablate.report import write_report
 from jetflow.run.files import ERROR_FILE, run_status
+from jetflow.run.stop import RunStopped
 
 
 def run_ablation(path: str | Path, out_dir: str | Path | None = None, only: list[str] | None = None,
@@ -61,6 +62,9 @@ def run_ablation(path: str | Path, out_dir: str | Path | None = None, only: list
         t0 = time.perf_counter()
         try:
             train(configs[cell.id])
+        except RunStopped:
+            write_report(ab, command)
+            raise  # a stop request ends the ablation too (its cell resumes on the next run)
         except Exception as e:  # noqa: BLE001 - one bad cell should not lose the others
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / ERROR_FILE).write_text(traceback.format_exc())

@@ -8,6 +8,7 @@
     checkpoints/                step_NNNNNN/ + latest (jetflow.train.checkpoint)
     vllm_engine*/, rollout_engine*/   checkpoints the vLLM engines start from
     summary.json + COMPLETE     written only when the run finished
+    LOCK                        while a run is in it: the owner's pid and host
     error.txt                   the traceback of a failed ablation cell (jetflow.ablate)
 
 A directory without COMPLETE is an unfinished run: `run.resume=true` continues it from its last
@@ -17,6 +18,9 @@ checkpoint.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +34,7 @@ POSITIONS_FILE = "mismatch_positions.jsonl"
 SUMMARY_FILE = "summary.json"
 COMPLETE = "COMPLETE"
 ERROR_FILE = "error.txt"
+LOCK_FILE = "LOCK"
 
 
 def run_dir_of(cfg: Config) -> Path:
@@ -99,10 +104,57 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
         dp.barrier()
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    take_run_lock(run_dir)
     (run_dir / COMPLETE).unlink(missing_ok=True)
     save_config(cfg, run_dir / CONFIG_FILE)
     dp.barrier()
     return run_dir
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def take_run_lock(run_dir: Path) -> None:
+    """One run per directory: LOCK names the owner (pid, host). A lock whose process is gone from this
+    host (a killed run) is taken over with a warning; a live owner, or one on another host, is refused."""
+    path = run_dir / LOCK_FILE
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = json.loads(path.read_text())
+            except (OSError, ValueError):
+                owner = {"pid": -1, "host": me["host"]}  # torn by a kill between create and write
+            if owner.get("host") == me["host"] and not _alive(int(owner.get("pid", -1))):
+                print(f"[jetflow] warning: taking over {path} from pid {owner.get('pid')}, which is gone",
+                      file=sys.stderr)
+                path.unlink(missing_ok=True)
+                continue
+            raise ConfigError(f"run directory {run_dir} is in use by pid {owner.get('pid')} on {owner.get('host')} "
+                              f"(its {LOCK_FILE}); wait for that run to end, choose another run.name, or, if that "
+                              f"process is gone, delete {path}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me) + "\n")
+        return
+
+
+def release_run_lock(run_dir: Path) -> None:
+    """Remove LOCK if this process holds it (a no-op on the other ranks)."""
+    path = run_dir / LOCK_FILE
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def truncate_metrics(run_dir: Path, keep_before_step: int, sft_done: bool) -> None:

@@ -52,3 +52,6 @@ class LocalPlacement:
 
     def barrier(self) -> None:
         self.dp.barrier()
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.dp.sum(float(flag)) > 0 if self.dp.enabled else flag

@@ -390,3 +390,6 @@ class RayPlacement:
 
     def skipped_steps(self) -> int:
         return self.trainer.skipped_steps
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag  # the driver alone decides

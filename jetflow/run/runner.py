@@ -12,7 +12,7 @@ import torch
 
 from jetflow.config import Config
 from jetflow.distributed import init_from_env, shutdown
-from jetflow.run.files import prepare_run_dir
+from jetflow.run.files import prepare_run_dir, release_run_lock
 from jetflow.run.sequence import run_sequence
 from jetflow.run.validate import validate_run
 
@@ -25,15 +25,20 @@ def train(cfg: Config) -> Path:
     if cfg.run.orchestrator == "ray":
         from jetflow.run.ray_placement import RayPlacement
         run_dir = prepare_run_dir(cfg)
-        with RayPlacement(cfg, run_dir) as placement:
-            return run_sequence(cfg, placement, run_dir)
+        try:
+            with RayPlacement(cfg, run_dir) as placement:
+                return run_sequence(cfg, placement, run_dir)
+        finally:
+            release_run_lock(run_dir)
     from jetflow.run.local import LocalPlacement
     dp = init_from_env(cfg.model.device)
-    completed = False
+    completed, run_dir = False, None
     try:
         run_dir = prepare_run_dir(cfg, dp)
         run_sequence(cfg, LocalPlacement(cfg, dp, run_dir), run_dir)
         completed = True
         return run_dir
     finally:
+        if run_dir is not None:
+            release_run_lock(run_dir)
         shutdown(dp, completed)

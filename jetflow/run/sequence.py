@@ -13,6 +13,7 @@ from jetflow.config import Config
 from jetflow.metrics_log import MetricsLogger
 from jetflow.run.files import append_position_curve, truncate_metrics, write_summary
 from jetflow.run.loop import RLLoop
+from jetflow.run.stop import RunStopped, StopRequests
 from jetflow.train.checkpoint import latest_checkpoint
 
 
@@ -44,6 +45,9 @@ class Placement(Protocol):
 
     def barrier(self) -> None: ...
 
+    def any_rank(self, flag: bool) -> bool: ...
+    """True on every rank if `flag` is True on any (a stop request must end all ranks at one step)."""
+
 
 def run_sequence(cfg: Config, placement: Placement, run_dir: Path) -> Path:
     """Run (or resume) the configured run on `placement`; returns its directory."""
@@ -58,30 +62,45 @@ def run_sequence(cfg: Config, placement: Placement, run_dir: Path) -> Path:
               f"{placement.describe()}", file=sys.stderr)
     logger = MetricsLogger(run_dir, cfg.run.tensorboard) if placement.is_main else None
     try:
-        if cfg.train.sft_warmup_steps and not sft_done:
-            rows = placement.supervised_warmup()
-            if logger is not None:
-                for step, metrics in enumerate(rows):
-                    logger.log(step, metrics, phase="sft")
-            sft_done = True
-            placement.save(0, sft_done)
-        loop = placement.build_loop()
-        run_rl_steps(cfg, loop, start_step, logger, lambda step: placement.save(step, sft_done),
-                     on_metrics=placement.step_metrics, run_dir=run_dir)
-        placement.save(cfg.train.steps, sft_done)
-        if placement.is_main:
-            write_summary(run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
-        placement.barrier()
+        with StopRequests() as stop:
+            _run(cfg, placement, run_dir, logger, start_step, sft_done, stop)
     finally:
         if logger is not None:
             logger.close()
     return run_dir
 
 
+def _run(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: int, sft_done: bool,
+         stop: StopRequests) -> None:
+    def stop_requested() -> str | None:
+        if not placement.any_rank(stop.signame is not None):
+            return None
+        return stop.signame or "a signal on another rank"
+
+    if cfg.train.sft_warmup_steps and not sft_done:
+        rows = placement.supervised_warmup()
+        if logger is not None:
+            for step, metrics in enumerate(rows):
+                logger.log(step, metrics, phase="sft")
+        sft_done = True
+        placement.save(0, sft_done)
+    signame = stop_requested()
+    if signame is not None:  # during the warm-up: its checkpoint is written
+        raise RunStopped(signame, start_step, run_dir)
+    loop = placement.build_loop()
+    run_rl_steps(cfg, loop, start_step, logger, lambda step: placement.save(step, sft_done),
+                 on_metrics=placement.step_metrics, run_dir=run_dir, stop=stop_requested)
+    placement.save(cfg.train.steps, sft_done)
+    if placement.is_main:
+        write_summary(run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
+    placement.barrier()
+
+
 def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint: Callable[[int], None],
-                 on_metrics: Callable[[dict], dict] | None = None, run_dir: Path | None = None) -> None:
+                 on_metrics: Callable[[dict], dict] | None = None, run_dir: Path | None = None,
+                 stop: Callable[[], str | None] | None = None) -> None:
     """The RL steps of a run with their logs, progress bar and periodic checkpoints (logger None: not
-    the logging rank)."""
+    the logging rank). `stop()` names a stop request: then a checkpoint and RunStopped."""
     progress = None
     if cfg.run.progress and logger is not None:
         from tqdm import tqdm
@@ -103,9 +122,13 @@ def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint:
                     f"rollout {metrics['time/rollout']:.1f}s old {metrics['time/old_logprobs']:.1f}s "
                     f"train {metrics['time/train']:.1f}s sync {metrics['time/sync']:.2f}s | "
                     f"{metrics['throughput/tokens_per_s']:.0f} tok/s")
+            last = step + 1 == cfg.train.steps
             every = cfg.train.checkpoint_every
-            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
+            signame = None if last or stop is None else stop()
+            if signame is not None or (every and (step + 1) % every == 0 and not last):
                 checkpoint(step + 1)
+            if signame is not None:
+                raise RunStopped(signame, step + 1, run_dir)
     finally:
         if progress is not None:
             progress.close()

@@ -103,3 +103,72 @@ def test_resume_with_a_changed_config_is_refused_unless_allowed_and_then_takes_e
     # step 1 runs at the new lr on the new schedule (2 steps, cosine to 0.1), not the checkpoint's
     assert rows[1]["train/lr"] == pytest.approx(1e-3 * lr_lambda(0, 2, 0.1)(1))
     assert "lr: 0.001" in (run_dir / "config.yaml").read_text()
+
+
+def test_a_run_directory_has_one_owner_and_a_dead_owners_lock_is_taken_over(tmp_path, capsys):
+    """Two runs with the same name both ran and interleaved metrics.jsonl."""
+    import socket
+    import subprocess
+
+    from jetflow.config import ConfigError, load_config
+    from jetflow.run.runner import train
+
+    base = ["train.sft_warmup_steps=0", "train.prompts_per_step=2", "rollout.group_size=2", "train.steps=1",
+            "run.progress=false", "run.tensorboard=false", f"run.out_dir={tmp_path}", "run.name=r", "run.resume=true"]
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    lock = run_dir / "LOCK"
+    live = os.getppid()  # alive for the whole test, and not this process
+    lock.write_text(json.dumps({"pid": live, "host": socket.gethostname()}))
+    with pytest.raises(ConfigError, match=rf"run directory {run_dir} is in use by pid {live} on"):
+        train(load_config("configs/tiny.yaml", base))
+    assert not (run_dir / "metrics.jsonl").exists()
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    train(load_config("configs/tiny.yaml", base))
+    assert f"taking over {lock} from pid {dead.pid}, which is gone" in capsys.readouterr().err
+    assert (run_dir / "COMPLETE").exists() and not lock.exists()  # released at the end
+
+
+def _cli_train(tmp_path, name: str, *extra: str) -> list[str]:
+    import sys
+    return [sys.executable, "-m", "jetflow.cli", "train", "--config", "configs/tiny.yaml", "train.sft_warmup_steps=0",
+            "train.prompts_per_step=2", "rollout.group_size=2", "train.steps=60", "run.num_threads=1",
+            "run.progress=false", "run.tensorboard=false", f"run.out_dir={tmp_path}", f"run.name={name}",
+            "run.resume=true", *extra]
+
+
+def _rows_without_clock(run_dir) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in read_metrics(run_dir)]
+
+
+def test_sigterm_checkpoints_at_the_step_boundary_and_the_same_command_resumes_bit_exact(tmp_path):
+    """SIGTERM (a SLURM preemption) ended the run with no checkpoint. Now: a checkpoint at the next
+    step boundary, exit code 75, and the same command (run.resume=true) finishes the run exactly as an
+    uninterrupted one."""
+    import re
+    import signal
+    import subprocess
+    import time
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(_cli_train(tmp_path, "r"), stderr=subprocess.PIPE, text=True, env=env)
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-2000:]
+    stopped = re.search(r"stopped by SIGTERM: checkpoint written at step (\d+)", err)
+    assert stopped, err[-2000:]
+    step = int(stopped.group(1))
+    assert 3 <= step < 60 and [r["step"] for r in read_metrics(tmp_path / "r")] == list(range(step))
+    assert json.loads((latest_checkpoint(tmp_path / "r") / "state.json").read_text())["next_step"] == step
+
+    assert subprocess.run(_cli_train(tmp_path, "r"), env=env, capture_output=True).returncode == 0  # same command
+    assert subprocess.run(_cli_train(tmp_path, "whole"), env=env, capture_output=True).returncode == 0
+    assert _rows_without_clock(tmp_path / "r") == _rows_without_clock(tmp_path / "whole")
