@@ -108,6 +108,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error too")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run GRPO (default: the embedded default config)")
@@ -200,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a clear one-line error for the user's mistakes, tracebacks for ours
-        from jetflow.config import ConfigError
-        from jetflow.model.checkpoint import CheckpointError
+        from jetflow.errors import UserError
         from jetflow.run.stop import EXIT_STOPPED, RunStopped
         if isinstance(e, RunStopped):  # a signal asked for it; the checkpoint is written
             print(f"jetflow: {e}", file=sys.stderr)
             return EXIT_STOPPED
-        if isinstance(e, (ConfigError, FileNotFoundError, CheckpointError)):
-            print(f"jetflow: error: {e}", file=sys.stderr)
+        # the user's to fix: their input, or the machine (a missing file, a full disk, no permission)
+        if isinstance(e, (UserError, OSError)) and not args.debug:
+            print(f"jetflow: error: {type(e).__name__}: {e}".replace("\n", " "), file=sys.stderr)
             return 2
         raise
 

@@ -12,14 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from jetflow.errors import UserError
 from jetflow.precision.modes import PRECISION_MODES, PrecisionMode
 from jetflow.precision.recipe import FORMATS, SCALE_RULES, FP8Recipe
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration key or value is invalid."""
 
 
@@ -351,6 +353,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         cfg = OmegaConf.to_object(base)
     except OmegaConfBaseException as e:
         raise _explain(e) from None
+    except yaml.YAMLError as e:  # a syntax error in the file
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     return validate(cfg)
 
 

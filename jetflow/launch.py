@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 from jetflow.config import Config, ConfigError, load_config
+from jetflow.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = REPO / "launch" / "slurm"
@@ -30,7 +31,7 @@ OPTIONAL = ("gpus_per_node", "partition", "time")
 TEMPLATE_ONLY = "template only"  # lines marked so (the shellcheck directive for placeholders) are dropped
 
 
-class SubmitError(RuntimeError):
+class SubmitError(UserError, RuntimeError):
     """sbatch refused the script (no controller, bad partition, ...)."""
 
 

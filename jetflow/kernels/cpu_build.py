@@ -25,12 +25,14 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp first, which the library then shares)
 
+from jetflow.errors import UserError
+
 SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17"]
 VARIANTS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma"], "scalar": ["-DJF_NO_SIMD"]}
 
 
-class KernelBuildError(RuntimeError):
+class KernelBuildError(UserError, RuntimeError):
     """The batch-invariant CPU kernels could not be compiled or loaded."""
 
 

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from jetflow.errors import UserError
 from jetflow.model.decoder import Decoder, ModelConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -25,7 +26,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from jetflow.errors import UserError
+
 SUPPORTED = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -14,7 +16,7 @@ SUPPORTED = {
 }
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     pass
 
 

@@ -19,6 +19,7 @@ import random
 import threading
 from pathlib import Path
 
+from jetflow.errors import MissingDependencyError
 from jetflow.tasks.base import Problem, Reward, Task, register_task
 
 ANSWER_EXTRACTORS = ("gsm8k",)
@@ -54,7 +55,7 @@ def _read_parquet(path: Path) -> list[tuple[int, object]]:
         try:
             import pandas as pd
         except ImportError:
-            raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+            raise MissingDependencyError(f"reading {path} needs pyarrow: pip install pyarrow") from None
         records = pd.read_parquet(path).to_dict("records")  # pandas needs pyarrow or fastparquet
     return list(enumerate(records, start=1))
 

@@ -18,13 +18,14 @@ from torch import Tensor
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
+from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(UserError, RuntimeError):
     """Too many consecutive steps had a NaN/Inf loss or gradient."""
 
 

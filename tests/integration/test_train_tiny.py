@@ -77,7 +77,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
         if latest.exists() and latest.read_text().strip() == "step_000002":
             break
         time.sleep(0.05)
-    assert victim.poll() is None, "the run ended before it could be killed"
+    assert victim.poll() is None, f"the run ended before it could be killed:\n{victim.stdout.read()[-3000:]}"
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     killed = tmp_path / "killed"

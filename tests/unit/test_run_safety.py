@@ -172,3 +172,27 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_the_same_command_resumes_b
     assert subprocess.run(_cli_train(tmp_path, "r"), env=env, capture_output=True).returncode == 0  # same command
     assert subprocess.run(_cli_train(tmp_path, "whole"), env=env, capture_output=True).returncode == 0
     assert _rows_without_clock(tmp_path / "r") == _rows_without_clock(tmp_path / "whole")
+
+
+def test_user_errors_are_one_line_and_exit_2_and_debug_shows_the_traceback(tmp_path, capsys):
+    """YAML syntax errors, checkpoint, model and data errors printed tracebacks; only ConfigError and
+    FileNotFoundError were one line."""
+    from jetflow.config import ConfigError
+    from jetflow.errors import MissingDependencyError, UserError
+    from jetflow.model import UnsupportedModelError
+    from jetflow.train.trainer import TrainingDiverged
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jetflow: error: ConfigError:") and "not valid YAML" in err
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        main(["--debug", "train", "--config", str(bad)])
+    for error in (CheckpointError, UnsupportedModelError, TrainingDiverged, MissingDependencyError):
+        assert issubclass(error, UserError), error
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "gpt2"}')
+    assert main(["generate", "--model", str(tmp_path / "m"), "hi"]) == 2
+    assert capsys.readouterr().err.startswith("jetflow: error: ")
