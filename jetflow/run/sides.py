@@ -4,6 +4,7 @@ alone, in a Ray rollout actor)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,6 +79,13 @@ class TrainerSide:
         return state
 
     def save(self, run_dir: Path, step: int, sft_done: bool) -> None:
+        """A checkpoint at `step`, unless the last steps were skipped as non-finite: then the last good
+        checkpoint stays the newest (a resume goes back to it)."""
+        if self.trainer.consecutive_bad:  # the same on every rank: losses and gradients are summed
+            if self.dp.is_main:
+                print(f"[jetflow] warning: no checkpoint at step {step}: the last {self.trainer.consecutive_bad} "
+                      "step(s) were skipped as non-finite; the last good checkpoint stays", file=sys.stderr)
+            return
         weights = checkpoint_weights(self.model)  # every rank: gathering TP shards is a collective
         trainer_state = gather_trainer_state(self.model, self.state())
         if self.dp.is_main:

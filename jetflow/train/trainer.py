@@ -20,6 +20,7 @@ from jetflow.distributed import SINGLE, DataParallel
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy
+from jetflow.precision import NonFiniteError
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
@@ -128,27 +129,40 @@ class Trainer:
             if weight == 0:  # no response tokens: nothing to learn, and its log-probs are all masked
                 olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
                 continue
-            logprobs, entropy = response_logprobs(self.model, mb, temperature, with_entropy=True)  # (b, R) each
-            entropy_sum += float((entropy * mb.response_mask).sum())
+            try:
+                loss_total += self._micro_step(mb, weight, temperature, weigh, olds, sums, agg)
+            except NonFiniteError:  # an FP8 quantizer met NaN/Inf (forward or backward): a bad step,
+                loss_total = float("nan")  # skipped like a NaN loss (train.max_bad_steps applies)
+                olds += [torch.full(m.response_ids.shape, float("nan"), device=m.response_ids.device)
+                         for m in micro[len(olds):]]
+                break
+            entropy_sum += sums.pop("_entropy_sum")
             tokens += float(mb.response_mask.sum())
-            if weigh is None:
-                old, is_weights = mb.old_logprobs, mb.is_weights
-            else:
-                old = logprobs.detach()
-                is_weights = weigh(mb, old)
-                olds.append(old)
-            loss, metrics = policy_loss(logprobs, old, mb.advantages, mb.response_mask,
-                                        clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
-                                        is_weights=is_weights)
-            (loss * weight).backward()
-            loss_total += loss.item() * weight
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v * weight
         # the policy's entropy per response token (nats): this rank's share of the mean over every
         # rank's tokens (the metrics are summed over ranks below)
         all_tokens = self.dp.sum(tokens)
         sums["policy/entropy"] = entropy_sum / all_tokens if all_tokens else 0.0
         return self._apply_gradients(loss_total, sums, t0), (torch.cat(olds) if weigh is not None else None)
+
+    def _micro_step(self, mb: Experience, weight: float, temperature: float, weigh, olds: list[Tensor],
+                    sums: dict[str, float], agg: str) -> float:
+        """Forward and backward of one micro-batch; adds its metrics to `sums` (its entropy sum under
+        `_entropy_sum`), appends its pi_old to `olds` when `weigh` is given; returns its weighted loss."""
+        logprobs, entropy = response_logprobs(self.model, mb, temperature, with_entropy=True)  # (b, R) each
+        if weigh is None:
+            old, is_weights = mb.old_logprobs, mb.is_weights
+        else:
+            old = logprobs.detach()
+            is_weights = weigh(mb, old)
+            olds.append(old)
+        loss, metrics = policy_loss(logprobs, old, mb.advantages, mb.response_mask,
+                                    clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
+                                    is_weights=is_weights)
+        (loss * weight).backward()
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v * weight
+        sums["_entropy_sum"] = float((entropy * mb.response_mask).sum())
+        return loss.item() * weight
 
     def sft_step(self, exp: Experience) -> dict[str, float]:
         """Supervised step: mean negative log-likelihood of the response tokens."""
@@ -158,9 +172,12 @@ class Trainer:
         total_tokens = self.dp.sum(float(exp.response_mask.sum())) or 1.0
         loss_total = 0.0
         for mb in micro:
-            logprobs = response_logprobs(self.model, mb)
-            loss = -(logprobs * mb.response_mask).sum() / total_tokens
-            loss.backward()
+            try:
+                loss = -(response_logprobs(self.model, mb) * mb.response_mask).sum() / total_tokens
+                loss.backward()
+            except NonFiniteError:  # an FP8 quantizer met NaN/Inf: a bad step
+                loss_total = float("nan")
+                break
             loss_total += loss.item()
         return self._apply_gradients(loss_total, {}, t0, sft=True)
 

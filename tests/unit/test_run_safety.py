@@ -196,3 +196,18 @@ def test_user_errors_are_one_line_and_exit_2_and_debug_shows_the_traceback(tmp_p
     (tmp_path / "m" / "config.json").write_text('{"model_type": "gpt2"}')
     assert main(["generate", "--model", str(tmp_path / "m"), "hi"]) == 2
     assert capsys.readouterr().err.startswith("jetflow: error: ")
+
+
+def test_no_checkpoint_replaces_the_last_good_one_during_a_bad_streak(tmp_path, capsys):
+    from jetflow.config import load_config
+    from jetflow.run.sides import TrainerSide
+
+    side = TrainerSide(load_config("configs/tiny.yaml"))
+    side.save(tmp_path, 2, True)
+    side.trainer.consecutive_bad = 1  # the last step was skipped (NaN loss or gradient)
+    side.save(tmp_path, 3, True)
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+    assert "no checkpoint at step 3" in capsys.readouterr().err
+    side.trainer.consecutive_bad = 0
+    side.save(tmp_path, 4, True)
+    assert latest_checkpoint(tmp_path).name == "step_000004"

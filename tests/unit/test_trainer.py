@@ -75,9 +75,17 @@ def test_train_step_moves_logprobs_in_the_advantage_direction():
     assert (after[1, :3] - before[1, :3]).sum() < 0  # negative advantage: less likely
 
 
-def test_nan_steps_are_skipped_then_stop_the_run():
+@pytest.mark.parametrize("kind", ["fp32", "fp8"])
+def test_nan_steps_are_skipped_then_stop_the_run(kind):
+    """Under FP8 (unified) the NaN reaches a quantizer, which raised NonFiniteError out of backward
+    and bypassed train.max_bad_steps."""
+    from jetflow.precision import FP8Recipe
+    from jetflow.precision.linear import apply_precision
+
     cfg = load_config(None, ["train.max_bad_steps=2"])
     model, exp = tiny_model(), batch()
+    if kind == "fp8":
+        apply_precision(model, "fp8", FP8Recipe(), gemm_backend="emulate", num_layers=2)
     trainer = Trainer(model, cfg.train, cfg.algo)
     exp.old_logprobs = trainer.compute_logprobs(exp)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
