@@ -125,26 +125,27 @@ def test_smollm2_unified_exact_short(smollm2_dir, kv_fp8):
     assert_exact(cfg, model, tok, task, prompts, new_tokens=48)
 
 
-@pytest.mark.slow
-@pytest.mark.long
-@pytest.mark.parametrize("mode,kv_fp8", CASES)
-def test_smollm2_rollout_logprobs_equal_trainer_bit_for_bit(smollm2_dir, mode, kv_fp8):
-    """The full matrix on the real model: 16 sequences of mixed prompt lengths x 512 new tokens."""
+def smollm2_countdown(smollm2_dir, mode: str, kv_fp8: bool):
+    """SmolLM2 in `mode` (exact numerics) and 16 countdown prompts whose lengths spread by up to 45 tokens."""
     cfg, model, tok, task = setup(None, [f"model.path={smollm2_dir}", f"precision.mode={mode}",
                                          f"precision.kv_cache_fp8={str(kv_fp8).lower()}", "precision.numerics=exact",
                                          "task.name=countdown"])
     encode = prompt_encoder(cfg, tok, task)
     base = [encode(p) for p in task.problems(0, 16, 0)]
-    prompts = [p + p[-(i * 3):] if i else p for i, p in enumerate(base)]  # lengths spread by up to 45 tokens
+    return cfg, model, tok, task, [p + p[-(i * 3):] if i else p for i, p in enumerate(base)]
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("mode,kv_fp8", CASES)
+def test_smollm2_rollout_logprobs_equal_trainer_bit_for_bit(smollm2_dir, mode, kv_fp8):
+    """The full matrix on the real model: 16 sequences of mixed prompt lengths x 512 new tokens."""
+    cfg, model, tok, task, prompts = smollm2_countdown(smollm2_dir, mode, kv_fp8)
     assert_exact(cfg, model, tok, task, prompts, new_tokens=512)
 
 
 @pytest.mark.slow
 @pytest.mark.long
 def test_smollm2_sequence_alone_equals_inside_the_batch(smollm2_dir):
-    cfg, model, tok, task = setup(None, [f"model.path={smollm2_dir}", "precision.mode=unified",
-                                         "precision.numerics=exact", "task.name=countdown"])
-    encode = prompt_encoder(cfg, tok, task)
-    base = [encode(p) for p in task.problems(0, 16, 0)]
-    prompts = [p + p[-(i * 3):] if i else p for i, p in enumerate(base)]
+    cfg, model, tok, task, prompts = smollm2_countdown(smollm2_dir, "unified", False)
     generate_alone_and_batched(copy.deepcopy(cfg), model, tok, prompts, 512, pick=[0, 9])
