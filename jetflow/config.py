@@ -364,3 +364,36 @@ def to_dict(cfg: Config) -> dict:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+# run.* keys a resumed (or re-run) session may change without changing the run's results
+SESSION_KEYS = ("resume", "progress", "tensorboard", "num_threads", "out_dir", "allow_changes")
+
+
+def config_changes(saved: Config, cfg: Config) -> list[str]:
+    """The dotted keys whose values differ between two configs, session keys aside."""
+    def comparable(c: Config) -> dict:
+        d = to_dict(c)
+        for k in SESSION_KEYS:
+            d["run"].pop(k, None)
+        return d
+
+    def diff(a, b, prefix: str = "") -> list[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [k for key in sorted(set(a) | set(b)) for k in diff(a.get(key), b.get(key), f"{prefix}{key}.")]
+        return [] if a == b else [prefix.rstrip(".")]
+    return diff(comparable(saved), comparable(cfg))
+
+
+def save_run_config(cfg: Config, path: str | Path) -> None:
+    """Write a run's config. On resume (run.resume=true, `path` exists) the run must go on with the
+    config it was started with: a difference not listed in run.allow_changes is refused by name."""
+    path = Path(path)
+    if cfg.run.resume and path.exists():
+        changed = [k for k in config_changes(load_config(path), cfg) if k not in cfg.run.allow_changes]
+        if changed:
+            raise ConfigError(f"run.resume=true: {path.parent} was started with another config "
+                              f"({', '.join(changed)} differ from its {path.name}); resume with the same values, "
+                              f"allow the change with run.allow_changes=[{','.join(changed)}], or choose another "
+                              "run.name")
+    save_config(cfg, path)

@@ -40,7 +40,8 @@ from typing import Any
 import yaml
 
 from jetflow.config import Config, ConfigError, load_config
-from jetflow.run.files import CONFIG_FILE, config_changes
+from jetflow.config import config_changes
+from jetflow.run.files import CONFIG_FILE
 from jetflow.run.validate import validate_run
 
 RUNS = "runs"

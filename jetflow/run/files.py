@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from jetflow.config import Config, ConfigError, load_config, save_config, to_dict
+from jetflow.config import Config, ConfigError, save_run_config, to_dict
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.metrics_log import METRICS_FILE, read_jsonl, read_metrics
-from jetflow.train.checkpoint import latest_checkpoint
+from jetflow.train.checkpoint import CHECKPOINTS_DIR
 
 CONFIG_FILE = "config.yaml"
 POSITIONS_FILE = "mismatch_positions.jsonl"
@@ -58,47 +58,13 @@ def run_status(run_dir: Path) -> str:
     return "partial" if run_dir.exists() else "pending"
 
 
-# run.* keys a resumed (or re-run) session may change without changing the run's results
-SESSION_KEYS = ("resume", "progress", "tensorboard", "num_threads", "out_dir", "allow_changes")
-
-
-def config_changes(saved: Config, cfg: Config) -> list[str]:
-    """The dotted keys whose values differ between two configs, session keys aside."""
-    def comparable(c: Config) -> dict:
-        d = to_dict(c)
-        for k in SESSION_KEYS:
-            d["run"].pop(k, None)
-        return d
-
-    def diff(a, b, prefix: str = "") -> list[str]:
-        if isinstance(a, dict) and isinstance(b, dict):
-            return [k for key in sorted(set(a) | set(b)) for k in diff(a.get(key), b.get(key), f"{prefix}{key}.")]
-        return [] if a == b else [prefix.rstrip(".")]
-    return diff(comparable(saved), comparable(cfg))
-
-
-def check_resume_config(cfg: Config, run_dir: Path) -> None:
-    """A resume runs the config the run was started with: a difference not listed in
-    run.allow_changes is refused, naming the keys."""
-    saved = run_dir / CONFIG_FILE
-    if not saved.exists():
-        return
-    changed = [k for k in config_changes(load_config(saved), cfg) if k not in cfg.run.allow_changes]
-    if changed:
-        raise ConfigError(f"run.resume=true: {run_dir} was started with another config ({', '.join(changed)} "
-                          f"differ from its {CONFIG_FILE}); resume with the same values, allow the change with "
-                          f"run.allow_changes=[{','.join(changed)}], or choose another run.name")
-
-
 def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
     """Every rank checks the directory; rank 0 alone writes to it (the others wait for it)."""
     run_dir = run_dir_of(cfg)
     if run_dir.exists() and not cfg.run.resume:
-        if (run_dir / COMPLETE).exists() or latest_checkpoint(run_dir) or (run_dir / METRICS_FILE).exists():
+        if any((run_dir / name).exists() for name in (COMPLETE, CHECKPOINTS_DIR, METRICS_FILE)):
             raise ConfigError(f"run directory {run_dir} already holds a run; pass run.resume=true to continue it, "
                               "or choose another run.name")
-    if cfg.run.resume:
-        check_resume_config(cfg, run_dir)
     dp.barrier()  # no rank may see rank 0's fresh files before it checked
     if not dp.is_main:
         dp.barrier()
@@ -106,7 +72,11 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     take_run_lock(run_dir)
     (run_dir / COMPLETE).unlink(missing_ok=True)
-    save_config(cfg, run_dir / CONFIG_FILE)
+    try:
+        save_run_config(cfg, run_dir / CONFIG_FILE)  # on resume: refuses a changed config by name
+    except ConfigError:
+        release_run_lock(run_dir)
+        raise
     dp.barrier()
     return run_dir
 

@@ -25,6 +25,12 @@ class LocalPlacement:
         self.dp = self.side.dp  # the data-parallel view (Megatron tensor parallelism splits the world further)
         self.is_main, self.data_parallel_size = self.dp.is_main, self.dp.world_size
 
+    def __enter__(self) -> "LocalPlacement":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
     def describe(self) -> str:
         return (f"model={self.cfg.model.path} ({self.side.model.num_params() / 1e6:.1f}M params)  "
                 f"data-parallel ranks={self.dp.world_size}")

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from jetflow.config import Config
-from jetflow.distributed import init_from_env, shutdown
+from jetflow.distributed import SINGLE, DataParallel, init_from_env, shutdown
 from jetflow.run.files import prepare_run_dir, release_run_lock
-from jetflow.run.sequence import run_sequence
+from jetflow.run.sequence import Placement, run_sequence
 from jetflow.run.validate import validate_run
 
 
@@ -22,23 +22,25 @@ def train(cfg: Config) -> Path:
     validate_run(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
-    if cfg.run.orchestrator == "ray":
-        from jetflow.run.ray_placement import RayPlacement
-        run_dir = prepare_run_dir(cfg)
-        try:
-            with RayPlacement(cfg, run_dir) as placement:
-                return run_sequence(cfg, placement, run_dir)
-        finally:
-            release_run_lock(run_dir)
-    from jetflow.run.local import LocalPlacement
-    dp = init_from_env(cfg.model.device)
+    on_ray = cfg.run.orchestrator == "ray"
+    dp = SINGLE if on_ray else init_from_env(cfg.model.device)  # Ray: the driver is one process
     completed, run_dir = False, None
     try:
-        run_dir = prepare_run_dir(cfg, dp)
-        run_sequence(cfg, LocalPlacement(cfg, dp, run_dir), run_dir)
+        run_dir = prepare_run_dir(cfg, dp)  # checks, LOCK, config.yaml
+        with place(cfg, dp, run_dir) as placement:
+            run_sequence(cfg, placement, run_dir)
         completed = True
         return run_dir
     finally:
         if run_dir is not None:
             release_run_lock(run_dir)
-        shutdown(dp, completed)
+        if not on_ray:
+            shutdown(dp, completed)
+
+
+def place(cfg: Config, dp: DataParallel, run_dir: Path) -> Placement:
+    if cfg.run.orchestrator == "ray":
+        from jetflow.run.ray_placement import RayPlacement
+        return RayPlacement(cfg, run_dir)
+    from jetflow.run.local import LocalPlacement
+    return LocalPlacement(cfg, dp, run_dir)

@@ -18,7 +18,8 @@ from jetflow.train.checkpoint import latest_checkpoint
 
 
 class Placement(Protocol):
-    """The trainer and rollout sides of a run, wherever they live."""
+    """The trainer and rollout sides of a run, wherever they live; a context manager (leaving it
+    releases what the placement started: actors, a Ray cluster)."""
     is_main: bool
     """This process writes the logs and the summary."""
     data_parallel_size: int

@@ -23,6 +23,9 @@ from jetflow.model.checkpoint import CheckpointError
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 
 
+CHECKPOINTS_DIR = "checkpoints"
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -33,7 +36,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
                     keep: int = 2, model_state: dict[str, torch.Tensor] | None = None) -> Path:
     """`model_state`: the weights to write when the caller gathered them already (tensor parallelism:
     a collective every rank joins before rank 0 writes); default: the model's own."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}"
@@ -62,7 +65,7 @@ def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    pointer = Path(run_dir) / "checkpoints" / "latest"
+    pointer = Path(run_dir) / CHECKPOINTS_DIR / "latest"
     if not pointer.exists():
         return None
     path = pointer.parent / pointer.read_text().strip()
