@@ -385,15 +385,15 @@ def config_changes(saved: Config, cfg: Config) -> list[str]:
     return diff(comparable(saved), comparable(cfg))
 
 
-def save_run_config(cfg: Config, path: str | Path) -> None:
-    """Write a run's config. On resume (run.resume=true, `path` exists) the run must go on with the
+def check_resumed_config(cfg: Config, path: str | Path) -> None:
+    """On resume (run.resume=true, the run's config file `path` exists) the run must go on with the
     config it was started with: a difference not listed in run.allow_changes is refused by name."""
     path = Path(path)
-    if cfg.run.resume and path.exists():
-        changed = [k for k in config_changes(load_config(path), cfg) if k not in cfg.run.allow_changes]
-        if changed:
-            raise ConfigError(f"run.resume=true: {path.parent} was started with another config "
-                              f"({', '.join(changed)} differ from its {path.name}); resume with the same values, "
-                              f"allow the change with run.allow_changes=[{','.join(changed)}], or choose another "
-                              "run.name")
-    save_config(cfg, path)
+    if not (cfg.run.resume and path.exists()):
+        return
+    changed = [k for k in config_changes(load_config(path), cfg) if k not in cfg.run.allow_changes]
+    if changed:
+        raise ConfigError(f"run.resume=true: {path.parent} was started with another config "
+                          f"({', '.join(changed)} differ from its {path.name}); resume with the same values, "
+                          f"allow the change with run.allow_changes=[{','.join(changed)}], or choose another "
+                          "run.name")

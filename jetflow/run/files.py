@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from jetflow.config import Config, ConfigError, save_run_config, to_dict
+from jetflow.config import Config, ConfigError, check_resumed_config, save_config, to_dict
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.metrics_log import METRICS_FILE, read_jsonl, read_metrics
 from jetflow.train.checkpoint import CHECKPOINTS_DIR
@@ -65,18 +65,20 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
         if any((run_dir / name).exists() for name in (COMPLETE, CHECKPOINTS_DIR, METRICS_FILE)):
             raise ConfigError(f"run directory {run_dir} already holds a run; pass run.resume=true to continue it, "
                               "or choose another run.name")
+    check_resumed_config(cfg, run_dir / CONFIG_FILE)  # on resume: a changed config is refused by name
     dp.barrier()  # no rank may see rank 0's fresh files before it checked
-    if not dp.is_main:
-        dp.barrier()
-        return run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    take_run_lock(run_dir)
-    (run_dir / COMPLETE).unlink(missing_ok=True)
-    try:
-        save_run_config(cfg, run_dir / CONFIG_FILE)  # on resume: refuses a changed config by name
-    except ConfigError:
-        release_run_lock(run_dir)
-        raise
+    refused = None
+    if dp.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            take_run_lock(run_dir)
+        except ConfigError as e:
+            refused = e
+    if dp.sum(float(refused is not None)):  # every rank learns it: none may wait for rank 0 in vain
+        raise refused or ConfigError(f"run directory {run_dir} is in use by another run (see rank 0's error)")
+    if dp.is_main:
+        (run_dir / COMPLETE).unlink(missing_ok=True)
+        save_config(cfg, run_dir / CONFIG_FILE)
     dp.barrier()
     return run_dir
 

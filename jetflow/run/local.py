@@ -60,4 +60,4 @@ class LocalPlacement:
         self.dp.barrier()
 
     def any_rank(self, flag: bool) -> bool:
-        return self.dp.sum(float(flag)) > 0 if self.dp.enabled else flag
+        return self.dp.sum(float(flag)) > 0  # a single process: its own flag

@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, resumable (launch/ scripts requeue on it)
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, resumable
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
