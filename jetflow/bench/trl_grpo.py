@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from jetflow.errors import MissingDependencyError
+
 INSTALL_HINT = "pip install -e .[bench]"
 
 
@@ -29,7 +31,7 @@ def import_trl():
         import datasets
         import trl
     except ImportError as e:
-        raise ImportError(f"the TRL baseline needs `trl` and `datasets` ({e}); install them with "
+        raise MissingDependencyError(f"the TRL baseline needs `trl` and `datasets` ({e}); install them with "
                           f"`{INSTALL_HINT}`") from e
     return trl, datasets
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jetflow.errors import MissingDependencyError
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_ARCHS = ("llama",)
 
@@ -164,7 +166,7 @@ def convert_gguf_tokenizer(gguf_path: Path, out: Path, chat_template: str | None
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
-        raise ImportError("converting a GGUF tokenizer needs transformers: pip install transformers") from e
+        raise MissingDependencyError("converting a GGUF tokenizer needs transformers: pip install transformers") from e
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
     tok.save_pretrained(str(out))
     cfg_file = out / "tokenizer_config.json"

@@ -70,8 +70,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from jetflow.rollout.types import Rollouts
+from jetflow.errors import MissingDependencyError
 from jetflow.precision import FP8Recipe, check_fingerprint, quantize_weight
+from jetflow.rollout.types import Rollouts
 from jetflow.sync import CorruptWeightsError, StaleWeightsError, WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(f"rollout.backend=vllm needs vLLM, which cannot be imported here ({e}): {INSTALL_HINT}") from e
+        raise MissingDependencyError(f"rollout.backend=vllm needs vLLM, which cannot be imported here ({e}): {INSTALL_HINT}") from e
     return vllm
 
 

@@ -4,10 +4,8 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-import torch
 
 from jetflow.config import Config
 from jetflow.distributed import DataParallel
@@ -19,8 +17,6 @@ from jetflow.run.sides import TrainerSide, build_rollout_side
 class LocalPlacement:
     def __init__(self, cfg: Config, dp: DataParallel, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
-        torch.manual_seed(cfg.run.seed)
-        random.seed(cfg.run.seed)
         self.side = TrainerSide(cfg, dp)
         self.dp = self.side.dp  # the data-parallel view (Megatron tensor parallelism splits the world further)
         self.is_main, self.data_parallel_size = self.dp.is_main, self.dp.world_size

@@ -21,7 +21,6 @@ seeds make a re-issued chunk sample what the lost one would have).
 from __future__ import annotations
 
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 
 from jetflow.config import Config, to_dict
 from jetflow.distributed import free_port
+from jetflow.errors import MissingDependencyError
 from jetflow.rl.experience import Experience
 from jetflow.rollout.types import Rollouts
 from jetflow.run.build import build_task, build_tokenizer, prompt_encoder, run_fingerprint
@@ -45,7 +45,7 @@ def import_ray():
     try:
         import ray
     except ImportError as e:
-        raise ImportError("run.orchestrator=ray needs Ray: pip install -e '.[ray]' (ray==2.60.0)") from e
+        raise MissingDependencyError("run.orchestrator=ray needs Ray: pip install -e '.[ray]' (ray==2.60.0)") from e
     return ray
 
 
@@ -96,8 +96,6 @@ class TrainerWorker:
         from jetflow.run.sides import TrainerSide
         cfg = _load_cfg(self.cfg_dict)
         self.dp = init_from_env(cfg.model.device) if self.world_size > 1 else SINGLE
-        torch.manual_seed(cfg.run.seed)
-        random.seed(cfg.run.seed)
         self.side = TrainerSide(cfg, self.dp)
 
     def supervised_warmup(self) -> list[dict]:

@@ -4,6 +4,7 @@ alone, in a Ray rollout actor)."""
 
 from __future__ import annotations
 
+import random
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -54,6 +55,8 @@ class TrainerSide:
     optional FP8 KV quantizer. One per process (or per data-parallel rank / Ray trainer worker)."""
 
     def __init__(self, cfg: Config, dp: DataParallel = SINGLE):
+        torch.manual_seed(cfg.run.seed)  # the run's RNG streams start here, wherever the side is placed
+        random.seed(cfg.run.seed)
         self.cfg = cfg
         self.task = build_task(cfg)
         model, self.tokenizer = build_policy(cfg, self.task)

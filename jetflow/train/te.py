@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from jetflow.errors import MissingDependencyError
 from jetflow.precision import FP8Recipe, QuantizedTensor
 
 INSTALL_HINT = "pip install transformer-engine[pytorch]  (on a CUDA machine)"
@@ -55,7 +56,7 @@ def _import_te():
         import transformer_engine.pytorch as te  # noqa: F401
         import transformer_engine.common.recipe as te_recipe
     except ImportError as e:
-        raise ImportError(f"train.fp8_backend=te needs Transformer Engine: {INSTALL_HINT} ({e})") from None
+        raise MissingDependencyError(f"train.fp8_backend=te needs Transformer Engine: {INSTALL_HINT} ({e})") from None
     return te, te_recipe
 
 

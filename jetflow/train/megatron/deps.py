@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from jetflow.errors import MissingDependencyError
 from jetflow.model.decoder import UnsupportedModelError
 
 INSTALL_HINT = "pip install megatron-core==0.16.1"
@@ -25,7 +26,7 @@ def _require_megatron():
     try:
         import megatron.core  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"train.backend=megatron needs Megatron-Core: {INSTALL_HINT} ({e})") from None
+        raise MissingDependencyError(f"train.backend=megatron needs Megatron-Core: {INSTALL_HINT} ({e})") from None
 
 
 def patch_megatron_for_cpu() -> None:
