@@ -62,7 +62,7 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
 def _cmd_launch(args: argparse.Namespace) -> int:
     from jetflow.launch import SubmitError, render_slurm, submit
     options = dict(cpus_per_task=args.cpus_per_task, gpus_per_node=args.gpus_per_node, partition=args.partition,
-                   time=args.time, job_name=args.job_name)
+                   time=args.time, job_name=args.job_name, stop_signal_s=args.stop_signal_s)
     if args.dry_run:
         print(render_slurm(args.kind, args.config, args.overrides, args.nodes, args.nproc_per_node, **options), end="")
         return 0
@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--gpus-per-node", type=int, default=0)
     launch.add_argument("--partition", default=None)
     launch.add_argument("--time", default=None, help="time limit, e.g. 04:00:00")
+    launch.add_argument("--stop-signal-s", type=int, default=600,
+                        help="SIGUSR1 this many seconds before the time limit: the run checkpoints at its next "
+                             "step boundary, the job requeues itself and resumes (default 600)")
     launch.add_argument("--job-name", default=None, help="default: jetflow-<run.name>")
     launch.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     launch.set_defaults(func=_cmd_launch)
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         from jetflow.errors import UserError
         from jetflow.run.stop import EXIT_STOPPED, RunStopped
         if isinstance(e, RunStopped):  # a signal asked for it; the checkpoint is written
-            print(f"jetflow: {e}", file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"jetflow: {e}", file=sys.stderr)
             return EXIT_STOPPED
         # the user's to fix: their input, or the machine (a missing file, a full disk, no permission)
         if isinstance(e, (UserError, OSError)) and not args.debug:

@@ -3,6 +3,9 @@
     jetflow launch slurm --config configs/tiny.yaml --nodes 2 --nproc-per-node 4 --gpus-per-node 4 --dry-run
     jetflow launch slurm --config configs/tiny.yaml --kind ray --nodes 4 train.steps=50
 
+Both templates stop a run before the time limit with a checkpoint, requeue the job and resume it
+(`--signal=B:USR1@stop_signal_s`, launch/slurm/requeue.sh).
+
 Kinds: `torchrun` (one SLURM task per node runs launch/torchrun.sh, i.e. torchrun for that node's
 processes) and `ray` (a Ray head on the first node, workers on the others, then `jetflow train ...
 run.orchestrator=ray` as the driver). The run config and its overrides are validated with
@@ -28,6 +31,7 @@ TEMPLATES = REPO / "launch" / "slurm"
 KINDS = ("torchrun", "ray")
 # `#SBATCH` lines with one of these placeholders are dropped when the option is not given (None / 0)
 OPTIONAL = ("gpus_per_node", "partition", "time")
+STOP_SIGNAL_S = 600  # time to finish the current RL step and write a checkpoint
 TEMPLATE_ONLY = "template only"  # lines marked so (the shellcheck directive for placeholders) are dropped
 
 
@@ -63,14 +67,17 @@ def launch_dir(cfg: Config, workdir: str | Path = REPO) -> Path:
 def render_slurm(kind: str, cfg_path: str | Path, overrides: list[str] | tuple[str, ...] = (), nodes: int = 1,
                  nproc_per_node: int = 1, *, cpus_per_task: int | None = None, gpus_per_node: int = 0,
                  partition: str | None = None, time: str | None = None, job_name: str | None = None,
-                 workdir: str | Path = REPO) -> str:
+                 stop_signal_s: int = STOP_SIGNAL_S, workdir: str | Path = REPO) -> str:
     """The batch script for `jetflow train --config cfg_path *overrides` on `nodes` nodes.
 
     cpus_per_task (the one task per node) defaults to nproc_per_node; workdir (the job's working
     directory: launch/ and .venv/ are found there, a relative run.out_dir is under it) to the repository.
+    stop_signal_s: SIGUSR1 that many seconds before the time limit; the run checkpoints at its next step
+    boundary, and the job requeues itself and resumes (launch/slurm/requeue.sh).
     """
     cfg = load_config(cfg_path, overrides)  # a bad key or value fails here, before anything is written
-    for name, value in (("nodes", nodes), ("nproc_per_node", nproc_per_node), ("cpus_per_task", cpus_per_task)):
+    for name, value in (("nodes", nodes), ("nproc_per_node", nproc_per_node), ("cpus_per_task", cpus_per_task),
+                        ("stop_signal_s", stop_signal_s)):
         if value is not None and value < 1:
             raise ConfigError(f"launch: {name}={value} must be >= 1")
     if gpus_per_node < 0:
@@ -89,6 +96,8 @@ def render_slurm(kind: str, cfg_path: str | Path, overrides: list[str] | tuple[s
         "output": out / f"{kind}-%j.out",
         "config": shlex.quote(str(Path(cfg_path).resolve())),
         "overrides": shlex.join(overrides),
+        "run_dir": shlex.quote(str(out.parent)),
+        "stop_signal_s": stop_signal_s,
     }
     for key in ("job_name", "partition", "time", "workdir", "output"):  # #SBATCH values are not shell-quoted
         if values[key] is not None and re.search(r"\s", str(values[key])):

@@ -9,6 +9,10 @@
 # Environment: NNODES (default $SLURM_NNODES, else 1), NODE_RANK (default $SLURM_NODEID, else 0),
 # NPROC_PER_NODE (1), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500). Under srun the SLURM defaults
 # make one task per node enough. All arguments go to `jetflow train`.
+#
+# Stop requests: torchrun passes SIGTERM, SIGINT and SIGUSR1 on to its workers, which checkpoint at
+# the next step boundary and exit, and waits JETFLOW_STOP_TIMEOUT_S (default 600) seconds for them
+# before it kills them (torchrun's own default, 30 s, is shorter than one RL step of a real model).
 set -euo pipefail
 
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
@@ -27,4 +31,5 @@ fi
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
     --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
+    --signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown_timeout="${JETFLOW_STOP_TIMEOUT_S:-600}" \
     -m jetflow.cli train "$@"

@@ -8,6 +8,7 @@
     checkpoints/                step_NNNNNN/ + latest (jetflow.train.checkpoint)
     vllm_engine*/, rollout_engine*/   checkpoints the vLLM engines start from
     summary.json + COMPLETE     written only when the run finished
+    STOPPED                     the run stopped on a signal (SIGTERM / SIGINT / SIGUSR1), resumable
     LOCK                        while a run is in it: the owner's pid and host
     error.txt                   the traceback of a failed ablation cell (jetflow.ablate)
 
@@ -33,6 +34,7 @@ CONFIG_FILE = "config.yaml"
 POSITIONS_FILE = "mismatch_positions.jsonl"
 SUMMARY_FILE = "summary.json"
 COMPLETE = "COMPLETE"
+STOPPED = "STOPPED"
 ERROR_FILE = "error.txt"
 LOCK_FILE = "LOCK"
 
@@ -78,9 +80,17 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
         raise refused or ConfigError(f"run directory {run_dir} is in use by another run (see rank 0's error)")
     if dp.is_main:
         (run_dir / COMPLETE).unlink(missing_ok=True)
+        (run_dir / STOPPED).unlink(missing_ok=True)
         save_config(cfg, run_dir / CONFIG_FILE)
     dp.barrier()
     return run_dir
+
+
+def mark_stopped(run_dir: Path, signame: str, stopped_at: int, resumes_at: int | None) -> None:
+    """STOPPED: the run stopped on a signal and a resume continues it (the SLURM templates requeue
+    the job when it is there; the next run removes it)."""
+    (run_dir / STOPPED).write_text(json.dumps({"signal": signame, "stopped_at": stopped_at,
+                                               "resumes_at": resumes_at}) + "\n")
 
 
 def _alive(pid: int) -> bool:

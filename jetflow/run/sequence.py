@@ -11,10 +11,10 @@ from typing import Callable, Protocol
 
 from jetflow.config import Config
 from jetflow.metrics_log import MetricsLogger
-from jetflow.run.files import append_position_curve, truncate_metrics, write_summary
+from jetflow.run.files import append_position_curve, mark_stopped, truncate_metrics, write_summary
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RunStopped, StopRequests
-from jetflow.train.checkpoint import latest_checkpoint
+from jetflow.train.checkpoint import latest_checkpoint, resume_step
 
 
 class Placement(Protocol):
@@ -65,6 +65,10 @@ def run_sequence(cfg: Config, placement: Placement, run_dir: Path) -> Path:
     try:
         with StopRequests() as stop:
             _run(cfg, placement, run_dir, logger, start_step, sft_done, stop)
+    except RunStopped as stopped:
+        if placement.is_main:
+            mark_stopped(run_dir, stopped.signame, stopped.stopped_at, stopped.resumes_at)
+        raise
     finally:
         if logger is not None:
             logger.close()
@@ -87,7 +91,7 @@ def _run(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: i
         placement.save(0, sft_done)
     signame = stop_requested()
     if signame is not None:  # during the warm-up: its checkpoint is written
-        raise RunStopped(signame, start_step, run_dir)
+        raise RunStopped(signame, start_step, resume_step(run_dir), run_dir)
     loop = placement.build_loop()
     run_rl_steps(cfg, loop, start_step, logger, lambda step: placement.save(step, sft_done),
                  on_metrics=placement.step_metrics, run_dir=run_dir, stop=stop_requested)
@@ -129,7 +133,7 @@ def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint:
             if signame is not None or (every and (step + 1) % every == 0 and not last):
                 checkpoint(step + 1)
             if signame is not None:
-                raise RunStopped(signame, step + 1, run_dir)
+                raise RunStopped(signame, step + 1, resume_step(run_dir), run_dir)
     finally:
         if progress is not None:
             progress.close()

@@ -1,8 +1,9 @@
 """Stop requests: SIGTERM (`kill`, a SLURM preemption), SIGINT (Ctrl-C) and SIGUSR1 (what SLURM's
 `--signal=USR1@T` sends T seconds before the time limit) ask a run to stop at the next RL step
-boundary: a checkpoint is written, then the run ends with `RunStopped` and the CLI exits with
-EXIT_STOPPED. The same command with run.resume=true continues from that checkpoint. A second Ctrl-C
-stops at once (KeyboardInterrupt, no checkpoint)."""
+boundary: a checkpoint is written, then the run ends with `RunStopped`, the run directory gets a
+STOPPED file (what the SLURM templates requeue on: a torchrun agent does not pass exit codes on) and
+the CLI exits with EXIT_STOPPED. The same command with run.resume=true continues from that checkpoint.
+A second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class RunStopped(Exception):
-    """The run stopped on a signal after writing a checkpoint; resumable."""
+    """The run stopped on a signal at a step boundary; resumable from `resumes_at` (the newest
+    checkpoint's step: the boundary's own, unless the last steps were bad and no checkpoint was written)."""
 
-    def __init__(self, signame: str, next_step: int, run_dir: Path):
-        super().__init__(f"stopped by {signame}: checkpoint written at step {next_step} in {run_dir}; "
-                         "the same command with run.resume=true continues from it")
-        self.signame, self.next_step, self.run_dir = signame, next_step, run_dir
+    def __init__(self, signame: str, stopped_at: int, resumes_at: int | None, run_dir: Path):
+        where = (f"resumes at step {resumes_at} from its newest checkpoint" if resumes_at is not None
+                 else "no checkpoint yet, a resume starts over")
+        super().__init__(f"stopped by {signame} at step {stopped_at} ({where}) in {run_dir}; "
+                         "the same command with run.resume=true continues it")
+        self.signame, self.stopped_at, self.resumes_at, self.run_dir = signame, stopped_at, resumes_at, run_dir
 
 
 class StopRequests:

@@ -3,20 +3,25 @@ place, and the `latest` pointer is replaced atomically, so a run killed at any m
 the previous checkpoint or the new one, never a half-written one.
 
 checkpoints/step_000012/ model.safetensors, trainer.pt (optimizer, scheduler, version), state.json
-(step, data position, counters), rng.pt (torch / python RNG states).
+(step, data position, counters), rng.pt (torch / python RNG states), manifest.json (the sha256 of
+each of those files, written last). A resume verifies the manifest and falls back to the previous
+checkpoint (two are kept) when the newest was damaged after it was written (a bad disk, a partial copy).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from jetflow.model.checkpoint import CheckpointError
@@ -24,6 +29,7 @@ from jetflow.model.protocol import ShardedPolicy, hf_weights
 
 
 CHECKPOINTS_DIR = "checkpoints"
+MANIFEST = "manifest.json"
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -50,6 +56,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     torch.save(trainer_state, tmp / "trainer.pt")
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+    (tmp / MANIFEST).write_text(json.dumps({f.name: file_sha256(f) for f in sorted(tmp.iterdir())}, indent=2))
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     _atomic_write_text(root / "latest", final.name)
@@ -64,12 +71,68 @@ def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return hf_weights(model)
 
 
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """What is wrong with a checkpoint directory (None: intact). A checkpoint from before manifests
+    existed is only checked for its files."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        missing = [n for n in ("model.safetensors", "trainer.pt", "rng.pt", "state.json") if not (path / n).is_file()]
+        return f"missing {', '.join(missing)}" if missing else None
+    try:
+        digests = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable {MANIFEST} ({e})"
+    for name, digest in digests.items():
+        if not (path / name).is_file():
+            return f"missing {name}"
+        if file_sha256(path / name) != digest:
+            return f"{name} does not match its sha256 in {MANIFEST}"
+    return None
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest intact checkpoint of a run: the one `latest` names, else (with a warning naming the
+    damage) the newest older one that verifies. None when the run has no checkpoint; CheckpointError
+    when it has some and none is intact (starting over would silently discard the run)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    pointer = root / "latest"
+    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    candidates = sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []
+    damaged = []
+    if named is not None and named in candidates:
+        candidates.remove(named)
+        candidates.insert(0, named)
+    elif named is not None:
+        damaged.append(f"{named} (named by {pointer.name}, missing)")
+    for path in candidates:
+        damage = checkpoint_damage(path)
+        if damage is None:
+            if damaged:
+                print(f"[jetflow] warning: checkpoint {damaged[0]} is damaged; resuming from {path.name} instead",
+                      file=sys.stderr)
+            return path
+        damaged.append(f"{path} ({damage})")
+    if damaged:
+        raise CheckpointError(f"no intact checkpoint in {root}: {'; '.join(damaged)}; restore one from a backup, "
+                              "or start over with another run.name")
+    return None
+
+
+def resume_step(run_dir: str | Path) -> int | None:
+    """The step a resume continues at: the newest checkpoint's next step (not verified; None: none)."""
     pointer = Path(run_dir) / CHECKPOINTS_DIR / "latest"
-    if not pointer.exists():
+    try:
+        return json.loads((pointer.parent / pointer.read_text().strip() / "state.json").read_text())["next_step"]
+    except (OSError, ValueError, KeyError):
         return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "state.json").exists() else None
 
 
 def _load_state(file: Path):
@@ -81,21 +144,31 @@ def _load_state(file: Path):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{file}: refused to load, it holds more than tensors and plain data ({first}); "
                               "only load checkpoints you trust, and never with weights_only=False") from None
+    except (OSError, EOFError, RuntimeError) as e:
+        raise CheckpointError(f"cannot read {file}: {e}") from None
 
 
 def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
     """Restore model weights and RNG states; returns (trainer_state, state)."""
     path = Path(path)
-    tensors = load_file(str(path / "model.safetensors"))
+    try:
+        tensors = load_file(str(path / "model.safetensors"))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot read {path / 'model.safetensors'}: {e}") from None
     if isinstance(model, ShardedPolicy):  # a Megatron policy: HF names into its shards
         model.load_hf_state_dict(tensors)
         missing, unexpected = [], []
     else:
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(tensors, strict=False)
+        except RuntimeError as e:  # a shape differs
+            first = str(e).strip().splitlines()[-1].strip()
+            raise CheckpointError(f"checkpoint {path} does not match the model ({first}); was the run's model "
+                                  "changed?") from None
     missing = [k for k in missing if k != "lm_head.weight" or not getattr(model.config, "tie_word_embeddings", False)]
     if missing or unexpected:
-        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}; was the run's model changed?")
     rng = _load_state(path / "rng.pt")
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

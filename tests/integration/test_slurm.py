@@ -10,6 +10,7 @@ test is skipped. Deselect with `-m "not slurm"`.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -87,34 +88,60 @@ def _job_state(job: str, env: dict) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
 
 
-def _run_job(slurm: dict, capsys, out_dir: Path, name: str, *launch_args: str) -> tuple[Path, str]:
-    """`jetflow launch slurm` a 2-step tiny run, wait for the job; returns (run dir, job output)."""
-    overrides = ["train.steps=2", "train.sft_warmup_steps=20", f"run.out_dir={out_dir}", f"run.name={name}",
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED")
+
+
+def _submit(capsys, out_dir: Path, name: str, *launch_args: str, steps: int = 2) -> tuple[str, Path, Path]:
+    """`jetflow launch slurm` a tiny run; returns (job id, run dir, job output file)."""
+    overrides = [f"train.steps={steps}", "train.sft_warmup_steps=20", f"run.out_dir={out_dir}", f"run.name={name}",
                  "run.progress=false", "run.tensorboard=false"]
     cpus = str(min(2, os.cpu_count() or 1))
     assert main(["launch", "slurm", "--config", "configs/tiny.yaml", "--nodes", "1", "--cpus-per-task", cpus,
                  *launch_args, *overrides]) == 0
     job = capsys.readouterr().out.split("submitted SLURM job ")[1].split(":")[0]
-    run_dir = out_dir / name
     kind = launch_args[launch_args.index("--kind") + 1]
-    output = run_dir / "launch" / f"{kind}-{job}.out"
+    return job, out_dir / name, out_dir / name / "launch" / f"{kind}-{job}.out"
 
+
+def _wait_for_job(job: str, env: dict, output: Path, on_pending=None) -> dict[str, str]:
+    """Until the job has ended; asserts it COMPLETED with exit 0. `on_pending(info)` sees each poll
+    of a pending job."""
     deadline = time.time() + JOB_TIMEOUT_S
-    info = _job_state(job, slurm)
-    while info.get("JobState") in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") and time.time() < deadline:
+    info = _job_state(job, env)
+    while info.get("JobState") in ACTIVE and time.time() < deadline:
+        if on_pending is not None and info.get("JobState") == "PENDING":
+            on_pending(info)
         time.sleep(2)
-        info = _job_state(job, slurm)
+        info = _job_state(job, env)
     log = output.read_text() if output.exists() else "(no job output)"
-    if info.get("JobState") in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-        subprocess.run(["scancel", job], env=slurm)
+    if info.get("JobState") in ACTIVE:
+        subprocess.run(["scancel", job], env=env)
         pytest.fail(f"job {job} still {info['JobState']} after {JOB_TIMEOUT_S} s:\n{log}")
     assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), f"{info}\n{log}"
+    return info
 
+
+def _rl_steps(run_dir: Path) -> list[int]:
+    if not (run_dir / "metrics.jsonl").exists():
+        return []
+    return [r["step"] for r in read_metrics(run_dir) if r["phase"] == "rl"]
+
+
+def _assert_complete_run(run_dir: Path, kind: str, steps: int, log: str) -> None:
     assert (run_dir / "COMPLETE").exists() and (run_dir / "config.yaml").exists(), log
+    assert not (run_dir / "STOPPED").exists(), log
     assert (run_dir / "launch" / f"{kind}.sbatch").exists()
-    assert [r["step"] for r in read_metrics(run_dir) if r["phase"] == "rl"] == [0, 1]
+    assert _rl_steps(run_dir) == list(range(steps)), log
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (run_dir / "checkpoints" / latest).is_dir()
+
+
+def _run_job(slurm: dict, capsys, out_dir: Path, name: str, *launch_args: str) -> tuple[Path, str]:
+    """`jetflow launch slurm` a 2-step tiny run, wait for the job; returns (run dir, job output)."""
+    job, run_dir, output = _submit(capsys, out_dir, name, *launch_args)
+    _wait_for_job(job, slurm, output)
+    log = output.read_text()
+    _assert_complete_run(run_dir, launch_args[launch_args.index("--kind") + 1], 2, log)
     assert log.count("run complete:") == 1, log  # one process reports
     return run_dir, log
 
@@ -132,6 +159,37 @@ def test_torchrun_job_two_processes_completes(job_env, tmp_path, capsys):
     run_dir, _ = _run_job(job_env, capsys, tmp_path, "slurm-tiny", "--kind", "torchrun", "--nproc-per-node", "2")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["data_parallel_size"] == 2, summary
+
+
+def test_a_job_signalled_before_its_time_limit_checkpoints_requeues_and_resumes(job_env, tmp_path, capsys):
+    """SIGUSR1 to the batch shell is what `#SBATCH --signal=B:USR1@600` sends 600 s before the time
+    limit (sent here with scancel, as slurmctld would). Before, the templates asked for no signal and
+    did not requeue: the time limit killed the run and everything since its last checkpoint was lost.
+    Now: torchrun's two workers checkpoint at the same step boundary, the job requeues itself, and its
+    second run resumes there and completes every step once."""
+    steps = 40
+    job, run_dir, output = _submit(capsys, tmp_path, "slurm-requeue", "--kind", "torchrun", "--nproc-per-node", "2",
+                                   steps=steps)
+    script = (run_dir / "launch" / "torchrun.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@600" in script and "#SBATCH --requeue" in script
+    deadline = time.time() + JOB_TIMEOUT_S
+    while not _rl_steps(run_dir):  # the RL steps have begun
+        assert time.time() < deadline and _job_state(job, job_env).get("JobState") in ACTIVE, output.read_text()
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=job_env, check=True)
+
+    def skip_requeue_hold_off(info):  # slurmctld holds a requeued job back ~2 minutes (BeginTime)
+        if info.get("Restarts") == "1" and info.get("Reason") == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=job_env)
+
+    info = _wait_for_job(job, job_env, output, on_pending=skip_requeue_hold_off)
+    log = output.read_text()
+    assert info.get("Restarts") == "1", f"{info}\n{log}"
+    stopped = re.search(r"stopped by SIGUSR1 at step (\d+) \(resumes at step \1 ", log)
+    assert stopped and 1 <= int(stopped.group(1)) < steps, log
+    assert log.count("jetflow: stopped by SIGUSR1") == 1, log  # rank 0 reports
+    assert f"requeueing job {job}" in log and "continuing the run" in log and log.count("run complete:") == 1, log
+    _assert_complete_run(run_dir, "torchrun", steps, log)
 
 
 def test_ray_job_completes_and_stops_ray(job_env, tmp_path, capsys, monkeypatch):

@@ -17,7 +17,7 @@ from jetflow.launch import TEMPLATES, render_slurm, submit
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 OVERRIDES = ["train.steps=2", "run.name=r1", "task.params={digits: 1, num_operands: 2}"]
-SCRIPTS = [TEMPLATES / "torchrun.sbatch", TEMPLATES / "ray.sbatch", ROOT / "launch" / "torchrun.sh",
+SCRIPTS = [TEMPLATES / "torchrun.sbatch", TEMPLATES / "ray.sbatch", TEMPLATES / "requeue.sh", ROOT / "launch" / "torchrun.sh",
            ROOT / "scripts" / "slurm_up.sh", ROOT / "scripts" / "slurm_down.sh"]
 PLACEHOLDER = re.compile(r"\$\{[a-z_][a-z0-9_]*\}")
 
@@ -53,6 +53,74 @@ def test_torchrun_placeholders_filled_and_options_reflected():
                  f"CONFIG={TINY}", "export NPROC_PER_NODE=4"):
         assert line in text.splitlines(), line
     assert "launch/torchrun.sh --config" in text and 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+
+
+@pytest.mark.parametrize("kind", ["torchrun", "ray"])
+def test_templates_stop_before_the_time_limit_and_requeue(kind):
+    lines = render_slurm(kind, TINY, OVERRIDES, 1, 1, time="04:00:00", stop_signal_s=900).splitlines()
+    for line in ("#SBATCH --signal=B:USR1@900", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 f"RUN_DIR={ROOT}/runs/r1", "source launch/slurm/requeue.sh"):
+        assert line in lines, line
+    assert any(x.startswith('run_requeueable "$RUN_DIR" ') for x in lines)
+    assert ("export JETFLOW_STOP_TIMEOUT_S=900" in lines) == (kind == "torchrun")  # torchrun's wait for its workers
+    with pytest.raises(ConfigError, match="stop_signal_s"):
+        render_slurm(kind, TINY, [], 1, 1, stop_signal_s=0)
+
+
+REQUEUE_DRIVER = r"""
+set -euo pipefail
+source "$REQUEUE_SH"
+# a stand-in run: records its arguments; on SIGUSR1 it writes STOPPED (as jetflow does) and exits 75
+fake_run() {
+    printf '%s\n' "$@" > "$RUN_DIR/args"
+    trap 'echo "{\"signal\": \"SIGUSR1\"}" > "$RUN_DIR/STOPPED"; exit 75' USR1
+    touch "$RUN_DIR/started"
+    for _ in $(seq "$FAKE_TICKS"); do sleep 0.1; done
+    exit "${FAKE_RC:-0}"
+}
+run_requeueable "$RUN_DIR" fake_run train.steps=3
+"""
+
+
+def _requeue_driver(tmp_path, signal_it: bool, restart: int = 0, rc: int = 0) -> tuple[int, str, str]:
+    """Runs run_requeueable with a stand-in run and a stand-in `scontrol` (records its arguments)."""
+    import signal
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "started").unlink(missing_ok=True)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REQUEUE_SH": str(TEMPLATES / "requeue.sh"),
+           "RUN_DIR": str(run_dir), "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restart),
+           "FAKE_RC": str(rc), "FAKE_TICKS": "600" if signal_it else "3"}
+    proc = subprocess.Popen(["bash", "-c", REQUEUE_DRIVER], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (run_dir / "started").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    if signal_it:
+        proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@T sends the batch shell
+    out = proc.communicate(timeout=60)[0]
+    log = tmp_path / "scontrol.log"
+    return proc.returncode, out + (run_dir / "args").read_text(), log.read_text() if log.exists() else ""
+
+
+def test_requeue_sh_passes_the_signal_on_and_requeues_a_stopped_run(tmp_path):
+    rc, out, scontrol = _requeue_driver(tmp_path, signal_it=True)
+    assert rc == 0 and scontrol == "requeue 42\n", out
+    assert "requeueing job 42" in out and "run.resume=true" not in out
+    rc, out, scontrol = _requeue_driver(tmp_path, signal_it=False, restart=1)  # the requeued job: it resumes
+    assert rc == 0 and out.splitlines()[-2:] == ["train.steps=3", "run.resume=true"], out
+    assert scontrol == "requeue 42\n"  # the STOPPED of the first run is older than this one: no second requeue
+
+
+def test_requeue_sh_keeps_a_failure_and_does_not_requeue_it(tmp_path):
+    rc, out, scontrol = _requeue_driver(tmp_path, signal_it=False, rc=3)
+    assert rc == 3 and scontrol == "" and "run.resume=true" not in out
 
 
 def test_optional_lines_only_when_given():

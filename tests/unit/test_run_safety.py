@@ -59,6 +59,43 @@ def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
         load_checkpoint(ckpt, tiny_decoder())
 
 
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    """Before, a checkpoint damaged after it was written (a truncated copy, a bad disk) made the resume
+    crash in safetensors, or load garbage; now its manifest's sha256 names the damage and the resume
+    takes the previous checkpoint."""
+    model = tiny_decoder()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, {"version": step}, {"next_step": step, "sft_done": True})
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000001", "step_000002"]
+    assert json.loads((root / "step_000002" / "manifest.json").read_text()).keys() == {
+        "model.safetensors", "trainer.pt", "rng.pt", "state.json"}
+    assert latest_checkpoint(tmp_path) == root / "step_000002" and capsys.readouterr().err == ""
+
+    weights = root / "step_000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-7])  # truncated: a copy that did not finish
+    assert latest_checkpoint(tmp_path) == root / "step_000001"
+    err = capsys.readouterr().err
+    assert "step_000002 (model.safetensors does not match its sha256" in err and "resuming from step_000001" in err
+
+    (root / "latest").write_text("step_000009")  # the pointer names a directory that is gone
+    assert latest_checkpoint(tmp_path) == root / "step_000001"
+    (root / "step_000001" / "rng.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint .*step_000009 \(named by latest, missing\).*"
+                                              r"step_000002 .*step_000001 \(missing rng.pt\)"):
+        latest_checkpoint(tmp_path)
+    assert latest_checkpoint(tmp_path / "elsewhere") is None  # no checkpoint at all: a fresh start
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
+    """Before: a RuntimeError traceback from load_state_dict (size mismatch)."""
+    save_checkpoint(tmp_path, 1, tiny_decoder(), {}, {"next_step": 1, "sft_done": True})
+    other = Decoder(ModelConfig(model_type="llama", vocab_size=32, hidden_size=32, intermediate_size=32,
+                                num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=32))
+    with pytest.raises(CheckpointError, match=r"does not match the model .*size mismatch.*was the run's model changed"):
+        load_checkpoint(latest_checkpoint(tmp_path), other)
+
+
 def test_honest_rng_state_round_trips_under_weights_only(tmp_path):
     model = tiny_decoder()
     random.seed(5)
@@ -163,13 +200,16 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_the_same_command_resumes_b
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-2000:]
-    stopped = re.search(r"stopped by SIGTERM: checkpoint written at step (\d+)", err)
+    stopped = re.search(r"stopped by SIGTERM at step (\d+) \(resumes at step \1 from its newest checkpoint\)", err)
     assert stopped, err[-2000:]
     step = int(stopped.group(1))
     assert 3 <= step < 60 and [r["step"] for r in read_metrics(tmp_path / "r")] == list(range(step))
     assert json.loads((latest_checkpoint(tmp_path / "r") / "state.json").read_text())["next_step"] == step
+    assert json.loads((tmp_path / "r" / "STOPPED").read_text()) == {"signal": "SIGTERM", "stopped_at": step,
+                                                                     "resumes_at": step}
 
     assert subprocess.run(_cli_train(tmp_path, "r"), env=env, capture_output=True).returncode == 0  # same command
+    assert not (tmp_path / "r" / "STOPPED").exists() and (tmp_path / "r" / "COMPLETE").exists()
     assert subprocess.run(_cli_train(tmp_path, "whole"), env=env, capture_output=True).returncode == 0
     assert _rows_without_clock(tmp_path / "r") == _rows_without_clock(tmp_path / "whole")
 
