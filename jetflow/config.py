@@ -126,6 +126,17 @@ class TaskConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation: greedy decoding on problems training never sees (jetflow.run.evaluate)."""
+    num_prompts: int = 32
+    """Held-out problems per evaluation (0: no evaluation and no held-out split)."""
+    every: int = 5
+    """Evaluate every this many RL steps, and always before the first and after the last (0: only those)."""
+    held_out: float = 0.1
+    """Fraction of the task's prompts (by a hash of the prompt text) kept out of training for evaluation."""
+
+
+@dataclass
 class AlgoConfig:
     adv_norm: str = "mean_std"
     """GRPO advantage normalisation: mean_std | mean | none."""
@@ -217,6 +228,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -295,6 +307,10 @@ def _check_ranges(cfg: Config) -> None:
         ("train.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 0, ">= 0 (0: only at the end)"),
         ("train.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 0, ">= 0"),
         ("rollout.top_k", r.top_k, r.top_k >= 0, ">= 0 (0 turns top-k off)"),
+        ("eval.num_prompts", cfg.eval.num_prompts, cfg.eval.num_prompts >= 0, ">= 0 (0 turns evaluation off)"),
+        ("eval.every", cfg.eval.every, cfg.eval.every >= 0, ">= 0 (0: before the first and after the last step only)"),
+        ("eval.held_out", cfg.eval.held_out, 0 < cfg.eval.held_out < 1 or cfg.eval.num_prompts == 0,
+         "in (0, 1) when eval.num_prompts > 0"),
         ("rollout.group_size", r.group_size, r.group_size >= 2,
          ">= 2: GRPO's advantage is a reward minus its group's mean, so one sample per prompt learns nothing"),
         ("algo.kl_coef", a.kl_coef, a.kl_coef == 0,

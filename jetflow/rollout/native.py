@@ -6,6 +6,8 @@ under `unified` the trainer's FP8 bytes, under `mixed` bf16 weights that it quan
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from jetflow.config import Config
 from jetflow.model import Decoder
 from jetflow.rollout import RolloutEngine, SamplingParams
@@ -30,7 +32,8 @@ class NativeRollout:
         self.weight_version = apply_update(self.model, update, self.weight_version, self.fingerprint)
         self.engine.weight_version = self.weight_version
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
-        out = self.engine.generate(prompts, self.params, seeds=seeds)
+    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
+        params = replace(self.params, temperature=0.0) if greedy else self.params
+        out = self.engine.generate(prompts, params, seeds=seeds)
         return Rollouts(token_ids=out.token_ids, logprobs=out.logprobs, texts=out.text,
                         finish_reasons=out.finish_reason, weight_version=out.weight_version)

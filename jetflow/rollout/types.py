@@ -27,4 +27,5 @@ class RolloutEngineSide(Protocol):
 
     def load_weights(self, update: WeightUpdate) -> None: ...
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts: ...
+    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
+        """Sample each prompt once with its seed (`greedy`: argmax, for evaluation)."""

@@ -341,15 +341,15 @@ class VLLMRollout:
     # ------------------------------------------------------------------------------------------
     # generation
 
-    def sampling_params(self, seed: int):
+    def sampling_params(self, seed: int, greedy: bool = False):
         vllm = import_vllm()
         vllm_stop = list(self.stop) if self.has_hf_tokenizer else []  # vLLM needs its own tokenizer for them
         return vllm.SamplingParams(
-            n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_new_tokens,
+            n=1, temperature=0.0 if greedy else self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_new_tokens,
             seed=int(seed), logprobs=0, ignore_eos=True, stop_token_ids=list(self.eos_token_ids), stop=vllm_stop,
             detokenize=bool(vllm_stop))
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
+    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         for i, p in enumerate(prompts):
@@ -362,7 +362,7 @@ class VLLMRollout:
 
         version = self.weight_version
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
-                                    [self.sampling_params(s) for s in seeds], use_tqdm=False)
+                                    [self.sampling_params(s, greedy) for s in seeds], use_tqdm=False)
         token_ids, logprobs, texts, reasons = [], [], [], []
         for out in outputs:
             o = out.outputs[0]

@@ -23,9 +23,12 @@ def build_task(cfg: Config) -> Task:
     if cfg.model.path == "tiny" and cfg.task.name == "arithmetic":
         params.setdefault("style", "plain")
     try:
-        return make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
+        task = make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
+        if cfg.eval.num_prompts:
+            task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
     except (TypeError, ValueError) as e:
         raise ConfigError(f"task.params: {e}") from None
+    return task
 
 
 def smollm2_dir(cache_dir: str | Path) -> Path:

@@ -140,13 +140,14 @@ def release_run_lock(run_dir: Path) -> None:
 
 
 def truncate_metrics(run_dir: Path, keep_before_step: int, sft_done: bool) -> None:
-    """On resume, drop metric rows of steps the checkpoint does not contain (they are redone), and a
-    torn last line."""
+    """On resume, drop metric rows of steps the checkpoint does not contain (they are redone; an
+    evaluation at the resumed step too), and a torn last line."""
     path = run_dir / METRICS_FILE
     if not path.exists():
         return
     rows = read_jsonl(path)  # without a torn last line: the next row must not be appended to it
-    kept = [r for r in rows if (r["phase"] == "sft" and sft_done) or (r["phase"] == "rl" and r["step"] < keep_before_step)]
+    kept = [r for r in rows if (r["phase"] == "sft" and sft_done)
+            or (r["phase"] in ("rl", "eval") and r["step"] < keep_before_step)]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 

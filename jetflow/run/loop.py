@@ -62,6 +62,7 @@ class RLLoop:
         self.old_logprobs_from_update = (cfg.algo.old_logprobs == "auto" and cfg.algo.ppo_epochs == 1
                                          and self.correction in ROW_LOCAL)
         self.last_experience: Experience | None = None
+        self._eval_problems: list[Problem] | None = None  # the held-out problems, drawn once
 
     def sync(self) -> dict[str, float]:
         """Hand the trainer's current weights to the rollout side unless it already has them (a
@@ -79,6 +80,28 @@ class RLLoop:
     def _calibrate_kv(self, prompts: list[list[int]]) -> None:
         """First FP8 KV scales: a trainer forward over the prompts, before anything was generated."""
         observe_kv_amax(self.trainer.compute_logprobs, self.kv_quantizer, prompts, self.pad_id, self.cfg.model.device)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out evaluation with the current weights: greedy pass@1 and mean reward over the
+        task's held-out problems (eval.num_prompts of them; each rank decodes its share)."""
+        if self._eval_problems is None:
+            self._eval_problems = self.task.held_out_problems(self.cfg.eval.num_prompts, self.cfg.run.seed)
+        problems, rank, ranks = self._eval_problems, self.dp.rank, self.dp.world_size
+        problems_here = problems[len(problems) * rank // ranks:len(problems) * (rank + 1) // ranks]
+        prompts = [self.encode_prompt(p) for p in problems_here]
+        t0 = time.perf_counter()
+        if self.kv_quantizer is not None and not self.kv_quantizer.calibrated:
+            self._calibrate_kv(prompts)  # before the first step: scales from the evaluation's prompts
+        self.sync()
+        correct = reward = 0.0
+        if prompts:
+            out = self.rollout.generate(prompts, [0] * len(prompts), greedy=True)
+            scores = [self.task.score(p, text) for p, text in zip(problems_here, out.texts)]
+            correct, reward = float(sum(s.correct for s in scores)), float(sum(s.total for s in scores))
+        totals = self.dp.sum_dict({"correct": correct, "reward": reward})
+        n = max(len(problems), 1)
+        return {"eval/pass@1": totals["correct"] / n, "eval/reward": totals["reward"] / n,
+                "eval/num_prompts": float(len(problems)), "time/eval": time.perf_counter() - t0}
 
     def step(self, step: int) -> dict[str, float]:
         cfg = self.cfg

@@ -68,8 +68,8 @@ class RolloutWorker:
         self.rollout.load_weights(update)  # verifies version, fingerprint, checksum, scales
         return self.rollout.weight_version
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
-        return self.rollout.generate(prompts, seeds)
+    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
+        return self.rollout.generate(prompts, seeds, greedy)
 
     def pid(self) -> int:
         return os.getpid()
@@ -272,10 +272,10 @@ class RayRollout:
             raise RuntimeError(f"rollout actors report weight versions {versions}, expected {update.version}")
         self.current, self.weight_version = update, update.version
 
-    def _submit(self, chunks: list[tuple[list, list]]) -> list:
-        return [a.generate.remote(p, s) for a, (p, s) in zip(self.actors, chunks)]
+    def _submit(self, chunks: list[tuple[list, list, bool]]) -> list:
+        return [a.generate.remote(*chunk) for a, chunk in zip(self.actors, chunks)]
 
-    def _recover(self, index: int, chunk: tuple[list, list]) -> Rollouts:
+    def _recover(self, index: int, chunk: tuple[list, list, bool]) -> Rollouts:
         """Actor `index` died: wait for its restart, hand it the current weights, re-issue its chunk."""
         actor = self.actors[index]
         deadline = time.monotonic() + 120
@@ -288,10 +288,10 @@ class RayRollout:
                     raise RuntimeError(f"rollout actor {index} did not come back within 120 s") from None
                 time.sleep(0.5)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
+    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
         n, k = len(prompts), len(self.actors)
         bounds = [round(i * n / k) for i in range(k + 1)]
-        chunks = [(prompts[a:b], seeds[a:b]) for a, b in zip(bounds, bounds[1:])]
+        chunks = [(prompts[a:b], seeds[a:b], greedy) for a, b in zip(bounds, bounds[1:])]
         futures = self._submit(chunks)
         parts: list[Rollouts] = []
         for i, (future, chunk) in enumerate(zip(futures, chunks)):

@@ -94,25 +94,38 @@ def _run(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: i
         raise RunStopped(signame, start_step, resume_step(run_dir), run_dir)
     loop = placement.build_loop()
     run_rl_steps(cfg, loop, start_step, logger, lambda step: placement.save(step, sft_done),
-                 on_metrics=placement.step_metrics, run_dir=run_dir, stop=stop_requested)
+                 on_metrics=placement.step_metrics, run_dir=run_dir, stop=stop_requested,
+                 evaluate=(lambda step: _evaluate(loop, logger, step)) if cfg.eval.num_prompts else None)
     placement.save(cfg.train.steps, sft_done)
     if placement.is_main:
         write_summary(run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
     placement.barrier()
 
 
+def _evaluate(loop: RLLoop, logger, step: int) -> dict[str, float]:
+    metrics = loop.evaluate()  # every rank: each decodes its share
+    if logger is not None:
+        logger.log(step, metrics, phase="eval")
+    return metrics
+
+
 def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint: Callable[[int], None],
                  on_metrics: Callable[[dict], dict] | None = None, run_dir: Path | None = None,
-                 stop: Callable[[], str | None] | None = None) -> None:
+                 stop: Callable[[], str | None] | None = None, evaluate: Callable[[int], dict] | None = None) -> None:
     """The RL steps of a run with their logs, progress bar and periodic checkpoints (logger None: not
-    the logging rank). `stop()` names a stop request: then a checkpoint and RunStopped."""
+    the logging rank). `stop()` names a stop request: then a checkpoint and RunStopped. `evaluate(k)`
+    runs the held-out evaluation at step k (before step 0, every eval.every steps, after the last):
+    before RL step k, so a run resumed at k evaluates there again."""
     progress = None
     if cfg.run.progress and logger is not None:
         from tqdm import tqdm
         progress = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{cfg.run.name} [{cfg.precision.mode}]",
                         file=sys.stderr, dynamic_ncols=True)
+    held_out = ""  # the progress line's latest held-out accuracy
     try:
         for step in range(start_step, cfg.train.steps):
+            if evaluate is not None and (step == 0 or (cfg.eval.every and step % cfg.eval.every == 0)):
+                held_out = f"held-out {evaluate(step)['eval/pass@1']:.2f} "
             metrics = loop.step(step)
             if on_metrics is not None:
                 metrics = on_metrics(metrics)
@@ -123,7 +136,7 @@ def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint:
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix_str(
-                    f"reward {metrics['reward/mean']:.3f} kl {metrics['mismatch/kl_k3']:.1e} | "
+                    f"reward {metrics['reward/mean']:.3f} {held_out}kl {metrics['mismatch/kl_k3']:.1e} | "
                     f"rollout {metrics['time/rollout']:.1f}s old {metrics['time/old_logprobs']:.1f}s "
                     f"train {metrics['time/train']:.1f}s sync {metrics['time/sync']:.2f}s | "
                     f"{metrics['throughput/tokens_per_s']:.0f} tok/s")
@@ -134,6 +147,8 @@ def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint:
                 checkpoint(step + 1)
             if signame is not None:
                 raise RunStopped(signame, step + 1, resume_step(run_dir), run_dir)
+        if evaluate is not None:
+            evaluate(cfg.train.steps)
     finally:
         if progress is not None:
             progress.close()

@@ -23,7 +23,10 @@ def validate_run(cfg: Config, processes: int | None = None) -> None:
     check_batch_split(cfg, processes)
     check_vllm(cfg)
     check_wired(cfg)
-    build_task(cfg)  # the task's parameters are checked by the task itself (a ConfigError naming them)
+    task = build_task(cfg)  # the task's parameters are checked by the task itself (a ConfigError naming them)
+    if cfg.eval.num_prompts and not task.held_out_problems(1):
+        raise ConfigError(f"eval.held_out={cfg.eval.held_out}: no prompt of task {cfg.task.name!r} falls in the "
+                          "held-out split; raise eval.held_out, or set eval.num_prompts=0")
 
 
 def check_wired(cfg: Config) -> None:

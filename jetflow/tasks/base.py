@@ -3,10 +3,16 @@
 A task is an indexed stream of problems plus an exact verifier. Problem ``index`` of stream ``seed``
 is a pure function of ``(seed, index)``, so a training loop only has to remember an integer position
 to resume exactly where it stopped: ``task.problems(start=position, n=batch)``.
+
+Held-out split: with ``task.set_held_out(f)`` the prompts whose hash falls below ``f`` are kept for
+evaluation (``held_out_problems``) and never drawn for training: a training draw that lands on one
+is replaced by a redraw of the same index, so the stream stays a pure function of ``(seed, index)``.
+The split depends on the prompt text only, so it is the same in every run, rank and seed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 import random
@@ -53,6 +59,15 @@ def rng_for(task_name: str, seed: int, index: int) -> random.Random:
     return random.Random(f"{task_name}:{seed}:{index}")
 
 
+def held_out_bucket(prompt: str) -> float:
+    """A stable number in [0, 1) per prompt; a held-out fraction f keeps the prompts below f."""
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2**64
+
+
+REDRAW_STRIDE = 1 << 40  # a training draw on a held-out problem redraws index + k * REDRAW_STRIDE
+MAX_REDRAWS = 1000
+
+
 class Task(ABC):
     """Base class of all tasks.
 
@@ -74,12 +89,41 @@ class Task(ABC):
             raise ValueError(f"format_weight must be a finite number >= 0, got {format_weight!r}")
         self.seed = seed
         self.format_weight = float(format_weight)
+        self.held_out = 0.0
+
+    def set_held_out(self, fraction: float) -> None:
+        """Keep the prompts whose hash is below ``fraction`` out of training (for evaluation)."""
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"the held-out fraction must be in [0, 1), got {fraction!r}")
+        self.held_out = float(fraction)
+
+    def is_held_out(self, problem: Problem) -> bool:
+        return held_out_bucket(problem.prompt) < self.held_out
 
     def problem(self, index: int, seed: int | None = None) -> Problem:
-        """Problem ``index`` of stream ``seed`` (the task's own seed when None)."""
+        """Training problem ``index`` of stream ``seed`` (the task's own seed when None); never a
+        held-out one."""
         if not isinstance(index, int) or index < 0:
             raise ValueError(f"problem index must be an int >= 0, got {index!r}")
-        return self._problem(index, self.seed if seed is None else seed)
+        seed = self.seed if seed is None else seed
+        for k in range(MAX_REDRAWS):
+            problem = self._problem(index + k * REDRAW_STRIDE, seed)
+            if not (self.held_out and self.is_held_out(problem)):
+                return problem
+        raise ValueError(f"task {self.name!r}: {MAX_REDRAWS} draws in a row were held out; lower eval.held_out")
+
+    def held_out_problems(self, n: int, seed: int | None = None) -> list[Problem]:
+        """Up to ``n`` distinct held-out problems, a deterministic function of ``seed``; fewer when
+        the task's problem space holds fewer (the scan stops after ``200 * n`` draws)."""
+        seed = self.seed if seed is None else seed
+        found: dict[str, Problem] = {}
+        for index in range(200 * n):
+            problem = self._problem(index, seed)
+            if self.is_held_out(problem) and problem.prompt not in found:
+                found[problem.prompt] = problem
+                if len(found) == n:
+                    break
+        return list(found.values())
 
     def problems(self, start: int, n: int, seed: int | None = None) -> list[Problem]:
         """Problems ``start .. start + n - 1``: one batch of a run that tracks its position."""

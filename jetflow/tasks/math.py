@@ -100,7 +100,8 @@ class MathTask(Task):
         self.answer_field = answer_field
         self.answer_extract = answer_extract
         self.instruction = instruction
-        self.rows = self._load()  # [(row number, question, answer)]
+        self.all_rows = self.rows = self._load()  # [(row number, question, answer)]; rows: the training split
+        self.held_rows: list[tuple[int, str, str]] = []
         self._gold_cache: dict[str, list] = {}
         self._last_order: tuple[tuple[int, int] | None, list[int]] = (None, [])
 
@@ -135,6 +136,25 @@ class MathTask(Task):
             raise ValueError(f"math: {path} has no rows")
         return rows
 
+    def set_held_out(self, fraction: float) -> None:
+        """A data file is split once, by rows: training walks the rest, evaluation the held-out rows."""
+        super().set_held_out(fraction)
+        held = {r[0] for r in self.all_rows if self.is_held_out(self._row_problem(r))}
+        self.rows = [r for r in self.all_rows if r[0] not in held]
+        self.held_rows = [r for r in self.all_rows if r[0] in held]
+        if fraction and not self.rows:
+            raise ValueError(f"math: every row of {self.path} is held out; lower eval.held_out")
+        self._last_order = (None, [])
+
+    def held_out_problems(self, n: int, seed: int | None = None) -> list[Problem]:
+        """The first ``n`` held-out rows, in file order."""
+        return [self._row_problem(r) for r in self.held_rows[:n]]
+
+    def _row_problem(self, row: tuple[int, str, str], **meta) -> Problem:
+        number, question, answer = row
+        prompt = f"{question}\n{self.instruction}" if self.instruction else question
+        return Problem(prompt=prompt, answer=answer, meta={"path": str(self.path), "row": number, **meta})
+
     def _order(self, seed: int, epoch: int) -> list[int]:
         """The row order of one epoch; the latest one is cached (batches walk epochs in order)."""
         if self._last_order[0] != (seed, epoch):
@@ -145,10 +165,7 @@ class MathTask(Task):
 
     def _problem(self, index: int, seed: int) -> Problem:
         epoch, offset = divmod(index, len(self.rows))
-        number, question, answer = self.rows[self._order(seed, epoch)[offset]]
-        prompt = f"{question}\n{self.instruction}" if self.instruction else question
-        meta = {"path": str(self.path), "row": number, "epoch": epoch, "index": index, "seed": seed}
-        return Problem(prompt=prompt, answer=answer, meta=meta)
+        return self._row_problem(self.rows[self._order(seed, epoch)[offset]], epoch=epoch, index=index, seed=seed)
 
     def _gold(self, problem: Problem) -> list:
         from math_verify import parse

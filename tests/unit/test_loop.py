@@ -26,6 +26,10 @@ class FakeTask:
     def score(self, problem: Problem, text: str) -> Reward:
         return Reward(total=float(text == problem.answer), correct=text == problem.answer, format_ok=True)
 
+    def held_out_problems(self, n: int, seed: int) -> list[Problem]:
+        """Five held-out problems q0..q4 whatever n asks (a small problem space); all want 'a'."""
+        return [Problem(prompt=f"q{i}", answer="a") for i in range(5)]
+
 
 class FakeEngine:
     """Samples 'a' for even requests and 'b' for odd ones, two tokens each, at log-prob -1.0 per token."""
@@ -38,8 +42,8 @@ class FakeEngine:
         self.calls.append(("load_weights", update.version))
         self.weight_version = update.version
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
-        self.calls.append(("generate", [list(p) for p in prompts], list(seeds)))
+    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
+        self.calls.append(("generate", [list(p) for p in prompts], list(seeds)) + (("greedy",) if greedy else ()))
         n = len(prompts)
         return Rollouts(token_ids=[[7, 8]] * n, logprobs=[[-1.0, -1.0]] * n, texts=["ab"[i % 2] for i in range(n)],
                         finish_reasons=["stop"] * n, weight_version=self.weight_version - int(self.stale))
@@ -135,3 +139,37 @@ def test_a_rollout_sampled_with_other_weights_is_refused():
     _, loop, _, _ = make_loop("unified", stale=True)
     with pytest.raises(StaleWeightsError, match="rollout used weight version -1, trainer is at 0"):
         loop.step(0)
+
+
+def test_evaluation_decodes_the_held_out_problems_greedily_with_the_current_weights():
+    _, loop, engine, trainer = make_loop("unified")
+    trainer.version = 3
+    m = loop.evaluate()
+    assert engine.calls[0] == ("load_weights", 3)  # the trainer's current weights first
+    _, prompts, _, mode = engine.calls[1]
+    assert mode == "greedy" and prompts == [[ord("q"), ord(str(i))] for i in range(5)]
+    # the fake answers a, b, a, b, a and every held-out problem wants 'a': 3 of 5
+    assert m["eval/pass@1"] == 0.6 and m["eval/reward"] == 0.6 and m["eval/num_prompts"] == 5.0
+    loop.evaluate()
+    assert [c[0] for c in engine.calls] == ["load_weights", "generate", "generate"]  # weights unchanged: not resent
+
+
+def test_evaluation_shares_the_prompts_unevenly_over_ranks_and_sums():
+    """5 held-out prompts over 2 ranks: rank 0 decodes 2, rank 1 three; the counts are summed."""
+    from jetflow.distributed import DataParallel
+
+    class TwoRanks(DataParallel):
+        def __init__(self, rank):
+            super().__init__(rank=rank, world_size=2)
+
+        def sum_dict(self, values):
+            self.seen = values
+            return {k: v * 2 for k, v in values.items()}  # as if the other rank had the same counts
+
+    for rank, expected in ((0, [0, 1]), (1, [2, 3, 4])):
+        _, loop, engine, _ = make_loop("unified")
+        loop.dp = TwoRanks(rank)
+        m = loop.evaluate()
+        assert engine.calls[1][1] == [[ord("q"), ord(str(i))] for i in expected]
+        assert loop.dp.seen["correct"] == sum(i % 2 == 0 for i in range(len(expected)))
+        assert m["eval/pass@1"] == 2 * loop.dp.seen["correct"] / 5

@@ -336,3 +336,47 @@ def test_math_parquet_without_pyarrow_says_what_to_install(tmp_path):
     path.write_bytes(b"PAR1")
     with pytest.raises(ImportError, match="pip install pyarrow"):
         MathTask(str(path))
+
+
+# ---- held-out split -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, params", [("arithmetic", {"digits": 2}), ("countdown", {})])
+def test_training_never_draws_a_held_out_problem_and_the_split_is_the_same_for_every_seed(name, params):
+    from jetflow.tasks.base import held_out_bucket
+
+    task, plain = make_task(name, seed=3, **params), make_task(name, seed=3, **params)
+    task.set_held_out(0.2)
+    trained = task.problems(0, 400)
+    assert not any(held_out_bucket(p.prompt) < 0.2 for p in trained)
+    # a draw that was not held out is the same problem as without the split (the stream only skips)
+    unsplit = plain.problems(0, 400)
+    kept = [i for i, p in enumerate(unsplit) if held_out_bucket(p.prompt) >= 0.2]
+    assert len(kept) < 400 and all(trained[i] == unsplit[i] for i in kept)
+
+    held = task.held_out_problems(30)
+    assert len(held) == 30 == len({p.prompt for p in held})
+    assert all(held_out_bucket(p.prompt) < 0.2 for p in held)
+    other_seed = make_task(name, seed=4, **params)
+    other_seed.set_held_out(0.2)
+    assert all(other_seed.is_held_out(p) for p in held)  # by prompt text: no seed trains on them
+
+
+def test_held_out_problems_are_fewer_when_the_space_is_small():
+    task = make_task("arithmetic", digits=1, num_operands=2, ops="+", style="plain")  # 100 problems in all
+    task.set_held_out(0.1)
+    held = task.held_out_problems(64)
+    assert 0 < len(held) < 30 and all(task.is_held_out(p) for p in held)
+
+
+def test_math_splits_its_rows_once(tmp_path):
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(200)]
+    task = MathTask(str(write_jsonl(tmp_path / "d.jsonl", rows)), instruction="")
+    task.set_held_out(0.25)
+    held = task.held_out_problems(1000)
+    trained = {p.prompt for p in task.problems(0, len(task.rows))}  # one epoch: every training row once
+    assert 20 < len(held) < 80 and len(trained) + len(held) == 200
+    assert not trained & {p.prompt for p in held}
+    assert [p.meta["row"] for p in held] == sorted(p.meta["row"] for p in held)  # file order
+    with pytest.raises(ValueError, match="held-out fraction"):
+        task.set_held_out(1.0)
