@@ -86,11 +86,18 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
     return run_dir
 
 
-def mark_stopped(run_dir: Path, signame: str, stopped_at: int, resumes_at: int | None) -> None:
+def mark_stopped(run_dir: Path, signame: str, stopped_at: int) -> int | None:
     """STOPPED: the run stopped on a signal and a resume continues it (the SLURM templates requeue
-    the job when it is there; the next run removes it)."""
+    the job when it is there; the next run removes it). Returns the step a resume continues at: the
+    newest checkpoint's (the stop's own, unless the last steps were bad and none was written)."""
+    pointer = run_dir / CHECKPOINTS_DIR / "latest"
+    try:  # the newest checkpoint's next step (not verified here: a resume does that)
+        resumes_at = json.loads((pointer.parent / pointer.read_text().strip() / "state.json").read_text())["next_step"]
+    except (OSError, ValueError, KeyError):
+        resumes_at = None
     (run_dir / STOPPED).write_text(json.dumps({"signal": signame, "stopped_at": stopped_at,
                                                "resumes_at": resumes_at}) + "\n")
+    return resumes_at
 
 
 def _alive(pid: int) -> bool:

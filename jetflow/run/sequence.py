@@ -14,7 +14,7 @@ from jetflow.metrics_log import MetricsLogger
 from jetflow.run.files import append_position_curve, mark_stopped, truncate_metrics, write_summary
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RunStopped, StopRequests
-from jetflow.train.checkpoint import latest_checkpoint, resume_step
+from jetflow.train.checkpoint import latest_checkpoint
 
 
 class Placement(Protocol):
@@ -65,10 +65,6 @@ def run_sequence(cfg: Config, placement: Placement, run_dir: Path) -> Path:
     try:
         with StopRequests() as stop:
             _run(cfg, placement, run_dir, logger, start_step, sft_done, stop)
-    except RunStopped as stopped:
-        if placement.is_main:
-            mark_stopped(run_dir, stopped.signame, stopped.stopped_at, stopped.resumes_at)
-        raise
     finally:
         if logger is not None:
             logger.close()
@@ -77,6 +73,21 @@ def run_sequence(cfg: Config, placement: Placement, run_dir: Path) -> Path:
 
 def _run(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: int, sft_done: bool,
          stop: StopRequests) -> None:
+    try:
+        sft_done = _train(cfg, placement, run_dir, logger, start_step, sft_done, stop)
+    except RunStopped as stopped:  # its checkpoint is written: mark the run directory resumable
+        if placement.is_main:
+            stopped.resumes_at = mark_stopped(run_dir, stopped.signame, stopped.stopped_at)
+        raise
+    placement.save(cfg.train.steps, sft_done)
+    if placement.is_main:
+        write_summary(run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
+    placement.barrier()
+
+
+def _train(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: int, sft_done: bool,
+           stop: StopRequests) -> bool:
+    """The supervised warm-up (unless done) and the RL steps; returns sft_done."""
     def stop_requested() -> str | None:
         if not placement.any_rank(stop.signame is not None):
             return None
@@ -91,15 +102,12 @@ def _run(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: i
         placement.save(0, sft_done)
     signame = stop_requested()
     if signame is not None:  # during the warm-up: its checkpoint is written
-        raise RunStopped(signame, start_step, resume_step(run_dir), run_dir)
+        raise RunStopped(signame, start_step, run_dir)
     loop = placement.build_loop()
     run_rl_steps(cfg, loop, start_step, logger, lambda step: placement.save(step, sft_done),
                  on_metrics=placement.step_metrics, run_dir=run_dir, stop=stop_requested,
                  evaluate=(lambda step: _evaluate(loop, logger, step)) if cfg.eval.num_prompts else None)
-    placement.save(cfg.train.steps, sft_done)
-    if placement.is_main:
-        write_summary(run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
-    placement.barrier()
+    return sft_done
 
 
 def _evaluate(loop: RLLoop, logger, step: int) -> dict[str, float]:
@@ -146,7 +154,7 @@ def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint:
             if signame is not None or (every and (step + 1) % every == 0 and not last):
                 checkpoint(step + 1)
             if signame is not None:
-                raise RunStopped(signame, step + 1, resume_step(run_dir), run_dir)
+                raise RunStopped(signame, step + 1, run_dir)
         if evaluate is not None:
             evaluate(cfg.train.steps)
     finally:

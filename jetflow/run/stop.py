@@ -20,12 +20,16 @@ class RunStopped(Exception):
     """The run stopped on a signal at a step boundary; resumable from `resumes_at` (the newest
     checkpoint's step: the boundary's own, unless the last steps were bad and no checkpoint was written)."""
 
-    def __init__(self, signame: str, stopped_at: int, resumes_at: int | None, run_dir: Path):
-        where = (f"resumes at step {resumes_at} from its newest checkpoint" if resumes_at is not None
+    def __init__(self, signame: str, stopped_at: int, run_dir: Path):
+        super().__init__(signame, stopped_at, run_dir)
+        self.signame, self.stopped_at, self.run_dir = signame, stopped_at, run_dir
+        self.resumes_at: int | None = None  # set by the rank that marks the run directory STOPPED
+
+    def __str__(self) -> str:
+        where = (f"resumes at step {self.resumes_at} from its newest checkpoint" if self.resumes_at is not None
                  else "no checkpoint yet, a resume starts over")
-        super().__init__(f"stopped by {signame} at step {stopped_at} ({where}) in {run_dir}; "
-                         "the same command with run.resume=true continues it")
-        self.signame, self.stopped_at, self.resumes_at, self.run_dir = signame, stopped_at, resumes_at, run_dir
+        return (f"stopped by {self.signame} at step {self.stopped_at} ({where}) in {self.run_dir}; "
+                "the same command with run.resume=true continues it")
 
 
 class StopRequests:

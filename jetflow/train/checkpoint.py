@@ -126,15 +126,6 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return None
 
 
-def resume_step(run_dir: str | Path) -> int | None:
-    """The step a resume continues at: the newest checkpoint's next step (not verified; None: none)."""
-    pointer = Path(run_dir) / CHECKPOINTS_DIR / "latest"
-    try:
-        return json.loads((pointer.parent / pointer.read_text().strip() / "state.json").read_text())["next_step"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def _load_state(file: Path):
     """torch.load with weights_only=True: tensors, numbers, strings and containers only, so a
     checkpoint from someone else cannot run code on this machine while it is read."""
