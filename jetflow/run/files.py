@@ -170,6 +170,17 @@ def append_position_curve(run_dir: Path, step: int, exp) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def held_out_summary(eval_rows: list[dict]) -> dict:
+    """Held-out pass@1 and reward before the first RL step and after the last (absent without
+    evaluation)."""
+    if not eval_rows:
+        return {}
+    first, last = eval_rows[0], eval_rows[-1]
+    return {"heldout_pass1_start": first["eval/pass@1"], "heldout_pass1_end": last["eval/pass@1"],
+            "heldout_reward_start": first["eval/reward"], "heldout_reward_end": last["eval/reward"],
+            "heldout_prompts": int(last["eval/num_prompts"])}
+
+
 def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_parallel_size: int = 1) -> dict:
     """summary.json from the RL rows of metrics.jsonl, then COMPLETE (the run is finished)."""
     rows = read_metrics(run_dir)
@@ -184,6 +195,7 @@ def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_paral
         "mismatch_kl_k3_mean": sum(r["mismatch/kl_k3"] for r in rows) / max(len(rows), 1),
         "mismatch_kl_k3_max": max((r["mismatch/kl_k3"] for r in rows), default=0.0),
         "step_time_mean": sum(r["time/step"] for r in rows) / max(len(rows), 1),
+        **held_out_summary(read_metrics(run_dir, phase="eval")),
         "skipped_steps": skipped_steps,
         "data_parallel_size": data_parallel_size,
         "config": to_dict(cfg),

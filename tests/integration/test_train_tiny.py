@@ -137,3 +137,6 @@ def test_held_out_evaluation_before_during_after_and_across_a_resume(tmp_path):
     assert [r["step"] for r in eval_rows(tmp_path / "part")] == [0, 2, 3]
     train(tiny_cfg(tmp_path, *part, "train.steps=6", "run.resume=true", "run.allow_changes=[train.steps]"))
     assert eval_rows(tmp_path / "part") == rows
+    summary = json.loads((tmp_path / "part" / "summary.json").read_text())
+    assert (summary["heldout_pass1_start"], summary["heldout_pass1_end"], summary["heldout_prompts"]) == (
+        rows[0]["eval/pass@1"], rows[-1]["eval/pass@1"], 8)
