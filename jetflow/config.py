@@ -132,7 +132,7 @@ class EvalConfig:
     """Held-out problems per evaluation (0: no evaluation and no held-out split)."""
     every: int = 5
     """Evaluate every this many RL steps, and always before the first and after the last (0: only those)."""
-    held_out: float = 0.1
+    held_out: float = 0.2
     """Fraction of the task's prompts (by a hash of the prompt text) kept out of training for evaluation."""
 
 
