@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from jetflow.errors import UserError
@@ -282,6 +282,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
     if cfg.train.steps < 0 or cfg.train.sft_warmup_steps < 0:
         raise ConfigError("train.steps and train.sft_warmup_steps must be >= 0")
+    if cfg.train.steps == 0 and cfg.train.sft_warmup_steps == 0:
+        raise ConfigError("train.steps=0 and train.sft_warmup_steps=0: the run would do nothing")
     if cfg.train.lr <= 0 or cfg.algo.clip_low < 0 or cfg.algo.clip_high < 0:
         raise ConfigError("train.lr must be > 0 and algo.clip_low / clip_high >= 0")
     _check_ranges(cfg)
@@ -353,19 +355,32 @@ def _explain(e: OmegaConfBaseException) -> ConfigError:
     return ConfigError(f"config: {msg}")
 
 
+# free-form mappings: `key={...}` replaces the mapping (a dotted sub-key, `task.params.digits=2`, merges)
+REPLACED_BY_OVERRIDE = ("task.params", "algo.correction_params")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- `key=value` overrides; validated."""
+    """Defaults <- YAML file <- `key=value` overrides, in order; validated."""
     base = OmegaConf.structured(Config)
     try:
         if path is not None:
             path = Path(path)
             if not path.is_file():
                 raise ConfigError(f"config file not found: {path}")
-            base = OmegaConf.merge(base, OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"{path}: a config is a mapping of sections (model:, train:, ...), got a "
+                                  f"{type(loaded).__name__.replace('Config', '').lower()}")
+            base = OmegaConf.merge(base, loaded)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad}")
-        base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        for override in overrides:
+            key = override.split("=", 1)[0].strip()
+            if key in REPLACED_BY_OVERRIDE:
+                OmegaConf.update(base, key, OmegaConf.select(OmegaConf.from_dotlist([override]), key), merge=False)
+            else:
+                base = OmegaConf.merge(base, OmegaConf.from_dotlist([override]))
         cfg = OmegaConf.to_object(base)
     except OmegaConfBaseException as e:
         raise _explain(e) from None

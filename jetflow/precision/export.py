@@ -2,7 +2,8 @@
 
 Layout: `<module>.weight` float8_e4m3fn (N, K) and `<module>.weight_scale_inv` float32
 (ceil(N/128), ceil(K/128)); config.json carries `quantization_config` (see
-FP8Recipe.vllm_quantization_config). The bytes written are the bytes the trainer computed with.
+FP8Recipe.vllm_quantization_config). The bytes written are the bytes the trainer computed with, and
+bytes read back are handed to the FP8 linears as they are (`load_quantized_weights`), never requantized.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 
 from jetflow.precision.linear import fp8_linears
 from jetflow.precision.quant import QuantizedTensor
-from jetflow.precision.recipe import FP8Recipe
+from jetflow.precision.recipe import FP8_DTYPES, FP8Recipe
 
 SCALE_SUFFIX = ".weight_scale_inv"
 
@@ -58,6 +59,51 @@ def from_checkpoint_tensors(tensors: dict[str, torch.Tensor],
     return out
 
 
+def split_quantized(tensors: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128)
+                    ) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor]]:
+    """(quantized modules, the other tensors) of a checkpoint in the FP8 layout. A float8 tensor
+    without its scale is an error: its bytes alone do not say what values they stand for."""
+    quantized = from_checkpoint_tensors(tensors, block)
+    used = {f"{m}.weight" for m in quantized} | {f"{m}{SCALE_SUFFIX}" for m in quantized}
+    others = {k: v for k, v in tensors.items() if k not in used}
+    unscaled = sorted(k for k, v in others.items() if v.dtype in FP8_DTYPES.values())
+    if unscaled:
+        raise ValueError(f"{unscaled[0]} is float8 but has no {SCALE_SUFFIX[1:]} beside it")
+    return quantized, others
+
+
+def recipe_from_quantization_config(qc: dict) -> FP8Recipe:
+    """Inverse of `FP8Recipe.vllm_quantization_config`. A block-FP8 config written by another tool
+    (no `jetflow_recipe`) gets the default recipe with its weight block."""
+    if qc.get("quant_method") != "fp8" or "weight_block_size" not in qc:
+        raise ValueError(f"quantization_config {json.dumps(qc)[:120]} is not block FP8 (quant_method fp8 with "
+                         "weight_block_size, as `jetflow export` writes)")
+    block = tuple(int(b) for b in qc["weight_block_size"])
+    recipe = FP8Recipe.from_dict(qc["jetflow_recipe"]) if "jetflow_recipe" in qc else FP8Recipe(weight_block=block)
+    if recipe.weight_block != block:
+        raise ValueError(f"quantization_config: weight_block_size {list(block)} but jetflow_recipe has "
+                         f"{list(recipe.weight_block)}")
+    if "jetflow_fingerprint" in qc and qc["jetflow_fingerprint"] != recipe.fingerprint():
+        raise ValueError(f"quantization_config: jetflow_fingerprint {qc['jetflow_fingerprint']} is not the "
+                         f"fingerprint {recipe.fingerprint()} of its jetflow_recipe (edited by hand?)")
+    return recipe
+
+
+def load_quantized_weights(model: nn.Module, quantized: dict[str, QuantizedTensor]) -> None:
+    """Hand every FP8 linear of `model` its bytes from `quantized` (module name -> QuantizedTensor):
+    its forward then uses them as they are (PrecisionLinear.load_quantized), whatever its master
+    weight holds. The FP8 linears and `quantized` must name the same modules."""
+    layers = fp8_linears(model)
+    unstored = sorted(set(layers) - set(quantized))
+    if unstored:
+        raise ValueError(f"the recipe computes {unstored[:3]} in FP8, but no FP8 weights are stored for them")
+    high = sorted(set(quantized) - set(layers))
+    if high:
+        raise ValueError(f"FP8 weights are stored for {high[:3]}, which the recipe keeps in high precision")
+    for name, layer in layers.items():
+        layer.load_quantized(quantized[name])
+
+
 def save_quantized(path: str | Path, quantized: dict[str, QuantizedTensor], recipe: FP8Recipe,
                    extra: dict[str, torch.Tensor] | None = None) -> None:
     """Write a safetensors file with the FP8 layout (plus `extra` high-precision tensors)."""
@@ -77,7 +123,5 @@ def load_quantized(path: str | Path) -> tuple[dict[str, QuantizedTensor], dict[s
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     recipe = FP8Recipe.from_dict(json.loads(metadata["jetflow_recipe"])) if "jetflow_recipe" in metadata else None
     block = recipe.weight_block if recipe else (128, 128)
-    quantized = from_checkpoint_tensors(tensors, block)
-    used = {f"{m}.weight" for m in quantized} | {f"{m}{SCALE_SUFFIX}" for m in quantized}
-    others = {k: v for k, v in tensors.items() if k not in used}
+    quantized, others = split_quantized(tensors, block)
     return quantized, others, recipe

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from jetflow.config import Config, ConfigError, resolve_numerics
 from jetflow.model.protocol import hf_weights
-from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer
+from jetflow.model import CharTokenizer, CheckpointError, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
 from jetflow.tasks import Problem, Task, make_task
@@ -27,7 +27,10 @@ def build_task(cfg: Config) -> Task:
         if cfg.eval.num_prompts:
             task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"task.params: {e}") from None
+        hint = ""
+        if "unknown option" in str(e):  # often the base config's params, kept when task.name was overridden
+            hint = "; task.params={...} replaces the config's params (task.params.KEY=VALUE adds to them)"
+        raise ConfigError(f"task.params: {e}{hint}") from None
     return task
 
 
@@ -83,7 +86,24 @@ def build_policy(cfg: Config, task: Task):
         raise ConfigError(f"model.path={cfg.model.path!r}: not a directory (use a local Hugging Face directory, "
                           "`smollm2` or `tiny`)")
     model = load_hf_dir(path, dtype=dtype, device=cfg.model.device)
-    return model, load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    check_loaded_policy(model, tokenizer, path)
+    return model, tokenizer
+
+
+def check_loaded_policy(model: Decoder, tokenizer, path: str | Path) -> None:
+    """A damaged weight file or a tokenizer of another model fails here, in one line, and not as a
+    quantizer error or an index error in the embedding several calls later."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            bad = int((~torch.isfinite(p)).sum())
+            if bad:
+                raise CheckpointError(f"{path}: weight {name} holds {bad} NaN/Inf value(s); the model files are "
+                                      "damaged (convert or download them again)")
+    vocab = model.config.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
+                              f"{vocab}: the tokenizer belongs to another model")
 
 
 def build_tokenizer(cfg: Config, task: Task):

@@ -264,10 +264,18 @@ class RayRollout:
         self.weight_version = -1
         self.current: RemoteUpdate | None = None
         self.restarts = 0
+        self.deaths = [0] * len(actors)  # per actor: Ray restarts each at most ACTOR_RESTARTS times
         self.reissued_requests = 0
 
     def load_weights(self, update: RemoteUpdate) -> None:
-        versions = self.ray.get([a.load_weights.remote(update.ref) for a in self.actors])
+        futures = [a.load_weights.remote(update.ref) for a in self.actors]
+        versions = []
+        for i, future in enumerate(futures):
+            try:
+                versions.append(self.ray.get(future))
+            except self.ray.exceptions.RayActorError:
+                self._died(i, "during a weight update; restarting it and sending the update again")
+                versions.append(self._on_restarted(i, lambda actor: self.ray.get(actor.load_weights.remote(update.ref))))
         if set(versions) != {update.version}:
             raise RuntimeError(f"rollout actors report weight versions {versions}, expected {update.version}")
         self.current, self.weight_version = update, update.version
@@ -275,18 +283,32 @@ class RayRollout:
     def _submit(self, chunks: list[tuple[list, list, bool]]) -> list:
         return [a.generate.remote(*chunk) for a, chunk in zip(self.actors, chunks)]
 
-    def _recover(self, index: int, chunk: tuple[list, list, bool]) -> Rollouts:
-        """Actor `index` died: wait for its restart, hand it the current weights, re-issue its chunk."""
+    def _died(self, index: int, what_next: str) -> None:
+        self.deaths[index] += 1
+        if self.deaths[index] > ACTOR_RESTARTS:
+            raise RuntimeError(f"rollout actor {index} died {self.deaths[index]} times, and Ray restarts an actor at "
+                               f"most {ACTOR_RESTARTS} times; resume the run (run.resume=true) from its last checkpoint")
+        print(f"[jetflow] rollout actor {index} died {what_next}", file=sys.stderr)
+        self.restarts += 1
+
+    def _on_restarted(self, index: int, call):
+        """Actor `index` died: wait (up to 120 s) for Ray to restart it, then `call(actor)` on it."""
         actor = self.actors[index]
         deadline = time.monotonic() + 120
         while True:
             try:
-                self.ray.get(actor.load_weights.remote(self.current.ref))
-                return self.ray.get(actor.generate.remote(*chunk))
+                return call(actor)
             except self.ray.exceptions.RayActorError:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rollout actor {index} did not come back within 120 s") from None
                 time.sleep(0.5)
+
+    def _recover(self, index: int, chunk: tuple[list, list, bool]) -> Rollouts:
+        """Actor `index` died while generating: hand its restart the current weights, re-issue its chunk."""
+        def reload_and_generate(actor) -> Rollouts:
+            self.ray.get(actor.load_weights.remote(self.current.ref))
+            return self.ray.get(actor.generate.remote(*chunk))
+        return self._on_restarted(index, reload_and_generate)
 
     def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
         n, k = len(prompts), len(self.actors)
@@ -298,9 +320,7 @@ class RayRollout:
             try:
                 parts.append(self.ray.get(future))
             except self.ray.exceptions.RayActorError:
-                print(f"[jetflow] rollout actor {i} died; restarting it and re-issuing its {len(chunk[0])} requests",
-                      file=sys.stderr)
-                self.restarts += 1
+                self._died(i, f"while generating; restarting it and re-issuing its {len(chunk[0])} requests")
                 self.reissued_requests += len(chunk[0])
                 parts.append(self._recover(i, chunk))
         if sum(len(p.token_ids) for p in parts) != n:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config
+from jetflow.config import Config, ConfigError
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl.experience import pack_experience
 from jetflow.rollout.native import NativeRollout
@@ -113,6 +113,10 @@ def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Pa
         encode = prompt_encoder(cfg, tokenizer, task)
     fingerprint = run_fingerprint(cfg)
     max_prompt = max(len(encode(p)) for p in task.problems(0, 64, cfg.run.seed))
+    positions = source.config.max_position_embeddings
+    if max_prompt + cfg.rollout.max_new_tokens > positions:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with prompts of up to {max_prompt} "
+                          f"tokens, responses would pass the model's {positions} positions; lower it")
     max_seq_len = 2 * max_prompt + cfg.rollout.max_new_tokens + 16
     eos = stop_token_ids(tokenizer, source, task)
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 from jetflow.config import Config, ConfigError
 from jetflow.run.build import build_task
 
@@ -19,6 +21,7 @@ def validate_run(cfg: Config, processes: int | None = None) -> None:
     `processes`: the trainer's process count (default: Ray's train.num_workers, else WORLD_SIZE)."""
     if processes is None:
         processes = cfg.train.num_workers if cfg.run.orchestrator == "ray" else int(os.environ.get("WORLD_SIZE", "1"))
+    check_device(cfg)
     check_megatron(cfg, world=processes)
     check_batch_split(cfg, processes)
     check_vllm(cfg)
@@ -27,6 +30,12 @@ def validate_run(cfg: Config, processes: int | None = None) -> None:
     if cfg.eval.num_prompts and not task.held_out_problems(1):
         raise ConfigError(f"eval.held_out={cfg.eval.held_out}: no prompt of task {cfg.task.name!r} falls in the "
                           "held-out split; raise eval.held_out, or set eval.num_prompts=0")
+
+
+def check_device(cfg: Config) -> None:
+    if cfg.model.device.startswith("cuda") and not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(f"model.device={cfg.model.device}: {why}; use model.device=cpu")
 
 
 def check_wired(cfg: Config) -> None:

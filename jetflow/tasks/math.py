@@ -33,14 +33,18 @@ def _timeout() -> int | None:
 
 def _read_jsonl(path: Path) -> list[tuple[int, object]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((number, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: row {number}: invalid JSON ({e.msg})") from None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: row {line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            rows.append((number, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: row {number}: invalid JSON ({e.msg})") from None
     return rows
 
 

@@ -47,6 +47,22 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_checkpoint_files(tmp, step, model, trainer_state, state, model_state)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota, a lost mount: the older checkpoints stay
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"writing checkpoint step {step} into {root} failed ({e}); older checkpoints are "
+                              "intact: free space, then resume with run.resume=true") from None
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    _atomic_write_text(root / "latest", final.name)
+    for old in sorted(p for p in root.glob("step_*") if p != final)[:-max(keep - 1, 0) or None]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint_files(tmp: Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
+                            model_state: dict[str, torch.Tensor] | None) -> None:
     tmp.mkdir()
     state_dict = model_state if model_state is not None else checkpoint_weights(model)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
@@ -57,12 +73,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
     (tmp / MANIFEST).write_text(json.dumps({f.name: file_sha256(f) for f in sorted(tmp.iterdir())}, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    _atomic_write_text(root / "latest", final.name)
-    for old in sorted(p for p in root.glob("step_*") if p != final)[:-max(keep - 1, 0) or None]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -17,7 +17,8 @@ from jetflow.run.runner import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["precision.mode=fp32", "train.steps=3", "train.sft_warmup_steps=20", "train.prompts_per_step=4",
-          "rollout.group_size=4", "run.progress=false", "run.tensorboard=false", "run.num_threads=1"]
+          "rollout.group_size=4", "run.progress=false", "run.tensorboard=false", "run.num_threads=1",
+          "eval.num_prompts=0"]
 
 
 def kill_actor_1_at_step_1(monkeypatch) -> dict:
@@ -55,6 +56,28 @@ def test_killed_rollout_actor_loses_no_sample(tmp_path, monkeypatch):
             assert a[key] == b[key], (a["step"], key)
         assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5
         assert a["sync/bytes"] == b["sync/bytes"]
+
+
+def test_rollout_actor_killed_during_a_weight_update_is_restarted_and_sent_it_again(tmp_path, monkeypatch):
+    """Before, the weight update's ray.get raised ActorUnavailableError out of the run (a traceback,
+    the run lost since its last checkpoint); now the restarted actor gets the update again."""
+    import ray
+    calls = {"n": 0}
+    load_weights = ray_run.RayRollout.load_weights
+
+    def kill_one_then_load(self, update):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the update after step 0
+            ray.kill(self.actors[1], no_restart=False)
+        return load_weights(self, update)
+
+    monkeypatch.setattr(ray_run.RayRollout, "load_weights", kill_one_then_load)
+    cfg = load_config(ROOT / "configs/tiny.yaml", [*COMMON, f"run.out_dir={tmp_path}", "run.name=ray",
+                                                   "run.orchestrator=ray", "rollout.num_engines=2", "run.ray_num_cpus=2"])
+    rows = read_metrics(train(cfg))
+    assert calls["n"] == 3 and [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["rollout/actor_restarts_total"] for r in rows] == [0, 1, 1]
+    assert [r["weight_version"] for r in rows] == [1.0, 2.0, 3.0]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -251,3 +251,91 @@ def test_no_checkpoint_replaces_the_last_good_one_during_a_bad_streak(tmp_path, 
     side.trainer.consecutive_bad = 0
     side.save(tmp_path, 4, True)
     assert latest_checkpoint(tmp_path).name == "step_000004"
+
+
+# ---- more cases of our own (results/reliability.md, 12 onwards) ----------------------------------------
+
+
+def test_a_config_file_that_is_not_a_mapping_is_one_line(tmp_path, capsys):
+    """Before: TypeError 'Cannot merge incompatible container types' with a traceback."""
+    (tmp_path / "list.yaml").write_text("- model\n- train\n")
+    assert main(["train", "--config", str(tmp_path / "list.yaml")]) == 2
+    assert "a config is a mapping of sections (model:, train:, ...), got a list" in capsys.readouterr().err
+
+
+def test_a_mapping_override_replaces_the_free_form_params():
+    """Before: `task.params={path: x}` merged into the base config's arithmetic params, so switching a
+    config's task by override was impossible (`unknown option(s) digits, num_operands, style`)."""
+    from jetflow.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", ["task.name=math", "task.params={path: data.jsonl}"])
+    assert cfg.task.params == {"path": "data.jsonl"}
+    assert load_config("configs/tiny.yaml", ["task.params.digits=2"]).task.params["style"] == "plain"  # merges
+    from jetflow.config import ConfigError
+    from jetflow.run.build import build_task
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) digits.*task.params=\{\.\.\.\} replaces"):
+        build_task(load_config("configs/tiny.yaml", ["task.name=countdown"]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.device=cuda"], "model.device=cuda: this torch is a CPU build"),  # before: AssertionError traceback
+    (["train.steps=0", "train.sft_warmup_steps=0"], "the run would do nothing"),  # before: ran nothing, exit 0
+    (["rollout.max_new_tokens=100000"], "responses would pass the model's 128 positions"),  # before: ran silently
+])
+def test_runs_that_cannot_do_what_was_asked_are_refused(tmp_path, capsys, overrides, message):
+    if "cuda" in overrides[0] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = ["train", "--config", "configs/tiny.yaml", f"run.out_dir={tmp_path}", "train.sft_warmup_steps=2",
+            "train.steps=1", "run.progress=false", "run.tensorboard=false", *overrides]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_data_file_that_is_not_utf8_names_its_row(tmp_path):
+    from jetflow.tasks import MathTask
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"question": "1+1", "answer": "2"}\n\xff\xfe\n')
+    with pytest.raises(ValueError, match=r"d.jsonl: row 2: not UTF-8 text"):
+        MathTask(str(path))
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    """Before: a SafetensorError traceback and a .tmp-step directory left behind."""
+    import jetflow.train.checkpoint as ckpt
+
+    model = tiny_decoder()
+    save_checkpoint(tmp_path, 1, model, {}, {"next_step": 1, "sft_done": True})
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    with pytest.raises(CheckpointError, match=r"writing checkpoint step 2 .*No space left on device.*older checkpoints"):
+        save_checkpoint(tmp_path, 2, model, {}, {"next_step": 2, "sft_done": True})
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()] == ["step_000001"]
+    assert latest_checkpoint(tmp_path).name == "step_000001"
+
+
+def test_a_damaged_model_file_or_another_models_tokenizer_is_refused_at_load(make_tiny_hf, tmp_path):
+    """Before: a NaN weight failed later as a NonFiniteError traceback in the FP8 quantizer; a
+    tokenizer with more tokens than the embedding ran silently."""
+    from jetflow.model import load_hf_dir
+    from jetflow.run.build import check_loaded_policy
+
+    _, src = make_tiny_hf("llama")
+    model = load_hf_dir(src)
+
+    class Tok:
+        vocab_size = model.config.vocab_size
+
+    check_loaded_policy(model, Tok(), src)  # an intact pair passes
+    Tok.vocab_size += 7
+    with pytest.raises(CheckpointError, match=r"the tokenizer has \d+ tokens, the model's embedding \d+"):
+        check_loaded_policy(model, Tok(), src)
+    Tok.vocab_size -= 7
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, :2] = float("nan")
+    with pytest.raises(CheckpointError, match=r"weight model.layers.0.mlp.down_proj.weight holds 2 NaN/Inf"):
+        check_loaded_policy(model, Tok(), src)
