@@ -92,6 +92,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if Path(args.out).resolve() == Path(args.model).resolve():
         raise ConfigError(f"jetflow export: --out {args.out} is the source model's directory; the export would "
                           "overwrite its weights: choose another --out")
+    out_dir = Path(args.out)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not args.overwrite:
+        raise ConfigError(f"jetflow export: --out {args.out} is not empty; the export would replace its "
+                          "config.json and weights: choose an empty or new directory, or pass --overwrite")
     model = load_hf_dir(args.model)
     out = export_fp8(model, args.out, cfg.precision.recipe(), tokenizer_dir=args.model)
     print(f"exported FP8 ({cfg.precision.recipe().fingerprint()}) -> {out}")
@@ -172,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="HF dir -> HF dir with FP8 block weights (vLLM / DeepSeek layout)")
     export.add_argument("--model", required=True)
     export.add_argument("--out", required=True)
+    export.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     export.add_argument("--config", default=None, help="YAML whose precision section gives the recipe")
     export.add_argument("overrides", nargs="*", help="key=value overrides, e.g. precision.scale_rule=pow2")
     export.set_defaults(func=_cmd_export)

@@ -117,6 +117,18 @@ def test_export_into_its_own_source_directory_is_refused(tmp_path, capsys):
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
 
 
+def test_export_into_a_non_empty_directory_is_refused_unless_overwrite(tmp_path, capsys):
+    """Before: it replaced whatever config.json and weights the directory held, silently."""
+    save_hf_dir(tiny_decoder(), tmp_path / "m")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text('{"mine": true}')
+    args = ["export", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert (tmp_path / "out" / "config.json").read_text() == '{"mine": true}'
+    assert main([*args, "--overwrite"]) == 0 and (tmp_path / "out" / "model.safetensors").exists()
+
+
 def test_resume_with_a_changed_config_is_refused_unless_allowed_and_then_takes_effect(tmp_path):
     """`run.resume=true` with a changed config ran silently, overwrote config.yaml, and the restored
     scheduler kept the old learning rate."""
