@@ -300,7 +300,9 @@ class RayRollout:
                 return call(actor)
             except self.ray.exceptions.RayActorError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rollout actor {index} did not come back within 120 s") from None
+                    raise RuntimeError(f"rollout actor {index} did not come back within 120 s (Ray restarts an actor "
+                                       f"at most {ACTOR_RESTARTS} times); resume the run (run.resume=true) from its "
+                                       "last checkpoint") from None
                 time.sleep(0.5)
 
     def _recover(self, index: int, chunk: tuple[list, list, bool]) -> Rollouts:
