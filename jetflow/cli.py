@@ -103,9 +103,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from jetflow.config import ConfigError
+    from jetflow.model.sources import resolve_model_dir
     from jetflow.rollout.generate import generate_main
-    generate_main(args.model, args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat, precision=args.precision)
+    source = resolve_model_dir(args.model)  # a directory of no known kind: one CheckpointError line
+    precision = args.precision or ("fp8" if source.quantized else "fp32")  # default: as stored
+    if source.quantized and precision == "fp32":
+        raise ConfigError(f"--precision fp32: {args.model} is an FP8 export; it runs its FP8 weights (--precision "
+                          "fp8, the default) or their bf16 rounding (--precision bf16)")
+    # generate_main applies `precision` on top of what jetflow.model.load returns. An export comes back
+    # running its exported FP8 bytes already; applying fp8 again would requantize them: apply nothing.
+    on_top = "fp32" if source.quantized and precision == "fp8" else precision
+    generate_main(str(source.weights_dir), args.prompts, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                  chat=not args.no_chat, precision=on_top)
     return 0
 
 
@@ -182,14 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_cmd_export)
 
     gen = sub.add_parser("generate", help="prompts in, completions out")
-    gen.add_argument("--model", required=True)
+    gen.add_argument("--model", required=True, help="a Hugging Face directory, a `jetflow export` FP8 directory, "
+                     "a run checkpoint (<run>/checkpoints/step_NNNNNN) or a run directory (its model/, else its "
+                     "newest checkpoint)")
     gen.add_argument("prompts", nargs="+")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp8"])
+    gen.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp8"],
+                     help="GEMM kind of the linears (default: as stored: fp8 with the exported bytes for an FP8 "
+                     "export, else fp32)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.set_defaults(func=_cmd_generate)
     return parser

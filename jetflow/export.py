@@ -1,33 +1,52 @@
-"""`jetflow export`: an HF directory whose linear weights are FP8 blocks in the vLLM / DeepSeek layout.
+"""Models out of jetflow.
 
+`jetflow export`: an HF directory whose linear weights are FP8 blocks in the vLLM / DeepSeek layout.
 Every FP8 linear of the recipe becomes `<m>.weight` float8_e4m3fn + `<m>.weight_scale_inv` float32;
 what the recipe keeps in high precision is written in bf16; config.json gains `quantization_config`.
-vLLM loads such a directory as a block-FP8 checkpoint. The bytes are exactly the trainer's.
+vLLM loads such a directory as a block-FP8 checkpoint, and `jetflow.model.load` loads it back running
+the very same bytes. The bytes are exactly the trainer's.
+
+`write_final_model`: the end of a run, <run>/model/ (HF, bf16) and, under `unified`, <run>/model-fp8/.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from safetensors.torch import save_file
 
-from jetflow.model import Decoder
-from jetflow.precision import FP8Recipe, apply_precision, quantized_weights, to_checkpoint_tensors
+from jetflow.model import ModelConfig
+from jetflow.model.checkpoint import TOKENIZER_FILES  # noqa: F401  (jetflow.run.vllm_side reads it here)
+from jetflow.model.checkpoint import save_hf_weights, write_tokenizer
+from jetflow.model.protocol import ShardedPolicy, hf_weights
+from jetflow.precision import (
+    FP8Recipe,
+    PrecisionMode,
+    QuantizedTensor,
+    apply_precision,
+    fp8_linears,
+    quantized_weights,
+    to_checkpoint_tensors,
+)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja", "char_tokenizer.json")
+FINAL_MODEL_DIR = "model"
+"""<run>/model/: the trained policy as a Hugging Face directory (bf16)."""
+FINAL_FP8_DIR = "model-fp8"
+"""<run>/model-fp8/: its FP8 export (runs under the `unified` mode only)."""
 
 
-def fp8_state_dict(model: Decoder, recipe: FP8Recipe) -> dict[str, torch.Tensor]:
-    """The model's tensors in the FP8 checkpoint layout (applies the recipe if not applied yet)."""
-    if not quantized_weights(model):
-        apply_precision(model, "fp8", recipe, num_layers=model.config.num_layers)
-    quantized = quantized_weights(model)
-    tensors = to_checkpoint_tensors(quantized)
-    for name, tensor in model.state_dict().items():
+def fp8_state_dict(model: nn.Module, recipe: FP8Recipe) -> dict[str, torch.Tensor]:
+    """The model's tensors in the FP8 checkpoint layout. `model`: a Decoder (the recipe is applied to
+    it first unless its FP8 linears run it already) or a ShardedPolicy running `recipe` (a collective
+    under tensor parallelism: every rank calls it)."""
+    tensors = to_checkpoint_tensors(_quantized(model, recipe))
+    for name, tensor in hf_weights(model).items():
         if name in tensors:
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -36,18 +55,70 @@ def fp8_state_dict(model: Decoder, recipe: FP8Recipe) -> dict[str, torch.Tensor]
     return tensors
 
 
-def export_fp8(model: Decoder, out_dir: str | Path, recipe: FP8Recipe, tokenizer_dir: str | Path | None = None) -> Path:
+def _quantized(model: nn.Module, recipe: FP8Recipe) -> dict[str, QuantizedTensor]:
+    """The bytes the model's FP8 linears compute with under `recipe` (a trainer's, a loaded export's)."""
+    if isinstance(model, ShardedPolicy):
+        if getattr(model, "recipe", None) != recipe or getattr(model, "kind", "fp8") != "fp8":
+            raise ValueError(f"the policy's linears do not run recipe {recipe.fingerprint()} in FP8: no bytes "
+                             "to export")
+        return model.quantized_weights()
+    layers = fp8_linears(model)
+    if not layers or any(layer.recipe != recipe for layer in layers.values()):
+        apply_precision(model, "fp8", recipe, num_layers=model.config.num_layers)
+    return quantized_weights(model)
+
+
+def export_fp8(model: nn.Module, out_dir: str | Path, recipe: FP8Recipe, tokenizer_dir=None) -> Path:
+    return write_fp8_dir(fp8_state_dict(model, recipe), model.config, recipe, out_dir, tokenizer_dir)
+
+
+def write_fp8_dir(tensors: dict[str, torch.Tensor], config: ModelConfig, recipe: FP8Recipe, out_dir: str | Path,
+                  tokenizer=None) -> Path:
+    """Write `fp8_state_dict`'s tensors, config.json with `quantization_config`, and the tokenizer
+    (a directory or a jetflow tokenizer)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = fp8_state_dict(model, recipe)
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt", "jetflow_fingerprint": recipe.fingerprint()})
-    config = model.config.to_hf(torch.bfloat16)
-    config["quantization_config"] = recipe.vllm_quantization_config()
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / name
-            if src.exists():
-                shutil.copy(src, out / name)
+    hf = config.to_hf(torch.bfloat16)
+    hf["quantization_config"] = recipe.vllm_quantization_config()
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    write_tokenizer(tokenizer, out)
     return out
+
+
+def write_final_model(run_dir: str | Path, model: nn.Module, tokenizer, mode: str | PrecisionMode,
+                      recipe: FP8Recipe | None = None, is_main: bool = True) -> Path | None:
+    """The trained policy as models a user can take away: <run>/model/ (a Hugging Face directory:
+    bf16 weights, config.json, tokenizer) and, under the `unified` mode, <run>/model-fp8/ (its FP8
+    export: the bytes the trainer computed with, under `recipe`).
+
+    model: the trainer's Decoder, or a ShardedPolicy (Megatron), whose weights are gathered: a
+        collective under tensor parallelism, so every rank calls this and only `is_main` writes.
+    tokenizer: a directory or a jetflow tokenizer (CharTokenizer / Tokenizer).
+    Each directory is written under a temporary name and then renamed into place, so a run killed
+    meanwhile never leaves a half-written model that `jetflow generate --model <run>` would pick up.
+    Returns <run>/model (None where not is_main)."""
+    mode = PrecisionMode(mode)
+    if mode is PrecisionMode.UNIFIED and recipe is None:
+        raise ValueError("write_final_model: the unified mode exports FP8 weights and needs the run's recipe")
+    weights = {name: t.detach().to(torch.bfloat16) for name, t in hf_weights(model).items()}  # gathered
+    fp8 = fp8_state_dict(model, recipe) if mode is PrecisionMode.UNIFIED else None  # gathered too
+    if not is_main:
+        return None
+    run_dir = Path(run_dir)
+    final = _write_dir(run_dir / FINAL_MODEL_DIR, lambda d: save_hf_weights(weights, model.config, d, tokenizer))
+    if fp8 is not None:
+        _write_dir(run_dir / FINAL_FP8_DIR, lambda d: write_fp8_dir(fp8, model.config, recipe, d, tokenizer))
+    return final
+
+
+def _write_dir(final: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` into a fresh temporary sibling of `final`, then put it in `final`'s place."""
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    return final

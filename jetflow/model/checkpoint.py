@@ -4,6 +4,11 @@ A directory holds config.json and either model.safetensors or shards model-0000i
 with model.safetensors.index.json (its "weight_map": tensor name -> shard file). Every problem
 (missing file, unreadable safetensors, missing or unexpected tensor, wrong shape) raises
 CheckpointError naming the file and the tensor.
+
+An FP8 export (`jetflow export`: config.json with `quantization_config`, FP8 linears stored as
+float8_e4m3fn + weight_scale_inv) is a directory of this layout too: `load_hf_dir` loads it with its
+FP8 linears running the exported bytes (`load_fp8_dir`). Which kind of directory a path is (HF, FP8
+export, run checkpoint, run) is decided in one place: `jetflow.model.sources`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,16 @@ from safetensors.torch import save_file
 
 from jetflow.errors import UserError
 from jetflow.model.decoder import Decoder, ModelConfig
+from jetflow.precision import FP8Recipe, apply_precision
+from jetflow.precision.export import (
+    SCALE_SUFFIX,
+    load_quantized_weights,
+    recipe_from_quantization_config,
+    split_quantized,
+)
+from jetflow.precision.recipe import FP8_DTYPES
 
+CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -41,7 +55,30 @@ def read_json(path: Path) -> dict:
 
 def load_config(path: str | Path) -> ModelConfig:
     """ModelConfig from <path>/config.json."""
-    return ModelConfig.from_hf(read_json(Path(path) / "config.json"))
+    return ModelConfig.from_hf(read_json(Path(path) / CONFIG_FILE))
+
+
+def write_config(config: ModelConfig, dtype: torch.dtype, path: str | Path) -> None:
+    """<path>/config.json for weights of `config` stored in `dtype` (what transformers and `load_config` read)."""
+    (Path(path) / CONFIG_FILE).write_text(json.dumps(config.to_hf(dtype), indent=2) + "\n")
+
+
+def write_tokenizer(tokenizer, path: str | Path) -> None:
+    """Put a tokenizer's files into directory `path`. `tokenizer`: a directory (its TOKENIZER_FILES are
+    copied), a jetflow `CharTokenizer` (saved) or `Tokenizer` (the files of the directory it was read
+    from), or None (nothing to write)."""
+    d = Path(path)
+    if tokenizer is None:
+        return
+    if hasattr(tokenizer, "save"):  # CharTokenizer: it is its own file
+        tokenizer.save(d)
+        return
+    src = Path(getattr(tokenizer, "path", tokenizer))  # a Tokenizer knows its directory
+    if src.resolve() == d.resolve():
+        return
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, d / name)
 
 
 def _weight_map(d: Path) -> dict[str, Path]:
@@ -70,11 +107,31 @@ def _keys(file: Path) -> list[str]:
         raise CheckpointError(f"cannot read safetensors file {file}: {e}") from e
 
 
+def _holds_weights(d: Path) -> bool:
+    return (d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()
+
+
+def _read_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype to read tensor `name` in (None: as stored). Float8 bytes and their scales stay as
+    stored: a cast would turn the bytes into values without the scale they need."""
+    if dtype is None or t.dtype in FP8_DTYPES.values() or name.endswith(SCALE_SUFFIX):
+        return None
+    return dtype
+
+
 def load_state_dict_from_dir(path: str | Path, device: str | torch.device = "cpu",
                              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory (single file or sharded), as stored (or cast to dtype),
-    each in a freshly allocated (aligned) tensor."""
+    """All tensors of a checkpoint directory (single file or sharded), as stored (or cast to dtype;
+    float8 tensors and their scales always as stored), each in a freshly allocated (aligned) tensor.
+    `path` may be any model directory `jetflow.model.sources` knows (a run: its final model or newest
+    checkpoint)."""
     d = Path(path)
+    if not _holds_weights(d):
+        from jetflow.model.sources import (
+            resolve_model_dir,  # it reads this module: imported here
+        )
+
+        d = resolve_model_dir(d).weights_dir
     by_file: dict[Path, list[str]] = {}
     for name, file in _weight_map(d).items():
         by_file.setdefault(file, []).append(name)
@@ -88,7 +145,8 @@ def load_state_dict_from_dir(path: str | Path, device: str | torch.device = "cpu
                         raise CheckpointError(f"tensor {name!r} listed in {d / INDEX_FILE} is not in {file}")
                     # a copy in memory we own: safetensors' CPU tensors point into the file buffer at
                     # offsets that are not 64-byte aligned, which made CPU matmuls ~10x slower
-                    out[name] = f.get_tensor(name).to(dtype=dtype, copy=True)
+                    t = f.get_tensor(name)
+                    out[name] = t.to(dtype=_read_dtype(name, t, dtype), copy=True)
         except CheckpointError:
             raise
         except Exception as e:
@@ -100,15 +158,68 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     """A `Decoder` with the weights of a local HF directory, in `dtype` on `device`.
 
     The model is built on the meta device (no random init, no double memory) and the checkpoint
-    tensors are assigned to it. With tied embeddings a stored lm_head.weight is ignored."""
+    tensors are assigned to it. With tied embeddings a stored lm_head.weight is ignored. An FP8
+    export (config.json with `quantization_config`) loads with `load_fp8_dir`."""
     d = Path(path)
-    config = load_config(d)
+    hf = read_json(d / CONFIG_FILE)
+    config = ModelConfig.from_hf(hf)
+    if "quantization_config" in hf:
+        return load_fp8_dir(d, config, export_recipe(d, hf), dtype, device)
+    return load_weights(d, config, dtype, device)
+
+
+def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> Decoder:
+    """A `Decoder` of `config` with the (unquantized) tensors of directory `path`; its config.json is
+    not read (a run checkpoint written before checkpoints carried one is described by its run)."""
+    d = Path(path)
+    files = _weight_map(d)
+    return _assign(d, config, files, load_state_dict_from_dir(d, device=device, dtype=dtype), device)
+
+
+def export_recipe(d: Path, hf: dict) -> FP8Recipe:
+    """The FP8 recipe an export was made under, from its config.json's quantization_config."""
+    try:
+        return recipe_from_quantization_config(hf["quantization_config"])
+    except ValueError as e:
+        raise CheckpointError(f"{d / CONFIG_FILE}: {e}") from None
+
+
+def load_fp8_dir(path: str | Path, config: ModelConfig, recipe: FP8Recipe, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> Decoder:
+    """An FP8 export as a `Decoder` under the recipe's FP8 linears, each computing with the exported
+    bytes and scales as they are (never requantized: `load_quantized_weights`). Their master weights
+    hold the dequantized values in `dtype`, which only a non-FP8 GEMM (another precision applied on
+    top) or a bf16 / fp32 save reads. What the recipe keeps in high precision is stored in bf16 and
+    loads like any HF tensor."""
+    d = Path(path)
+    files = _weight_map(d)
+    stored = load_state_dict_from_dir(d, device=device)  # FP8 bytes, fp32 scales, bf16 others
+    try:
+        quantized, others = split_quantized(stored, recipe.weight_block)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"FP8 export {d}: {e}") from None
+    tensors = {name: t.to(dtype) for name, t in others.items()}
+    for module, q in quantized.items():
+        tensors[f"{module}.weight"] = q.dequantize(dtype)  # (N, K)
+    model = _assign(d, config, {n: f for n, f in files.items() if not n.endswith(SCALE_SUFFIX)}, tensors, device)
+    apply_precision(model, "fp8", recipe, num_layers=config.num_layers)
+    try:
+        load_quantized_weights(model, quantized)
+    except ValueError as e:
+        raise CheckpointError(f"FP8 export {d} does not fit its recipe {recipe.fingerprint()}: {e}") from None
+    return model
+
+
+def _assign(d: Path, config: ModelConfig, files: dict[str, Path], sd: dict[str, torch.Tensor],
+            device: str | torch.device) -> Decoder:
+    """A Decoder of `config` holding the tensors `sd` (read from `files`: name -> file), after checking
+    their names and shapes against it. Built on the meta device: the tensors are assigned, not copied."""
     with torch.device("meta"):
         model = Decoder(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
-    files = _weight_map(d)
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(set(files) - set(expected) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if missing:
@@ -116,31 +227,36 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     if unexpected:
         where = ", ".join(f"{n} (in {files[n].name})" for n in unexpected[:10])
         raise CheckpointError(f"checkpoint {d} has unexpected tensors for {config.architecture}: {where}")
-    sd = load_state_dict_from_dir(d, device=device, dtype=dtype)
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     for name, t in sd.items():
         if t.shape != expected[name]:
             raise CheckpointError(f"tensor {name!r} in {files[name]} has shape {tuple(t.shape)}, "
-                                  f"expected {tuple(expected[name])} from {d / 'config.json'}")
+                                  f"expected {tuple(expected[name])} from {d / CONFIG_FILE}")
     model.load_state_dict(sd, strict=False, assign=True)
     model.tie_weights()
     model.to(device)  # the parameters are there already; this moves the RoPE buffer
     return model.eval()
 
 
-def save_hf_dir(model: Decoder, path: str | Path, tokenizer_dir: str | Path | None = None,
+def save_hf_dir(model: Decoder, path: str | Path, tokenizer_dir=None,
                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write config.json + safetensors (sharded with an index above max_shard_bytes) that both
     `load_hf_dir` and transformers' `from_pretrained` read. Tokenizer files found in tokenizer_dir
-    are copied along. Returns the directory."""
+    (or a jetflow tokenizer's, see `write_tokenizer`) are copied along. Returns the directory."""
+    return save_hf_weights(model.state_dict(), model.config, path, tokenizer_dir, max_shard_bytes)
+
+
+def save_hf_weights(state_dict: dict[str, torch.Tensor], config: ModelConfig, path: str | Path, tokenizer=None,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """`save_hf_dir` for HF-named tensors of `config` (a Decoder's state dict, a sharded policy's gathered
+    weights); config.json names the embedding's dtype."""
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
+    sd = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # as HF does: shared storage cannot be saved twice anyway
-    dtype = model.model.embed_tokens.weight.dtype
-    (d / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2) + "\n")
+    write_config(config, sd["model.embed_tokens.weight"].dtype, d)
 
     for old in list(d.glob("model*.safetensors")) + [d / INDEX_FILE]:
         old.unlink(missing_ok=True)  # leftovers of an earlier save would shadow this one
@@ -166,9 +282,5 @@ def save_hf_dir(model: Decoder, path: str | Path, tokenizer_dir: str | Path | No
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (d / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
-    if tokenizer_dir is not None:
-        src = Path(tokenizer_dir)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file() and src.resolve() != d.resolve():
-                shutil.copy2(src / name, d / name)
+    write_tokenizer(tokenizer, d)
     return d

@@ -24,7 +24,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from jetflow.model.checkpoint import CheckpointError
+from jetflow.model.checkpoint import CheckpointError, write_config, write_tokenizer
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 
 
@@ -39,16 +39,20 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
-                    keep: int = 2, model_state: dict[str, torch.Tensor] | None = None) -> Path:
+                    keep: int = 2, model_state: dict[str, torch.Tensor] | None = None, hf_config: bool = False,
+                    tokenizer=None) -> Path:
     """`model_state`: the weights to write when the caller gathered them already (tensor parallelism:
-    a collective every rank joins before rank 0 writes); default: the model's own."""
+    a collective every rank joins before rank 0 writes); default: the model's own.
+    `hf_config`: also write the model's config.json, and `tokenizer` (a directory or a jetflow
+    tokenizer) its files, so that the checkpoint directory describes itself: `jetflow generate --model
+    <it>` and transformers read it as a Hugging Face directory. Like every file, they are in the manifest."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_checkpoint_files(tmp, step, model, trainer_state, state, model_state)
+        _write_checkpoint_files(tmp, step, model, trainer_state, state, model_state, hf_config, tokenizer)
     except (OSError, SafetensorError) as e:  # a full disk, a quota, a lost mount: the older checkpoints stay
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing checkpoint step {step} into {root} failed ({e}); older checkpoints are "
@@ -62,13 +66,17 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
 
 
 def _write_checkpoint_files(tmp: Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
-                            model_state: dict[str, torch.Tensor] | None) -> None:
+                            model_state: dict[str, torch.Tensor] | None, hf_config: bool = False,
+                            tokenizer=None) -> None:
     tmp.mkdir()
     state_dict = model_state if model_state is not None else checkpoint_weights(model)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied: the embedding is the one copy
     save_file(tensors, str(tmp / "model.safetensors"))
+    if hf_config:
+        write_config(model.config, tensors["model.embed_tokens.weight"].dtype, tmp)
+    write_tokenizer(tokenizer, tmp)
     torch.save(trainer_state, tmp / "trainer.pt")
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
