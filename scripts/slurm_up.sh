@@ -37,7 +37,7 @@ SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 SlurmUser=root
 AuthType=auth/munge
-AuthInfo=socket=$DIR/munge.socket
+AuthInfo=socket=$DIR/munge.socket,cred_expire=10
 CredType=cred/munge
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool

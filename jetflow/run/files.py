@@ -7,7 +7,9 @@
     tensorboard/                event files (run.tensorboard)
     checkpoints/                step_NNNNNN/ + latest (jetflow.train.checkpoint)
     vllm_engine*/, rollout_engine*/   checkpoints the vLLM engines start from
-    summary.json + COMPLETE     written only when the run finished
+    model/, model-fp8/          the trained policy as a Hugging Face directory (bf16) and, under
+                                `unified`, its FP8 export (written at the end, from the final checkpoint)
+    summary.json + COMPLETE     written only when the run finished (COMPLETE last)
     STOPPED                     the run stopped on a signal (SIGTERM / SIGINT / SIGUSR1), resumable
     LOCK                        while a run is in it: the owner's pid and host
     error.txt                   the traceback of a failed ablation cell (jetflow.ablate)
@@ -179,6 +181,13 @@ def held_out_summary(eval_rows: list[dict]) -> dict:
     return {"heldout_pass1_start": first["eval/pass@1"], "heldout_pass1_end": last["eval/pass@1"],
             "heldout_reward_start": first["eval/reward"], "heldout_reward_end": last["eval/reward"],
             "heldout_prompts": int(last["eval/num_prompts"])}
+
+
+def write_final_model(run_dir: Path, checkpoint: Path, cfg: Config) -> None:
+    """<run>/model (and <run>/model-fp8 under unified) from the final checkpoint (self-describing)."""
+    from jetflow.export import write_final_model as write
+    from jetflow.model import load, load_tokenizer
+    write(run_dir, load(checkpoint), load_tokenizer(checkpoint), cfg.precision.mode, cfg.precision.recipe())
 
 
 def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_parallel_size: int = 1) -> dict:

@@ -63,6 +63,7 @@ class RLLoop:
                                          and self.correction in ROW_LOCAL)
         self.last_experience: Experience | None = None
         self._eval_problems: list[Problem] | None = None  # the held-out problems, drawn once
+        self._eval_sync: dict[str, float] | None = None  # an evaluation's weight update, reported by the next step
 
     def sync(self) -> dict[str, float]:
         """Hand the trainer's current weights to the rollout side unless it already has them (a
@@ -92,7 +93,7 @@ class RLLoop:
         t0 = time.perf_counter()
         if self.kv_quantizer is not None and not self.kv_quantizer.calibrated:
             self._calibrate_kv(prompts)  # before the first step: scales from the evaluation's prompts
-        self.sync()
+        self._eval_sync = self.sync()  # reported with the next step, which then finds the weights in place
         correct = reward = 0.0
         if prompts:
             out = self.rollout.generate(prompts, [0] * len(prompts), greedy=True)
@@ -113,7 +114,11 @@ class RLLoop:
         prompts = [self.encode_prompt(p) for p in problems for _ in range(group)]
         if self.kv_quantizer is not None and not self.kv_quantizer.calibrated:
             self._calibrate_kv(prompts[::group])
-        metrics.update(self.sync())
+        synced = self.sync()
+        if self._eval_sync is not None and not synced["sync/bytes"]:
+            synced = self._eval_sync  # this step's weights went over for the evaluation before it
+        self._eval_sync = None
+        metrics.update(synced)
 
         # Rollout: each prompt group_size times.
         first = mine.start * group  # seeds follow the global request index: any rank count samples alike

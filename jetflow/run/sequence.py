@@ -11,7 +11,8 @@ from typing import Callable, Protocol
 
 from jetflow.config import Config
 from jetflow.metrics_log import MetricsLogger
-from jetflow.run.files import append_position_curve, mark_stopped, truncate_metrics, write_summary
+from jetflow.run.files import (append_position_curve, mark_stopped, truncate_metrics, write_final_model,
+                               write_summary)
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RunStopped, StopRequests
 from jetflow.train.checkpoint import latest_checkpoint
@@ -80,7 +81,8 @@ def _run(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: i
             stopped.resumes_at = mark_stopped(run_dir, stopped.signame, stopped.stopped_at)
         raise
     placement.save(cfg.train.steps, sft_done)
-    if placement.is_main:
+    if placement.is_main:  # from the final checkpoint: the same for every placement
+        write_final_model(run_dir, latest_checkpoint(run_dir), cfg)
         write_summary(run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
     placement.barrier()
 

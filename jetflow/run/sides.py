@@ -93,7 +93,7 @@ class TrainerSide:
         trainer_state = gather_trainer_state(self.model, self.state())
         if self.dp.is_main:
             save_checkpoint(run_dir, step, self.model, trainer_state, {"next_step": step, "sft_done": sft_done},
-                            model_state=weights)
+                            model_state=weights, hf_config=True, tokenizer=self.tokenizer)  # self-describing
         self.dp.barrier()
 
     def supervised_warmup(self) -> list[dict]:

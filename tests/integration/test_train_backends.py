@@ -111,7 +111,7 @@ def test_vllm_rollout_unified_ships_the_trainers_fp8_bytes(tmp_path):
 
 @needs_megatron
 def test_megatron_backend_fp32_losses_equal_native(tmp_path):
-    common = ["precision.mode=fp32", "algo.ppo_epochs=2"]
+    common = ["precision.mode=fp32", "algo.ppo_epochs=2", "eval.num_prompts=0"]  # the problems its 1e-4 was set on
     _, meg, _ = cli_train(tmp_path, "megatron", "train.backend=megatron", *common)
     _, nat, _ = cli_train(tmp_path, "native", *common)
     assert [r["step"] for r in meg] == [r["step"] for r in nat] == [0, 1]

@@ -173,3 +173,12 @@ def test_evaluation_shares_the_prompts_unevenly_over_ranks_and_sums():
         assert engine.calls[1][1] == [[ord("q"), ord(str(i))] for i in expected]
         assert loop.dp.seen["correct"] == sum(i % 2 == 0 for i in range(len(expected)))
         assert m["eval/pass@1"] == 2 * loop.dp.seen["correct"] / 5
+
+
+def test_a_step_after_an_evaluation_reports_the_weight_update_the_evaluation_made():
+    _, loop, engine, _ = make_loop("unified", "algo.old_logprobs=recompute")
+    loop.evaluate()  # sends version 0
+    m = loop.step(0)  # finds version 0 in place, but reports its sending
+    assert [c for c in engine.calls if c[0] == "load_weights"] == [("load_weights", 0)]
+    assert m["sync/bytes"] == 12.0
+    assert loop.step(1)["sync/bytes"] == 12.0  # its own update (version 1)
