@@ -104,7 +104,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from jetflow.config import ConfigError
-    from jetflow.model.sources import resolve_model_dir
+    from jetflow.run.sources import load_model, load_model_tokenizer, resolve_model_dir
     from jetflow.rollout.generate import generate_main
     source = resolve_model_dir(args.model)  # a directory of no known kind: one CheckpointError line
     precision = args.precision or ("fp8" if source.quantized else "fp32")  # default: as stored
@@ -114,9 +114,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     # generate_main applies `precision` on top of what jetflow.model.load returns. An export comes back
     # running its exported FP8 bytes already; applying fp8 again would requantize them: apply nothing.
     on_top = "fp32" if source.quantized and precision == "fp8" else precision
-    generate_main(str(source.weights_dir), args.prompts, max_new_tokens=args.max_new_tokens,
+    generate_main(args.model, args.prompts, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                  chat=not args.no_chat, precision=on_top)
+                  chat=not args.no_chat, precision=on_top, load=(load_model, load_model_tokenizer))
     return 0
 
 

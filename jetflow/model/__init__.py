@@ -3,8 +3,9 @@
     model = jetflow.model.load("path/to/dir", precision=None, dtype=torch.float32, device="cpu")
     logits = model(input_ids)                          # (B, T, V)
 
-`load` and `load_tokenizer` take any model directory (jetflow.model.sources): a Hugging Face
-directory, a `jetflow export` FP8 directory (loaded running its FP8 bytes), a run checkpoint or a run.
+`load` takes a directory holding config.json + safetensors: a Hugging Face directory, a `jetflow
+export` FP8 directory (loaded running its FP8 bytes) or a run checkpoint (they carry config.json). A run
+directory, or an older checkpoint without config.json, loads through `jetflow.run.sources.load_model`.
 """
 
 from __future__ import annotations
@@ -22,20 +23,21 @@ from jetflow.model.checkpoint import (
 )
 from jetflow.model.decoder import SUPPORTED, Decoder, ModelConfig, UnsupportedModelError
 from jetflow.model.kv_cache import KVCache
-from jetflow.model.sources import ModelSource, load_tokenizer, resolve_model_dir
-from jetflow.model.tokenizer import CharTokenizer, Tokenizer
+from jetflow.model.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
 
 def load(path: str | Path, precision=None, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu", **precision_kwargs) -> Decoder:
-    """Load a Decoder from a model directory (`resolve_model_dir`); if `precision` is given (e.g. "bf16",
-    or "fp8" with recipe=...), apply it with `jetflow.precision.apply_precision(model, precision,
-    **precision_kwargs)`, which swaps the nn.Linear modules by name.
+    """Load a Decoder from a model directory (config.json + safetensors); if `precision` is given (e.g.
+    "bf16", or "fp8" with recipe=...), apply it (`with_precision`)."""
+    return with_precision(load_hf_dir(path, dtype=dtype, device=device), precision, **precision_kwargs)
 
-    An FP8 export loads with its FP8 linears running the exported bytes (precision=None). Asked for
-    "fp8" under its own recipe (or no recipe) it keeps those bytes; any other precision or recipe is
-    applied to its dequantized weights."""
-    model = resolve_model_dir(path).load(dtype, device)
+
+def with_precision(model: Decoder, precision=None, **precision_kwargs) -> Decoder:
+    """`jetflow.precision.apply_precision(model, precision, **precision_kwargs)`, which swaps the
+    nn.Linear modules by name. An FP8 export loads with its FP8 linears running the exported bytes
+    (precision=None). Asked for "fp8" under its own recipe (or no recipe) it keeps those bytes; any
+    other precision or recipe is applied to its dequantized weights."""
     if precision is None:
         if precision_kwargs:
             raise TypeError(f"load(): {sorted(precision_kwargs)} given without precision")
@@ -66,7 +68,7 @@ def _exported_bytes(model: Decoder, precision: str, precision_kwargs: dict) -> d
 
 
 __all__ = [
-    "SUPPORTED", "CheckpointError", "CharTokenizer", "Decoder", "KVCache", "ModelConfig", "ModelSource", "Tokenizer",
+    "SUPPORTED", "CheckpointError", "CharTokenizer", "Decoder", "KVCache", "ModelConfig", "Tokenizer",
     "UnsupportedModelError", "load", "load_config", "load_hf_dir", "load_state_dict_from_dir",
-    "load_tokenizer", "resolve_model_dir", "save_hf_dir",
+    "load_tokenizer", "save_hf_dir", "with_precision",
 ]

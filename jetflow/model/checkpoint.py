@@ -8,7 +8,7 @@ CheckpointError naming the file and the tensor.
 An FP8 export (`jetflow export`: config.json with `quantization_config`, FP8 linears stored as
 float8_e4m3fn + weight_scale_inv) is a directory of this layout too: `load_hf_dir` loads it with its
 FP8 linears running the exported bytes (`load_fp8_dir`). Which kind of directory a path is (HF, FP8
-export, run checkpoint, run) is decided in one place: `jetflow.model.sources`.
+export, run checkpoint, run) is decided in one place: `jetflow.run.sources`.
 """
 
 from __future__ import annotations
@@ -107,9 +107,6 @@ def _keys(file: Path) -> list[str]:
         raise CheckpointError(f"cannot read safetensors file {file}: {e}") from e
 
 
-def _holds_weights(d: Path) -> bool:
-    return (d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()
-
 
 def _read_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype | None:
     """The dtype to read tensor `name` in (None: as stored). Float8 bytes and their scales stay as
@@ -123,15 +120,8 @@ def load_state_dict_from_dir(path: str | Path, device: str | torch.device = "cpu
                              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (single file or sharded), as stored (or cast to dtype;
     float8 tensors and their scales always as stored), each in a freshly allocated (aligned) tensor.
-    `path` may be any model directory `jetflow.model.sources` knows (a run: its final model or newest
-    checkpoint)."""
+    """
     d = Path(path)
-    if not _holds_weights(d):
-        from jetflow.model.sources import (
-            resolve_model_dir,  # it reads this module: imported here
-        )
-
-        d = resolve_model_dir(d).weights_dir
     by_file: dict[Path, list[str]] = {}
     for name, file in _weight_map(d).items():
         by_file.setdefault(file, []).append(name)

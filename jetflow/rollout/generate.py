@@ -22,17 +22,21 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                   top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = True, precision: str = "fp32",
-                  device: str | None = None, print_output: bool = True) -> list[str]:
+                  device: str | None = None, print_output: bool = True, load=None) -> list[str]:
     """Generate a completion for each prompt and print it. `chat` renders each prompt as one user
     message with the tokenizer's chat template (when it has one). `precision` is the linear kind
-    applied to the model: fp32, bf16 or fp8 (the FP8 recipe, emulated on the CPU)."""
-    from jetflow.model import load, load_tokenizer
+    applied to the model: fp32, bf16 or fp8 (the FP8 recipe, emulated on the CPU). `load`: a pair of
+    functions (model loader, tokenizer loader) for directories jetflow.model.load does not read (a run)."""
+    from jetflow.model import load as load_model, load_tokenizer
     from jetflow.precision import FP8Recipe, apply_precision
+
+    if load is not None:
+        load_model, load_tokenizer = load
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: valid precisions are {PRECISIONS}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load(model_path, device=dev).eval()
+    model = load_model(model_path, device=dev).eval()
     if precision != "fp32":
         apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None)
     tok = load_tokenizer(model_path)

@@ -172,27 +172,16 @@ def append_position_curve(run_dir: Path, step: int, exp) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def held_out_summary(eval_rows: list[dict]) -> dict:
-    """Held-out pass@1 and reward before the first RL step and after the last (absent without
-    evaluation)."""
-    if not eval_rows:
-        return {}
-    first, last = eval_rows[0], eval_rows[-1]
-    return {"heldout_pass1_start": first["eval/pass@1"], "heldout_pass1_end": last["eval/pass@1"],
-            "heldout_reward_start": first["eval/reward"], "heldout_reward_end": last["eval/reward"],
-            "heldout_prompts": int(last["eval/num_prompts"])}
-
-
 def write_final_model(run_dir: Path, checkpoint: Path, cfg: Config) -> None:
     """<run>/model (and <run>/model-fp8 under unified) from the final checkpoint (self-describing)."""
     from jetflow.export import write_final_model as write
-    from jetflow.model import load, load_tokenizer
-    write(run_dir, load(checkpoint), load_tokenizer(checkpoint), cfg.precision.mode, cfg.precision.recipe())
+    from jetflow.model import load_hf_dir, load_tokenizer
+    write(run_dir, load_hf_dir(checkpoint), load_tokenizer(checkpoint), cfg.precision.mode, cfg.precision.recipe())
 
 
 def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_parallel_size: int = 1) -> dict:
     """summary.json from the RL rows of metrics.jsonl, then COMPLETE (the run is finished)."""
-    rows = read_metrics(run_dir)
+    rows, evals = read_metrics(run_dir), read_metrics(run_dir, phase="eval")
     rewards = [r["reward/mean"] for r in rows]
     k = min(3, len(rewards))
     summary = {
@@ -204,7 +193,10 @@ def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_paral
         "mismatch_kl_k3_mean": sum(r["mismatch/kl_k3"] for r in rows) / max(len(rows), 1),
         "mismatch_kl_k3_max": max((r["mismatch/kl_k3"] for r in rows), default=0.0),
         "step_time_mean": sum(r["time/step"] for r in rows) / max(len(rows), 1),
-        **held_out_summary(read_metrics(run_dir, phase="eval")),
+        # held-out pass@1 and reward before the first RL step and after the last (without evaluation: none)
+        **({"heldout_pass1_start": evals[0]["eval/pass@1"], "heldout_pass1_end": evals[-1]["eval/pass@1"],
+            "heldout_reward_start": evals[0]["eval/reward"], "heldout_reward_end": evals[-1]["eval/reward"],
+            "heldout_prompts": int(evals[-1]["eval/num_prompts"])} if evals else {}),
         "skipped_steps": skipped_steps,
         "data_parallel_size": data_parallel_size,
         "config": to_dict(cfg),

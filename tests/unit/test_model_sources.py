@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import jetflow.model as jm
 import jetflow.precision.linear as precision_linear
 from jetflow.cli import main
 from jetflow.export import FINAL_FP8_DIR, FINAL_MODEL_DIR, export_fp8, write_final_model
-from jetflow.model import CheckpointError, resolve_model_dir, save_hf_dir
+from jetflow.model import CheckpointError, save_hf_dir
+from jetflow.run.sources import load_model, load_model_tokenizer, resolve_model_dir
 from jetflow.precision import FP8Recipe, apply_precision, fp8_linears
 from jetflow.rollout.engine import RolloutEngine, SamplingParams
 from jetflow.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint
@@ -42,11 +42,11 @@ def run_dir(tmp_path_factory):
 def hf_dir(run_dir, tmp_path_factory):
     """The run's policy as an HF directory with every weight on the bf16 grid, so that its FP8 export
     (bf16 for what stays in high precision) loses nothing but the FP8 rounding."""
-    model = jm.load(run_dir)
+    model = load_model(run_dir)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
-    return save_hf_dir(model, tmp_path_factory.mktemp("hf") / "m", tokenizer_dir=jm.load_tokenizer(run_dir))
+    return save_hf_dir(model, tmp_path_factory.mktemp("hf") / "m", tokenizer_dir=load_model_tokenizer(run_dir))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def odd_export(export_dir, tmp_path_factory):
     tensors[f"{name}.weight"] = (tensors[f"{name}.weight"].float() / 2).to(torch.float8_e4m3fn)
     tensors[f"{name}.weight_scale_inv"] = tensors[f"{name}.weight_scale_inv"] * 2
     save_file(tensors, str(odd / "model.safetensors"), metadata={"format": "pt"})
-    requantized = quantize_weight(jm.load(odd, precision="bf16").get_submodule(name).weight.detach())
+    requantized = quantize_weight(load_model(odd, precision="bf16").get_submodule(name).weight.detach())
     assert not torch.equal(requantized.data.view(torch.uint8), tensors[f"{name}.weight"].view(torch.uint8))
     return odd
 
@@ -154,7 +154,7 @@ def assert_same_safetensors(a, b):
 def test_an_export_loads_running_its_exported_bytes(hf_dir, export_dir, fp8_gemm_weights):
     """Before, loading an export failed on `unexpected tensors ... weight_scale_inv`."""
     assert resolve_model_dir(export_dir).kind == "fp8-export"
-    model = jm.load(export_dir)
+    model = load_model(export_dir)
     layers = fp8_linears(model)
     assert len(layers) == 14  # q k v o gate up down x 2 layers; lm_head (tied embedding) stays bf16
     logits = model(IDS)
@@ -162,18 +162,18 @@ def test_an_export_loads_running_its_exported_bytes(hf_dir, export_dir, fp8_gemm
     assert_exported_bytes(fp8_gemm_weights, export_dir, 14)
 
     # the trainer's forward under the same recipe: the same bytes, so the same logits bit for bit
-    trainer = apply_precision(jm.load(hf_dir), "fp8", FP8Recipe())
+    trainer = apply_precision(load_model(hf_dir), "fp8", FP8Recipe())
     assert torch.equal(trainer(IDS), logits)
-    assert not torch.equal(jm.load(hf_dir)(IDS), logits)  # (FP8 took effect)
+    assert not torch.equal(load_model(hf_dir)(IDS), logits)  # (FP8 took effect)
     # asked for fp8 under its own recipe, it keeps the bytes; another precision runs the dequantized weights
-    assert torch.equal(jm.load(export_dir, precision="fp8")(IDS), logits)
-    bf16 = jm.load(export_dir, precision="bf16")
+    assert torch.equal(load_model(export_dir, precision="fp8")(IDS), logits)
+    bf16 = load_model(export_dir, precision="bf16")
     assert not fp8_linears(bf16) and (bf16(IDS) - logits).abs().max() < 0.1 * logits.abs().max()
 
 
 @torch.no_grad()
 def test_bytes_are_used_as_stored_even_where_requantizing_would_change_them(odd_export, fp8_gemm_weights):
-    jm.load(odd_export)(IDS)
+    load_model(odd_export)(IDS)
     assert_exported_bytes(fp8_gemm_weights, odd_export, 14)
 
 
@@ -185,14 +185,14 @@ def test_a_damaged_export_is_one_clear_error(export_dir, tmp_path):
     del tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"]
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"q_proj.weight is float8 but has no weight_scale_inv"):
-        jm.load(bad)
+        load_model(bad)
 
     other = shutil.copytree(export_dir, tmp_path / "awq")
     config = json.loads((other / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"config.json: quantization_config .*awq.* is not block FP8"):
-        jm.load(other)
+        load_model(other)
 
     relabeled = shutil.copytree(export_dir, tmp_path / "relabeled")  # a recipe that keeps layer 0 in bf16
     config = json.loads((relabeled / "config.json").read_text())
@@ -201,20 +201,20 @@ def test_a_damaged_export_is_one_clear_error(export_dir, tmp_path):
     (relabeled / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"does not fit its recipe .*FP8 weights are stored for "
                                               r"\['model.layers.0"):
-        jm.load(relabeled)
+        load_model(relabeled)
 
 
 def test_export_load_export_reproduces_the_files(export_dir, tmp_path):
     recipe = FP8Recipe()
     assert main(["export", "--model", str(export_dir), "--out", str(tmp_path / "cli")]) == 0
-    export_fp8(jm.load(export_dir), tmp_path / "api", recipe, tokenizer_dir=export_dir)
+    export_fp8(load_model(export_dir), tmp_path / "api", recipe, tokenizer_dir=export_dir)
     for again in (tmp_path / "cli", tmp_path / "api"):
         for name in ("config.json", "char_tokenizer.json"):
             assert (again / name).read_bytes() == (export_dir / name).read_bytes(), (again, name)
         assert_same_safetensors(again / "model.safetensors", export_dir / "model.safetensors")
     # under another recipe the export requantizes (and says so in its config), it does not relabel the bytes
     pow2 = FP8Recipe(scale_rule="pow2")
-    other = load_file(export_fp8(jm.load(export_dir), tmp_path / "pow2", pow2) / "model.safetensors")
+    other = load_file(export_fp8(load_model(export_dir), tmp_path / "pow2", pow2) / "model.safetensors")
     scales = other["model.layers.0.mlp.up_proj.weight_scale_inv"]
     assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))  # powers of two now
     qc = json.loads((tmp_path / "pow2" / "config.json").read_text())["quantization_config"]
@@ -225,8 +225,8 @@ def test_generate_from_an_export_runs_fp8_with_the_exported_bytes(hf_dir, export
                                                                   fp8_gemm_weights):
     texts = cli_generate(export_dir, capsys)
     assert_exported_bytes(fp8_gemm_weights, export_dir, 14)  # the default precision of an export: its FP8
-    trainer = apply_precision(jm.load(hf_dir), "fp8", FP8Recipe())
-    assert texts == greedy(trainer, jm.load_tokenizer(hf_dir)) and len(texts) == 2
+    trainer = apply_precision(load_model(hf_dir), "fp8", FP8Recipe())
+    assert texts == greedy(trainer, load_model_tokenizer(hf_dir)) and len(texts) == 2
     assert cli_generate(export_dir, capsys, "--precision", "fp8") == texts
     fp8_gemm_weights.clear()
     cli_generate(odd_export, capsys)
@@ -250,12 +250,12 @@ def test_generate_from_a_run_and_from_its_checkpoint(run_dir, tmp_path, capsys):
     source = resolve_model_dir(run)
     assert (source.kind, source.weights_dir, source.run_dir) == ("checkpoint", newest, run.resolve())
 
-    model = jm.load(run)
+    model = load_model(run)
     stored = load_file(newest / "model.safetensors")
     assert set(stored) == set(model.state_dict()) - {"lm_head.weight"}  # tied
     for name, t in stored.items():
         assert torch.equal(model.state_dict()[name], t), name
-    assert not torch.equal(jm.load(run / "checkpoints" / "step_000000")(IDS), model(IDS))  # the newest, not any
+    assert not torch.equal(load_model(run / "checkpoints" / "step_000000")(IDS), model(IDS))  # the newest, not any
 
     from jetflow.config import load_config
     from jetflow.run.build import build_task, build_tiny
@@ -271,13 +271,13 @@ def test_generate_from_a_run_and_from_its_checkpoint(run_dir, tmp_path, capsys):
 
 def test_a_self_describing_checkpoint_loads_without_its_run(run_dir, tmp_path, capsys):
     """save_checkpoint(hf_config=True, tokenizer=...) writes config.json and the tokenizer, in the manifest."""
-    model, tok = jm.load(run_dir), jm.load_tokenizer(run_dir)
+    model, tok = load_model(run_dir), load_model_tokenizer(run_dir)
     ckpt = save_checkpoint(tmp_path / "elsewhere", 3, model, {}, {"next_step": 3, "sft_done": True}, hf_config=True,
                            tokenizer=tok)
     manifest = json.loads((ckpt / MANIFEST).read_text())
     assert {"config.json", "char_tokenizer.json", "model.safetensors", "state.json"} <= set(manifest)
     assert resolve_model_dir(ckpt).run_dir is None  # nothing around it to ask
-    assert torch.equal(jm.load(ckpt)(IDS), model(IDS))
+    assert torch.equal(load_model(ckpt)(IDS), model(IDS))
     assert cli_generate(ckpt, capsys) == greedy(model, tok)
 
 
@@ -302,9 +302,9 @@ def test_final_model_is_an_hf_directory_and_its_fp8_export(run_dir, tmp_path, ca
     master = side.model.state_dict()
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, master[n].bfloat16()) for n, t in stored.items())
     hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
-    ours = jm.load(final)
+    ours = load_model(final)
     assert (hf(IDS).logits - ours(IDS)).abs().max().item() <= 1e-5
-    assert jm.load_tokenizer(final).alphabet == side.tokenizer.alphabet
+    assert load_model_tokenizer(final).alphabet == side.tokenizer.alphabet
 
     # model-fp8: the bytes the trainer computed with
     exported = load_file(run / FINAL_FP8_DIR / "model.safetensors")
@@ -316,12 +316,12 @@ def test_final_model_is_an_hf_directory_and_its_fp8_export(run_dir, tmp_path, ca
 
     # the run now resolves to its final model
     assert resolve_model_dir(run).weights_dir == final
-    assert torch.equal(jm.load(run)(IDS), ours(IDS))
+    assert torch.equal(load_model(run)(IDS), ours(IDS))
     assert cli_generate(run, capsys) == greedy(ours, side.tokenizer)
 
     # written on a driver that holds no trainer (a Ray run), from the final checkpoint: the same files
     driver = tmp_path / "driver"
-    write_final_model(driver, jm.load(latest_checkpoint(run)), jm.load_tokenizer(run), "unified",
+    write_final_model(driver, load_model(latest_checkpoint(run)), load_model_tokenizer(run), "unified",
                       cfg.precision.recipe())
     for name in (FINAL_MODEL_DIR, FINAL_FP8_DIR):
         assert_same_safetensors(driver / name / "model.safetensors", run / name / "model.safetensors")
@@ -341,23 +341,23 @@ def test_a_directory_of_no_known_kind_is_one_clear_error(run_dir, tmp_path, caps
     (tmp_path / "notes" / "readme.txt").write_text("hi")
     expected = r"is not a model directory: expected a Hugging Face directory .*FP8.*run checkpoint.*run directory"
     with pytest.raises(CheckpointError, match=expected):
-        jm.load(tmp_path / "notes")
+        load_model(tmp_path / "notes")
     assert main(["generate", "--model", str(tmp_path / "notes"), "x"]) == 2
     err = capsys.readouterr().err
     assert re.search(expected, err) and len(err.strip().splitlines()) == 1
     with pytest.raises(CheckpointError, match="does not exist: expected a Hugging Face directory"):
-        jm.load(tmp_path / "nowhere")
+        load_model(tmp_path / "nowhere")
 
     empty_run = tmp_path / "empty_run"
     empty_run.mkdir()
     shutil.copy(run_dir / "config.yaml", empty_run / "config.yaml")
     with pytest.raises(CheckpointError, match="has no model/ and no checkpoint yet"):
-        jm.load(empty_run)
+        load_model(empty_run)
 
     orphan = tmp_path / "orphan"  # an older checkpoint taken out of its run
     shutil.copytree(older_run(run_dir, tmp_path / "older") / "checkpoints" / "step_000002", orphan)
     with pytest.raises(CheckpointError, match=r"has no config.json .* no run config .*config.yaml"):
-        jm.load(orphan)
+        load_model(orphan)
 
 
 @torch.no_grad()
@@ -369,8 +369,8 @@ def test_final_model_of_a_megatron_policy(hf_dir, tmp_path):
     from jetflow.train.megatron import MegatronPolicy
 
     recipe = FP8Recipe()
-    policy = MegatronPolicy.from_decoder(jm.load(hf_dir), kind="fp8", recipe=recipe, gemm_backend="emulate")
-    final = write_final_model(tmp_path, policy, jm.load_tokenizer(hf_dir), "unified", recipe)
+    policy = MegatronPolicy.from_decoder(load_model(hf_dir), kind="fp8", recipe=recipe, gemm_backend="emulate")
+    final = write_final_model(tmp_path, policy, load_model_tokenizer(hf_dir), "unified", recipe)
     stored = load_file(final / "model.safetensors")
     for name, t in policy.hf_state_dict().items():
         if name in stored:
@@ -381,4 +381,4 @@ def test_final_model_of_a_megatron_policy(hf_dir, tmp_path):
     for name, q in quantized.items():
         assert torch.equal(exported[f"{name}.weight"].view(torch.uint8), q.data.view(torch.uint8)), name
         assert torch.equal(exported[f"{name}.weight_scale_inv"], q.scale_inv), name
-    assert torch.equal(jm.load(tmp_path / FINAL_FP8_DIR)(IDS), jm.load(hf_dir, precision="fp8", recipe=recipe)(IDS))
+    assert torch.equal(load_model(tmp_path / FINAL_FP8_DIR)(IDS), load_model(hf_dir, precision="fp8", recipe=recipe)(IDS))

@@ -11,8 +11,9 @@
     run         <run.out_dir>/<run.name>/ (config.yaml): its final model/ (`jetflow.export.
                 write_final_model`) if written, else its newest intact checkpoint
 
-`jetflow.model.load`, `jetflow.model.load_tokenizer` and `jetflow generate --model` all go through
-`resolve_model_dir`; a directory of none of these kinds is one CheckpointError saying what was expected.
+`load_model`, `load_model_tokenizer` and `jetflow generate --model` go through `resolve_model_dir`;
+a directory of none of these kinds is one CheckpointError saying what was expected. (`jetflow.model.load`
+reads the directories that hold config.json: every kind but a run and an older checkpoint.)
 """
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ from jetflow.model.checkpoint import (
     load_weights,
     read_json,
 )
+from jetflow.config import load_config as load_run_config
+from jetflow.export import FINAL_MODEL_DIR
+from jetflow.model import with_precision
 from jetflow.model.decoder import Decoder, ModelConfig
 from jetflow.model.tokenizer import CHAR_TOKENIZER_FILE
 from jetflow.model.tokenizer import load_tokenizer as load_tokenizer_files
+from jetflow.run.build import build_task, build_tiny, build_tokenizer, smollm2_dir
+from jetflow.run.files import CONFIG_FILE as RUN_CONFIG
+from jetflow.train.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
 
 HF, FP8_EXPORT, CHECKPOINT, RUN = "hf", "fp8-export", "checkpoint", "run"
 STATE_FILE = "state.json"
@@ -85,7 +92,7 @@ def resolve_model_dir(path: str | Path) -> ModelSource:
     run = _run_of_checkpoint(d) if kind == CHECKPOINT else None
     if kind == CHECKPOINT and run is None and not (d / CONFIG_FILE).is_file():
         raise CheckpointError(f"checkpoint {d} has no {CONFIG_FILE} (written before checkpoints carried one) and "
-                              f"no run config {d.parent.parent / _run_config_name()} describes its model")
+                              f"no run config {d.parent.parent / RUN_CONFIG} describes its model")
     return ModelSource(kind, d, run)
 
 
@@ -97,15 +104,13 @@ def directory_kind(d: Path) -> str | None:
         return CHECKPOINT if (d / STATE_FILE).is_file() else HF
     if (d / SINGLE_FILE).is_file() and (d / STATE_FILE).is_file():
         return CHECKPOINT
-    if (d / _run_config_name()).is_file():
+    if (d / RUN_CONFIG).is_file():
         return RUN
     return None
 
 
 def _resolve_run(run_dir: Path) -> ModelSource:
     """A run's final model if it wrote one, else its newest intact checkpoint."""
-    from jetflow.export import FINAL_MODEL_DIR
-    from jetflow.train.checkpoint import latest_checkpoint
 
     final = run_dir / FINAL_MODEL_DIR
     if (final / CONFIG_FILE).is_file():
@@ -117,21 +122,12 @@ def _resolve_run(run_dir: Path) -> ModelSource:
     return resolve_model_dir(checkpoint)
 
 
-def _run_config_name() -> str:
-    from jetflow.run.files import (
-        CONFIG_FILE as RUN_CONFIG,  # the run directory's file names live there
-    )
-
-    return RUN_CONFIG
-
-
 def _run_of_checkpoint(d: Path) -> Path | None:
     """<run> for <run>/checkpoints/step_NNNNNN when <run>/config.yaml exists."""
-    from jetflow.train.checkpoint import CHECKPOINTS_DIR
 
     checkpoints = d.resolve().parent
     run = checkpoints.parent
-    return run if checkpoints.name == CHECKPOINTS_DIR and (run / _run_config_name()).is_file() else None
+    return run if checkpoints.name == CHECKPOINTS_DIR and (run / RUN_CONFIG).is_file() else None
 
 
 def _has_tokenizer(d: Path) -> bool:
@@ -142,16 +138,13 @@ def _has_tokenizer(d: Path) -> bool:
 
 
 def _run_config(run_dir: Path):
-    from jetflow.config import load_config as load_run_config
-    from jetflow.run.build import build_task
 
-    cfg = load_run_config(run_dir / _run_config_name())
+    cfg = load_run_config(run_dir / RUN_CONFIG)
     return cfg, build_task(cfg)
 
 
 def run_model_config(run_dir: Path) -> ModelConfig:
     """The ModelConfig of the model a run trains (model.path: tiny, smollm2 or an HF directory)."""
-    from jetflow.run.build import build_tiny, smollm2_dir
 
     cfg, task = _run_config(run_dir)
     if cfg.model.path == "tiny":
@@ -160,13 +153,19 @@ def run_model_config(run_dir: Path) -> ModelConfig:
 
 
 def run_tokenizer(run_dir: Path):
-    from jetflow.run.build import build_tokenizer
 
     cfg, task = _run_config(run_dir)
     return build_tokenizer(cfg, task)
 
 
-def load_tokenizer(path: str | Path):
+def load_model(path: str | Path, precision=None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", **precision_kwargs) -> Decoder:
+    """`jetflow.model.load` for every kind of model directory (a run: its final model or newest
+    checkpoint)."""
+    return with_precision(resolve_model_dir(path).load(dtype, device), precision, **precision_kwargs)
+
+
+def load_model_tokenizer(path: str | Path):
     """The tokenizer of a tokenizer directory or file, or of any model directory (a checkpoint
     without tokenizer files: its run's)."""
     p = Path(path)
