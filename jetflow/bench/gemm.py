@@ -1,24 +1,37 @@
-"""`jetflow bench gemm`: bf16 vs FP8 block-scaled GEMM over (M, N, K) shapes.
+"""`jetflow bench gemm`: bf16 vs FP8 block-scaled GEMMs over (M, N, K) shapes, in TFLOP/s.
 
-For each shape Y (M, N) = X (M, K) @ W^T (W: N, K):
-  bf16          F.linear in bf16 (on the CPU: the bf16 F.linear kernel, FACTS.md's fast bf16 path)
-  fp8_gemm      the FP8 GEMM alone on pre-quantized operands
-  fp8_quant     quantize X (1x128) + the FP8 GEMM, weight pre-quantized (it is quantized once per step)
-On a Hopper GPU the FP8 path is torch._scaled_mm with block scales; elsewhere the emulation.
+For each shape Y (M, N) = X (M, K) @ W^T (W: N, K), every path the device has, in one run:
+  bf16           F.linear in bf16 (cuBLAS on CUDA; on the CPU the bf16 F.linear kernel, FACTS.md)
+  scaled_mm      torch's block-scaled FP8 GEMM (cuBLASLt, Hopper + CUDA >= 12.9), pre-quantized operands
+  triton         jetflow's batch-invariant Triton FP8 GEMM (CUDA), pre-quantized operands
+  triton_quant   Triton 1x128 activation quantization + the Triton FP8 GEMM (the weight is quantized
+                 once per step, so it is pre-quantized here too)
+  triton_bf16    jetflow's batch-invariant Triton bf16 GEMM (the exact mode's bf16 layers)
+  emulate        the CPU's FP8 path: dequantize + fp32 matmul (checks the math, not FP8 speed)
+  emulate_quant  1x128 activation quantization + the emulated GEMM
+FP8 paths write bf16. `--backend X` measures bf16 and X only; `auto` measures every path available.
+A path that fails on this machine is recorded with its error instead of a time. Each row also carries
+speedup_gemm and speedup_quant_gemm (bf16 time over the FP8 time) for the payload's `backend`
+(triton on CUDA, emulate on the CPU), the bench suite's headline.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from jetflow.bench.common import environment, markdown_table, time_fn, write_results
 from jetflow.precision.gemm import fp8_matmul, resolve_backend
-from jetflow.precision.quant import quantize_blocks
+from jetflow.precision.quant import QuantizedTensor, quantize_blocks
 
-GPU_SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096), (64, 8192, 8192),
-              (1024, 4096, 4096), (2048, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 8192)]
+LLAMA3_8B_LINEARS = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
+"""(N, K) of Llama-3-8B's linears: q and o, k and v, gate and up, down."""
+GPU_SHAPES = [(8192, 8192, 8192)] + [(m, n, k) for m in (16, 8192) for n, k in LLAMA3_8B_LINEARS]
 CPU_SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096), (1024, 1024, 1024), (1024, 4096, 4096)]
+GPU_PATHS = ("bf16", "scaled_mm", "triton", "triton_quant", "triton_bf16")
+CPU_PATHS = ("bf16", "emulate", "emulate_quant")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -32,49 +45,92 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def bench_shape(m: int, n: int, k: int, device: torch.device, backend: str, iters: int) -> dict:
+def paths_for(device: torch.device, backend: str) -> tuple[str, ...]:
+    """The paths one run measures: every one the device has (`auto`), or bf16 and `backend`."""
+    if backend == "auto":
+        return GPU_PATHS if device.type == "cuda" else CPU_PATHS
+    fp8 = resolve_backend(backend, device)
+    return ("bf16", fp8) + ((f"{fp8}_quant",) if fp8 in ("triton", "emulate") else ())
+
+
+def _calls(m: int, n: int, k: int, device: torch.device) -> dict[str, Callable[[], object]]:
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(device)
     w = torch.randn(n, k, generator=gen).to(device)
     xb, wb = x.bfloat16(), w.bfloat16()
     wq = quantize_blocks(w, (128, 128))
     xq = quantize_blocks(x, (1, 128))
-    if backend == "emulate":
-        wq.with_dequantized_cache()
-        xq.with_dequantized_cache()  # "GEMM alone": operands already in the form the GEMM reads
+    calls = {"bf16": lambda: F.linear(xb, wb)}
+    if device.type == "cpu":
+        wq_emu = QuantizedTensor(wq.data, wq.scale_inv, wq.block).with_dequantized_cache()
+        xq_emu = QuantizedTensor(xq.data, xq.scale_inv, xq.block).with_dequantized_cache()  # "GEMM alone"
+        calls["emulate"] = lambda: fp8_matmul(xq_emu, wq_emu, torch.bfloat16, "emulate")
+        calls["emulate_quant"] = lambda: fp8_matmul(quantize_blocks(x, (1, 128), check_finite=False), wq_emu,
+                                                    torch.bfloat16, "emulate")
+        return calls
+    from jetflow.kernels import triton as tk
+
+    def triton_quant():
+        data, scale = tk.quantize_1x128(x)
+        return tk.fp8_gemm(data, scale, wq.data, wq.scale_inv, 128, torch.bfloat16)
+
+    calls.update({
+        "scaled_mm": lambda: fp8_matmul(xq, wq, torch.bfloat16, "scaled_mm"),
+        "triton": lambda: fp8_matmul(xq, wq, torch.bfloat16, "triton"),
+        "triton_quant": triton_quant,
+        "triton_bf16": lambda: tk.dense_gemm(xb, wb, "bf16", torch.bfloat16),
+    })
+    return calls
+
+
+def bench_shape(m: int, n: int, k: int, device: torch.device, paths: tuple[str, ...], iters: int) -> dict:
+    calls = _calls(m, n, k, device)
     min_s = 0.5 if device.type == "cuda" else 0.0
-    t_bf16 = time_fn(lambda: F.linear(xb, wb), device, iters=iters, min_seconds=min_s)
-    t_gemm = time_fn(lambda: fp8_matmul(xq, wq, torch.bfloat16, backend), device, iters=iters, min_seconds=min_s)
-    t_quant = time_fn(lambda: fp8_matmul(quantize_blocks(x, (1, 128), check_finite=False), wq, torch.bfloat16,
-                                         backend), device, iters=iters, min_seconds=min_s)
+    row: dict = {"M": m, "N": n, "K": k}
     flops = 2.0 * m * n * k
-    return {
-        "M": m, "N": n, "K": k,
-        "bf16_ms": t_bf16 * 1e3, "fp8_gemm_ms": t_gemm * 1e3, "fp8_quant_gemm_ms": t_quant * 1e3,
-        "bf16_tflops": flops / t_bf16 / 1e12, "fp8_gemm_tflops": flops / t_gemm / 1e12,
-        "fp8_quant_gemm_tflops": flops / t_quant / 1e12,
-        "speedup_gemm": t_bf16 / t_gemm, "speedup_quant_gemm": t_bf16 / t_quant,
-    }
+    for path in paths:
+        try:
+            seconds = time_fn(calls[path], device, iters=iters, min_seconds=min_s)
+        except Exception as e:  # a path this machine lacks (no block-scaled cuBLASLt, no Triton): say why
+            row[f"{path}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            continue
+        row[f"{path}_ms"] = seconds * 1e3
+        row[f"{path}_tflops"] = flops / seconds / 1e12
+    return row
+
+
+def headline_backend(paths: tuple[str, ...]) -> str | None:
+    """The FP8 path whose speedups each row carries: triton on CUDA, emulate on the CPU."""
+    return next((p for p in ("triton", "emulate", "scaled_mm") if p in paths), None)
+
+
+def add_speedups(row: dict, backend: str | None) -> None:
+    for key, path in (("speedup_gemm", backend), ("speedup_quant_gemm", f"{backend}_quant")):
+        if backend and f"{path}_ms" in row and "bf16_ms" in row:
+            row[key] = row["bf16_ms"] / row[f"{path}_ms"]
 
 
 def run(shapes: str | None = None, device: str | None = None, iters: int = 5, out_dir: str = "results/bench",
         backend: str = "auto") -> dict:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backend = resolve_backend(backend, dev)
+    paths = paths_for(dev, backend)
     shape_list = parse_shapes(shapes) if shapes else (GPU_SHAPES if dev.type == "cuda" else CPU_SHAPES)
     rows = []
+    backend = headline_backend(paths)
     for m, n, k in shape_list:
-        row = bench_shape(m, n, k, dev, backend, iters)
+        row = bench_shape(m, n, k, dev, paths, iters)
+        add_speedups(row, backend)
         rows.append(row)
-        print(f"  M={m:>5} N={n:>5} K={k:>5}  bf16 {row['bf16_ms']:9.3f} ms  fp8 gemm {row['fp8_gemm_ms']:9.3f} ms "
-              f"({row['speedup_gemm']:.2f}x)  quant+gemm {row['fp8_quant_gemm_ms']:9.3f} ms "
-              f"({row['speedup_quant_gemm']:.2f}x)", flush=True)
+        cells = [f"{p} {row[f'{p}_tflops']:8.1f}" if f"{p}_tflops" in row else f"{p} failed" for p in paths]
+        print(f"  M={m:>5} N={n:>5} K={k:>5}  TFLOP/s: " + "  ".join(cells), flush=True)
     tag = "gpu" if dev.type == "cuda" else "cpu"
-    cols = ["M", "N", "K", "bf16_ms", "fp8_gemm_ms", "fp8_quant_gemm_ms", "bf16_tflops", "fp8_gemm_tflops",
-            "speedup_gemm", "speedup_quant_gemm"]
-    note = (f"FP8 backend: `{backend}`." + (" On the CPU the FP8 path is an emulation (dequantize + fp32 "
-            "matmul): it checks the math, not FP8 speed." if backend == "emulate" else ""))
-    payload = {"backend": backend, "rows": rows}
+    cols = ["M", "N", "K"] + [f"{p}_tflops" for p in paths] + [f"{p}_ms" for p in paths] + ["speedup_quant_gemm"]
+    errors = sorted({f"{p}: {r[f'{p}_error']}" for r in rows for p in paths if f"{p}_error" in r})
+    note = (f"Paths: {', '.join(paths)} (FP8 paths write bf16; see jetflow/bench/gemm.py)."
+            + (" On the CPU the FP8 path is an emulation (dequantize + fp32 matmul): it checks the math, not FP8 "
+               "speed." if dev.type == "cpu" else "")
+            + ("\n\nFailed paths: " + "; ".join(errors) if errors else ""))
+    payload = {"backend": backend, "paths": list(paths), "rows": rows}
     path = write_results(f"gemm-{tag}", payload, note + "\n\n" + markdown_table(rows, cols), out_dir)
     print(f"wrote {path} ({environment()['device']})")
     return payload

@@ -1,5 +1,6 @@
 """Batch-invariant kernels: the exact numerics mode's GEMM and attention.
 
-`jetflow.kernels.invariant` is the API (CPU today; the Triton kernels for CUDA are the GPU issue's
-work). It imports nothing else of jetflow, so the precision core and the model can both use it.
+`jetflow.kernels.invariant` is the API: C++ kernels on the CPU (csrc/), Triton kernels on CUDA
+(`jetflow.kernels.triton`, imported lazily: Triton is optional). It imports nothing else of jetflow
+but jetflow.errors, so the precision core and the model can both use it.
 """

@@ -13,8 +13,12 @@ amplifies. These kernels define every output element as one chain of correctly r
 fixed order (see csrc/invariant_cpu.cpp), so the rollout engine and the trainer compute the same bits.
 
 Gradients: backward passes use torch's ordinary kernels (the values of the gradients need not be
-exact, only the forward that produces log-probs). CPU only for now; on CUDA the exact mode needs
-Triton kernels with the same contract (the GPU kernels issue).
+exact, only the forward that produces log-probs).
+
+CUDA: the same contract on jetflow's Triton kernels (jetflow.kernels.triton): `pack_weight` keeps the
+(N, K) weight as it is, `matmul` / `gemm` run the dense batch-invariant GEMM and `attention` the
+fixed-block online-softmax kernel. They are not the CPU's bits (other hardware, other reduction
+shapes), but on the GPU a row again comes out the same whatever M, the batch or the KV cache.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from jetflow.kernels import triton as cuda_kernels  # imports no triton until a kernel is used
 from jetflow.kernels.cpu_build import KernelBuildError, load_library
 
 __all__ = ["KernelBuildError", "attention", "check_device", "matmul", "pack_weight", "panel_width",
@@ -30,10 +35,14 @@ __all__ = ["KernelBuildError", "attention", "check_device", "matmul", "pack_weig
 
 
 def check_device(device: torch.device | str) -> None:
-    if torch.device(device).type != "cpu":
+    """The exact kernels run on the CPU (C++) and on CUDA (Triton: MissingDependencyError without it)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        cuda_kernels.require()
+    elif kind != "cpu":
         raise NotImplementedError(
-            f"precision.numerics=exact runs on the CPU only for now (got device {device}); the CUDA kernels "
-            "are not written yet: use precision.numerics=fast on a GPU")
+            f"precision.numerics=exact runs on the CPU and on CUDA (got device {device}): use "
+            "precision.numerics=fast here")
 
 
 def _ptr(t: Tensor) -> int:
@@ -45,7 +54,10 @@ def panel_width(variant: str = "native") -> int:
 
 
 def pack_weight(w: Tensor, variant: str = "native") -> Tensor:
-    """(N, K) weight -> (ceil(N / NR), K, NR) fp32 panels (zero-padded columns), the GEMM's layout."""
+    """(N, K) weight -> (ceil(N / NR), K, NR) fp32 panels (zero-padded columns), the GEMM's layout.
+    On CUDA the Triton GEMM reads the (N, K) fp32 weight itself (no copy when it already is one)."""
+    if w.is_cuda:
+        return w.detach().float().contiguous()
     nr = panel_width(variant)
     n, k = w.shape
     p = -(-n // nr)
@@ -57,6 +69,8 @@ def pack_weight(w: Tensor, variant: str = "native") -> Tensor:
 
 def gemm(x2: Tensor, packed: Tensor, n: int, variant: str = "native") -> Tensor:
     """x2 (M, K) fp32 @ W^T -> (M, N) fp32, W given as `pack_weight(W)`; no autograd."""
+    if x2.is_cuda:
+        return cuda_kernels.dense_gemm(x2, packed[:n], "fp32")
     lib = load_library(variant)
     m, k = x2.shape
     if packed.shape[1] != k or packed.shape[2] != lib.jf_panel_width() or packed.shape[0] * packed.shape[2] < n:
@@ -71,10 +85,13 @@ def gemm(x2: Tensor, packed: Tensor, n: int, variant: str = "native") -> Tensor:
 
 class _Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, packed):
+    def forward(ctx, x, weight, packed, dot):
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
-        y = gemm(x2, packed, weight.shape[0])
+        if x2.is_cuda:
+            y = cuda_kernels.dense_gemm(x2, packed, dot)
+        else:
+            y = gemm(x2, packed, weight.shape[0])
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -86,15 +103,17 @@ class _Matmul(torch.autograd.Function):
             grad_x = (g2 @ weight.to(g2.dtype)).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def matmul(x: Tensor, weight: Tensor, packed: Tensor) -> Tensor:
+def matmul(x: Tensor, weight: Tensor, packed: Tensor, dot: str = "fp32") -> Tensor:
     """x (..., K) @ weight^T (weight (N, K), `packed = pack_weight(weight)`): every output element is
     an FMA chain over k in order from 0, so a row's result does not depend on the other rows.
-    Differentiable in x and weight (backward through torch's matmul)."""
+    Differentiable in x and weight (backward through torch's matmul). `dot="bf16"` says both operands
+    lie on the bf16 grid: on CUDA the product then runs on bf16 tensor cores (the same products, fp32
+    accumulation); the CPU computes it as it computes fp32."""
     check_device(x.device)
-    return _Matmul.apply(x, weight, packed)
+    return _Matmul.apply(x, weight, packed, dot)
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float) -> Tensor:
@@ -132,6 +151,10 @@ def _attention_values(q: Tensor, kt: Tensor, v: Tensor, pos: Tensor, scale: floa
     if kt.shape != (B, Hkv, D, S) or v.shape != (B, Hkv, S, D) or pos.shape != (B, T) or H % Hkv:
         raise ValueError(f"attention shapes: q {tuple(q.shape)}, kt {tuple(kt.shape)}, v {tuple(v.shape)}, "
                          f"pos {tuple(pos.shape)}")
+    if q.is_cuda:  # Triton; query positions past the slots given see every slot (no sync to check them)
+        dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        k, v = kt.transpose(-1, -2).to(dtype), v.to(dtype)  # (B, H_kv, S, D) views when dtypes agree
+        return cuda_kernels.attention(q.to(dtype), k, v, pos, scale).to(q.dtype)
     dtype = q.dtype
     q = q.float().contiguous()
     if kt.dtype != torch.float32 or kt.stride(3) != 1:

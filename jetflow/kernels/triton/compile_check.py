@@ -1,0 +1,104 @@
+"""Compile every kernel for Hopper (sm_90) without a GPU: a CI check that the CUDA build works.
+
+    for spec in SPECS: compile_sm90(spec)       # triton.compile(..., target=GPUTarget("cuda", 90, 32))
+
+Each spec is one specialization the wrappers launch (the tile configurations of gemm.py and
+attn.py, each dtype combination), compiled with the bundled ptxas. `expect` lists PTX that the
+specialization must contain: wgmma (Hopper's tensor-core MMA) for the GEMMs and the bf16 attention,
+div.rn.f32 (IEEE division) where the quantizer must reproduce the CPU's bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jetflow.kernels.triton import attn, gemm, quant, rmsnorm
+
+HOPPER = ("cuda", 90, 32)  # backend, compute capability, warp size
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    kernel: object  # a triton JITFunction
+    pointers: dict[str, str]  # pointer argument -> element type ("fp32", "bf16", "fp8e4nv", "fp8e5", "i32", ...)
+    constexprs: dict[str, object]
+    num_warps: int = 4
+    num_stages: int = 3
+    floats: tuple[str, ...] = ()  # fp32 scalar arguments; every other scalar is an i32
+    expect: tuple[str, ...] = field(default=())
+
+
+def signature(spec: Spec) -> dict[str, str]:
+    sig = {}
+    for name in spec.kernel.arg_names:
+        if name in spec.constexprs:
+            sig[name] = "constexpr"
+        elif name in spec.pointers:
+            sig[name] = "*" + spec.pointers[name]
+        else:
+            sig[name] = "fp32" if name in spec.floats else "i32"
+    return sig
+
+
+def _fp8_gemm(name: str, a: str, b: str, out: str, rows_per_scale: int) -> Spec:
+    cfg = gemm.fp8_config(4096, 4096)
+    return Spec(name, gemm._fp8_gemm_kernel, {"a_ptr": a, "b_ptr": b, "c_ptr": out, "sa_ptr": "fp32", "sb_ptr": "fp32"},
+                {"B_ROWS_PER_SCALE": rows_per_scale, "OUT_BF16": out == "bf16", "BLOCK_M": cfg.block_m,
+                 "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m},
+                cfg.num_warps, cfg.num_stages, expect=("wgmma",))
+
+
+def _dense(dot: str, operand: str, out: str) -> Spec:
+    cfg = gemm.dense_config(4096, 4096, dot)
+    return Spec(f"dense_{dot}_dot_{operand}_in_{out}_out", gemm._dense_gemm_kernel,
+                {"a_ptr": operand, "b_ptr": operand, "c_ptr": out},
+                {"DOT_BF16": dot == "bf16", "OUT_BF16": out == "bf16", "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                 "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m},
+                cfg.num_warps, cfg.num_stages, expect=("wgmma",) if dot == "bf16" else ())
+
+
+def _attention(q: str, kv: str, paged: bool) -> Spec:
+    return Spec(f"attention_q_{q}_kv_{kv}_{'paged' if paged else 'contiguous'}", attn._attention_kernel,
+                {"q_ptr": q, "k_ptr": kv, "v_ptr": kv, "o_ptr": q, "pos_ptr": "i64", "table_ptr": "i32",
+                 "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"},
+                {"D": 128, "D_PAD": 128, "PAGED": paged, "PAGE_SIZE": 16 if paged else 1, "KV_FP8": kv == "fp8e4nv",
+                 "DOT_BF16": q == "bf16", "OUT_BF16": q == "bf16", "BLOCK_M": attn.BLOCK_M,
+                 "BLOCK_N": attn.BLOCK_N},
+                4, 2, floats=("qk_scale",), expect=("wgmma",) if q == "bf16" else ())
+
+
+def _quant(x: str, pow2: bool) -> Spec:
+    return Spec(f"quantize_1x128_{x}_{'pow2' if pow2 else 'fp32'}_scales", quant._quantize_1x128_kernel,
+                {"x_ptr": x, "q_ptr": "fp8e4nv", "s_ptr": "fp32"},
+                {"MARGIN_SCALE": 1.0, "POW2": pow2, "BLOCK_M": quant.BLOCK_M, "GROUP": quant.GROUP},
+                4, 3, expect=("div.rn.f32",))
+
+
+def _rms_norm(x: str, out: str) -> Spec:
+    return Spec(f"rms_norm_{x}_in_{out}_out", rmsnorm._rms_norm_kernel, {"x_ptr": x, "w_ptr": "fp32", "y_ptr": out},
+                {"BLOCK_C": 4096, "X_BF16": x == "bf16", "OUT_BF16": out == "bf16"}, 4, 1, floats=("eps",))
+
+
+SPECS: list[Spec] = [
+    _quant("fp32", False), _quant("bf16", True),
+    _fp8_gemm("fp8_gemm_fprop_bf16_out", "fp8e4nv", "fp8e4nv", "bf16", 128),
+    _fp8_gemm("fp8_gemm_fprop_fp32_out", "fp8e4nv", "fp8e4nv", "fp32", 128),
+    _fp8_gemm("fp8_gemm_wgrad_1x128_groups", "fp8e4nv", "fp8e4nv", "fp32", 1),
+    _fp8_gemm("fp8_gemm_dgrad_e5m2_grad", "fp8e5", "fp8e4nv", "fp32", 128),
+    _dense("bf16", "fp32", "fp32"), _dense("bf16", "bf16", "bf16"), _dense("fp32", "fp32", "fp32"),
+    _attention("bf16", "bf16", False), _attention("fp32", "fp32", False), _attention("bf16", "fp8e4nv", True),
+    _attention("fp32", "fp8e4nv", True),
+    _rms_norm("fp32", "fp32"), _rms_norm("bf16", "fp32"),
+]
+
+
+def compile_sm90(spec: Spec):
+    """triton.compile for sm_90; returns the compiled kernel (its .asm holds ptx and cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=spec.kernel, signature=signature(spec), constexprs=dict(spec.constexprs))
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, "enable_fp_fusion": False}
+    return triton.compile(src, target=GPUTarget(*HOPPER), options=options)
