@@ -124,6 +124,8 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3", 
         raise ValueError(f"{name}: quantize_blocks expects a 2-D tensor, got shape {tuple(x.shape)}")
     if fmt not in FP8_DTYPES:
         raise ValueError(f"{name}: fmt={fmt!r}; valid formats are {tuple(FP8_DTYPES)}")
+    if x.is_cuda and tuple(block) == (1, 128) and fmt == "e4m3":
+        return _quantize_1x128_cuda(x, scale_rule, margin, name, check_finite)
     rows, cols = x.shape
     blocks, nr, nc = _padded_blocks(x.float(), block)  # (nr, br, nc, bc)
     amax = blocks.abs().amax(dim=(1, 3))  # (nr, nc)
@@ -139,6 +141,19 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3", 
     if data.shape != (rows, cols):
         data = data[:rows, :cols].contiguous()
     return QuantizedTensor(data, scale_inv, tuple(block))
+
+
+def _quantize_1x128_cuda(x: torch.Tensor, scale_rule: str, margin: int, name: str,
+                         check_finite: bool) -> QuantizedTensor:
+    """Activations on CUDA: jetflow's Triton kernel, byte-identical to the computation above (one
+    launch instead of a chain of torch ops whose reductions CUDA may order by shape)."""
+    from jetflow.kernels.triton import quantize_1x128
+    data, scale_inv = quantize_1x128(x, scale_rule, margin)  # (M, K) e4m3, (M, ceil(K/128)); NaN: bad group
+    if check_finite and not bool(torch.isfinite(scale_inv).all()):
+        bad = (~torch.isfinite(scale_inv)).nonzero()[0].tolist()
+        raise NonFiniteError(f"{name}: NaN or Inf in block {tuple(bad)} (block size (1, 128)) of a tensor of shape "
+                             f"{tuple(x.shape)}; refusing to quantize it to FP8 (the cast would hide it)")
+    return QuantizedTensor(data, scale_inv, (1, 128))
 
 
 def expand_scales(scale_inv: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:

@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 from jetflow.kernels.invariant import reference_attention  # noqa: E402
 from jetflow.kernels.triton import _bits, attn, gemm, quant, reference  # noqa: E402
 from jetflow.precision import FP8Recipe, PrecisionLinear, quantize_blocks  # noqa: E402
-from jetflow.precision.quant import QuantizedTensor  # noqa: E402
+from jetflow.precision.quant import NonFiniteError, QuantizedTensor  # noqa: E402
 
 CUDA = torch.device("cuda")
 U8 = torch.uint8
@@ -67,6 +67,12 @@ def test_quantize_1x128_bytes_equal_the_cpu_quantizer(rule, dtype):
     assert torch.equal(scale.cpu(), ref.scale_inv)
     alone = quant.quantize_1x128(x[7:8].to(CUDA), rule)[0]
     assert torch.equal(alone.view(U8), data[7:8].view(U8))
+    on_cuda = quantize_blocks(x.to(CUDA), (1, 128), scale_rule=rule)  # the precision core's dispatch to it
+    assert torch.equal(on_cuda.data.cpu().view(U8), ref.data.view(U8)) and torch.equal(on_cuda.scale_inv.cpu(), ref.scale_inv)
+    bad = x.to(CUDA).clone()
+    bad[3, 200] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"block \(3, 1\)"):
+        quantize_blocks(bad, (1, 128), scale_rule=rule)
 
 
 def _fp8(m, n, k, seed, b_block=(128, 128), device=CUDA):
