@@ -11,12 +11,17 @@ Backends:
              fp32 accumulation, bf16 output (the only output dtype cuBLAS offers for block scaling).
   emulate    anywhere: dequantize both operands to fp32, fp32 matmul. The same products with fp32
              accumulation; unlike the hardware path, the output is not rounded to bf16.
+  triton     CUDA: jetflow's block-scaled FP8 Triton kernel (jetflow.kernels.triton.gemm): the FP8
+             bytes on the tensor cores, each 128-K block's sum scaled and added in one fixed order,
+             one tile configuration per (N, K), fp32 or bf16 output. Batch-invariant.
 `auto` picks scaled_mm on a capable CUDA device, else emulate. Blackwell (SM100+) is left to the
 emulation: torch offers DeepSeek-style 128-blocks on SM90 only.
 
-Exact numerics (`numerics="exact"`, CPU): the emulation's fp32 product runs on the batch-invariant
-GEMM (jetflow.kernels.invariant), so a row's result does not depend on how many rows share the call:
-the rollout engine's decode rows and the trainer's full-sequence rows come out bit for bit equal.
+Exact numerics (`numerics="exact"`): a row's result does not depend on how many rows share the call,
+so the rollout engine's decode rows and the trainer's full-sequence rows come out bit for bit equal.
+On the CPU the emulation's fp32 product runs on the batch-invariant GEMM (jetflow.kernels.invariant);
+on CUDA the product is the triton backend (cuBLAS picks kernels by shape, split-K for small M, so
+scaled_mm cannot promise this).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.nn.functional as F
 from jetflow.kernels import invariant
 from jetflow.precision.quant import QuantizedTensor
 
-GEMM_BACKENDS = ("auto", "scaled_mm", "emulate")
+GEMM_BACKENDS = ("auto", "scaled_mm", "emulate", "triton")
 NUMERICS = ("fast", "exact")
 
 
@@ -63,13 +68,29 @@ def fp8_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = 
         raise ValueError(f"fp8_matmul: a must be blocked 1 x g along K, got block {a.block}")
     if numerics == "exact":
         invariant.check_device(a.data.device)
+        if a.data.is_cuda:
+            return _triton_blockwise(a, b, out_dtype)
         if b.packed is None:
             b.packed = invariant.pack_weight(b.dequantize())
         return invariant.gemm(a.dequantize(), b.packed, b.shape[0]).to(out_dtype)
     backend = resolve_backend(backend, a.data.device)
+    if backend == "triton":
+        return _triton_blockwise(a, b, out_dtype)
     if backend == "scaled_mm":
         return _scaled_mm_blockwise(a, b).to(out_dtype)
     return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+
+
+def _triton_blockwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """jetflow's Triton FP8 GEMM, 1x128 x (128x128 | 1x128): (M, N) in out_dtype (bf16 or fp32 written
+    by the kernel, other dtypes cast from fp32)."""
+    if not a.data.is_cuda:
+        raise ValueError(f"gemm backend 'triton' runs on CUDA tensors, got {a.data.device}")
+    if a.block != (1, 128) or b.block not in ((128, 128), (1, 128)):
+        raise ValueError(f"triton backend supports 1x128 x (128x128 | 1x128) blocks, got {a.block} x {b.block}")
+    kernel_dtype = out_dtype if out_dtype == torch.bfloat16 else torch.float32
+    out = invariant.cuda_kernels.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, b.block[0], kernel_dtype)
+    return out.to(out_dtype)
 
 
 def _pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
@@ -162,7 +183,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     if packed is not None:
         w = weight if weight_on_grid else weight.bfloat16().float()
-        out = invariant.matmul(x.bfloat16().float(), w, packed)
+        out = invariant.matmul(x.bfloat16().float(), w, packed, dot="bf16")  # CUDA: on bf16 tensor cores
         if bias is not None:
             out = out + bias.bfloat16().float()
         return out.bfloat16().to(x.dtype)
