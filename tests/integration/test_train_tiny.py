@@ -44,6 +44,11 @@ def test_each_mode_completes_with_logs(mode_runs):
                     "mismatch/kl_k3/pos_0of4", "throughput/tokens_per_s"):
             assert key in rows[0], key
         assert load_config(run_dir / "config.yaml").precision.mode == mode
+        # the end of the run wrote its report: the table and every plot
+        report = (run_dir / "report" / "report.md").read_text()
+        assert f"Precision mode: `{mode}`" in report and "| training reward (mean of 3 steps) |" in report
+        for name in ("reward", "heldout", "mismatch_kl", "mismatch_position", "time_split"):
+            assert (run_dir / "report" / f"{name}.png").read_bytes().startswith(b"\x89PNG"), name
 
 
 def test_mixed_mismatch_dwarfs_unified(mode_runs):

@@ -146,6 +146,7 @@ def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypat
         rows = [{"step": s, "phase": "rl", "reward/mean": 0.5 * s, "mismatch/kl_k3": 0.0, "time/rollout": 1.0,
                  "policy/entropy": 2.0 - 0.5 * s}
                 for s in range(2)]
+        rows += [{"step": s, "phase": "eval", "eval/pass@1": p} for s, p in ((0, 0.25), (2, 0.5))]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (run_dir / COMPLETE).write_text("done\n")
         return run_dir
@@ -165,9 +166,12 @@ def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     # the first and last 3 steps of two: both mean (2.0 + 1.5) / 2
     assert rows["bf16"]["entropy_first"] == rows["bf16"]["entropy_final"] == 1.75
     assert rows["bf16"]["rollout_log_ppl_final"] is None  # not logged by the fake: an empty cell, no crash
+    assert (rows["bf16"]["heldout_pass1_start"], rows["bf16"]["heldout_pass1_end"]) == (0.25, 0.5)
     assert (out / "entropy.png").read_bytes().startswith(b"\x89PNG")
     md = (out / "summary.md").read_text()
     assert "| mixed | failed |" in md and "RuntimeError: boom" in md
+    assert "| all cells | bf16 | 1 | 0.25 |  | 0.25 -> 0.5 | 0 |" in md  # variants table: mean of rewards 0, 0.5
+    assert (out / "heldout.png").read_bytes().startswith(b"\x89PNG")
     assert (out / "mismatch_kl.png").read_bytes().startswith(b"\x89PNG")  # all-zero KL: "no data yet", still a PNG
     assert (out / ".gitignore").read_text().strip() == "runs/*/checkpoints/"
 
@@ -175,3 +179,31 @@ def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     logs.clear()
     assert run_ablation(path, out_dir=out, command="test", log=logs.append) == 1
     assert any("bf16: complete, skipped" in line for line in logs) and any("mixed: resuming" in line for line in logs)
+
+
+def test_figures_draw_one_panel_per_length_one_line_per_variant_seeds_pooled(tmp_path):
+    from jetflow.ablate.figures import _styles, place_cells
+    from jetflow.plots import MODE_COLORS
+
+    ab = load_ablation(ROOT / "configs/ablations/precision.yaml", out_dir=tmp_path)
+    placed = place_cells(ab)
+    assert list(dict.fromkeys(p.panel for p in placed)) == ["len8", "len64", "len256"]
+    lines = ["bf16", "mixed-none", "mixed-token_tis", "mixed-token_mis", "mixed-ais", "unified"]
+    assert list(dict.fromkeys(p.line for p in placed)) == lines
+    for panel in ("len8", "len64", "len256"):  # two seeds pooled in every (panel, line)
+        for line in lines:
+            assert sorted(p.cell.settings["run.seed"] for p in placed if (p.panel, p.line) == (panel, line)) == [0, 1]
+    styles = _styles(placed)
+    assert styles["bf16"][0] == MODE_COLORS["bf16"] and styles["unified"][0] == MODE_COLORS["unified"]
+    mixed = [styles[line] for line in lines if line.startswith("mixed")]
+    assert {c for c, _ in mixed} == {MODE_COLORS["mixed"]} and len({s for _, s in mixed}) == 4
+
+
+def test_seed_pooling_and_smoothing_by_hand():
+    from jetflow.ablate.figures import pooled
+    from jetflow.plots import smooth
+
+    # step 1 exists in one seed only: its mean, min and max are that seed's value
+    assert pooled([{0: 1.0, 1: 2.0}, {0: 3.0}]) == ([0, 1], [2.0, 2.0], [1.0, 2.0], [3.0, 2.0])
+    # debiased EMA, weight 0.5: 1; (0.25 + 1.5) / 0.75; a missing point stays missing
+    assert smooth([1.0, None, 3.0], weight=0.5) == pytest.approx([1.0, None, 1.75 / 0.75])

@@ -1,0 +1,191 @@
+"""An ablation's figures: one panel per setting, one line per variant, seeds pooled.
+
+A cell's grid labels decide where it is drawn (jetflow.ablate.grid names the axes):
+- the line (variant): its precision mode and rollout correction (`precision.mode`, `algo.correction`);
+  a grid without them draws the first axis that is not the seed;
+- the panel: every other axis except the seed (e.g. the response length);
+- `run.seed`: pooled. A line is the mean over seeds per step, smoothed (the raw mean faint beneath),
+  with a band from the lowest to the highest seed.
+Colours follow the precision mode in every figure (jetflow.plots.MODE_COLORS); several variants of one
+mode (mixed with each correction) share its colour and differ in line style.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import yaml
+
+from jetflow import plots
+from jetflow.metrics_log import METRICS_FILE, read_jsonl
+from jetflow.run.files import CONFIG_FILE
+from jetflow.run.report import position_curve
+
+if TYPE_CHECKING:
+    from jetflow.ablate.grid import Ablation, Cell
+
+SEED_AXIS = "run.seed"
+LINE_AXES = ("precision.mode", "algo.correction")
+
+
+@dataclass
+class Placed:
+    cell: "Cell"
+    run_dir: Path
+    line: str
+    panel: str
+    mode: str | None
+
+
+def _axis_labels(ab: "Ablation", cell: "Cell") -> dict[str, str]:
+    """axis name -> the label of the value this cell took on it (axes the cell skipped are absent)."""
+    from jetflow.ablate.grid import _parse_axis, format_value
+
+    labels = {}
+    for name, spec in ab.grid.items():
+        for label, settings in _parse_axis(name, spec)[0]:
+            if all(k in cell.settings and format_value(cell.settings[k]) == format_value(v)
+                   for k, v in settings.items()):
+                labels[name] = label
+                break
+    return labels
+
+
+def _mode(run_dir: Path, cell: "Cell") -> str | None:
+    if "precision.mode" in cell.settings:
+        return str(cell.settings["precision.mode"])
+    cfg_file = run_dir / CONFIG_FILE
+    if cfg_file.exists():
+        return ((yaml.safe_load(cfg_file.read_text()) or {}).get("precision") or {}).get("mode")
+    return None
+
+
+def place_cells(ab: "Ablation") -> list[Placed]:
+    axes = [a for a in ab.grid if a != SEED_AXIS]
+    line_axes = [a for a in axes if a in LINE_AXES] or axes[:1]
+    panel_axes = [a for a in axes if a not in line_axes]
+    placed = []
+    for cell in ab.cells:
+        labels = _axis_labels(ab, cell)
+        line = "-".join(labels[a] for a in line_axes if a in labels)
+        if not line or cell.id not in _grid_ids(ab):  # an extra cell: its own line
+            line = cell.id.replace(f"-seed{cell.settings.get(SEED_AXIS)}", "")
+        panel = "-".join(labels[a] for a in panel_axes if a in labels) or "all cells"
+        run_dir = ab.run_dir(cell)
+        placed.append(Placed(cell, run_dir, line, panel, _mode(run_dir, cell)))
+    return placed
+
+
+def _grid_ids(ab: "Ablation") -> set[str]:
+    from jetflow.ablate.grid import expand_grid
+    return {c.id for c in expand_grid(ab.grid)} if ab.grid else set()
+
+
+def _styles(placed: list[Placed]) -> dict[str, tuple[str, object]]:
+    """line -> (colour, line style): the mode's colour, one style per variant within a mode."""
+    styles: dict[str, tuple[str, object]] = {}
+    per_mode: dict[str | None, int] = {}
+    others = 0
+    for p in placed:
+        if p.line in styles:
+            continue
+        if p.mode in plots.MODE_COLORS:
+            i = per_mode.get(p.mode, 0)
+            per_mode[p.mode] = i + 1
+            styles[p.line] = (plots.color_for(p.mode), plots.LINE_STYLES[i % len(plots.LINE_STYLES)])
+        else:
+            styles[p.line] = (plots.color_for(None, others), "-")
+            others += 1
+    return styles
+
+
+def pooled(series: list[dict[float, float]]) -> tuple[list, list, list, list]:
+    """Per x over the seeds' series: (xs, mean, min, max); an x some seeds lack uses the others."""
+    xs = sorted({x for s in series for x in s})
+    mean, lo, hi = [], [], []
+    for x in xs:
+        vals = [s[x] for s in series if x in s and s[x] is not None]
+        mean.append(sum(vals) / len(vals) if vals else None)
+        lo.append(min(vals) if vals else None)
+        hi.append(max(vals) if vals else None)
+    return xs, mean, lo, hi
+
+
+Series = Callable[[Path], dict[float, float]]
+
+
+def metric_series(key: str, phase: str = "rl") -> Series:
+    def read(run_dir: Path) -> dict[float, float]:
+        rows = [r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("phase") == phase]
+        return {r["step"]: r.get(key) for r in rows if r.get(key) is not None}  # a redone step: the last row
+    return read
+
+
+def position_series(run_dir: Path) -> dict[float, float]:
+    curve = position_curve(run_dir)
+    return dict(zip(*curve)) if curve else {}
+
+
+def draw(path: Path, title: str, ylabel: str, xlabel: str, placed: list[Placed], series: Series,
+         log_y: bool = False, smoothed: bool = True, ylim: tuple[float, float] | None = None) -> None:
+    """One panel per setting, one pooled line per variant (see the module docstring)."""
+    panels = list(dict.fromkeys(p.panel for p in placed))
+    styles = _styles(placed)
+    fig, axes = plots.figure(len(panels))
+    seeds = max((sum(1 for q in placed if q.panel == p.panel and q.line == p.line) for p in placed), default=1)
+    for ax, panel in zip(axes, panels):
+        zero, drawn, counts = [], False, set()
+        for line in dict.fromkeys(p.line for p in placed if p.panel == panel):
+            runs = [series(p.run_dir) for p in placed if p.panel == panel and p.line == line]
+            runs = [r for r in runs if r]
+            if not runs:
+                continue
+            xs, mean, lo, hi = pooled(runs)
+            color, style = styles[line]
+            counts.add(len(runs))
+            if plots.line(ax, xs, mean, color=color, linestyle=style, label=line, log_y=log_y, smoothed=smoothed):
+                drawn = True
+                if len(runs) > 1:
+                    plots.band(ax, xs, [v if not log_y or (v or 0) > 0 else None for v in lo],
+                               [v if not log_y or (v or 0) > 0 else None for v in hi], color=color)
+            elif log_y and all(v == 0 for v in mean if v is not None):
+                zero.append(line)
+        fewer = sorted(c for c in counts if c < seeds)
+        plots.style_axis(ax, panel + (f" ({'/'.join(map(str, fewer))} of {seeds} seeds for some lines)"
+                                      if fewer else ""), xlabel, ylabel)
+        if drawn and log_y:
+            ax.set_yscale("log")
+        if drawn and ylim:
+            ax.set_ylim(*ylim)
+        if zero:
+            ax.text(0.02, 0.02, "exactly 0 (not on a log axis): " + ", ".join(zero), transform=ax.transAxes,
+                    fontsize=7, color="0.3", va="bottom")
+        elif not drawn:
+            plots.note(ax, "no data yet")
+    pooled_note = f"mean over {seeds} seeds, band: lowest to highest" if seeds > 1 else "one seed per line"
+    fig.suptitle(f"{title} ({pooled_note}{'; faint: unsmoothed' if smoothed else ''})", fontsize=11)
+    plots.legend(fig, axes)
+    plots.save(fig, path)
+
+
+FIGURES = {  # file -> (title, y label, x label, series, log_y, smoothed, ylim)
+    "reward.png": ("training reward", "reward/mean", "RL step", metric_series("reward/mean"), False, True, None),
+    "heldout.png": ("held-out pass@1 (greedy)", "eval/pass@1", "RL step", metric_series("eval/pass@1", "eval"),
+                    False, False, (-0.03, 1.03)),
+    "entropy.png": ("policy entropy (trainer side)", "nats/token", "RL step", metric_series("policy/entropy"),
+                    False, True, None),
+    "mismatch_kl.png": ("rollout vs trainer mismatch", "KL k3 (log axis)", "RL step",
+                        metric_series("mismatch/kl_k3"), True, True, None),
+    "mismatch_position.png": ("mismatch by response position, all steps pooled", "mean KL k3 per token (log axis)",
+                              "response token index", position_series, True, True, None),
+}
+
+
+def draw_all(ab: "Ablation") -> dict[str, str]:
+    """Every figure of the ablation into its out_dir; returns {name: file}."""
+    placed = place_cells(ab)
+    for file, (title, ylabel, xlabel, series, log_y, smoothed, ylim) in FIGURES.items():
+        draw(ab.out_dir / file, f"{ab.name}: {title}", ylabel, xlabel, placed, series, log_y, smoothed, ylim)
+    return {file.removesuffix(".png"): file for file in FIGURES}
