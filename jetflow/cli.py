@@ -27,7 +27,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     run_dir = train(cfg)
     if os.environ.get("RANK", "0") == "0":
-        print(f"run complete: {run_dir}")
+        from jetflow.run.report import report_at_end
+        report = report_at_end(run_dir)  # presentation, not the run: a failure here is one warning line
+        print(f"run complete: {run_dir}" + (f"\nreport: {report}" if report else ""))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from jetflow.distributed import exit_process
         exit_process(0)  # skip the interpreter teardown of the distributed runtime (see exit_process)

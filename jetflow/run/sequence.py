@@ -11,7 +11,6 @@ from typing import Callable, Protocol
 
 from jetflow.config import Config
 from jetflow.metrics_log import MetricsLogger
-from jetflow.run.report import report_at_end
 from jetflow.run.files import (append_position_curve, mark_stopped, truncate_metrics, write_final_model,
                                write_summary)
 from jetflow.run.loop import RLLoop
@@ -85,9 +84,6 @@ def _run(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: i
     if placement.is_main:  # from the final checkpoint: the same for every placement
         write_final_model(run_dir, latest_checkpoint(run_dir), cfg)
         write_summary(run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
-        report = report_at_end(run_dir)
-        if report is not None:
-            print(f"[jetflow] report: {report}", file=sys.stderr)
     placement.barrier()
 
 

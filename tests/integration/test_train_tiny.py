@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from jetflow.config import load_config
 from jetflow.metrics_log import read_metrics
 from jetflow.run.files import COMPLETE
+from jetflow.run.report import write_run_report
 from jetflow.run.runner import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +45,8 @@ def test_each_mode_completes_with_logs(mode_runs):
                     "mismatch/kl_k3/pos_0of4", "throughput/tokens_per_s"):
             assert key in rows[0], key
         assert load_config(run_dir / "config.yaml").precision.mode == mode
-        # the end of the run wrote its report: the table and every plot
-        report = (run_dir / "report" / "report.md").read_text()
+        # the report (`jetflow train` writes it at the end) from a real run's files: the table and every plot
+        report = write_run_report(run_dir).read_text()
         assert f"Precision mode: `{mode}`" in report and "| training reward (mean of 3 steps) |" in report
         for name in ("reward", "heldout", "mismatch_kl", "mismatch_position", "time_split"):
             assert (run_dir / "report" / f"{name}.png").read_bytes().startswith(b"\x89PNG"), name

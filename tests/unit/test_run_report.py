@@ -79,3 +79,13 @@ def test_a_failed_report_at_the_end_of_a_run_is_one_warning(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert "warning: the run report could not be written (RuntimeError: no fonts)" in err
     assert f"jetflow report {tmp_path}" in err
+
+
+def test_jetflow_train_ends_with_the_report_and_prints_its_path(tmp_path, monkeypatch, capsys):
+    import jetflow.run.runner as runner
+    run = make_run(tmp_path, kl=[0.0] * 6)
+    monkeypatch.setattr(runner, "train", lambda cfg: run)
+    assert main(["train", "--config", str(Path(__file__).parents[2] / "configs/tiny.yaml")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"run complete: {run}", f"report: {run / 'report' / 'report.md'}"]
+    assert (run / "report" / "reward.png").read_bytes().startswith(PNG)
