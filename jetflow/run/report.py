@@ -156,7 +156,7 @@ def write_run_report(run_dir: str | Path) -> Path:
         f"Status: {run_status(run_dir)}; RL steps logged: {len(rl)} of {steps_planned}"
         + (f"; supervised warm-up steps: {len(sft)}" if sft else "") + "  ",
         f"Time in RL steps and evaluations: {wall:.0f} s  ",
-        f"Generated: {time.strftime('%Y-%m-%dT%H:%M:%S')} by `jetflow report {run_dir}`", "",
+        f"Generated: {time.strftime('%Y-%m-%dT%H:%M:%S')} (rewrite it: `jetflow report {run_dir}`)", "",
     ]
     if not rl:
         md += ["No RL step has been logged yet.", ""]
@@ -167,6 +167,8 @@ def write_run_report(run_dir: str | Path) -> Path:
                "evaluation). Mismatch KL k3: KL(rollout || trainer) estimated on the sampled tokens.", "",
                "| phase | seconds per RL step | share |", "|---|---|---|"]
         md += [f"| {name} | {s:.3g} | {share:.0%} |" for name, s, share in time_rows(rl, evals)]
+        if not any(column(rl, "time/old_logprobs")):
+            md += ["| (old log-probs 0: with one update per batch, the training forward gives pi_old itself) | | |"]
         if evals:
             md += [f"| held-out evaluation (total, {len(evals)} evaluations) | "
                    f"{sum(v or 0.0 for v in column(evals, 'time/eval')):.3g} s | |"]
@@ -187,9 +189,9 @@ def _plot_reward(path: Path, rl: list[dict], mode: str | None) -> None:
     fig, (ax,) = plots.figure(1, width=6.5)
     color = plots.color_for(mode)
     drawn = plots.line(ax, _steps(rl), column(rl, "reward/mean"), color=color, label="reward (mean)")
-    if any(v is not None for v in column(rl, "reward/accuracy")):
-        plots.line(ax, _steps(rl), column(rl, "reward/accuracy"), color="0.3", linestyle="--",
-                   label="accuracy")
+    accuracy = column(rl, "reward/accuracy")
+    if any(v is not None for v in accuracy) and accuracy != column(rl, "reward/mean"):  # else it hides reward
+        plots.line(ax, _steps(rl), accuracy, color="0.3", linestyle="--", label="accuracy")
     plots.style_axis(ax, f"training reward [{mode}] (faint: per step; line: smoothed)", "RL step", "reward")
     if drawn:
         ax.legend(fontsize=8)
@@ -220,8 +222,8 @@ def _plot_mismatch(path: Path, rl: list[dict], mode: str | None) -> None:
     plots.style_axis(ax, f"rollout vs trainer mismatch [{mode}]", "RL step", "KL k3 (log axis)")
     if plots.line(ax, _steps(rl), kl, color=plots.color_for(mode), label="KL k3", log_y=True):
         ax.set_yscale("log")
-    elif any(v == 0 for v in kl):
-        plots.note(ax, "KL exactly 0 on every step:\nrollout and trainer log-probs agree")
+    elif any(v == 0 for v in kl):  # nothing for a log axis: draw the zeros on a linear one and say so
+        _zeros(ax, _steps(rl), kl, mode, "KL exactly 0 on every step:\nrollout and trainer log-probs agree")
     else:
         plots.note(ax, "no RL step logged yet")
     plots.save(fig, path)
@@ -236,8 +238,15 @@ def _plot_positions(path: Path, curve, mode: str | None) -> None:
     elif plots.line(ax, *curve, color=plots.color_for(mode), label="KL k3", log_y=True, smoothed=False):
         ax.set_yscale("log")
     else:
-        plots.note(ax, "KL exactly 0 at every position")
+        _zeros(ax, *curve, mode, "KL exactly 0 at every position")
     plots.save(fig, path)
+
+
+def _zeros(ax, xs, ys, mode: str | None, text: str) -> None:
+    plots.line(ax, xs, ys, color=plots.color_for(mode), label="KL k3", smoothed=False, markers=True)
+    ax.set_ylabel("KL k3")
+    ax.set_ylim(-0.05, 1.0)
+    ax.text(0.5, 0.6, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="0.3")
 
 
 def _plot_time(path: Path, rl: list[dict]) -> None:
