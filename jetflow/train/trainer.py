@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -42,19 +43,43 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
 
 
 def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.0,
-                      with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                      with_entropy: bool = False, hidden: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """log pi(a_t | s_t) of the response tokens under `model`: (B, R), fp32; with `with_entropy`,
     also the policy's entropy at each response position (B, R), detached.
 
     Only the R columns that predict response tokens go through lm_head (the vocab projection is the
     largest GEMM of a small model). Logits are divided by the sampling temperature, as in the rollout.
+    `hidden`: the final hidden states (B, P + R, C) when already computed (a pipeline's last stage).
     """
     P, R = exp.prompt_len, exp.response_ids.shape[1]
-    hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask)  # (B, P + R, C)
+    if hidden is None:
+        hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask)  # (B, P + R, C)
     logits = model.lm_head(hidden[:, P - 1:P + R - 1])  # (B, R, V)
     if with_entropy:  # the same log-probs (one log_softmax), and the entropy from it
         return token_logprobs_and_entropy(logits, exp.response_ids, temperature)
     return token_logprobs(logits, exp.response_ids, temperature)  # (B, R), the rollout engine's function
+
+
+@runtime_checkable
+class PipelinedPolicy(Protocol):
+    """A model split into pipeline stages (the Megatron backend with pipeline_parallel_size > 1): no
+    stage runs `forward_hidden` alone, so the Trainer hands a step's micro-batches to the model's
+    schedule and computes the loss in `head` on the last stage, from that stage's final hidden states
+    (see MegatronPolicy.pipeline_forward_backward). Results reach every stage."""
+
+    pp_size: int
+
+    def pipeline_forward_backward(self, inputs: list[tuple[Tensor, Tensor | None]],
+                                  head: Callable[[int, Tensor], tuple[Tensor | None, Any]],
+                                  forward_only: bool = False) -> list[Any]: ...
+
+
+def pipelined(model: nn.Module) -> bool:
+    return isinstance(model, PipelinedPolicy) and model.pp_size > 1
+
+
+def _stage_inputs(micro: list[Experience]) -> list[tuple[Tensor, Tensor]]:
+    return [(mb.input_ids, mb.attention_mask) for mb in micro]
 
 
 class Trainer:
@@ -75,7 +100,14 @@ class Trainer:
     # Log-probs -----------------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> Tensor:
-        """Trainer log-probs of the rollout tokens under the current weights (no grad): (B, R)."""
+        """Trainer log-probs of the rollout tokens under the current weights (no grad): (B, R).
+        On a pipeline every stage gets them (from the last stage)."""
+        if pipelined(self.model):
+            micro = exp.micro_batches(self.cfg.micro_batch_size)
+            return torch.cat(self.model.pipeline_forward_backward(
+                _stage_inputs(micro), lambda i, hidden: (None, response_logprobs(self.model, micro[i], temperature,
+                                                                                hidden=hidden)),
+                forward_only=True))
         return torch.cat([response_logprobs(self.model, mb, temperature)
                           for mb in exp.micro_batches(self.cfg.micro_batch_size)])
 
@@ -124,20 +156,24 @@ class Trainer:
         loss_total = 0.0
         olds: list[Tensor] = []
         entropy_sum, tokens = 0.0, 0.0
-        for mb in micro:
-            weight = agg_denominator(mb.response_mask, agg) / total_denominator
-            if weight == 0:  # no response tokens: nothing to learn, and its log-probs are all masked
-                olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
-                continue
-            try:
-                loss_total += self._micro_step(mb, weight, temperature, weigh, olds, sums, agg)
-            except NonFiniteError:  # an FP8 quantizer met NaN/Inf (forward or backward): a bad step,
-                loss_total = float("nan")  # skipped like a NaN loss (train.max_bad_steps applies)
-                olds += [torch.full(m.response_ids.shape, float("nan"), device=m.response_ids.device)
-                         for m in micro[len(olds):]]
-                break
-            entropy_sum += sums.pop("_entropy_sum")
-            tokens += float(mb.response_mask.sum())
+        if pipelined(self.model):  # the same steps through the model's pipeline schedule
+            loss_total, entropy_sum, tokens = self._pipeline_micro_steps(micro, total_denominator, temperature, weigh,
+                                                                         olds, sums, agg)
+        else:
+            for mb in micro:
+                weight = agg_denominator(mb.response_mask, agg) / total_denominator
+                if weight == 0:  # no response tokens: nothing to learn, and its log-probs are all masked
+                    olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
+                    continue
+                try:
+                    loss_total += self._micro_step(mb, weight, temperature, weigh, olds, sums, agg)
+                except NonFiniteError:  # an FP8 quantizer met NaN/Inf (forward or backward): a bad step,
+                    loss_total = float("nan")  # skipped like a NaN loss (train.max_bad_steps applies)
+                    olds += [torch.full(m.response_ids.shape, float("nan"), device=m.response_ids.device)
+                             for m in micro[len(olds):]]
+                    break
+                entropy_sum += sums.pop("_entropy_sum")
+                tokens += float(mb.response_mask.sum())
         # the policy's entropy per response token (nats): this rank's share of the mean over every
         # rank's tokens (the metrics are summed over ranks below)
         all_tokens = self.dp.sum(tokens)
@@ -148,21 +184,64 @@ class Trainer:
                     sums: dict[str, float], agg: str) -> float:
         """Forward and backward of one micro-batch; adds its metrics to `sums` (its entropy sum under
         `_entropy_sum`), appends its pi_old to `olds` when `weigh` is given; returns its weighted loss."""
-        logprobs, entropy = response_logprobs(self.model, mb, temperature, with_entropy=True)  # (b, R) each
-        if weigh is None:
-            old, is_weights = mb.old_logprobs, mb.is_weights
-        else:
-            old = logprobs.detach()
-            is_weights = weigh(mb, old)
+        loss, metrics, old, entropy_sum = self._micro_loss(mb, temperature, weigh, agg)
+        if old is not None:
             olds.append(old)
-        loss, metrics = policy_loss(logprobs, old, mb.advantages, mb.response_mask,
-                                    clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
-                                    is_weights=is_weights)
         (loss * weight).backward()
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v * weight
-        sums["_entropy_sum"] = float((entropy * mb.response_mask).sum())
+        sums["_entropy_sum"] = entropy_sum
         return loss.item() * weight
+
+    def _micro_loss(self, mb: Experience, temperature: float, weigh, agg: str,
+                    hidden: Tensor | None = None) -> tuple[Tensor, dict[str, float], Tensor | None, float]:
+        """The policy loss of one micro-batch (unweighted), its metrics, its pi_old when `weigh` is given
+        (else None) and its entropy sum over response tokens. `hidden`: see `response_logprobs`."""
+        logprobs, entropy = response_logprobs(self.model, mb, temperature, with_entropy=True,
+                                              hidden=hidden)  # (b, R) each
+        if weigh is None:
+            old, is_weights, new_old = mb.old_logprobs, mb.is_weights, None
+        else:
+            old = new_old = logprobs.detach()
+            is_weights = weigh(mb, old)
+        loss, metrics = policy_loss(logprobs, old, mb.advantages, mb.response_mask,
+                                    clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
+                                    is_weights=is_weights)
+        return loss, metrics, new_old, float((entropy * mb.response_mask).sum())
+
+    def _pipeline_micro_steps(self, micro: list[Experience], total_denominator: float, temperature: float, weigh,
+                              olds: list[Tensor], sums: dict[str, float], agg: str) -> tuple[float, float, float]:
+        """`_micro_step` over every micro-batch through a pipelined model's schedule: the loss of each
+        is computed on the last stage, backpropagated through every stage, and its metrics (and pi_old)
+        reach every stage; added up in micro-batch order as in the loop of `_policy_step`.
+        Returns (loss_total, entropy_sum, tokens)."""
+        weights = [agg_denominator(mb.response_mask, agg) / total_denominator for mb in micro]
+        active = [i for i, w in enumerate(weights) if w != 0]
+
+        def head(j: int, hidden: Tensor):
+            i = active[j]
+            loss, metrics, old, entropy_sum = self._micro_loss(micro[i], temperature, weigh, agg, hidden)
+            return loss * weights[i], (loss.item() * weights[i], metrics, old, entropy_sum)
+
+        try:
+            results = iter(self.model.pipeline_forward_backward(_stage_inputs([micro[i] for i in active]), head))
+        except NonFiniteError:  # on any stage: every stage skips the step (see _policy_step)
+            olds += [torch.full(m.response_ids.shape, float("nan"), device=m.response_ids.device) for m in micro]
+            return float("nan"), 0.0, 0.0
+        loss_total, entropy_sum, tokens = 0.0, 0.0, 0.0
+        for mb, weight in zip(micro, weights):
+            if weight == 0:
+                olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
+                continue
+            value, metrics, old, micro_entropy = next(results)
+            loss_total += value
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+            if old is not None:
+                olds.append(old)
+            entropy_sum += micro_entropy
+            tokens += float(mb.response_mask.sum())
+        return loss_total, entropy_sum, tokens
 
     def sft_step(self, exp: Experience) -> dict[str, float]:
         """Supervised step: mean negative log-likelihood of the response tokens."""
@@ -171,14 +250,25 @@ class Trainer:
         micro = exp.micro_batches(self.cfg.micro_batch_size)
         total_tokens = self.dp.sum(float(exp.response_mask.sum())) or 1.0
         loss_total = 0.0
-        for mb in micro:
+        if pipelined(self.model):  # the same loss through the model's pipeline schedule
+            def head(i: int, hidden: Tensor):
+                mb = micro[i]
+                loss = -(response_logprobs(self.model, mb, hidden=hidden) * mb.response_mask).sum() / total_tokens
+                return loss, loss.item()
             try:
-                loss = -(response_logprobs(self.model, mb) * mb.response_mask).sum() / total_tokens
-                loss.backward()
-            except NonFiniteError:  # an FP8 quantizer met NaN/Inf: a bad step
+                for value in self.model.pipeline_forward_backward(_stage_inputs(micro), head):
+                    loss_total += value
+            except NonFiniteError:  # on any stage: a bad step on every stage
                 loss_total = float("nan")
-                break
-            loss_total += loss.item()
+        else:
+            for mb in micro:
+                try:
+                    loss = -(response_logprobs(self.model, mb) * mb.response_mask).sum() / total_tokens
+                    loss.backward()
+                except NonFiniteError:  # an FP8 quantizer met NaN/Inf: a bad step
+                    loss_total = float("nan")
+                    break
+                loss_total += loss.item()
         return self._apply_gradients(loss_total, {}, t0, sft=True)
 
     def _apply_gradients(self, loss_value: float, metrics: dict[str, float], t0: float,

@@ -27,8 +27,14 @@ weight, and `quantized_weights()` gathers bytes equal to the native model's.
 Megatron-Core is imported lazily, only inside this package (`pip install megatron-core==0.16.1`). On the
 CPU two of its calls assume CUDA; `patch_megatron_for_cpu()` replaces them (see its docstring).
 
-Not supported: pipeline parallelism (NotImplementedError, see `initialize_parallel`), sequence
-parallelism, fewer KV heads than TP ranks, o_proj bias without MLP bias (or the reverse).
+Pipeline parallelism (pipeline_parallel_size > 1): Megatron splits the layers over stages (the first
+also holds the embedding, the last the final norm and lm_head; a tied lm_head is a copy of the
+embedding kept equal over Megatron's embedding group). The Trainer runs a step's micro-batches through
+`MegatronPolicy.pipeline_forward_backward`, a GPipe schedule of jetflow's (pipeline.py says why not
+Megatron's on the CPU); log-probs, metrics, weights and FP8 bytes reach every rank.
+
+Not supported: sequence parallelism, virtual (interleaved) pipeline stages, uneven stage splits, fewer
+KV heads than TP ranks, o_proj bias without MLP bias (or the reverse).
 Shapes: B batch, T tokens, C hidden, V vocab, G KV groups, D head dim, I intermediate size.
 
 Modules (each imports only from those listed above it):
@@ -37,6 +43,7 @@ Modules (each imports only from those listed above it):
 - sharding.py  HF <-> Megatron names and TP shards of the weights (pure tensor functions)
 - linear.py    Megatron's parallel linears with jetflow's GEMMs (Segment, per-segment FP8)
 - parallel.py  torch.distributed and Megatron's process groups, the TP gather of logits
+- pipeline.py  the GPipe schedule over stage-to-stage send/recv, the gather over pipeline stages
 - model.py     TransformerConfig and the layer spec (jetflow's linears and RMSNorm)
 - policy.py    MegatronPolicy, the trainer's model
 """

@@ -13,8 +13,9 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def check_supported(config: ModelConfig, tp: int = 1) -> None:
-    """Raise MegatronConfigError if `config` cannot be built with tensor-parallel size `tp`."""
+def check_supported(config: ModelConfig, tp: int = 1, pp: int = 1) -> None:
+    """Raise MegatronConfigError if `config` cannot be built with tensor-parallel size `tp` and
+    pipeline-parallel size `pp`."""
     c = config
     if c.o_bias != c.mlp_bias:
         raise MegatronConfigError(
@@ -34,6 +35,11 @@ def check_supported(config: ModelConfig, tp: int = 1) -> None:
     if c.intermediate_size % tp:
         raise MegatronConfigError(f"intermediate_size={c.intermediate_size} is not a multiple of "
                                   f"tensor_parallel_size={tp}")
+    if pp < 1:
+        raise MegatronConfigError(f"pipeline_parallel_size={pp} must be >= 1")
+    if c.num_layers % pp:
+        raise MegatronConfigError(f"num_layers={c.num_layers} is not a multiple of pipeline_parallel_size={pp}: "
+                                  "each pipeline stage holds the same number of layers")
 
 
 def _linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str]]:

@@ -18,7 +18,7 @@ class MegatronRMSNorm(RMSNorm):
         super().__init__(hidden_size, eps)
 
 
-def _transformer_config(c: ModelConfig, tp: int, params_dtype: torch.dtype, init_weights: bool):
+def _transformer_config(c: ModelConfig, tp: int, params_dtype: torch.dtype, init_weights: bool, pp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -31,13 +31,15 @@ def _transformer_config(c: ModelConfig, tp: int, params_dtype: torch.dtype, init
         # fused kernels are CUDA/TE-only, and our own linears replace the fused GEMM paths
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, sequence_parallel=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        pipeline_dtype=params_dtype if pp > 1 else None,  # the residual stream stays in params_dtype
         use_cpu_initialization=True, perform_initialization=init_weights, params_dtype=params_dtype,
     )
 
 
-def _block_spec(config: ModelConfig):
-    """A local (no Transformer Engine) layer spec with jetflow's linears and RMSNorm."""
+def _block_spec(config: ModelConfig, mcfg=None):
+    """A local (no Transformer Engine) layer spec with jetflow's linears and RMSNorm: one per layer of
+    this pipeline stage (Megatron's split of `mcfg`, the TransformerConfig; all layers without it)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -61,4 +63,7 @@ def _block_spec(config: ModelConfig):
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
         mlp_bda=get_bias_dropout_add,
     ))
-    return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=MegatronRMSNorm)
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    layers = config.num_layers if mcfg is None else get_num_layers_to_build(mcfg)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=MegatronRMSNorm)

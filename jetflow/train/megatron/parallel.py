@@ -15,19 +15,13 @@ def initialize_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: i
     """torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's TP/PP/DP process groups.
 
     Under torchrun the world comes from its environment; without it a single-process world is made
-    (only valid for tensor_parallel_size == 1). Idempotent; a second call with other sizes raises.
-    Pipeline parallelism raises NotImplementedError: jetflow's Trainer drives forward and backward
-    itself (forward_hidden -> lm_head -> loss.backward()), while PP needs Megatron's microbatch
-    schedule (`get_forward_backward_func`) to own that loop; not wired up yet.
+    (only valid for tensor_parallel_size == pipeline_parallel_size == 1). Idempotent; a second call
+    with other sizes raises. Megatron orders the ranks tp-cp-ep-dp-pp: the ranks of one TP group are
+    neighbours, pipeline stages are world / pp ranks apart.
     """
     _require_megatron()
     from megatron.core import parallel_state as ps
 
-    if pipeline_parallel_size != 1:
-        raise NotImplementedError(
-            f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not implemented on "
-            "jetflow's Megatron backend (the Trainer's forward/backward would have to run inside Megatron's "
-            "pipeline schedule); use tensor parallelism and data parallelism")
     device = torch.device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -3,6 +3,8 @@ the Trainer, weight sync and checkpoints use)."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -15,6 +17,7 @@ from .deps import _seed_cpu_rng_tracker, patch_megatron_for_cpu
 from .linear import Segment, _linear_classes
 from .model import _block_spec, _transformer_config
 from .parallel import _GatherLastDim, initialize_parallel
+from .pipeline import allgather_stages, gpipe, stage_neighbours
 from .sharding import _qkv_dims, hf_to_megatron, megatron_to_hf, tensor_parallel_dims
 
 class MegatronPolicy(nn.Module):
@@ -23,6 +26,16 @@ class MegatronPolicy(nn.Module):
     kind: fp32 | bf16 | fp8 (as in `apply_precision`; fp8 layers the recipe keeps run in bf16).
     Parameters are fp32 master weights on every path (`params_dtype`); only the GEMMs change.
     Each rank holds its TP shards; `parameters()` are what an optimizer on this rank steps.
+
+    Pipeline parallelism (pipeline_parallel_size > 1): each rank holds one stage, num_layers / pp
+    consecutive layers (Megatron's split); the first stage also the embedding, the last one the final
+    norm and lm_head. No stage can run `forward_hidden` alone: the Trainer hands each step's
+    micro-batches to `pipeline_forward_backward` (a GPipe schedule, see pipeline.py) with the loss as a
+    function of the last stage's hidden states. With tied embeddings the last stage keeps its own copy
+    of the embedding as lm_head's weight (Megatron's layout), equal to the first stage's at load and
+    kept equal by summing the two gradients over Megatron's embedding group after every backward.
+    Weights (`hf_state_dict`, `quantized_weights`) are gathered over stages too: every rank gets the
+    whole model.
     """
 
     def __init__(self, config: ModelConfig, *, kind: str = "fp32", recipe: FP8Recipe | None = None,
@@ -34,11 +47,11 @@ class MegatronPolicy(nn.Module):
             raise ValueError(f"MegatronPolicy kind={kind!r}: valid kinds are fp32, bf16, fp8")
         if kind == "fp8" and recipe is None:
             raise ValueError("MegatronPolicy kind='fp8' needs an FP8Recipe")
-        tp = tensor_parallel_size
-        check_supported(config, tp)
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        check_supported(config, tp, pp)
         check_fp8_tp_alignment(config, tp, recipe, kind)
         device = torch.device(device)
-        initialize_parallel(tp, pipeline_parallel_size, device)
+        initialize_parallel(tp, pp, device)
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -52,25 +65,46 @@ class MegatronPolicy(nn.Module):
         self.config, self.kind, self.recipe, self.gemm_backend = config, kind, recipe, gemm_backend
         self.tp_size, self.tp_rank = tp, ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
+        self.params_dtype = params_dtype
+        # tied embeddings on 2+ stages: the last stage's lm_head weight is a copy of the embedding
+        self._tied_copy = config.tie_word_embeddings and pp > 1
         self.padded_vocab = padded_vocab_size(config.vocab_size, tp)
         torch.manual_seed(seed)  # Megatron's CPU init draws the full weight on every rank: same on all
-        mcfg = _transformer_config(config, tp, params_dtype, init_weights)
-        self.gpt = GPTModel(mcfg, _block_spec(config), vocab_size=self.padded_vocab,
+        mcfg = _transformer_config(config, tp, params_dtype, init_weights, pp)
+        # Under PP, GPTModel's own tying (setup_embeddings_and_output_layer) moves the weight with
+        # `weight.data.cuda()` before its all-reduce over the embedding group (CUDA only): build the
+        # stages untied and keep the copy equal here (_sync_tied_copy, _allreduce_tied_grads).
+        self.gpt = GPTModel(mcfg, _block_spec(config, mcfg), vocab_size=self.padded_vocab,
                             max_sequence_length=config.max_position_embeddings, position_embedding_type="rope",
-                            rotary_base=int(config.rope_theta),
-                            share_embeddings_and_output_weights=config.tie_word_embeddings, parallel_output=True)
-        # GPTModel hard-codes Megatron's ColumnParallelLinear for lm_head: swap in ours (same layout)
-        column, _ = _linear_classes()
-        old = self.gpt.output_layer
-        self.gpt.output_layer = column(
-            config.hidden_size, self.padded_vocab, config=mcfg, init_method=mcfg.init_method, bias=False,
-            gather_output=False, skip_weight_param_allocation=config.tie_word_embeddings, tp_group=self.tp_group)
-        if old.weight is not None:
-            self.gpt.output_layer.weight = old.weight
+                            rotary_base=int(config.rope_theta), pre_process=self.first_stage,
+                            post_process=self.last_stage,
+                            share_embeddings_and_output_weights=config.tie_word_embeddings and pp == 1,
+                            parallel_output=True)
+        if self.last_stage:
+            # GPTModel hard-codes Megatron's ColumnParallelLinear for lm_head: swap in ours (same layout)
+            column, _ = _linear_classes()
+            old = self.gpt.output_layer
+            self.gpt.output_layer = column(
+                config.hidden_size, self.padded_vocab, config=mcfg, init_method=mcfg.init_method, bias=False,
+                gather_output=False, skip_weight_param_allocation=config.tie_word_embeddings and pp == 1,
+                tp_group=self.tp_group)
+            if old.weight is not None:
+                self.gpt.output_layer.weight = old.weight
+        # this stage's parameter names -> the names of the one-stage model (global layer numbers);
+        # the tied copy has none (it is the embedding's)
+        self._global_names = {name: self._global_name(name) for name, _ in self.gpt.named_parameters()}
+        if self._tied_copy and self.last_stage:
+            self._global_names["output_layer.weight"] = None
         self._configure_linears()
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
         self.embed_grid: torch.dtype | None = None  # see Decoder.embed_grid
         self.to(device)
+        if self._tied_copy:
+            self._sync_tied_copy()
+        self._num_params = self._count_params()
 
     # Construction helpers ----------------------------------------------------------------------
     @classmethod
@@ -82,6 +116,13 @@ class MegatronPolicy(nn.Module):
         policy.load_hf_state_dict(decoder.state_dict())
         return policy
 
+    def _global_name(self, name: str) -> str:
+        """A parameter name of this stage -> its name in the one-stage model (decoder.layers.{global i})."""
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            return f"decoder.layers.{self.gpt.decoder.layers[int(local)].layer_number - 1}.{rest}"
+        return name
+
     def _configure_linears(self) -> None:
         c, tp = self.config, self.tp_size
         G, h, D = _qkv_dims(c)
@@ -90,7 +131,8 @@ class MegatronPolicy(nn.Module):
         def seg(name, layer, groups, start, stop):
             return Segment(name, groups, start, stop, segment_kind(self.kind, self.recipe, name, layer, c.num_layers))
 
-        for i, layer in enumerate(self.gpt.decoder.layers):
+        for layer in self.gpt.decoder.layers:
+            i = layer.layer_number - 1  # Megatron's global layer number (1-based) on any pipeline stage
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             attn, mlp = layer.self_attention, layer.mlp
             g = G // tp
@@ -101,14 +143,48 @@ class MegatronPolicy(nn.Module):
             mlp.linear_fc1.configure([seg(m + "gate_proj", i, 1, 0, inter), seg(m + "up_proj", i, 1, inter, 2 * inter)],
                                      self.recipe, self.gemm_backend)
             mlp.linear_fc2.configure([seg(m + "down_proj", i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend)
-        self.gpt.output_layer.configure([seg("lm_head", None, 1, 0, self.padded_vocab // tp)], self.recipe,
-                                        self.gemm_backend)
+        if self.last_stage:
+            self.gpt.output_layer.configure([seg("lm_head", None, 1, 0, self.padded_vocab // tp)], self.recipe,
+                                            self.gemm_backend)
 
     def _output_weight(self) -> torch.Tensor:
-        """lm_head's local (V_pad / tp, C) weight: the embedding's when tied."""
-        if self.config.tie_word_embeddings:
+        """lm_head's local (V_pad / tp, C) weight: the embedding's when tied (its copy on the last stage)."""
+        if self.config.tie_word_embeddings and not self._tied_copy:
             return self.gpt.embedding.word_embeddings.weight
         return self.gpt.output_layer.weight
+
+    # Tied embeddings over pipeline stages ------------------------------------------------------
+    def _tied_weight(self) -> torch.Tensor | None:
+        """This stage's member of the tied pair (the embedding on the first stage, its copy on the
+        last), None on a middle stage or without the tie over stages."""
+        if not self._tied_copy:
+            return None
+        if self.first_stage:
+            return self.gpt.embedding.word_embeddings.weight
+        return self.gpt.output_layer.weight if self.last_stage else None
+
+    @torch.no_grad()
+    def _sync_tied_copy(self) -> None:
+        """Copy the first stage's embedding shard into the last stage's lm_head weight (Megatron's
+        embedding group: the first and last stage of each pipeline)."""
+        from megatron.core import parallel_state as ps
+
+        weight = self._tied_weight()
+        if weight is not None:
+            group = ps.get_embedding_group()
+            dist.broadcast(weight.data, src=dist.get_process_group_ranks(group)[0], group=group)
+
+    def _allreduce_tied_grads(self) -> None:
+        """Sum the gradients of the embedding and of its copy over the embedding group (what Megatron's
+        finalize_model_grads does for a tied model): both then take the same optimizer step."""
+        from megatron.core import parallel_state as ps
+
+        weight = self._tied_weight()
+        if weight is None:
+            return
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
     def _linears(self):
         """Every jetflow parallel linear of the model (their `segments` name the HF linears)."""
@@ -123,7 +199,16 @@ class MegatronPolicy(nn.Module):
         """Final hidden states (B, T, C), after the last norm; the semantics of `Decoder.forward_hidden`
         without a cache: attention_mask bool (B, T), True = real token (left padding);
         position_ids default cumsum(mask) - 1 (arange without a mask); a padding token attends only
-        to itself."""
+        to itself. One pipeline stage only (see `pipeline_forward_backward`)."""
+        if self.pp_size > 1:
+            raise RuntimeError("MegatronPolicy with pipeline_parallel_size > 1: no stage holds the whole model; "
+                               "run forward and backward through pipeline_forward_backward")
+        return self._stage_forward(input_ids, attention_mask, position_ids, None).transpose(0, 1)  # (B, T, C)
+
+    def _stage_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
+        """This stage's layers: (T, B, C) out, after the final norm on the last stage. The first stage
+        embeds input_ids; a later one starts from `hidden` (T, B, C), the previous stage's output."""
         B, T = input_ids.shape
         device = input_ids.device
         if attention_mask is not None:
@@ -148,11 +233,46 @@ class MegatronPolicy(nn.Module):
         freqs = position_ids[..., None].float() * self.rope_inv_freq.float()  # (B, T, D/2)
         rope = torch.cat((freqs, freqs), dim=-1).transpose(0, 1)[:, :, None, :]  # (T, B, 1, D)
 
-        x = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # (T, B, C)
-        if self.embed_grid is not None:  # as Decoder.embed_grid: embeddings on the bf16 grid
-            x = x.to(self.embed_grid).to(x.dtype)
-        x = self.gpt.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)  # (T, B, C), final norm
-        return x.transpose(0, 1)  # (B, T, C)
+        if self.first_stage:
+            x = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # (T, B, C)
+            if self.embed_grid is not None:  # as Decoder.embed_grid: embeddings on the bf16 grid
+                x = x.to(self.embed_grid).to(x.dtype)
+        else:
+            x = hidden
+            self.gpt.decoder.set_input_tensor(x)  # a later stage's TransformerBlock reads its input from here
+        return self.gpt.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)  # (T, B, C), final norm
+
+    def pipeline_forward_backward(self, inputs: list[tuple[torch.Tensor, torch.Tensor | None]],
+                                  head: Callable[[int, torch.Tensor], tuple[torch.Tensor | None, Any]],
+                                  forward_only: bool = False) -> list[Any]:
+        """Forward (and backward) of micro-batches through the pipeline stages; head's results, in order,
+        on every rank of the pipeline. A collective of the pipeline group: every stage calls it with
+        the same micro-batches.
+
+        inputs: per micro-batch (input_ids (b, T), attention_mask (b, T) or None), as `forward_hidden`.
+        head(i, hidden (b, T, C)) runs on the last stage on micro-batch i's final hidden states and
+        returns (loss, result): loss (a scalar, or None) is backpropagated through every stage unless
+        forward_only; result (any picklable value: log-probs, metrics) reaches every stage. After the
+        backward the tied-embedding gradients are summed over the embedding group; gradients are
+        accumulated into `.grad` as by `loss.backward()`. One stage (pp = 1): the same, in-process.
+        Raises NonFiniteError on every stage when an FP8 quantizer met NaN/Inf on any stage.
+        """
+        if self.pp_size == 1:
+            results = []
+            for i, (ids, mask) in enumerate(inputs):
+                with torch.set_grad_enabled(not forward_only):
+                    loss, result = head(i, self.forward_hidden(ids, attention_mask=mask))
+                if loss is not None and not forward_only:
+                    loss.backward()
+                results.append(result)
+            return results
+        if not inputs:
+            return []
+        shapes = [(ids.shape[1], ids.shape[0], self.config.hidden_size) for ids, _ in inputs]
+        device = self.rope_inv_freq.device
+        return gpipe(len(inputs), shapes, lambda i, x: self._stage_forward(inputs[i][0], inputs[i][1], None, x),
+                     head, group=self.pp_group, dtype=self.params_dtype, device=device, forward_only=forward_only,
+                     finish_grads=self._allreduce_tied_grads)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, C) -> logits (B, T, V), the vocab-parallel shards gathered (and the padding dropped)."""
@@ -168,11 +288,22 @@ class MegatronPolicy(nn.Module):
         return self.lm_head(self.forward_hidden(input_ids, attention_mask, position_ids))
 
     def num_params(self) -> int:
-        """Parameters of the full model (every TP shard, not the vocabulary padding): `Decoder.num_params`."""
+        """Parameters of the full model (every TP shard and pipeline stage, not the vocabulary padding):
+        `Decoder.num_params`."""
+        return self._num_params
+
+    def _count_params(self) -> int:
+        """num_params, counted once at construction (a collective over the pipeline stages)."""
         split = set(tensor_parallel_dims(self.config))
-        n = sum(p.numel() * (self.tp_size if name in split else 1) for name, p in self.gpt.named_parameters())
-        vocab_tables = 1 if self.config.tie_word_embeddings else 2
-        return n - vocab_tables * (self.padded_vocab - self.config.vocab_size) * self.config.hidden_size
+        n = sum(p.numel() * (self.tp_size if self._global_names[name] in split else 1)
+                for name, p in self.gpt.named_parameters() if self._global_names[name] is not None)
+        pad = (self.padded_vocab - self.config.vocab_size) * self.config.hidden_size
+        n -= pad * (self.first_stage + (self.last_stage and not self.config.tie_word_embeddings))
+        if self.pp_size > 1:
+            total = torch.tensor([n], dtype=torch.int64, device=self.rope_inv_freq.device)
+            dist.all_reduce(total, group=self.pp_group)
+            n = int(total.item())
+        return n
 
     # Weights in HF names -----------------------------------------------------------------------
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -182,26 +313,42 @@ class MegatronPolicy(nn.Module):
 
     @torch.no_grad()
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors gathered from all TP ranks (every rank gets them); the keys of
-        `Decoder(config).named_parameters()`. A collective: call it on every rank of the TP group."""
-        local = {n: p.detach() for n, p in self.gpt.named_parameters()}
+        """Full HF-named tensors gathered from all TP ranks and pipeline stages (every rank gets them);
+        the keys of `Decoder(config).named_parameters()`. A collective: call it on every rank of the
+        model-parallel group (TP x PP)."""
+        local = {self._global_names[n]: p.detach() for n, p in self.gpt.named_parameters()
+                 if self._global_names[n] is not None}  # one-stage names; not the tied copy
         shards = [dict(local) for _ in range(self.tp_size)]
         if self.tp_size > 1:
             for name in tensor_parallel_dims(self.config):
-                for r, part in enumerate(self._gather(local[name])):
-                    shards[r][name] = part
+                if name in local:  # the same names on every rank of this stage's TP group
+                    for r, part in enumerate(self._gather(local[name])):
+                        shards[r][name] = part
+        if self.pp_size > 1:
+            merged = allgather_stages({f"{r}/{k}": v for r, shard in enumerate(shards) for k, v in shard.items()},
+                                      self.pp_group)
+            shards = [{} for _ in range(self.tp_size)]
+            for key, tensor in merged.items():
+                r, name = key.split("/", 1)
+                shards[int(r)][name] = tensor
         return megatron_to_hf(shards, self.config)
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named full tensors (e.g. a Decoder's state dict) into this rank's shards."""
-        local = hf_to_megatron(state_dict, self.config, self.tp_size, self.tp_rank)
+        """Copy HF-named full tensors (e.g. a Decoder's state dict) into this rank's shards (this
+        pipeline stage's layers; the tied copy from the embedding)."""
+        full = hf_to_megatron(state_dict, self.config, self.tp_size, self.tp_rank)  # one-stage names
         params = dict(self.gpt.named_parameters())
-        missing, unexpected = set(params) - set(local), set(local) - set(params)
+        wanted = {n: g for n, g in self._global_names.items() if g is not None}
+        if self._tied_copy and self.last_stage:
+            wanted["output_layer.weight"] = "embedding.word_embeddings.weight"
+        missing = {n for n, g in wanted.items() if g not in full}
+        unexpected = set(full) - set(wanted.values()) if self.pp_size == 1 else set()
         if missing or unexpected:
             raise KeyError(f"Megatron parameters without HF weights: {sorted(missing)[:5]}; "
                            f"HF weights without Megatron parameters: {sorted(unexpected)[:5]}")
-        for name, tensor in local.items():
+        for name, source in wanted.items():
+            tensor = full[source]
             if params[name].shape != tensor.shape:
                 raise ValueError(f"{name}: shard shape {tuple(tensor.shape)} != parameter {tuple(params[name].shape)}")
             params[name].copy_(tensor)
@@ -209,30 +356,62 @@ class MegatronPolicy(nn.Module):
     @torch.no_grad()
     def quantized_weights(self) -> dict[str, QuantizedTensor]:
         """{HF module name: QuantizedTensor of the full weight} for every FP8 linear: this step's bytes
-        (the ones the forward computes with), shards gathered over TP. A collective under TP > 1."""
+        (the ones the forward computes with), shards gathered over TP and pipeline stages. A collective
+        under TP > 1 or PP > 1."""
         out = {}
         for module in self._linears():
-            weight = self._output_weight() if module is self.gpt.output_layer else module.weight
+            weight = self._output_weight() if module is getattr(self.gpt, "output_layer", None) else module.weight
             for name, q in module.quantized_segments(weight).items():
                 if self.tp_size > 1:
                     dim = module.parallel_dim
                     data = torch.cat([p.view(q.data.dtype) for p in self._gather(q.data.view(torch.uint8))], dim)
                     q = QuantizedTensor(data, torch.cat(self._gather(q.scale_inv), dim), q.block)
                 out[name] = q
+        if self.pp_size > 1:
+            parts = {}
+            for k, q in out.items():
+                parts.update({f"{k}/data": q.data, f"{k}/scale_inv": q.scale_inv, f"{k}/block": torch.tensor(q.block, device=q.data.device)})
+            parts = allgather_stages(parts, self.pp_group)
+            out = {k[:-5]: QuantizedTensor(t, parts[k[:-5] + "/scale_inv"], tuple(parts[k[:-5] + "/block"].tolist()))
+                   for k, t in parts.items() if k.endswith("/data")}
         return out
 
     # Gradients ---------------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients over the TP group: TP-split parameters counted on every
-        rank, replicated ones (norms, row-parallel biases) once. The native Trainer's
-        `clip_grad_norm_` sees only this rank's shards; under TP > 1 clip with `clip_grad_norm_` below."""
+        """Global L2 norm of the gradients over the model-parallel group (TP x PP): TP-split
+        parameters counted on every rank, replicated ones (norms, row-parallel biases) once per stage,
+        the tied embedding once (not its copy on the last stage). The native Trainer's
+        `clip_grad_norm_` sees only this rank's shards; under TP/PP > 1 clip with `clip_grad_norm_` below.
+        Pipeline stages add their squares to the running sum of the stages before them, in the
+        one-stage model's parameter order, so under TP = 1 the norm is the one-process norm bit for bit."""
         split = set(tensor_parallel_dims(self.config))
-        total = torch.zeros((), dtype=torch.float32, device=self.rope_inv_freq.device)
-        for name, p in self.gpt.named_parameters():
-            if p.grad is not None and (name in split or self.tp_rank == 0):
-                total += p.grad.detach().float().pow(2).sum()
-        if self.tp_size > 1:
-            dist.all_reduce(total, group=self.tp_group)
+
+        def add_squares(total: torch.Tensor) -> torch.Tensor:
+            for name, p in self.gpt.named_parameters():
+                name = self._global_names[name]
+                if name is not None and p.grad is not None and (name in split or self.tp_rank == 0):
+                    total += p.grad.detach().float().pow(2).sum()
+            return total
+
+        zero = torch.zeros((), dtype=torch.float32, device=self.rope_inv_freq.device)
+        if self.pp_size == 1:
+            total = add_squares(zero)
+            if self.tp_size > 1:
+                dist.all_reduce(total, group=self.tp_group)
+            return total.sqrt()
+        prev, nxt = stage_neighbours(self.pp_group)
+        total = zero.clone()
+        if prev is not None:
+            dist.recv(total, prev, group=self.pp_group)
+        if self.tp_size == 1:
+            total = add_squares(total)
+        else:
+            part = add_squares(zero)
+            dist.all_reduce(part, group=self.tp_group)
+            total += part
+        if nxt is not None:
+            dist.send(total, nxt, group=self.pp_group)
+        dist.broadcast(total, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
         return total.sqrt()
 
     @torch.no_grad()
