@@ -129,8 +129,8 @@ def test_jetflow_train_pipeline_parallel_matches_one_process(tmp_path):
         pytest.skip(f"jetflow train does not run pipeline parallelism yet: {e}")
     from jetflow.metrics_log import read_metrics
 
-    common = ["--config", "configs/tiny.yaml", "precision.mode=fp32", "train.backend=megatron", "train.steps=2",
-              "train.sft_warmup_steps=4", "train.prompts_per_step=4", "rollout.group_size=4", "algo.ppo_epochs=2",
+    common = ["--config", "configs/tiny.yaml", "precision.mode=fp32", "train.backend=megatron", "train.steps=3",
+              "train.sft_warmup_steps=10", "train.prompts_per_step=4", "rollout.group_size=4", "algo.ppo_epochs=2",
               "run.progress=false", "run.tensorboard=false", "run.num_threads=1", f"run.out_dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
@@ -140,7 +140,7 @@ def test_jetflow_train_pipeline_parallel_matches_one_process(tmp_path):
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = read_metrics(tmp_path / "pp1"), read_metrics(tmp_path / "pp2")
-    assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1]
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1, 2]
     assert any(abs(r["train/loss"]) > 1e-3 for r in one), "no learning signal: the comparison would be vacuous"
     for a, b in zip(one, two):
         assert abs(a["train/loss"] - b["train/loss"]) <= 1e-6, (a["step"], a["train/loss"], b["train/loss"])

@@ -68,6 +68,9 @@ class MegatronPolicy(nn.Module):
         self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
+        # the ranks that hold one copy of the model between them (TP x PP): one optimizer shard each
+        self.mp_group = ps.get_model_parallel_group()
+        self.mp_size, self.mp_rank = dist.get_world_size(self.mp_group), dist.get_rank(self.mp_group)
         self.params_dtype = params_dtype
         # tied embeddings on 2+ stages: the last stage's lm_head weight is a copy of the embedding
         self._tied_copy = config.tie_word_embeddings and pp > 1
@@ -268,6 +271,7 @@ class MegatronPolicy(nn.Module):
             return results
         if not inputs:
             return []
+        self._check_same_inputs(inputs)
         shapes = [(ids.shape[1], ids.shape[0], self.config.hidden_size) for ids, _ in inputs]
         device = self.rope_inv_freq.device
         return gpipe(len(inputs), shapes, lambda i, x: self._stage_forward(inputs[i][0], inputs[i][1], None, x),
@@ -286,6 +290,23 @@ class MegatronPolicy(nn.Module):
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) (argument order of `Decoder.forward`)."""
         return self.lm_head(self.forward_hidden(input_ids, attention_mask, position_ids))
+
+    def _check_same_inputs(self, inputs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Every stage must run the same micro-batches (they hold the same data-parallel rank's rows):
+        compare a checksum of the token ids and masks over the pipeline group, so that stages fed
+        different batches fail loudly instead of training on a mix."""
+        ids_sum = mask_sum = 0
+        for ids, mask in inputs:
+            weights = torch.arange(1, ids.numel() + 1, device=ids.device).view_as(ids)
+            ids_sum += int((ids.long() * weights).sum())
+            mask_sum += 0 if mask is None else int((mask.long() * weights).sum())
+        mine = torch.tensor([len(inputs), ids_sum % 2**61, mask_sum % 2**61], dtype=torch.int64, device=self.rope_inv_freq.device)
+        every = [torch.empty_like(mine) for _ in range(self.pp_size)]
+        dist.all_gather(every, mine, group=self.pp_group)
+        if any(not torch.equal(mine, other) for other in every):
+            raise RuntimeError(f"pipeline stages were given different micro-batches (count, id and mask checksums "
+                               f"per stage: {[o.tolist() for o in every]}); every stage of a pipeline must get the "
+                               "same batch (the same data-parallel rank's rows)")
 
     def num_params(self) -> int:
         """Parameters of the full model (every TP shard and pipeline stage, not the vocabulary padding):
