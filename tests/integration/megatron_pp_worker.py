@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/integration/megatron_pp_worker.py --out DIR --steps 5
 
-pipeline_parallel_size = world size (tensor_parallel_size 1). Every rank builds the same native Decoder
+pipeline_parallel_size = world size / --tp (tensor_parallel_size, default 1). Every rank builds the same native Decoder
 (fixed seed), hands it to `MegatronPolicy.from_decoder`, and runs on one fixed left-padded RL batch
 (5 sequences, micro-batches of 2, the last one without response tokens):
   logprobs0   Trainer.compute_logprobs (the trainer's old log-probs; every rank gets them)
@@ -92,20 +92,20 @@ def checksum(quantized: dict) -> str:
     return h.hexdigest()
 
 
-def build(case: str, pp: int, decoder: Decoder | None = None, seed: int = 0):
+def build(case: str, pp: int, decoder: Decoder | None = None, seed: int = 0, tp: int = 1):
     from jetflow.train.megatron import MegatronPolicy
 
     kind = "fp8" if case == "fp8" else "fp32"
     kwargs = dict(kind=kind, recipe=FP8Recipe() if kind == "fp8" else None, gemm_backend="emulate",
-                  pipeline_parallel_size=pp, seed=seed)
+                  pipeline_parallel_size=pp, tensor_parallel_size=tp, seed=seed)
     if decoder is None:
         return MegatronPolicy(CASES[case], init_weights=True, **kwargs)
     return MegatronPolicy.from_decoder(decoder, **kwargs)
 
 
-def run_case(case: str, steps: int, pp: int, rank: int, out: Path) -> dict:
-    policy = build(case, pp, tiny_decoder(case))
-    result = {"pp": pp, "num_params": policy.num_params(), "stage": policy.pp_rank}
+def run_case(case: str, steps: int, pp: int, rank: int, out: Path, tp: int = 1) -> dict:
+    policy = build(case, pp, tiny_decoder(case), tp=tp)
+    result = {"pp": pp, "tp": tp, "num_params": policy.num_params(), "stage": policy.pp_rank}
     if case == "fp8":
         result["fp8_checksum"] = checksum(policy.quantized_weights())
     trainer = Trainer(policy, *train_config(steps))
@@ -128,6 +128,7 @@ def run_case(case: str, steps: int, pp: int, rank: int, out: Path) -> dict:
     if tied is not None:  # the embedding on stage 0 and its copy on the last stage: still equal?
         copies = [torch.empty_like(tied) for _ in range(dist.get_world_size())]
         dist.all_gather(copies, tied.detach().contiguous())
+        copies = [copies[r] for r in range(len(copies)) if r % tp == rank % tp]  # the same TP shard
         result["tied_copy_equal"] = all(torch.equal(copies[0], c) for c in copies)
 
     # save -> load round trip: rank 0 writes, every rank reads into a fresh random policy
@@ -136,7 +137,7 @@ def run_case(case: str, steps: int, pp: int, rank: int, out: Path) -> dict:
         save_checkpoint(ckpt_root, 1, policy, trainer.state_dict(), {"next_step": 1}, model_state=weights,
                         hf_config=True)
     dist.barrier()
-    fresh = build(case, pp, seed=123)
+    fresh = build(case, pp, seed=123, tp=tp)
     before = checkpoint_weights(fresh)
     result["fresh_differs"] = any(not torch.equal(before[k], weights[k]) for k in weights)
     load_checkpoint(ckpt_root / "checkpoints" / "step_000001", fresh)
@@ -159,13 +160,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--cases", default="llama,tied,fp8")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (pipeline stages: world / tp)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    pp = int(os.environ.get("WORLD_SIZE", "1"))
+    pp = int(os.environ.get("WORLD_SIZE", "1")) // args.tp
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
     for case in args.cases.split(","):
-        torch.save(run_case(case, args.steps, pp, rank, out), out / f"{case}.rank{rank}.pt")
+        torch.save(run_case(case, args.steps, pp, rank, out, args.tp), out / f"{case}.rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
