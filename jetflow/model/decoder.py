@@ -1,13 +1,16 @@
 """The Llama-family decoder: Llama 3 (incl. "llama3" RoPE scaling), Qwen2 / Qwen2.5
-(q/k/v biases), Qwen3 (RMSNorm on q and k per head), SmolLM2 (Llama architecture).
+(q/k/v biases), Qwen3 (RMSNorm on q and k per head), SmolLM2 (Llama architecture), and the
+mixture-of-experts decoders Qwen3-MoE and Mixtral.
 
 This module holds ModelConfig and the Decoder with its forward passes; the attention (RoPE,
 AttentionPlan, the SDPA / invariant-kernel dispatch) lives in jetflow.model.attention, RMSNorm and
-the MLP in jetflow.model.layers. Their names stay importable from here.
+the MLP in jetflow.model.layers, the sparse MoE block in jetflow.model.moe. Their names stay
+importable from here.
 
 Design rules (other parts of jetflow rely on them):
 - Module and parameter names mirror Hugging Face exactly (`model.layers.0.self_attn.q_proj.weight`,
-  ...), so `state_dict()` keys equal HF checkpoint keys.
+  ...), so `state_dict()` keys equal HF checkpoint keys. MoE experts are one module per expert, as
+  on disk (`mlp.experts.3.gate_proj`), not transformers 5's fused in-memory tensors.
 - Every projection is a plain `nn.Linear` that is *called* (never `F.linear(x, module.weight)`), so
   the precision converter can swap any of them for an FP8 linear by name and the swap takes effect.
 - Numerics follow transformers' implementation (RMSNorm in fp32 then cast, RoPE cos/sin in fp32 then
@@ -35,6 +38,7 @@ from jetflow.model.attention import (  # noqa: F401  (re-exported: jetflow.model
 from jetflow.model.kv_cache import KVCache
 from jetflow.model.model_config import SUPPORTED, ModelConfig, UnsupportedModelError  # noqa: F401  (re-exported)
 from jetflow.model.layers import MLP, RMSNorm, silu_exact  # noqa: F401  (re-exported)
+from jetflow.model.moe import SparseMoeBlock
 
 # model_type -> HF architecture class name
 NUMERICS = ("fast", "exact")
@@ -44,16 +48,21 @@ decode, whatever else is in the batch."""
 
 
 class DecoderLayer(nn.Module):
+    """Attention then a feed-forward block: a dense MLP (`mlp`), or in an MoE layer a SparseMoeBlock
+    under the checkpoint's name (`mlp` for Qwen3-MoE, `block_sparse_moe` for Mixtral)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.ffn_name = config.moe_attr if config.is_moe_layer(layer_idx) else "mlp"
+        ffn = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else MLP(config)
+        setattr(self, self.ffn_name, ffn)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, plan: AttentionPlan, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache)
-        x = x + self.mlp(self.post_attention_layernorm(x), plan.exact)
+        x = x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x), plan.exact)
         return x  # (B, T, C)
 
 
