@@ -5,6 +5,13 @@ with model.safetensors.index.json (its "weight_map": tensor name -> shard file).
 (missing file, unreadable safetensors, missing or unexpected tensor, wrong shape) raises
 CheckpointError naming the file and the tensor.
 
+Mixture-of-experts models (Qwen3-MoE, Mixtral) are written with one tensor per expert projection under
+the names of the released checkpoints (`...mlp.experts.E.gate_proj.weight`,
+`...block_sparse_moe.experts.E.w1.weight`), which transformers' `save_pretrained` also writes and vLLM
+reads. A directory in transformers' in-memory layout (`save_pretrained(save_original_format=False)`:
+fused `mlp.experts.gate_up_proj` (E, 2I, C) and `mlp.experts.down_proj` (E, C, I), Mixtral's block
+renamed `mlp`) loads too: `per_expert_layout` splits it on load.
+
 An FP8 export (`jetflow export`: config.json with `quantization_config`, FP8 linears stored as
 float8_e4m3fn + weight_scale_inv) is a directory of this layout too: `load_hf_dir` loads it with its
 FP8 linears running the exported bytes (`load_fp8_dir`). Which kind of directory a path is (HF, FP8
@@ -14,6 +21,7 @@ export, run checkpoint, run) is decided in one place: `jetflow.run.sources`.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -23,6 +31,7 @@ from safetensors.torch import save_file
 
 from jetflow.errors import UserError
 from jetflow.model.decoder import Decoder, ModelConfig
+from jetflow.model.moe import EXPERT_NAMES
 from jetflow.precision import FP8Recipe, apply_precision
 from jetflow.precision.export import (
     SCALE_SUFFIX,
@@ -164,7 +173,54 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype = tor
     not read (a run checkpoint written before checkpoints carried one is described by its run)."""
     d = Path(path)
     files = _weight_map(d)
-    return _assign(d, config, files, load_state_dict_from_dir(d, device=device, dtype=dtype), device)
+    sd, files = per_expert_layout(load_state_dict_from_dir(d, device=device, dtype=dtype), files, config)
+    return _assign(d, config, files, sd, device)
+
+
+_FUSED_MOE = re.compile(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)")
+
+
+def per_expert_layout(sd: dict[str, torch.Tensor], files: dict[str, Path],
+                      config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """Tensors in transformers' in-memory MoE layout renamed and split into the per-expert checkpoint
+    names the Decoder uses (other tensors pass through), with `files` (name -> file) to match.
+
+    Fused layout (transformers >= 5): `model.layers.N.mlp.experts.gate_up_proj` (E, 2I, C), the E
+    gate projections' rows then the up projections' (its converter concatenates [gate, up] on dim 1),
+    `...mlp.experts.down_proj` (E, C, I), and Mixtral's router as `...mlp.gate.weight`."""
+    if not config.is_moe:
+        return sd, files
+    out_sd, out_files = {}, {}
+    for name, t in sd.items():
+        m = _FUSED_MOE.fullmatch(name)
+        if m is None or not config.is_moe_layer(int(m[1])):
+            out_sd[name], out_files[name] = t, files[name]
+            continue
+        block = f"model.layers.{m[1]}.{config.moe_attr}."
+        if m[2] == "gate.weight":
+            new = {block + "gate.weight": t}
+        elif t.ndim != 3:
+            raise CheckpointError(f"tensor {name!r} in {files[name]} has shape {tuple(t.shape)}, "
+                                  "expected (num_experts, out_features, in_features)")
+        else:
+            new = _split_experts(t, block, m[2], EXPERT_NAMES[config.model_type])
+        out_sd.update(new)
+        out_files.update(dict.fromkeys(new, files[name]))
+    return out_sd, out_files
+
+
+def _split_experts(t: torch.Tensor, block: str, fused: str, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+    """One fused expert tensor (E, out, in) -> `{block}experts.{e}.{proj}.weight` per expert (copies)."""
+    gate_name, up_name, down_name = names
+    out = {}
+    for e in range(t.shape[0]):
+        if fused == "experts.gate_up_proj":  # (E, 2I, C): gate rows, then up rows
+            inter = t.shape[1] // 2
+            out[f"{block}experts.{e}.{gate_name}.weight"] = t[e, :inter].clone()
+            out[f"{block}experts.{e}.{up_name}.weight"] = t[e, inter:].clone()
+        else:  # experts.down_proj (E, C, I)
+            out[f"{block}experts.{e}.{down_name}.weight"] = t[e].clone()
+    return out
 
 
 def export_recipe(d: Path, hf: dict) -> FP8Recipe:
