@@ -40,8 +40,11 @@ class FP8Recipe:
     """`fp32`: scale_inv = amax / fp8_max exactly. `pow2`: rounded up to a power of two."""
     margin: int = 0
     """Headroom in powers of two: scale_inv = amax * 2**margin / fp8_max (TE's `margin`)."""
-    keep_high_precision: tuple[str, ...] = ("*embed_tokens*", "*lm_head*", "*norm*", "*router*")
-    """fnmatch patterns of module names that stay in bf16 (embeddings, lm_head, norms, MoE routers)."""
+    keep_high_precision: tuple[str, ...] = ("*embed_tokens*", "*lm_head*", "*norm*", "*router*",
+                                            "*.mlp.gate", "*.block_sparse_moe.gate")
+    """fnmatch patterns of full module names that stay in bf16 (embeddings, lm_head, norms, MoE routers:
+    Qwen3-MoE's `model.layers.N.mlp.gate` and Mixtral's `...block_sparse_moe.gate`, matched whole so
+    that `mlp.gate_proj` is not)."""
     keep_first_layers: int = 0
     """The first N decoder layers stay in bf16."""
     keep_last_layers: int = 0
