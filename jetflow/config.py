@@ -39,9 +39,9 @@ class PrecisionConfig:
     """fp32 scale_inv = amax / 448, or pow2 (rounded up to a power of two)."""
     margin: int = 0
     """Extra headroom in powers of two."""
-    keep_high_precision: list[str] = field(
-        default_factory=lambda: ["*embed_tokens*", "*lm_head*", "*norm*", "*router*"])
-    """Module-name patterns that stay in bf16."""
+    keep_high_precision: list[str] = field(default_factory=lambda: list(FP8Recipe().keep_high_precision))
+    """Module-name patterns that stay in bf16 (default: the recipe's own list: embeddings, lm_head, norms,
+    MoE routers)."""
     keep_first_layers: int = 0
     """First N decoder layers stay in bf16."""
     keep_last_layers: int = 0

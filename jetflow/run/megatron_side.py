@@ -17,7 +17,9 @@ Parallelism: one process runs TP=1 (a gloo world of size 1). Under `torchrun --n
 parallel ranks: losses and gradients are summed over Megatron's data-parallel group only
 (`model_data_parallel`), every rank runs its own rollout engine on its DP rank's prompts, and world rank
 0 writes the checkpoint after all ranks gathered the weights; the optimizer state of every TP shard
-goes into it (`gather_trainer_state`). Pipeline parallelism is not implemented (refused).
+goes into it (`gather_trainer_state`). With `train.pipeline_parallel_size=P` the ranks that share one
+model are a TP x PP group (`model_parallel_size`): it replaces the TP group in both places, and the
+Trainer hands its micro-batches to the policy's pipeline schedule (jetflow.train.megatron.pipeline).
 """
 
 from __future__ import annotations
@@ -53,32 +55,39 @@ def build_trainer_model(cfg: Config, decoder: Decoder):
     return apply_mode(decoder, cfg, "trainer")
 
 
+def model_parallel_size(model) -> int:
+    """Ranks that hold one model between them: TP x PP for a MegatronPolicy, else its TP size (1)."""
+    return getattr(model, "mp_size", tensor_parallel_size(model))
+
+
 def model_data_parallel(model, dp):
-    """The data-parallel view for a tensor-parallel MegatronPolicy: the ranks of one TP group hold the
-    same data and different shards, so losses and gradients are summed over Megatron's data-parallel
-    group only (world / TP ranks). Any other model: `dp` itself."""
-    if tensor_parallel_size(model) == 1:
+    """The data-parallel view for a model-parallel MegatronPolicy: the ranks of one TP x PP group hold the
+    same data and different parts of the model, so losses and gradients are summed over Megatron's
+    data-parallel group only (world / (TP x PP) ranks). Any other model: `dp` itself."""
+    if model_parallel_size(model) == 1:
         return dp
     from jetflow.train.megatron.parallel import data_parallel_group
     return dp.within(*data_parallel_group())
 
 
 def gather_trainer_state(model, state: dict) -> dict | None:
-    """Optimizer state is per TP shard: gather every TP rank's to TP rank 0 (None elsewhere), so one
-    checkpoint file holds all of them; `select_trainer_state` picks a rank's own on resume."""
-    if tensor_parallel_size(model) == 1:
+    """Optimizer state is per model-parallel part (TP shard, PP stage): gather every part's to the group's
+    rank 0 (None elsewhere), so one checkpoint file holds all of them; `select_trainer_state` picks a
+    rank's own on resume. (The key keeps its name: with TP alone the group is the TP group, and
+    checkpoints written before pipeline parallelism still load.)"""
+    if model_parallel_size(model) == 1:
         return state
     import torch.distributed as dist
-    states = [None] * model.tp_size if model.tp_rank == 0 else None
-    dist.gather_object(state, states, group_dst=0, group=model.tp_group)
-    return {"tp_states": states} if model.tp_rank == 0 else None
+    states = [None] * model.mp_size if model.mp_rank == 0 else None
+    dist.gather_object(state, states, group_dst=0, group=model.mp_group)
+    return {"tp_states": states} if model.mp_rank == 0 else None
 
 
 def select_trainer_state(model, saved: dict) -> dict:
     if "tp_states" not in saved:
         return saved
     states = saved["tp_states"]
-    if len(states) != tensor_parallel_size(model):
-        raise ConfigError(f"checkpoint holds optimizer state for {len(states)} tensor-parallel ranks, this run has "
-                          f"train.tensor_parallel_size={tensor_parallel_size(model)}")
-    return states[model.tp_rank]
+    if len(states) != model_parallel_size(model):
+        raise ConfigError(f"checkpoint holds optimizer state for {len(states)} model-parallel ranks, this run has "
+                          f"{model_parallel_size(model)} (train.tensor_parallel_size x pipeline_parallel_size)")
+    return states[model.mp_rank]

@@ -80,14 +80,6 @@ def check_megatron(cfg: Config, world: int | None = None) -> None:
         raise ConfigError(f"train.pipeline_parallel_size={t.pipeline_parallel_size}: pipeline parallelism is not "
                           "implemented under run.orchestrator=ray (its trainer workers form tensor-parallel groups "
                           "only); use train.pipeline_parallel_size=1")
-    if t.pipeline_parallel_size != 1:
-        # MegatronPolicy and the Trainer run pipeline stages (tests/integration/test_megatron_pp.py); the run
-        # sides do not yet: jetflow/run/megatron_side.py still takes the TP group for the ranks that share one
-        # model (data-parallel view, optimizer-state gather). With that fixed, this refusal goes.
-        raise ConfigError(f"train.pipeline_parallel_size={t.pipeline_parallel_size}: pipeline parallelism is not "
-                          "implemented in `jetflow train` yet (MegatronPolicy and the Trainer run pipeline stages, "
-                          "but the run's data-parallel view and checkpoint gather do not know them); use "
-                          "train.pipeline_parallel_size=1")
     if cfg.precision.kv_cache_fp8:
         raise ConfigError("precision.kv_cache_fp8=true with train.backend=megatron is not supported: the trainer-side "
                           "K/V quantizer hooks the native Decoder's attention; use train.backend=native")

@@ -59,7 +59,9 @@ def cli_train(tmp_path: Path, name: str, *overrides: str, timeout: int = 300) ->
 
 @pytest.mark.parametrize("overrides, match", [
     (["train.fp8_backend=te"], "not wired"),
-    (["train.backend=megatron", "train.pipeline_parallel_size=2"], "pipeline parallelism is not implemented"),
+    (["train.backend=megatron", "train.pipeline_parallel_size=2", "run.orchestrator=ray"],
+     "pipeline parallelism is not implemented under run.orchestrator=ray"),
+    (["train.backend=megatron", "train.pipeline_parallel_size=2"], "needs a multiple of that many processes"),
     (["train.backend=megatron", "train.tensor_parallel_size=2"], "needs a multiple of that many processes"),
     (["train.tensor_parallel_size=2"], "needs train.backend=megatron"),
     (["train.backend=megatron", "precision.kv_cache_fp8=true"], "kv_cache_fp8"),

@@ -17,6 +17,10 @@ def check_supported(config: ModelConfig, tp: int = 1, pp: int = 1) -> None:
     """Raise MegatronConfigError if `config` cannot be built with tensor-parallel size `tp` and
     pipeline-parallel size `pp`."""
     c = config
+    if c.is_moe:
+        raise MegatronConfigError(
+            f"{c.model_type} is a mixture-of-experts model: the Megatron backend builds dense layers only (its MoE "
+            "layer and expert parallelism are not wired yet); use train.backend=native")
     if c.o_bias != c.mlp_bias:
         raise MegatronConfigError(
             f"o_bias={c.o_bias} with mlp_bias={c.mlp_bias}: Megatron has one `add_bias_linear` flag for "
