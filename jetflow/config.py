@@ -76,6 +76,12 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 384
     max_position: int = 512
+    num_experts: int = 0
+    """0: a dense Llama-style model. > 0: a Qwen3-MoE model with this many experts in every layer."""
+    experts_per_token: int = 2
+    """MoE: experts each token is routed to (top-k)."""
+    expert_size: int = 128
+    """MoE: each expert's intermediate size (a multiple of 128 keeps the FP8 export loadable by vLLM)."""
 
 
 @dataclass
@@ -159,6 +165,10 @@ class AlgoConfig:
     """Where pi_old comes from. auto: with ppo_epochs = 1 and a row-local correction (all but ais), the
     training forward's own detached log-probs (no extra forward); otherwise, and with `recompute`,
     a separate no-grad forward before the update."""
+    router_aux_loss_coef: float = 0.0
+    """MoE models: weight of the router load-balancing loss (transformers' `load_balancing_loss_func`
+    over every MoE layer and every real token of a micro-batch) added to the policy loss; 0 leaves the
+    routers to the policy gradient alone (pretrained MoE configs use about 0.001)."""
 
 
 @dataclass
@@ -315,6 +325,7 @@ def _check_ranges(cfg: Config) -> None:
          "in (0, 1) when eval.num_prompts > 0"),
         ("rollout.group_size", r.group_size, r.group_size >= 2,
          ">= 2: GRPO's advantage is a reward minus its group's mean, so one sample per prompt learns nothing"),
+        ("algo.router_aux_loss_coef", a.router_aux_loss_coef, a.router_aux_loss_coef >= 0, ">= 0 (0 turns it off)"),
         ("algo.kl_coef", a.kl_coef, a.kl_coef == 0,
          "0: a KL penalty needs a reference policy, which `jetflow train` does not keep yet"),
     ]

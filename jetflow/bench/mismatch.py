@@ -5,7 +5,8 @@ in a real run (jetflow.run.build), the weights cross through jetflow.sync, the r
 engine (native, or vLLM with `rollout.backend=vllm`) samples responses with the same per-request
 seeds, and the trainer computes its log-probs of those tokens. Reported: token KL (k3, k1), max and
 mean |delta logp|, the share of tokens whose two log-probs are exactly equal, and the rest of
-jetflow.rl.mismatch, by response position too. This is the measurement behind the project's claim:
+jetflow.rl.mismatch, by response position too; for an MoE model the router flip rate (tokens whose
+top-k expert set differs between the two sides, per MoE layer). This is the measurement behind the project's claim:
 `mixed` (bf16 trainer, FP8 rollout) is off-policy by construction, `unified` (one recipe, the same
 bytes, and under exact numerics one computation) is not: its KL is 0 and mixed / unified infinite.
 """
@@ -29,6 +30,7 @@ from jetflow.rollout.native import NativeRollout
 from jetflow.rl import mismatch_metrics, mismatch_position_curves
 from jetflow.rl.experience import Experience, pack_experience
 from jetflow.sync import build_update
+from jetflow.model.moe import moe_blocks
 from jetflow.train.trainer import response_logprobs
 
 MODES = ("bf16", "mixed", "unified")
@@ -43,6 +45,7 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
     fingerprint = cfg.precision.recipe().fingerprint() if mode in ("mixed", "unified") else None
     max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
     eos = stop_token_ids(tokenizer, base_model, task)
+    rollout_model = None  # the native engine's model (vLLM keeps its own)
     if cfg.rollout.backend == "vllm":
         from jetflow.run.vllm_side import build_vllm_rollout
         rollout = build_vllm_rollout(cfg, copy_model(base_model), tokenizer, [] if ignore_eos else eos, task.stop,
@@ -73,7 +76,35 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
     with torch.no_grad():
         trainer_lp = torch.cat([response_logprobs(trainer_model, mb, cfg.rollout.temperature)
                                 for mb in exp.micro_batches(micro_batch)])
-    return exp, trainer_lp, {"rollout_s": t_rollout, "trainer_s": time.perf_counter() - t0}
+    timings = {"rollout_s": t_rollout, "trainer_s": time.perf_counter() - t0}
+    if rollout_model is not None and moe_blocks(trainer_model):
+        timings["router_flip_frac"] = router_flip_frac(rollout_model, trainer_model, exp)
+    return exp, trainer_lp, timings
+
+
+def expert_choices(model, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert sets of every MoE layer over the sequences (L, N, K), sorted per token, and the real
+    tokens among the N rows (N,), from one full forward (in the row order the layers saw)."""
+    with torch.no_grad():
+        model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask)
+    ids = torch.stack([b.last_topk_ids for b in moe_blocks(model)]).sort(-1).values  # (L, N, K)
+    mask = model.last_token_mask
+    real = mask.reshape(-1) if mask is not None else torch.ones(ids.shape[1], dtype=torch.bool)
+    return ids, real.to(torch.bool)
+
+
+def router_flip_frac(rollout_model, trainer_model, exp: Experience) -> float:
+    """Share of (real token, MoE layer) pairs whose top-k expert set differs between the rollout
+    engine's model and the trainer's, on the sampled sequences (prompt and response tokens).
+
+    Both sides route in a full forward over the sequences. Under exact numerics that is bitwise the
+    engine's own routing while it decoded (a decoded row equals its prefill row, tests/integration/
+    test_exact_on_policy.py); under fast numerics the engine's cached decode may route a few more
+    tokens differently than this shows."""
+    a, real = expert_choices(rollout_model, exp)
+    b, _ = expert_choices(trainer_model, exp)
+    differs = (a != b).any(-1)[:, real]  # (L, real tokens)
+    return float(differs.float().mean()) if differs.numel() else 0.0
 
 
 def measure_mode(cfg: Config, base_model, tokenizer, task, prompts: list[list[int]], micro_batch: int = 16,
@@ -93,6 +124,7 @@ def measure_mode(cfg: Config, base_model, tokenizer, task, prompts: list[list[in
         "ratio_outside_frac": metrics["mismatch/ratio_outside_frac"],
         "tokens": int(metrics["mismatch/num_tokens"]),
         "response_len_mean": float(exp.response_mask.sum(1).mean()),
+        "router_flip_frac": timings.pop("router_flip_frac", None),
         **timings,
         "metrics": metrics,
         "curve_kl_k3": curves["kl_k3"].tolist(),
@@ -123,8 +155,9 @@ def run(config: str | None = None, overrides: tuple[str, ...] = (), modes: tuple
         mode_cfg.precision.mode = mode
         row = measure_mode(mode_cfg, base_model, tokenizer, task, prompts, cfg.train.micro_batch_size, ignore_eos)
         rows.append(row)
+        flips = "" if row["router_flip_frac"] is None else f"  router flips {row['router_flip_frac']:.2%}"
         print(f"  {mode:8s} kl_k3 {row['kl_k3']:.3e}  kl_k1 {row['kl_k1']:.3e}  |dlogp| mean {row['abs_delta_mean']:.3e} "
-              f"max {row['abs_delta_max']:.3e}  equal {row['equal_frac']:.1%}  tokens {row['tokens']}", flush=True)
+              f"max {row['abs_delta_max']:.3e}  equal {row['equal_frac']:.1%}  tokens {row['tokens']}{flips}", flush=True)
     by_mode = {r["mode"]: r for r in rows}
     summary = {}
     if "mixed" in by_mode and "unified" in by_mode:
@@ -134,7 +167,8 @@ def run(config: str | None = None, overrides: tuple[str, ...] = (), modes: tuple
     name = name or f"mismatch-{cfg.model.path if cfg.model.path in ('tiny', 'smollm2') else 'model'}"
     table = markdown_table([{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows],
                            ["mode", "rollout", "numerics", "kl_k3", "kl_k1", "abs_delta_mean", "abs_delta_max",
-                            "equal_frac", "ratio_outside_frac", "tokens", "response_len_mean"])
+                            "equal_frac", "ratio_outside_frac", "tokens", "response_len_mean"]
+                           + (["router_flip_frac"] if any(r["router_flip_frac"] is not None for r in rows) else []))
     md = (f"Model `{cfg.model.path}`, task `{cfg.task.name}` {dict(cfg.task.params)}, {num_prompts} prompts x "
           f"{group_size} samples, max {cfg.rollout.max_new_tokens} new tokens, temperature "
           f"{cfg.rollout.temperature}, same seeds in every mode.\n\n{table}\n\n"

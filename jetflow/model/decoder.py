@@ -85,6 +85,8 @@ class Decoder(nn.Module):
         self.register_buffer("rope_inv_freq", rope_inv_freq(config, device="cpu"), persistent=False)
         self.numerics = "fast"
         """fast | exact (NUMERICS): set with the precision of the linears (jetflow.run.build)."""
+        self.last_token_mask: torch.Tensor | None = None
+        """(B, T) real tokens of the last forward, in the order its layers saw them (None: all real)."""
         self.embed_grid: torch.dtype | None = None
         """Round embedding outputs to this dtype's grid (bf16 under the bf16 / mixed / unified modes,
         as the recipe keeps embeddings in bf16): trainer and rollout then agree on them, and the
@@ -166,6 +168,8 @@ class Decoder(nn.Module):
         elif exact and cache is None and not torch.equal(position_ids, torch.arange(T, device=device).expand(B, T)):
             raise ValueError("exact numerics without a KV cache need slot = position: position_ids must be arange(T)")
         plan = attention_plan(position_ids, attention_mask, cache, exact)
+        # the real tokens of this forward in the order its layers see them (MoE: the load-balancing loss)
+        self.last_token_mask = attention_mask[:, L:] if attention_mask is not None else None  # (B, T)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         if self.embed_grid is not None:  # the embedding computes on the bf16 grid (precision modes)
@@ -194,6 +198,7 @@ class Decoder(nn.Module):
                              "(left-padded prompt, right-padded response)")
         shift = (start[:, None] + cols[None]) % T  # (B, T): aligned column j holds original column shift[b, j]
         hidden = self.forward_hidden(input_ids.gather(1, shift))  # (B, T, C), positions arange(T)
+        self.last_token_mask = attention_mask.gather(1, shift)  # (B, T), in the aligned order the layers saw
         back = (cols[None] - start[:, None]) % T  # (B, T)
         return hidden.gather(1, back[..., None].expand(-1, -1, hidden.shape[-1]))
 

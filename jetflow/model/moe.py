@@ -195,3 +195,14 @@ def load_balancing_loss(router_logits_per_layer: Sequence[torch.Tensor], num_exp
         0, chosen.reshape(-1), row_weight.repeat_interleave(top_k))  # (E,)
     prob_mass = (probs.float() * row_weight[:, None]).sum(0)  # (E,)
     return num_experts * torch.sum((assigned / total) * (prob_mass / total))
+
+
+def model_load_balancing_loss(model: nn.Module) -> torch.Tensor | None:
+    """`load_balancing_loss` of the model's last forward over its real tokens (the Decoder's
+    `last_token_mask`, in the order its MoE layers saw them); None for a model without MoE layers."""
+    blocks = [b for b in moe_blocks(model) if b.last_router_logits is not None]
+    if not blocks:
+        return None
+    mask = getattr(model, "last_token_mask", None)
+    return load_balancing_loss([b.last_router_logits for b in blocks], blocks[0].num_experts, blocks[0].top_k,
+                               attention_mask=mask)

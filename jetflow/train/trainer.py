@@ -18,6 +18,7 @@ from torch import Tensor
 
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
+from jetflow.model.moe import model_load_balancing_loss
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy
@@ -207,6 +208,11 @@ class Trainer:
         loss, metrics = policy_loss(logprobs, old, mb.advantages, mb.response_mask,
                                     clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
                                     is_weights=is_weights)
+        if self.algo.router_aux_loss_coef:  # MoE: the router load-balancing loss of this forward
+            aux = model_load_balancing_loss(self.model)
+            if aux is not None:
+                loss = loss + self.algo.router_aux_loss_coef * aux
+                metrics["loss/router_aux"] = float(aux.detach())
         return loss, metrics, new_old, float((entropy * mb.response_mask).sum())
 
     def _pipeline_micro_steps(self, micro: list[Experience], total_denominator: float, temperature: float, weigh,
