@@ -186,33 +186,38 @@ def _steps(rows: list[dict]) -> list[int]:
 
 
 def _plot_reward(path: Path, rl: list[dict], mode: str | None) -> None:
-    fig, (ax,) = plots.figure(1, width=6.5)
-    color = plots.color_for(mode)
-    drawn = plots.line(ax, _steps(rl), column(rl, "reward/mean"), color=color, label="reward (mean)")
     accuracy = column(rl, "reward/accuracy")
-    if any(v is not None for v in accuracy) and accuracy != column(rl, "reward/mean"):  # else it hides reward
-        plots.line(ax, _steps(rl), accuracy, color="0.3", linestyle="--", label="accuracy")
-    plots.style_axis(ax, f"training reward [{mode}] (faint: per step; line: smoothed)", "RL step", "reward")
-    if drawn:
-        ax.legend(fontsize=8)
-    else:
-        plots.note(ax, "no RL step logged yet")
-    plots.save(fig, path)
+    second = None  # the accuracy line, unless it equals the reward (it would hide it)
+    same = all(a is None or b is None or abs(a - b) < 1e-6 for a, b in zip(accuracy, column(rl, "reward/mean")))
+    if any(v is not None for v in accuracy) and not same:
+        second = ("reward/accuracy", "accuracy")
+    _two_lines(path, rl, mode, ("reward/mean", "reward (mean)"), second, smoothed=True,
+               title=f"training reward [{mode}] (faint: per step; line: smoothed)", xlabel="RL step",
+               ylabel="reward", empty="no RL step logged yet")
 
 
 def _plot_heldout(path: Path, evals: list[dict], mode: str | None) -> None:
+    _two_lines(path, evals, mode, ("eval/pass@1", "pass@1 (greedy)"), ("eval/reward", "mean reward"),
+               smoothed=False, title=f"held-out evaluation [{mode}]", xlabel="RL step (evaluated before it)",
+               ylabel="held-out score", empty="no held-out evaluation (eval.num_prompts=0)", ylim=(-0.03, 1.03))
+
+
+def _two_lines(path: Path, rows: list[dict], mode: str | None, first: tuple[str, str], second, *, smoothed: bool,
+               title: str, xlabel: str, ylabel: str, empty: str, ylim=None) -> None:
+    """A metric in the mode's colour and optionally a second one (key, label) dashed grey."""
     fig, (ax,) = plots.figure(1, width=6.5)
-    color = plots.color_for(mode)
-    drawn = plots.line(ax, _steps(evals), column(evals, "eval/pass@1"), color=color, label="pass@1 (greedy)",
-                       smoothed=False, markers=True)
-    plots.line(ax, _steps(evals), column(evals, "eval/reward"), color="0.3", linestyle="--",
-               label="mean reward", smoothed=False, markers=True)
-    plots.style_axis(ax, f"held-out evaluation [{mode}]", "RL step (evaluated before it)", "held-out score")
+    drawn = plots.line(ax, _steps(rows), column(rows, first[0]), color=plots.color_for(mode), label=first[1],
+                       smoothed=smoothed, markers=not smoothed)
+    if second is not None:
+        plots.line(ax, _steps(rows), column(rows, second[0]), color="0.3", linestyle="--", label=second[1],
+                   smoothed=smoothed, markers=not smoothed)
+    plots.style_axis(ax, title, xlabel, ylabel)
     if drawn:
-        ax.set_ylim(-0.03, 1.03)
+        if ylim:
+            ax.set_ylim(*ylim)
         ax.legend(fontsize=8)
     else:
-        plots.note(ax, "no held-out evaluation (eval.num_prompts=0)")
+        plots.note(ax, empty)
     plots.save(fig, path)
 
 
