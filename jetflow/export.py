@@ -2,7 +2,10 @@
 
 `jetflow export`: an HF directory whose linear weights are FP8 blocks in the vLLM / DeepSeek layout.
 Every FP8 linear of the recipe becomes `<m>.weight` float8_e4m3fn + `<m>.weight_scale_inv` float32;
-what the recipe keeps in high precision is written in bf16; config.json gains `quantization_config`.
+what the recipe keeps in high precision is written in bf16; config.json gains `quantization_config`,
+whose `ignored_layers` names the linears kept in bf16 (vLLM builds those unquantized). MoE experts stay
+one tensor per expert and projection (`...experts.E.gate_proj.weight` + `.weight_scale_inv`), the names
+vLLM's fused-MoE loader maps into its stacked w13 / w2 (tests/unit/test_vllm_moe_contract.py).
 vLLM loads such a directory as a block-FP8 checkpoint, and `jetflow.model.load` loads it back running
 the very same bytes. The bytes are exactly the trainer's.
 
@@ -81,10 +84,18 @@ def write_fp8_dir(tensors: dict[str, torch.Tensor], config: ModelConfig, recipe:
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt", "jetflow_fingerprint": recipe.fingerprint()})
     hf = config.to_hf(torch.bfloat16)
-    hf["quantization_config"] = recipe.vllm_quantization_config()
+    hf["quantization_config"] = recipe.vllm_quantization_config(high_precision_linears(tensors))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     write_tokenizer(tokenizer, out)
     return out
+
+
+def high_precision_linears(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The linear modules an FP8 export stores in high precision: every 2-D weight that is not FP8,
+    but the token embedding (the router of an MoE layer, lm_head, layers the recipe keeps)."""
+    return sorted(name.removesuffix(".weight") for name, t in tensors.items()
+                  if name.endswith(".weight") and t.dim() == 2 and t.element_size() > 1
+                  and name != "model.embed_tokens.weight")
 
 
 def write_final_model(run_dir: str | Path, model: nn.Module, tokenizer, mode: str | PrecisionMode,

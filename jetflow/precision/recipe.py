@@ -114,9 +114,13 @@ class FP8Recipe:
         payload = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(payload).hexdigest()[:12]
 
-    def vllm_quantization_config(self) -> dict:
-        """The `quantization_config` block of config.json in the vLLM / DeepSeek FP8 layout."""
-        return {
+    def vllm_quantization_config(self, ignored_layers: list[str] | tuple[str, ...] = ()) -> dict:
+        """The `quantization_config` block of config.json in the vLLM / DeepSeek FP8 layout.
+
+        ignored_layers: the linear modules the export stores in high precision (vLLM's Fp8Config reads
+        them and gives those layers its unquantized method; without them it would expect FP8 bytes and
+        scales for every linear it builds with the quant config, Qwen3-MoE's router among them)."""
+        qc = {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
@@ -124,6 +128,9 @@ class FP8Recipe:
             "jetflow_recipe": self.to_dict(),
             "jetflow_fingerprint": self.fingerprint(),
         }
+        if ignored_layers:
+            qc["ignored_layers"] = sorted(ignored_layers)
+        return qc
 
 
 class RecipeMismatchError(RuntimeError):

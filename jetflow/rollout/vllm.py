@@ -65,6 +65,7 @@ import json
 import logging
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -108,8 +109,11 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 
 
 def is_linear_weight(name: str) -> bool:
-    """A Llama / Qwen linear layer's weight (the modules a recipe may quantize)."""
-    return name.endswith("_proj.weight") or name == "lm_head.weight"
+    """A Llama / Qwen linear layer's weight (the modules a recipe may quantize): projections, lm_head,
+    Mixtral's experts (`...experts.E.w1.weight`) and MoE routers (`...mlp.gate.weight`, which the
+    recipe keeps in high precision)."""
+    return (name.endswith(("_proj.weight", ".gate.weight")) or name == "lm_head.weight"
+            or re.search(r"\.experts\.\d+\.w[123]\.weight$", name) is not None)
 
 
 def layer_index(name: str) -> int | None:
@@ -170,11 +174,18 @@ def unfusable_projections(config: dict, block_rows: int) -> list[str]:
     vLLM stacks q, k, v (and gate, up) into one matrix with one grid of 128-row scale blocks; the
     recipe scales each projection separately. Unless every projection but the last of a stack fills
     whole blocks, a block of the fused grid would straddle two projections with two scales (SmolLM2:
-    q_proj has 576 = 4.5 x 128 rows)."""
+    q_proj has 576 = 4.5 x 128 rows). Mixture-of-experts layers stack each expert's gate and up the same
+    way into w13, and vLLM's `validate_fp8_block_shape_moe` refuses an expert width that is not a
+    multiple of the block."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     rows = {"q_proj": config["num_attention_heads"] * head_dim,
-            "k_proj": config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim,
-            "gate_proj": config["intermediate_size"]}
+            "k_proj": config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim}
+    if config.get("model_type") == "mixtral":  # every layer sparse; intermediate_size is the experts' width
+        rows["experts' gate_proj (w1)"] = config["intermediate_size"]
+    else:
+        rows["gate_proj"] = config["intermediate_size"]
+        if config.get("model_type") == "qwen3_moe":
+            rows["experts' gate_proj"] = config["moe_intermediate_size"]
     return [f"{name} ({n} rows)" for name, n in rows.items() if n % block_rows]
 
 
