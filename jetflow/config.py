@@ -169,6 +169,11 @@ class AlgoConfig:
     """MoE models: weight of the router load-balancing loss (transformers' `load_balancing_loss_func`
     over every MoE layer and every real token of a micro-batch) added to the policy loss; 0 leaves the
     routers to the policy gradient alone (pretrained MoE configs use about 0.001)."""
+    routing_replay: bool = False
+    """MoE models: the trainer routes every token the rollout ran to the experts the rollout engine
+    chose (routing replay), with the router's probabilities at them as the weights; the step's
+    `moe/router_flip_frac` says how many tokens the trainer's router alone would have sent elsewhere.
+    Native rollout engine and trainer only."""
 
 
 @dataclass

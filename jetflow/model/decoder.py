@@ -60,9 +60,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, plan: AttentionPlan, cache):
+    def forward(self, x, cos, sin, plan: AttentionPlan, cache, routed_ids: torch.Tensor | None = None):
+        """routed_ids (B, T, K): an MoE layer's replayed expert ids (SparseMoeBlock.route)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache)
-        x = x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x), plan.exact)
+        ffn = getattr(self, self.ffn_name)
+        h = self.post_attention_layernorm(x)
+        x = x + (ffn(h, plan.exact) if routed_ids is None else ffn(h, plan.exact, routed_ids=routed_ids))
         return x  # (B, T, C)
 
 
@@ -120,6 +123,7 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states (B, T, C), after the last norm and before lm_head.
 
@@ -136,6 +140,9 @@ class Decoder(nn.Module):
             cache.length + T) of every row; without one, slot = position (right-padded rows: row b's
             token at position p goes to slot p and attends slots 0..p), the layout the rollout
             engine uses and exact numerics needs.
+        routed_experts: (B, T, L_moe, K) expert ids to replay in each MoE layer (routing replay: the
+            rollout engine's choices, `RolloutEngine(record_routing=True)`), -1 where the router
+            chooses; None: every router chooses.
 
         Each token attends to the valid slots at or before its own. A padding token attends only to
         itself (fast) or to the slots before it (exact), so its (meaningless) outputs stay finite.
@@ -159,7 +166,7 @@ class Decoder(nn.Module):
                 if position_ids is not None:
                     raise ValueError("exact numerics with an attention_mask derive the positions themselves; "
                                      "do not pass position_ids")
-                return self._forward_aligned(input_ids, attention_mask)
+                return self._forward_aligned(input_ids, attention_mask, routed_experts)
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, L:]  # (B, T)
@@ -179,13 +186,29 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, plan, cache)
+        replay = self._replay_per_layer(routed_experts, B, T)
+        for layer, routed_ids in zip(self.model.layers, replay):
+            x = layer(x, cos, sin, plan, cache, routed_ids)
         if cache is not None:
             cache.advance_to(plan.end)
         return self.model.norm(x)  # (B, T, C)
 
-    def _forward_aligned(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _replay_per_layer(self, routed_experts: torch.Tensor | None, B: int, T: int) -> list[torch.Tensor | None]:
+        """routed_experts (B, T, L_moe, K) -> one (B, T, K) per decoder layer (None for dense layers)."""
+        moe = [i for i in range(self.config.num_layers) if self.config.is_moe_layer(i)]
+        if routed_experts is None:
+            return [None] * self.config.num_layers
+        want = (B, T, len(moe), self.config.num_experts_per_tok)
+        if not moe or tuple(routed_experts.shape) != want:
+            raise ValueError(f"routed_experts must be (B, T, MoE layers, top-k) = {want}, got "
+                             f"{tuple(routed_experts.shape)}" + ("" if moe else " (this model has no MoE layers)"))
+        per_layer: list[torch.Tensor | None] = [None] * self.config.num_layers
+        for j, i in enumerate(moe):
+            per_layer[i] = routed_experts[:, :, j]
+        return per_layer
+
+    def _forward_aligned(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Exact numerics on padded rows: shift each row so its real tokens start at slot 0 (slot =
         position, as in the rollout engine's cache), run, and shift the hidden states back."""
         B, T = input_ids.shape
@@ -197,7 +220,10 @@ class Decoder(nn.Module):
             raise ValueError("exact numerics need each row's real tokens to be one contiguous run "
                              "(left-padded prompt, right-padded response)")
         shift = (start[:, None] + cols[None]) % T  # (B, T): aligned column j holds original column shift[b, j]
-        hidden = self.forward_hidden(input_ids.gather(1, shift))  # (B, T, C), positions arange(T)
+        if routed_experts is not None:  # (B, T, L, K): the same shift
+            routed_experts = routed_experts.to(shift.device).gather(
+                1, shift[:, :, None, None].expand(-1, -1, *routed_experts.shape[2:]))
+        hidden = self.forward_hidden(input_ids.gather(1, shift), routed_experts=routed_experts)  # (B, T, C)
         self.last_token_mask = attention_mask.gather(1, shift)  # (B, T), in the aligned order the layers saw
         back = (cols[None] - start[:, None]) % T  # (B, T)
         return hidden.gather(1, back[..., None].expand(-1, -1, hidden.shape[-1]))

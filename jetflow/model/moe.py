@@ -104,6 +104,8 @@ class SparseMoeBlock(nn.Module):
                                      for _ in range(c.num_experts))
         self.last_router_logits: torch.Tensor | None = None
         self.last_topk_ids: torch.Tensor | None = None
+        self.last_replay_flips: torch.Tensor | None = None
+        self.last_replayed: torch.Tensor | None = None
 
     # Routing -----------------------------------------------------------------------------------
     def route(self, x2: torch.Tensor, exact: bool = False, routed_ids: torch.Tensor | None = None):
@@ -111,14 +113,19 @@ class SparseMoeBlock(nn.Module):
 
         routed_ids (N, K): use these experts instead of the router's top-k (routing replay, e.g. the
         rollout engine's choices replayed in the trainer); their weights are still the router's
-        softmax probabilities at those ids, renormalized as the config says."""
+        softmax probabilities at those ids, renormalized as the config says. A row of -1 keeps the
+        router's own choice (padding, positions the rollout never ran). `last_replay_flips` (N,)
+        then says which replayed rows the router alone would have sent elsewhere (another top-k set)."""
         logits = self.gate(x2)  # (N, E), activation dtype
         probs = softmax_exact(logits.float()) if exact else torch.softmax(logits, dim=-1, dtype=torch.float32)
-        if routed_ids is None:
-            weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (N, K) fp32, (N, K)
-        else:
-            ids = self._check_routed_ids(routed_ids, x2.shape[0])
-            weights = probs.gather(-1, ids)  # (N, K)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (N, K) fp32, (N, K)
+        self.last_replay_flips = self.last_replayed = None
+        if routed_ids is not None:
+            forced = self._check_routed_ids(routed_ids, x2.shape[0])  # (N, K), -1 rows: the router's
+            replayed = self.last_replayed = forced[:, 0] >= 0  # (N,)
+            self.last_replay_flips = replayed & (forced.sort(-1).values != ids.sort(-1).values).any(-1)
+            ids = torch.where(replayed[:, None], forced, ids)
+            weights = probs.gather(-1, ids)  # (N, K), the same values as topk's where not replayed
         if self.norm_topk_prob:
             weights = weights / (tree_sum(weights) if exact else weights.sum(-1, keepdim=True))
         if not self.fp32_weights:
@@ -130,8 +137,10 @@ class SparseMoeBlock(nn.Module):
         if ids.shape != (n, self.top_k):
             raise ValueError(f"routed_ids must hold {self.top_k} expert ids for each of the {n} tokens, "
                              f"got shape {tuple(routed_ids.shape)}")
-        if n and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
-            raise ValueError(f"routed_ids must lie in [0, {self.num_experts})")
+        if n and (int(ids.min()) < -1 or int(ids.max()) >= self.num_experts):
+            raise ValueError(f"routed_ids must lie in [0, {self.num_experts}) (or -1: the router's own choice)")
+        if n and not torch.equal(ids.min(-1).values < 0, ids.max(-1).values < 0):
+            raise ValueError("routed_ids: a token's row is either all -1 (the router's choice) or all expert ids")
         return ids
 
     # Forward -----------------------------------------------------------------------------------
@@ -195,6 +204,16 @@ def load_balancing_loss(router_logits_per_layer: Sequence[torch.Tensor], num_exp
         0, chosen.reshape(-1), row_weight.repeat_interleave(top_k))  # (E,)
     prob_mass = (probs.float() * row_weight[:, None]).sum(0)  # (E,)
     return num_experts * torch.sum((assigned / total) * (prob_mass / total))
+
+
+def replay_flip_fraction(model: nn.Module) -> float | None:
+    """Of the (token, MoE layer) pairs the last forward replayed, the fraction whose router alone
+    would have chosen another set of experts; None when nothing was replayed."""
+    blocks = [b for b in moe_blocks(model) if b.last_replayed is not None]
+    replayed = sum(int(b.last_replayed.sum()) for b in blocks)
+    if not replayed:
+        return None
+    return sum(int(b.last_replay_flips.sum()) for b in blocks) / replayed
 
 
 def model_load_balancing_loss(model: nn.Module) -> torch.Tensor | None:

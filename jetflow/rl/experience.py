@@ -25,6 +25,7 @@ class Experience:
     prompt_len: int  # P
     old_logprobs: Tensor | None = None  # (B, R) log pi_trainer(a_t | s_t) under the rollout's weights
     is_weights: Tensor | None = None  # (B, R) rollout-correction weights (detached)
+    routed_experts: Tensor | None = None  # (B, P + R, L_moe, K) routing replay: the rollout's expert ids, -1 elsewhere
 
     @property
     def batch_size(self) -> int:
@@ -43,8 +44,13 @@ class Experience:
 
 
 def pack_experience(prompts: list[list[int]], responses: list[list[int]], rollout_logprobs: list[list[float]],
-                    rewards: Tensor, advantages: Tensor, pad_id: int, device: torch.device | str = "cpu") -> Experience:
-    """Build an Experience from per-sequence token lists (one response per prompt entry)."""
+                    rewards: Tensor, advantages: Tensor, pad_id: int, device: torch.device | str = "cpu",
+                    routed_experts: list[Tensor] | None = None) -> Experience:
+    """Build an Experience from per-sequence token lists (one response per prompt entry).
+
+    routed_experts: per sequence the rollout's expert ids at its first positions, (n, L_moe, K) with
+    n <= len(prompt) + len(response) (`RolloutOutput.routed_experts`), placed at the same columns as
+    the tokens; the trainer replays them."""
     if not (len(prompts) == len(responses) == len(rollout_logprobs) == len(rewards) == len(advantages)):
         raise ValueError("pack_experience: prompts, responses, logprobs, rewards and advantages differ in length")
     for i, (resp, lps) in enumerate(zip(responses, rollout_logprobs)):
@@ -67,5 +73,24 @@ def pack_experience(prompts: list[list[int]], responses: list[list[int]], rollou
             response_mask[i, :len(resp)] = 1.0
             logprobs[i, :len(resp)] = torch.tensor(lps, dtype=torch.float32)
     dev = torch.device(device)
-    return Experience(input_ids.to(dev), attention_mask.to(dev), response_ids.to(dev), response_mask.to(dev),
-                      logprobs.to(dev), rewards.float().to(dev), advantages.float().to(dev), P)
+    exp = Experience(input_ids.to(dev), attention_mask.to(dev), response_ids.to(dev), response_mask.to(dev),
+                     logprobs.to(dev), rewards.float().to(dev), advantages.float().to(dev), P)
+    if routed_experts is not None:
+        exp.routed_experts = _pack_routing(prompts, responses, routed_experts, P + R).to(dev)
+    return exp
+
+
+def _pack_routing(prompts: list[list[int]], responses: list[list[int]], routing: list[Tensor], width: int) -> Tensor:
+    """Per-sequence expert ids (n, L, K) -> (B, width, L, K) long at the tokens' columns, -1 elsewhere."""
+    if len(routing) != len(prompts):
+        raise ValueError(f"pack_experience: {len(routing)} routing records for {len(prompts)} sequences")
+    L, K = routing[0].shape[1:]
+    out = torch.full((len(prompts), width, L, K), -1, dtype=torch.long)
+    P = width - max(1, max(len(r) for r in responses))
+    for i, (prompt, resp, ids) in enumerate(zip(prompts, responses, routing)):
+        if ids.shape[0] > len(prompt) + len(resp) or tuple(ids.shape[1:]) != (L, K):
+            raise ValueError(f"sequence {i}: routing record {tuple(ids.shape)} does not fit its "
+                             f"{len(prompt) + len(resp)} tokens and ({L}, {K})")
+        start = P - len(prompt)
+        out[i, start:start + ids.shape[0]] = ids.long()
+    return out

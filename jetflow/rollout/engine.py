@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jetflow.model.kv_cache import KVCache
+from jetflow.model.moe import moe_blocks
 from jetflow.rollout.cpu_pack import PackedLinears
 from jetflow.rollout.sampling import sample
 
@@ -105,6 +106,10 @@ class RolloutOutput:
     """The engine's weight_version when this call started (which policy produced the tokens)."""
     stats: dict = field(default_factory=dict)
     """prefill_s, decode_s, new_tokens, tokens_per_s, ..."""
+    routed_experts: list[torch.Tensor] | None = None
+    """With `record_routing`: per request the expert ids each MoE layer chose at every position the
+    engine ran, (len(prompt) + len(tokens) - 1, L_moe, K) int16 (the last sampled token is never fed
+    back); the trainer replays them (`Decoder.forward_hidden(routed_experts=...)`)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -118,6 +123,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    routing: list[torch.Tensor] = field(default_factory=list)  # (n, L_moe, K) per forward that ran it
 
 
 class RolloutEngine:
@@ -134,6 +140,8 @@ class RolloutEngine:
     compile: torch.compile the decode step's forward (see `_compiled_hidden`).
     pack_linears: on the CPU, run plain fp32 linears on oneDNN-prepacked weight copies (one more
         fp32 copy of those weights; `jetflow.rollout.cpu_pack`); ignored with compile.
+    record_routing: MoE models: keep every MoE layer's expert choice at every position (prefill and
+        each decode step) and return it as `RolloutOutput.routed_experts`, for routing replay.
 
     `weight_version` is set by whoever loads new weights into `model` (e.g. the trainer -> rollout
     sync); every output carries the version it was generated with.
@@ -141,7 +149,8 @@ class RolloutEngine:
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, max_batch: int, max_seq_len: int,
                  device: str | torch.device = "cpu", cache_dtype: torch.dtype | None = None, tokenizer=None,
-                 compact_fraction: float = 0.25, compile: bool = False, pack_linears: bool = True):
+                 compact_fraction: float = 0.25, compile: bool = False, pack_linears: bool = True,
+                 record_routing: bool = False):
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch >= 1 and max_seq_len >= 2, got {max_batch}, {max_seq_len}")
         if eos_token_ids is None:
@@ -160,6 +169,11 @@ class RolloutEngine:
         self._rss_start = _max_rss_bytes()
         # the one KV cache: (max_batch, H_kv, max_seq_len, D) per layer; chunks use views of it
         self.cache: KVCache = model.new_cache(max_batch, max_seq_len, cache_dtype, self.device)
+        self._moe = moe_blocks(model) if record_routing else []
+        if record_routing and not self._moe:
+            raise ValueError("record_routing=True: the model has no mixture-of-experts layers")
+        if record_routing and compile:
+            raise ValueError("record_routing=True reads each MoE block's choice after every step: not with compile=True")
         if compile and getattr(model, "numerics", "fast") == "exact":
             raise ValueError("compile=True is for fast numerics; the exact kernels are already compiled C++")
         # prepacked CPU weights (not with compile: the compiled graph keeps ATen's linears)
@@ -215,6 +229,7 @@ class RolloutEngine:
             text=text,
             weight_version=version,
             stats=stats,
+            routed_experts=[torch.cat(r.routing) for r in requests] if self._moe else None,
         )
 
     def memory_stats(self) -> dict:
@@ -257,6 +272,10 @@ class RolloutEngine:
         positions = torch.arange(P, device=dev).expand(B, P)  # slot = position
         h = self.model.forward_hidden(ids, position_ids=positions, cache=cache)  # (B, P, C), eager
         logits = self.model.lm_head(h[torch.arange(B, device=dev), lens - 1])  # (B, V): each last prompt token
+        if self._moe:
+            routing = self._routing(B, P)  # (B, P, L, K)
+            for b, r in enumerate(reqs):
+                r.routing.append(routing[b, :len(r.prompt)])
         stats["prefill_s"] += _elapsed(t0, dev)
 
         t0 = time.perf_counter()
@@ -295,9 +314,18 @@ class RolloutEngine:
                 stats["compactions"] += 1
             h = self._decode_hidden(tokens[:, None], position_ids=next_pos[:, None], cache=cache)  # (B, 1, C)
             logits = self.model.lm_head(h[:, -1])  # (B, V)
+            if self._moe:
+                routing = self._routing(len(rows), 1)  # (B, 1, L, K)
+                for b, r in enumerate(rows):
+                    if not done[b]:  # a finished row still in the batch was fed a token that is not its own
+                        r.routing.append(routing[b])
             next_pos = next_pos + 1
             stats["decode_steps"] += 1
         stats["decode_s"] += _elapsed(t0, dev)
+
+    def _routing(self, B: int, T: int) -> torch.Tensor:
+        """The last forward's expert ids of every MoE layer, (B, T, L_moe, K) int16 on the CPU."""
+        return torch.stack([blk.last_topk_ids.view(B, T, -1) for blk in self._moe], dim=2).to("cpu", torch.int16)
 
     def _compiled_hidden(self):
         """torch.compile of the model's forward_hidden for the decode step (optional; the decoder

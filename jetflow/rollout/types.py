@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from jetflow.sync import WeightUpdate
 
 
@@ -19,6 +21,7 @@ class Rollouts:
     texts: list[str]
     finish_reasons: list[str]
     weight_version: int  # the weights every request was sampled with
+    routed_experts: list[torch.Tensor] | None = None  # routing replay: (positions, L_moe, K) per request
 
 
 class RolloutEngineSide(Protocol):

@@ -135,7 +135,7 @@ class RLLoop:
         rewards = torch.tensor([s.total for s in scores], dtype=torch.float32)
         advantages = group_advantages(rewards, group, cfg.algo.adv_norm)
         exp = pack_experience(prompts, out.token_ids, out.logprobs, rewards, advantages, self.pad_id,
-                              device=cfg.model.device)
+                              device=cfg.model.device, routed_experts=out.routed_experts)
 
         # The trainer's log-probs of the same tokens under the same weight version (pi_old), the
         # rollout correction from them, and the update(s).

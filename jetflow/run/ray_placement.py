@@ -334,7 +334,9 @@ class RayRollout:
                         logprobs=[lp for p in parts for lp in p.logprobs],
                         texts=[t for p in parts for t in p.texts],
                         finish_reasons=[r for p in parts for r in p.finish_reasons],
-                        weight_version=versions.pop())
+                        weight_version=versions.pop(),
+                        routed_experts=None if parts[0].routed_experts is None else
+                        [r for p in parts for r in p.routed_experts])
 
 
 class RayPlacement:

@@ -25,6 +25,7 @@ def validate_run(cfg: Config, processes: int | None = None) -> None:
     check_megatron(cfg, world=processes)
     check_batch_split(cfg, processes)
     check_vllm(cfg)
+    check_routing_replay(cfg)
     check_wired(cfg)
     task = build_task(cfg)  # the task's parameters are checked by the task itself (a ConfigError naming them)
     if cfg.eval.num_prompts and not task.held_out_problems(1):
@@ -95,6 +96,16 @@ def check_megatron(cfg: Config, world: int | None = None) -> None:
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         from jetflow.train.megatron import INSTALL_HINT
         raise ConfigError(f"train.backend=megatron needs Megatron-Core, which is not installed: {INSTALL_HINT}")
+
+
+def check_routing_replay(cfg: Config) -> None:
+    """Routing replay records the expert choices in jetflow's rollout engine and replays them in its Decoder."""
+    if not cfg.algo.routing_replay:
+        return
+    for key, value in (("rollout.backend", cfg.rollout.backend), ("train.backend", cfg.train.backend)):
+        if value != "native":
+            raise ConfigError(f"algo.routing_replay=true with {key}={value}: routing replay runs with the native "
+                              f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
 
 
 def check_vllm(cfg: Config) -> None:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
-from jetflow.model.moe import model_load_balancing_loss
+from jetflow.model.moe import model_load_balancing_loss, replay_flip_fraction
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy
@@ -54,7 +54,8 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
     """
     P, R = exp.prompt_len, exp.response_ids.shape[1]
     if hidden is None:
-        hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask)  # (B, P + R, C)
+        replay = {} if exp.routed_experts is None else {"routed_experts": exp.routed_experts}  # MoE routing replay
+        hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask, **replay)  # (B, P + R, C)
     logits = model.lm_head(hidden[:, P - 1:P + R - 1])  # (B, R, V)
     if with_entropy:  # the same log-probs (one log_softmax), and the entropy from it
         return token_logprobs_and_entropy(logits, exp.response_ids, temperature)
@@ -213,6 +214,8 @@ class Trainer:
             if aux is not None:
                 loss = loss + self.algo.router_aux_loss_coef * aux
                 metrics["loss/router_aux"] = float(aux.detach())
+        if mb.routed_experts is not None and (flips := replay_flip_fraction(self.model)) is not None:
+            metrics["moe/router_flip_frac"] = flips  # rollout and trainer routers disagreeing
         return loss, metrics, new_old, float((entropy * mb.response_mask).sum())
 
     def _pipeline_micro_steps(self, micro: list[Experience], total_denominator: float, temperature: float, weigh,

@@ -1,5 +1,6 @@
-"""RL on a tiny random Qwen3-MoE (configs/tiny-moe.yaml): the three precision modes end to end, the router
-flip rate of `jetflow bench mismatch`, the load-balancing loss in the trainer, and the Megatron refusal."""
+"""RL on a tiny random Qwen3-MoE (configs/tiny-moe.yaml): the three precision modes end to end, routing
+replay in the loop, the router flip rate of `jetflow bench mismatch`, the load-balancing loss in the
+trainer, and the Megatron refusal."""
 
 import json
 from pathlib import Path
@@ -36,6 +37,28 @@ def test_each_mode_trains_unified_exactly_on_policy(mode_runs):
                 assert r["mismatch/kl_k3"] > 0 and r["mismatch/equal_frac"] < 1.0
         hf = json.loads((run_dir / "model" / "config.json").read_text())
         assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and hf["num_experts"] == 4
+
+
+def test_routing_replay_in_the_loop(tmp_path):
+    """algo.routing_replay: the trainer routes by the rollout's recorded experts and logs how often its
+    own router disagreed: never under unified (exact numerics), and the run still exactly on-policy."""
+    for mode in ("unified", "mixed"):
+        run_dir = train(load_config(MOE, [f"run.out_dir={tmp_path}", *FAST, f"precision.mode={mode}",
+                                          f"run.name={mode}", "algo.routing_replay=true"]))
+        for r in read_metrics(run_dir):
+            assert 0.0 <= r["moe/router_flip_frac"] <= 1.0, mode
+            if mode == "unified":
+                assert r["moe/router_flip_frac"] == 0.0 and r["mismatch/kl_k3"] == 0.0
+
+
+def test_routing_replay_refusals(tmp_path):
+    from jetflow.config import ConfigError
+    from jetflow.run.validate import validate_run
+
+    with pytest.raises(ConfigError, match="native rollout engine and trainer only"):
+        validate_run(load_config(MOE, ["algo.routing_replay=true", "rollout.backend=vllm"]))
+    with pytest.raises(ConfigError, match="no mixture-of-experts layers"):
+        train(load_config(ROOT / "configs/tiny.yaml", [f"run.out_dir={tmp_path}", *FAST, "algo.routing_replay=true"]))
 
 
 def test_the_final_model_loads_in_transformers(mode_runs):
