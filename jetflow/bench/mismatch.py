@@ -71,7 +71,7 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
     t_rollout = time.perf_counter() - t0
     zeros = torch.zeros(len(prompts))
     exp = pack_experience(prompts, out.token_ids, out.logprobs, zeros, zeros, tokenizer.pad_token_id,
-                          cfg.model.device)
+                          cfg.model.device, routed_experts=out.routed_experts)  # algo.routing_replay: replayed
     t0 = time.perf_counter()
     with torch.no_grad():
         trainer_lp = torch.cat([response_logprobs(trainer_model, mb, cfg.rollout.temperature)
