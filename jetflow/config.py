@@ -77,7 +77,10 @@ class TinyModelConfig:
     intermediate_size: int = 384
     max_position: int = 512
     num_experts: int = 0
-    """0: a dense Llama-style model. > 0: a Qwen3-MoE model with this many experts in every layer."""
+    """0: a dense Llama-style model. > 0: a mixture-of-experts model (see `moe_family`) with this many
+    experts in every layer."""
+    moe_family: str = "qwen3_moe"
+    """MoE: `qwen3_moe` (q/k norms, renormalized top-k) or `mixtral` (its names: block_sparse_moe, w1/w2/w3)."""
     experts_per_token: int = 2
     """MoE: experts each token is routed to (top-k)."""
     expert_size: int = 128
@@ -256,6 +259,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.gemm_backend": ("auto", "scaled_mm", "emulate", "triton"),
     "precision.numerics": ("auto", "exact", "fast"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.tiny.moe_family": ("qwen3_moe", "mixtral"),
     "rollout.backend": ("native", "vllm"),
     "task.name": ("arithmetic", "countdown", "math"),
     "algo.adv_norm": ("mean_std", "mean", "none"),

@@ -62,11 +62,13 @@ def build_tiny(cfg: Config, task: Task) -> tuple[Decoder, CharTokenizer]:
     from jetflow.tasks.arithmetic import PLAIN_ALPHABET
     tok = CharTokenizer(PLAIN_ALPHABET)
     t = cfg.model.tiny
-    moe = dict(model_type="qwen3_moe", qk_norm=True, num_experts=t.num_experts,
+    moe = dict(model_type=t.moe_family, qk_norm=t.moe_family == "qwen3_moe", num_experts=t.num_experts,
                num_experts_per_tok=t.experts_per_token, moe_intermediate_size=t.expert_size,
                norm_topk_prob=True) if t.num_experts else dict(model_type="llama")
+    # Mixtral has one intermediate size, its experts'
+    inter = t.expert_size if t.num_experts and t.moe_family == "mixtral" else t.intermediate_size
     mc = ModelConfig(vocab_size=tok.vocab_size, hidden_size=t.hidden_size,
-                     intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
+                     intermediate_size=inter, num_layers=t.num_layers, num_heads=t.num_heads,
                      num_kv_heads=t.num_kv_heads, head_dim=t.hidden_size // t.num_heads,
                      max_position_embeddings=t.max_position, tie_word_embeddings=True,
                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,

@@ -39,6 +39,21 @@ def test_each_mode_trains_unified_exactly_on_policy(mode_runs):
         assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and hf["num_experts"] == 4
 
 
+def test_mixtral_trains_unified_exactly_on_policy(tmp_path):
+    """The same loop on a tiny Mixtral (model.tiny.moe_family): its names, one intermediate size, no q/k norms."""
+    run_dir = train(load_config(MOE, [f"run.out_dir={tmp_path}", *FAST, "model.tiny.moe_family=mixtral",
+                                      "algo.routing_replay=true"]))
+    for r in read_metrics(run_dir):
+        assert r["mismatch/kl_k3"] == 0.0 and r["moe/router_flip_frac"] == 0.0 and r["loss/router_aux"] > 0
+    hf = json.loads((run_dir / "model" / "config.json").read_text())
+    assert hf["architectures"] == ["MixtralForCausalLM"] and hf["num_local_experts"] == 4
+    assert hf["intermediate_size"] == 128
+    from safetensors import safe_open
+    with safe_open(str(run_dir / "model-fp8" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.0.block_sparse_moe.experts.3.w2.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("model.layers.0.block_sparse_moe.gate.weight").get_dtype() == "BF16"
+
+
 def test_routing_replay_in_the_loop(tmp_path):
     """algo.routing_replay: the trainer routes by the rollout's recorded experts and logs how often its
     own router disagreed: never under unified (exact numerics), and the run still exactly on-policy."""
