@@ -29,8 +29,9 @@ checkpoint the engine was started from. Then vLLM 0.32's in-place reload runs
 (`Worker.reload_weights(weights_iterator, is_checkpoint_format=True)`): it restores each layer's
 checkpoint-format parameters, feeds them through the model's own `load_weights` (HF names; q/k/v and
 gate/up are stacked by vLLM), re-runs the quantization method's `process_weights_after_loading` and
-copies the result into the existing kernel storage (plus one fix: a tied lm_head is re-processed too,
-see `reprocess_tied_lm_head`). So a block-FP8 layer is re-processed from the
+copies the result into the existing kernel storage (plus two fixes: a tied lm_head is re-processed too,
+see `reprocess_tied_lm_head`, and the CPU fused-MoE kernel repacks its experts, see
+`reprocess_cpu_moe_experts`). So a block-FP8 layer is re-processed from the
 freshly shipped `weight` / `weight_scale_inv` on every reload, whatever padding, transposition or
 scale repacking its kernel applies (vLLM PR #28480 keeps `weight_scale_inv` reloadable; verl moved
 to this layerwise lifecycle for FP8 resync, verl PR #7136). The prefix cache is reset after each load
@@ -200,6 +201,27 @@ def reprocess_tied_lm_head(model) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+def reprocess_cpu_moe_experts(model) -> int:
+    """Re-run the CPU fused-MoE kernel's weight packing after an in-place reload; returns the number
+    of MoE layers repacked.
+
+    On a weight update vLLM (0.32, fused_moe/unquantized_fused_moe_method.py `_setup_kernel`) copies
+    the reloaded w13 / w2 into the existing parameters but runs the experts kernel's own post-load
+    step only on the first load. On a CPU that step prepacks the weights for its grouped GEMM, so
+    without this the experts would compute with unpacked values read as packed ones (measured: tiny
+    Qwen3-MoE log-probs off by 1.2 after one update; 2e-6 with it). GPU kernels do not prepack there."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and hasattr(layer, "w13_weight"):
+            experts.process_weights_after_loading(layer)
+            repacked += 1
+    return repacked
+
+
 class VLLMRollout:
     """jetflow's RolloutSide protocol (`weight_version`, `load_weights`, `generate`) on vLLM."""
 
@@ -241,6 +263,7 @@ class VLLMRollout:
         self.fingerprint = recipe.fingerprint() if recipe is not None else None
         self.num_layers = int(config["num_hidden_layers"])
         self.tied = bool(config.get("tie_word_embeddings", False))
+        self.moe = config.get("model_type") in ("qwen3_moe", "mixtral")
         self.checkpoint = checkpoint_shapes(self.model_dir)
         eos = config.get("eos_token_id") if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
@@ -342,6 +365,8 @@ class VLLMRollout:
                                                           "is_checkpoint_format": True})
         if self.tied:
             self.llm.apply_model(reprocess_tied_lm_head)
+        if self.moe:
+            self.llm.apply_model(reprocess_cpu_moe_experts)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weight_version = update.version
 
