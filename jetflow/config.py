@@ -184,10 +184,10 @@ class TrainConfig:
     backend: str = "native"
     """native | megatron."""
     tensor_parallel_size: int = 1
-    """Megatron backend: tensor-parallel ranks (`jetflow train` runs 1 for now; the component runs N > 1
-    under torchrun)."""
+    """Megatron backend: tensor-parallel ranks (under torchrun or as Ray trainer workers)."""
     pipeline_parallel_size: int = 1
-    """Megatron backend: pipeline stages (only 1: pipeline parallelism is not implemented)."""
+    """Megatron backend: pipeline stages (under torchrun or as Ray trainer workers; jetflow's GPipe
+    schedule over Megatron's stages)."""
     fp8_backend: str = "jetflow"
     """jetflow (this recipe's own GEMMs) | te (Transformer Engine Float8BlockScaling)."""
     steps: int = 12

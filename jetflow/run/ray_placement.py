@@ -2,8 +2,9 @@
 
     driver (this process)          RLLoop: prompts, rewards, advantages, metrics, logs, checkpoints
     TrainerWorker x train.num_workers   a Trainer each, data parallel over gloo (NCCL on GPUs); with
-                                        train.backend=megatron, tensor-parallel groups of
-                                        train.tensor_parallel_size workers (same rows, weight shards);
+                                        train.backend=megatron, model-parallel groups of
+                                        tensor_parallel_size x pipeline_parallel_size workers (same
+                                        rows; weight shards, pipeline stages);
                                         worker 0 builds the weight update and puts it in the object store
     RolloutWorker x rollout.num_engines a rollout engine: native, or vLLM (rollout.backend=vllm) started
                                         from a checkpoint of its own under the run directory
@@ -184,7 +185,7 @@ class RemoteUpdate:
 
 class TrainerGroup:
     """The loop's `trainer`: splits each batch row-wise over the data-parallel ranks (whole GRPO groups
-    each). `dp_ranks[i]` is worker i's data-parallel rank: the workers of one tensor-parallel group
+    each). `dp_ranks[i]` is worker i's data-parallel rank: the workers of one model-parallel group
     (Megatron) share a rank and get the same rows."""
 
     def __init__(self, ray, workers: list, cfg: Config, dp_ranks: list[int]):

@@ -77,10 +77,6 @@ def check_megatron(cfg: Config, world: int | None = None) -> None:
             raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} / pipeline_parallel_size="
                               f"{t.pipeline_parallel_size}: model parallelism needs train.backend=megatron")
         return
-    if t.pipeline_parallel_size != 1 and cfg.run.orchestrator == "ray":
-        raise ConfigError(f"train.pipeline_parallel_size={t.pipeline_parallel_size}: pipeline parallelism is not "
-                          "implemented under run.orchestrator=ray (its trainer workers form tensor-parallel groups "
-                          "only); use train.pipeline_parallel_size=1")
     if cfg.precision.kv_cache_fp8:
         raise ConfigError("precision.kv_cache_fp8=true with train.backend=megatron is not supported: the trainer-side "
                           "K/V quantizer hooks the native Decoder's attention; use train.backend=native")

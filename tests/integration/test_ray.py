@@ -112,14 +112,16 @@ def test_vllm_engines_as_ray_actors(tmp_path, monkeypatch):
     assert (run_dir / "rollout_engine0" / "config.json").exists() and (run_dir / "rollout_engine1").is_dir()
 
 
-def test_megatron_tensor_parallel_workers_match_native(tmp_path):
-    """train.backend=megatron under Ray: 2 trainer workers form one TP=2 group (same rows, different
-    shards; the update gathered from both); the run equals the native trainer's in one process."""
+@pytest.mark.parametrize("layout", ["train.tensor_parallel_size=2", "train.pipeline_parallel_size=2"])
+def test_megatron_model_parallel_workers_match_native(tmp_path, layout):
+    """train.backend=megatron under Ray: 2 trainer workers form one TP=2 group or one PP=2 pipeline
+    (same rows, different shards or stages; the update gathered from both); the run equals the native
+    trainer's in one process."""
     pytest.importorskip("megatron.core", reason="Megatron-Core is not installed (pip install -e '.[megatron]')")
     common = [*COMMON, "train.steps=2", "train.sft_warmup_steps=10", f"run.out_dir={tmp_path}"]
     ray_dir = train(load_config(ROOT / "configs/tiny.yaml", [
-        *common, "run.name=ray-tp2", "run.orchestrator=ray", "train.backend=megatron", "train.num_workers=2",
-        "train.tensor_parallel_size=2", "run.ray_num_cpus=2"]))
+        *common, "run.name=ray-mp2", "run.orchestrator=ray", "train.backend=megatron", "train.num_workers=2",
+        layout, "run.ray_num_cpus=2"]))
     local_dir = train(load_config(ROOT / "configs/tiny.yaml", [*common, "run.name=native"]))
     ray_rows, local_rows = read_metrics(ray_dir), read_metrics(local_dir)
     assert (ray_dir / COMPLETE).exists() and [r["step"] for r in ray_rows] == [0, 1]
@@ -130,7 +132,8 @@ def test_megatron_tensor_parallel_workers_match_native(tmp_path):
     import torch
     from jetflow.train.checkpoint import latest_checkpoint
     trainer_state = torch.load(latest_checkpoint(ray_dir) / "trainer.pt", weights_only=False)
-    assert len(trainer_state["tp_states"]) == 2  # both workers held a shard: TP=2 really ran
+    assert len(trainer_state["tp_states"]) == 2  # both workers held a shard or a stage: TP=2 / PP=2 really ran
+    assert any(r["train/loss"] != 0 for r in ray_rows)
 
 
 def test_fp8_kv_cache_under_ray_matches_one_process(tmp_path):
