@@ -444,3 +444,7 @@ class VLLMRollout:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+            # The CPU engine runs in this process and keeps its TP / PP / EP groups; the next engine
+            # would reuse them, and one built for a dense model has no expert-parallel group for an MoE.
+            from vllm.distributed.parallel_state import destroy_model_parallel
+            destroy_model_parallel()

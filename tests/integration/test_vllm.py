@@ -44,7 +44,12 @@ def tiny_model(tied: bool, seed: int) -> Decoder:
     cfg = ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=192, intermediate_size=320, num_layers=2,
                       num_heads=6, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
                       tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Decoder(cfg).eval()
+    return random_frozen(Decoder(cfg))
+
+
+def random_frozen(model: Decoder) -> Decoder:
+    """Norm weights near 1, the rest small and random; no gradients (the rollout side's copy)."""
+    model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
@@ -84,6 +89,60 @@ def forced_logprobs(model: Decoder, prompt: list[int], tokens: list[int]) -> tor
     with torch.no_grad():
         logits = model(ids)[0, len(prompt) - 1:-1].float()  # (T, V)
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+# The MoE tests come first: vLLM's CPU engine runs in this process and builds its parallel groups
+# once; an MoE engine needs the expert-parallel group, which an engine started for a dense model first
+# does not create (the dense engines below run fine beside the MoE ones).
+def tiny_moe(family: str, seed: int) -> Decoder:
+    """A random Qwen3-MoE or Mixtral (4 experts, top-2) whose expert width (128) is one FP8 block, as
+    vLLM's fused MoE needs."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(model_type=family, vocab_size=TOKENIZER.vocab_size, hidden_size=128, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
+                      qk_norm=family == "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                      norm_topk_prob=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return random_frozen(Decoder(cfg))
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_side(request, tmp_path_factory):
+    """(trainer MoE model in fp32, vLLM rollout on the FP8 grid) per family."""
+    model = tiny_moe(request.param, seed=3)
+    path = save_hf_dir(model, tmp_path_factory.mktemp(f"vllm_{request.param}"))
+    rollout = VLLMRollout(path, execution="fp8_weights_dequantized", recipe=RECIPE, dtype="float32",
+                          temperature=0.0, max_new_tokens=STEPS, eos_token_ids=[], max_model_len=256, max_batch=8,
+                          kv_cache_bytes=KV_BYTES)
+    yield model, rollout
+    rollout.close()
+
+
+def test_moe_rollouts_and_updates_match_the_native_engine(moe_side):
+    """vLLM's fused MoE on the CPU: the checkpoint's weights, then a unified update (per-expert FP8
+    bytes, dequantized; routers in bf16) and a mixed one (bf16 weights quantized on the rollout side,
+    experts included, routers not): tokens as the native engine's, log-probs within TOL. (Without
+    `reprocess_cpu_moe_experts` the update leaves the CPU kernel's packed experts stale: off by ~1.)"""
+    model, rollout = moe_side
+    assert_same_rollouts(rollout.generate(PROMPTS, seeds=[0, 1, 2]), native_greedy(model))
+    trainer = apply_precision(copy_model(model), "fp8", RECIPE, "emulate", num_layers=model.config.num_layers)
+    perturb(trainer)
+    update = build_update(trainer, "unified", rollout.weight_version + 1, RECIPE.fingerprint(), with_checksum=True)
+    experts = [m for m in update.quantized if ".experts." in m]
+    assert len(experts) == 2 * 4 * 3 and not any(m.endswith(".gate") for m in update.quantized)
+    rollout.load_weights(update)
+    reference = copy_model(model)  # fp32 linears holding the dequantized FP8 weights
+    weights = {f"{m}.weight": q.dequantize() for m, q in update.quantized.items()}
+    reference.load_state_dict({**{k: v.float() for k, v in update.tensors.items()}, **weights}, strict=False)
+    assert_same_rollouts(rollout.generate(PROMPTS, seeds=[0, 1, 2]), native_greedy(reference))
+    mixed = build_update(trainer, "mixed", rollout.weight_version + 1)
+    rounded = copy_model(model)
+    rounded.load_state_dict({k: v.float() for k, v in mixed.tensors.items()}, strict=False)
+    rounded = apply_precision(rounded, "fp8", RECIPE, "emulate", num_layers=model.config.num_layers)
+    unified = rollout.engine_tensors(build_update(rounded, "unified", 0, RECIPE.fingerprint()))
+    tensors = rollout.engine_tensors(mixed)
+    assert tensors.keys() == unified.keys() and all(torch.equal(tensors[k], unified[k]) for k in tensors)
+    rollout.load_weights(mixed)
+    assert rollout.weight_version == mixed.version
 
 
 @pytest.fixture(scope="module")
@@ -241,63 +300,6 @@ def test_eos_and_stop_strings_as_the_native_engine(fp32_side):
         rollout.eos_token_ids, rollout.stop = [], ()
     assert_same_rollouts(out, expected)
     assert out.texts == expected.text
-
-
-def tiny_moe(family: str, seed: int) -> Decoder:
-    """A random Qwen3-MoE or Mixtral (4 experts, top-2) whose expert width (128) is one FP8 block, as
-    vLLM's fused MoE needs."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(model_type=family, vocab_size=TOKENIZER.vocab_size, hidden_size=128, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
-                      qk_norm=family == "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                      norm_topk_prob=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Decoder(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
-
-
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
-def moe_side(request, tmp_path_factory):
-    """(trainer MoE model in fp32, vLLM rollout on the FP8 grid) per family."""
-    model = tiny_moe(request.param, seed=3)
-    path = save_hf_dir(model, tmp_path_factory.mktemp(f"vllm_{request.param}"))
-    rollout = VLLMRollout(path, execution="fp8_weights_dequantized", recipe=RECIPE, dtype="float32",
-                          temperature=0.0, max_new_tokens=STEPS, eos_token_ids=[], max_model_len=256, max_batch=8,
-                          kv_cache_bytes=KV_BYTES)
-    yield model, rollout
-    rollout.close()
-
-
-def test_moe_rollouts_and_updates_match_the_native_engine(moe_side):
-    """vLLM's fused MoE on the CPU: the checkpoint's weights, then a unified update (per-expert FP8
-    bytes, dequantized; routers in bf16) and a mixed one (bf16 weights quantized on the rollout side,
-    experts included, routers not): tokens as the native engine's, log-probs within TOL. (Without
-    `reprocess_cpu_moe_experts` the update leaves the CPU kernel's packed experts stale: off by ~1.)"""
-    model, rollout = moe_side
-    assert_same_rollouts(rollout.generate(PROMPTS, seeds=[0, 1, 2]), native_greedy(model))
-    trainer = apply_precision(copy_model(model), "fp8", RECIPE, "emulate", num_layers=model.config.num_layers)
-    perturb(trainer)
-    update = build_update(trainer, "unified", rollout.weight_version + 1, RECIPE.fingerprint(), with_checksum=True)
-    experts = [m for m in update.quantized if ".experts." in m]
-    assert len(experts) == 2 * 4 * 3 and not any(m.endswith(".gate") for m in update.quantized)
-    rollout.load_weights(update)
-    reference = copy_model(model)  # fp32 linears holding the dequantized FP8 weights
-    weights = {f"{m}.weight": q.dequantize() for m, q in update.quantized.items()}
-    reference.load_state_dict({**{k: v.float() for k, v in update.tensors.items()}, **weights}, strict=False)
-    assert_same_rollouts(rollout.generate(PROMPTS, seeds=[0, 1, 2]), native_greedy(reference))
-    mixed = build_update(trainer, "mixed", rollout.weight_version + 1)
-    rounded = copy_model(model)
-    rounded.load_state_dict({k: v.float() for k, v in mixed.tensors.items()}, strict=False)
-    rounded = apply_precision(rounded, "fp8", RECIPE, "emulate", num_layers=model.config.num_layers)
-    unified = rollout.engine_tensors(build_update(rounded, "unified", 0, RECIPE.fingerprint()))
-    tensors = rollout.engine_tensors(mixed)
-    assert tensors.keys() == unified.keys() and all(torch.equal(tensors[k], unified[k]) for k in tensors)
-    rollout.load_weights(mixed)
-    assert rollout.weight_version == mixed.version
 
 
 def test_fp8_payload_is_the_exported_checkpoint_byte_for_byte(tmp_path):
