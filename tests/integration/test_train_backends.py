@@ -59,8 +59,9 @@ def cli_train(tmp_path: Path, name: str, *overrides: str, timeout: int = 300) ->
 
 @pytest.mark.parametrize("overrides, match", [
     (["train.fp8_backend=te"], "not wired"),
-    (["train.backend=megatron", "train.pipeline_parallel_size=2", "run.orchestrator=ray"],
-     "pipeline parallelism is not implemented under run.orchestrator=ray"),
+    (["train.backend=megatron", "train.pipeline_parallel_size=2", "run.orchestrator=ray", "train.num_workers=3"],
+     "set train.num_workers to a multiple of it"),
+    (["algo.routing_replay=true", "train.backend=megatron"], "routing replay runs with the native"),
     (["train.backend=megatron", "train.pipeline_parallel_size=2"], "needs a multiple of that many processes"),
     (["train.backend=megatron", "train.tensor_parallel_size=2"], "needs a multiple of that many processes"),
     (["train.tensor_parallel_size=2"], "needs train.backend=megatron"),
