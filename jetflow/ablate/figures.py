@@ -70,8 +70,9 @@ def place_cells(ab: "Ablation") -> list[Placed]:
     for cell in ab.cells:
         labels = _axis_labels(ab, cell)
         line = "-".join(labels[a] for a in line_axes if a in labels)
-        if not line or cell.id not in _grid_ids(ab):  # an extra cell: its own line
-            line = cell.id.replace(f"-seed{cell.settings.get(SEED_AXIS)}", "")
+        if not line or cell.id not in _grid_ids(ab):  # an extra cell: its own line, named by its id
+            line = cell.id.replace(f"-seed{cell.settings.get(SEED_AXIS)}", "")  # less its seed and panel
+            line = "-".join(part for part in line.split("-") if part not in {labels.get(a) for a in panel_axes})
         panel = "-".join(labels[a] for a in panel_axes if a in labels) or "all cells"
         run_dir = ab.run_dir(cell)
         placed.append(Placed(cell, run_dir, line, panel, _mode(run_dir, cell)))

@@ -199,6 +199,21 @@ def test_figures_draw_one_panel_per_length_one_line_per_variant_seeds_pooled(tmp
     assert {c for c, _ in mixed} == {MODE_COLORS["mixed"]} and len({s for _, s in mixed}) == 4
 
 
+def test_extra_cells_make_one_line_across_panels(tmp_path):
+    """precision-moe.yaml's extra cells (mixed with routing replay, per length and seed) are one
+    variant: one line name in every length panel, seeds pooled, mixed's colour in its own style."""
+    from jetflow.ablate.figures import _styles, place_cells
+    from jetflow.plots import MODE_COLORS
+
+    placed = [p for p in place_cells(load_ablation(ROOT / "configs/ablations/precision-moe.yaml", out_dir=tmp_path))
+              if p.cell.id.startswith("mixed-replay")]
+    assert {(p.panel, p.line) for p in placed} == {("len8", "mixed-replay"), ("len64", "mixed-replay")}
+    assert sorted(p.cell.settings["run.seed"] for p in placed if p.panel == "len64") == [0, 1]
+    color, style = _styles(place_cells(load_ablation(ROOT / "configs/ablations/precision-moe.yaml",
+                                                    out_dir=tmp_path)))["mixed-replay"]
+    assert color == MODE_COLORS["mixed"] and style != "-"
+
+
 def test_seed_pooling_and_smoothing_by_hand():
     from jetflow.ablate.figures import pooled
     from jetflow.plots import smooth
