@@ -20,6 +20,10 @@ parallel ranks: losses and gradients are summed over Megatron's data-parallel gr
 goes into it (`gather_trainer_state`). With `train.pipeline_parallel_size=P` the ranks that share one
 model are a TP x PP group (`model_parallel_size`): it replaces the TP group in both places, and the
 Trainer hands its micro-batches to the policy's pipeline schedule (jetflow.train.megatron.pipeline).
+With `train.expert_parallel_size=E` (MoE models) the data-parallel ranks of one stage are split into
+groups of E that share their experts (each holds num_experts / E): the data-parallel view is unchanged,
+and the policy sums expert gradients over Megatron's expert-data-parallel group instead
+(`MegatronPolicy.reduce_data_parallel_grads`, called by the Trainer).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def build_megatron_policy(cfg: Config, decoder: Decoder):
         policy = MegatronPolicy.from_decoder(
             decoder, kind=kind, recipe=cfg.precision.recipe(),
             gemm_backend=cfg.precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
-            pipeline_parallel_size=cfg.train.pipeline_parallel_size, seed=cfg.run.seed)
+            pipeline_parallel_size=cfg.train.pipeline_parallel_size,
+            expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed)
     except MegatronConfigError as e:
         raise ConfigError(f"train.backend=megatron: {e}") from None
     policy.embed_grid = embedding_grid(kind)

@@ -69,6 +69,9 @@ def check_megatron(cfg: Config, world: int | None = None) -> None:
     """Refuse parallel layouts and options the Megatron backend does not run, before anything is built.
     `world`: the trainer's process count (default: torchrun's WORLD_SIZE)."""
     t = cfg.train
+    if t.expert_parallel_size != 1 and t.backend != "megatron":
+        raise ConfigError(f"train.expert_parallel_size={t.expert_parallel_size}: expert parallelism needs "
+                          "train.backend=megatron")
     if t.tensor_parallel_size < 1 or t.pipeline_parallel_size < 1:
         raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} and train.pipeline_parallel_size="
                           f"{t.pipeline_parallel_size} must be >= 1")
@@ -89,9 +92,38 @@ def check_megatron(cfg: Config, world: int | None = None) -> None:
         raise ConfigError(f"{what} needs a multiple of that many processes, this run has {world}: launch with "
                           f"`torchrun --nproc_per_node {mp} -m jetflow.cli train ...` (or launch/torchrun.sh), or under "
                           f"run.orchestrator=ray set train.num_workers to a multiple of it")
+    check_expert_parallel(cfg, world)
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         from jetflow.train.megatron import INSTALL_HINT
         raise ConfigError(f"train.backend=megatron needs Megatron-Core, which is not installed: {INSTALL_HINT}")
+
+
+def check_expert_parallel(cfg: Config, world: int) -> None:
+    """Expert parallelism (Megatron backend): EP ranks are data-parallel ranks of one pipeline stage, each
+    holding num_experts / EP experts of a mixture-of-experts model (checked here for `model.path=tiny`;
+    a checkpoint's config is checked when the policy is built)."""
+    t, tiny = cfg.train, cfg.model.tiny
+    ep, pp = t.expert_parallel_size, t.pipeline_parallel_size
+    if ep < 1:
+        raise ConfigError(f"train.expert_parallel_size={ep} must be >= 1")
+    if ep > 1 and cfg.run.orchestrator == "ray":
+        raise ConfigError(f"train.expert_parallel_size={ep} under run.orchestrator=ray is not wired yet: launch with "
+                          f"`torchrun --nproc_per_node {ep * pp} -m jetflow.cli train ...`")
+    if world % (ep * pp * t.tensor_parallel_size):
+        raise ConfigError(f"train.expert_parallel_size={ep} x pipeline_parallel_size={pp} x tensor_parallel_size="
+                          f"{t.tensor_parallel_size} needs a multiple of that many processes, this run has {world}: "
+                          f"launch with `torchrun --nproc_per_node {ep * pp * t.tensor_parallel_size} ...`")
+    if cfg.model.path == "tiny":
+        if ep > 1 and not tiny.num_experts:
+            raise ConfigError(f"train.expert_parallel_size={ep} needs a mixture-of-experts model: set "
+                              "model.tiny.num_experts, or train.expert_parallel_size=1")
+        if tiny.num_experts and tiny.num_experts % ep:
+            raise ConfigError(f"model.tiny.num_experts={tiny.num_experts} is not a multiple of "
+                              f"train.expert_parallel_size={ep}: each expert-parallel rank holds as many experts")
+        if tiny.num_experts and pp > 1 and cfg.algo.router_aux_loss_coef:
+            raise ConfigError(f"algo.router_aux_loss_coef={cfg.algo.router_aux_loss_coef} with train.backend=megatron "
+                              f"and pipeline_parallel_size={pp}: the router load-balancing loss is computed on one "
+                              "stage only; set algo.router_aux_loss_coef=0 or pipeline_parallel_size=1")
 
 
 def check_routing_replay(cfg: Config) -> None:

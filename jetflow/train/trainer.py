@@ -80,6 +80,13 @@ def pipelined(model: nn.Module) -> bool:
     return isinstance(model, PipelinedPolicy) and model.pp_size > 1
 
 
+def collective_forward(model: nn.Module) -> bool:
+    """True for a model whose forward is a collective of ranks holding different data (Megatron with
+    expert parallelism: the token dispatch over the expert-parallel group): every rank then runs every
+    micro-batch, one without response tokens included (with loss weight 0), or the others would wait."""
+    return bool(getattr(model, "collective_forward", False))
+
+
 def _stage_inputs(micro: list[Experience]) -> list[tuple[Tensor, Tensor]]:
     return [(mb.input_ids, mb.attention_mask) for mb in micro]
 
@@ -164,7 +171,9 @@ class Trainer:
         else:
             for mb in micro:
                 weight = agg_denominator(mb.response_mask, agg) / total_denominator
-                if weight == 0:  # no response tokens: nothing to learn, and its log-probs are all masked
+                # no response tokens: nothing to learn, and its log-probs are all masked (but an expert-
+                # parallel model still runs it: the other ranks' token dispatch waits for this one)
+                if weight == 0 and not collective_forward(self.model):
                     olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
                     continue
                 try:
@@ -210,7 +219,8 @@ class Trainer:
                                     clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
                                     is_weights=is_weights)
         if self.algo.router_aux_loss_coef:  # MoE: the router load-balancing loss of this forward
-            aux = model_load_balancing_loss(self.model)
+            own = getattr(self.model, "load_balancing_loss", None)  # a model whose routers are not SparseMoeBlocks
+            aux = own() if own is not None else model_load_balancing_loss(self.model)
             if aux is not None:
                 loss = loss + self.algo.router_aux_loss_coef * aux
                 metrics["loss/router_aux"] = float(aux.detach())
@@ -225,7 +235,7 @@ class Trainer:
         reach every stage; added up in micro-batch order as in the loop of `_policy_step`.
         Returns (loss_total, entropy_sum, tokens)."""
         weights = [agg_denominator(mb.response_mask, agg) / total_denominator for mb in micro]
-        active = [i for i, w in enumerate(weights) if w != 0]
+        active = [i for i, w in enumerate(weights) if w != 0 or collective_forward(self.model)]
 
         def head(j: int, hidden: Tensor):
             i = active[j]
@@ -238,8 +248,8 @@ class Trainer:
             olds += [torch.full(m.response_ids.shape, float("nan"), device=m.response_ids.device) for m in micro]
             return float("nan"), 0.0, 0.0
         loss_total, entropy_sum, tokens = 0.0, 0.0, 0.0
-        for mb, weight in zip(micro, weights):
-            if weight == 0:
+        for i, (mb, weight) in enumerate(zip(micro, weights)):
+            if i not in active:
                 olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
                 continue
             value, metrics, old, micro_entropy = next(results)
@@ -283,7 +293,11 @@ class Trainer:
     def _apply_gradients(self, loss_value: float, metrics: dict[str, float], t0: float,
                          sft: bool = False) -> dict[str, float]:
         # Each rank holds its share of the global-batch loss and gradient: sum both over ranks.
-        self.dp.all_reduce_grads(self.params)
+        reduce = getattr(self.model, "reduce_data_parallel_grads", None)  # Megatron: experts over their own group
+        if reduce is not None:
+            reduce(self.dp)
+        else:
+            self.dp.all_reduce_grads(self.params)
         summed = self.dp.sum_dict({**metrics, "_loss": loss_value})
         loss_value = summed.pop("_loss")
         metrics = {"loss/sft": loss_value} if sft else summed

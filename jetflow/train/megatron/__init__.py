@@ -33,16 +33,51 @@ embedding kept equal over Megatron's embedding group). The Trainer runs a step's
 `MegatronPolicy.pipeline_forward_backward`, a GPipe schedule of jetflow's (pipeline.py says why not
 Megatron's on the CPU); log-probs, metrics, weights and FP8 bytes reach every rank.
 
+Mixture of experts (Qwen3-MoE, Mixtral; moe.py): a sparse layer is Megatron-Core's MoELayer
+(TopKRouter, all-gather token dispatcher, SequentialMLP), configured to route as transformers does
+(model._moe_fields: softmax top-k, renormalized through `moe_router_pre_softmax=False` when
+norm_topk_prob, no token dropping, no Megatron aux loss). The router's GEMM is the native router's
+(fp32, or bf16 where the FP8 recipe keeps routers); each expert's linear_fc1 / linear_fc2 are jetflow's
+linears, so under FP8 each expert's gate, up and down are quantized separately: `quantized_weights()`
+gives the native model's bytes. The routing weight scales the expert's output (as natively), not its
+activation. `load_balancing_loss()` is jetflow's router aux loss over this rank's tokens; the Trainer
+uses it.
+
+Expert parallelism (expert_parallel_size = EP > 1, TP = 1): Megatron's expert-parallel groups split
+the data-parallel ranks of a stage; each rank holds num_experts / EP experts and its own data. The
+dispatcher all-gathers the EP group's tokens, runs each local expert once per source rank (so FP8 wgrad
+groups hold the tokens they hold without EP) and reduce-scatters the outputs. Expert gradients are
+summed over the expert-data-parallel group, the rest over the data-parallel group
+(`reduce_data_parallel_grads`, called by the Trainer); the gradient norm adds every expert's squares
+once, in the one-process order; `hf_state_dict()` / `quantized_weights()` gather every expert. Every
+rank must run every micro-batch (the dispatch is a collective): the Trainer runs one without response
+tokens with loss weight 0 (`collective_forward`).
+
+Megatron-Core 0.16.1 calls that do not run on the CPU (gloo, a CPU build of torch) and what replaces them:
+  - transformer/moe/router.py:88-92 `Router.gating` moves the router weight to
+    `torch.cuda.current_device()`: `JetflowTopKRouter.gating` (jetflow's GEMM) replaces it.
+  - tensor_parallel/mappings.py:141,148,181 `_gather_along_first_dim` / `_reduce_scatter_along_first_dim`
+    (the all-gather dispatcher's collectives) allocate on CUDA, and mappings.py:182,193 call
+    reduce_scatter, which gloo lacks; both also assume equal token counts on every rank:
+    `JetflowAllGatherTokenDispatcher` gathers padded rows and reduce-scatters as all-reduce + slice.
+  - the all-to-all dispatcher is not used: token_dispatcher.py:445 creates a `torch.cuda.Stream()` in its
+    constructor, token_dispatcher.py:871-899 syncs split sizes on CUDA streams, mappings.py:442 allocates
+    the all-to-all output on CUDA.
+  - transformer/moe/moe_layer.py:379-383 refuses MoE training with TP > 1 without sequence parallelism,
+    which jetflow's linears do not have: MoE models run with TP = 1 (checks.check_supported says so).
+
 Not supported: sequence parallelism, virtual (interleaved) pipeline stages, uneven stage splits, fewer
-KV heads than TP ranks, o_proj bias without MLP bias (or the reverse).
-Shapes: B batch, T tokens, C hidden, V vocab, G KV groups, D head dim, I intermediate size.
+KV heads than TP ranks, o_proj bias without MLP bias (or the reverse); MoE with TP > 1, shared experts,
+expert biases, routing replay (train.backend=native), the router aux loss under PP > 1.
+Shapes: B batch, T tokens, C hidden, V vocab, G KV groups, D head dim, I intermediate size, E experts.
 
 Modules (each imports only from those listed above it):
 - deps.py      INSTALL_HINT, MegatronConfigError, the lazy Megatron-Core gate, Megatron on the CPU
 - checks.py    checks of a ModelConfig against the TP layout (pure)
-- sharding.py  HF <-> Megatron names and TP shards of the weights (pure tensor functions)
+- sharding.py  HF <-> Megatron names, TP shards and EP expert shards of the weights (pure tensor functions)
 - linear.py    Megatron's parallel linears with jetflow's GEMMs (Segment, per-segment FP8)
-- parallel.py  torch.distributed and Megatron's process groups, the TP gather of logits
+- moe.py       Megatron's MoE layer with jetflow's router GEMM, experts and a CPU-capable dispatcher
+- parallel.py  torch.distributed and Megatron's process groups (TP, PP, DP, EP), the TP gather of logits
 - pipeline.py  the GPipe schedule over stage-to-stage send/recv, the gather over pipeline stages
 - model.py     TransformerConfig and the layer spec (jetflow's linears and RMSNorm)
 - policy.py    MegatronPolicy, the trainer's model
@@ -52,12 +87,13 @@ from .checks import check_fp8_tp_alignment, check_supported, padded_vocab_size, 
 from .deps import INSTALL_HINT, MegatronConfigError, patch_megatron_for_cpu
 from .linear import Segment
 from .model import MegatronRMSNorm
+from . import moe
 from .parallel import initialize_parallel
 from .policy import MegatronPolicy
-from .sharding import hf_to_megatron, megatron_to_hf, tensor_parallel_dims
+from .sharding import hf_to_megatron, is_expert_param, megatron_to_hf, tensor_parallel_dims
 
 __all__ = [
     "INSTALL_HINT", "MegatronConfigError", "MegatronPolicy", "MegatronRMSNorm", "Segment", "check_fp8_tp_alignment",
-    "check_supported", "hf_to_megatron", "initialize_parallel", "megatron_to_hf", "padded_vocab_size",
+    "check_supported", "hf_to_megatron", "initialize_parallel", "is_expert_param", "megatron_to_hf", "moe", "padded_vocab_size",
     "patch_megatron_for_cpu", "segment_kind", "tensor_parallel_dims",
 ]

@@ -13,14 +13,11 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def check_supported(config: ModelConfig, tp: int = 1, pp: int = 1) -> None:
-    """Raise MegatronConfigError if `config` cannot be built with tensor-parallel size `tp` and
-    pipeline-parallel size `pp`."""
+def check_supported(config: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+    """Raise MegatronConfigError if `config` cannot be built with tensor-parallel size `tp`,
+    pipeline-parallel size `pp` and expert-parallel size `ep`."""
     c = config
-    if c.is_moe:
-        raise MegatronConfigError(
-            f"{c.model_type} is a mixture-of-experts model: the Megatron backend builds dense layers only (its MoE "
-            "layer and expert parallelism are not wired yet); use train.backend=native")
+    _check_moe(c, tp, ep)
     if c.o_bias != c.mlp_bias:
         raise MegatronConfigError(
             f"o_bias={c.o_bias} with mlp_bias={c.mlp_bias}: Megatron has one `add_bias_linear` flag for "
@@ -44,6 +41,26 @@ def check_supported(config: ModelConfig, tp: int = 1, pp: int = 1) -> None:
     if c.num_layers % pp:
         raise MegatronConfigError(f"num_layers={c.num_layers} is not a multiple of pipeline_parallel_size={pp}: "
                                   "each pipeline stage holds the same number of layers")
+
+
+def _check_moe(c: ModelConfig, tp: int, ep: int) -> None:
+    if ep < 1:
+        raise MegatronConfigError(f"expert_parallel_size={ep} must be >= 1")
+    if not c.is_moe:
+        if ep > 1:
+            raise MegatronConfigError(f"expert_parallel_size={ep} needs a mixture-of-experts model; {c.model_type} is "
+                                      "dense: use expert_parallel_size=1")
+        return
+    if tp > 1:  # moe_layer.py:379-383 (megatron-core 0.16.1); jetflow's linears have no sequence parallelism
+        raise MegatronConfigError(
+            f"{c.model_type} with tensor_parallel_size={tp}: Megatron's MoE layer trains under tensor parallelism "
+            "only with sequence parallelism, which the Megatron backend does not run; use tensor_parallel_size=1 "
+            "(and expert_parallel_size to split the experts)")
+    if c.num_experts % ep:
+        raise MegatronConfigError(f"num_experts={c.num_experts} is not a multiple of expert_parallel_size={ep}: each "
+                                  "expert-parallel rank holds the same number of experts")
+    if c.mlp_bias:
+        raise MegatronConfigError("MoE experts with biases: the native MoE block has none; use mlp_bias=false")
 
 
 def _linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str]]:

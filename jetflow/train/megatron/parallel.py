@@ -11,13 +11,16 @@ from .deps import MegatronConfigError, _require_megatron
 
 
 def initialize_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                        device: torch.device | str = "cpu") -> None:
-    """torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's TP/PP/DP process groups.
+                        device: torch.device | str = "cpu", expert_parallel_size: int = 1) -> None:
+    """torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's TP/PP/DP (and expert) process groups.
 
     Under torchrun the world comes from its environment; without it a single-process world is made
     (only valid for tensor_parallel_size == pipeline_parallel_size == 1). Idempotent; a second call
     with other sizes raises. Megatron orders the ranks tp-cp-ep-dp-pp: the ranks of one TP group are
-    neighbours, pipeline stages are world / pp ranks apart.
+    neighbours, pipeline stages are world / pp ranks apart. Expert parallelism (EP ranks, each holding
+    num_experts / EP experts) is carved out of the data-parallel ranks: the ranks of one EP group hold
+    different data, and expert gradients are reduced over the expert-data-parallel group
+    (world / (pp * EP) ranks, see `expert_data_parallel_group`).
     """
     _require_megatron()
     from megatron.core import parallel_state as ps
@@ -32,16 +35,22 @@ def initialize_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: i
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tensor_parallel_size, pipeline_parallel_size):
-            raise MegatronConfigError(f"Megatron parallel state already initialized with (tp, pp) = {have}, "
-                                      f"not {(tensor_parallel_size, pipeline_parallel_size)}")
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        want = (tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
+        if have != want:
+            raise MegatronConfigError(f"Megatron parallel state already initialized with (tp, pp, ep) = {have}, "
+                                      f"not {want}")
         return
     world = dist.get_world_size()
     if world % (tensor_parallel_size * pipeline_parallel_size):
         raise MegatronConfigError(f"world size {world} is not a multiple of tp * pp = "
                                   f"{tensor_parallel_size * pipeline_parallel_size}")
-    ps.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+    if world % (expert_parallel_size * pipeline_parallel_size * tensor_parallel_size):
+        raise MegatronConfigError(f"world size {world} is not a multiple of expert_parallel_size x pp x tp = "
+                                  f"{expert_parallel_size * pipeline_parallel_size * tensor_parallel_size}")
+    ps.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size,
+                                 expert_model_parallel_size=expert_parallel_size)
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -67,3 +76,11 @@ def data_parallel_group() -> tuple[object, int, int]:
     `initialize_parallel`): the ranks that hold the same weight shards and different data."""
     from megatron.core import parallel_state as ps
     return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def expert_data_parallel_group() -> tuple[object, int, int]:
+    """Megatron's expert-data-parallel group, this rank's place in it and its size: the ranks that hold
+    the same experts and different data (world / (pp * EP) ranks under TP = 1)."""
+    from megatron.core import parallel_state as ps
+    group = ps.get_expert_data_parallel_group()
+    return group, dist.get_rank(group), dist.get_world_size(group)

@@ -13,12 +13,13 @@ from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
 from jetflow.precision import FP8Recipe, QuantizedTensor
 
 from .checks import check_fp8_tp_alignment, check_supported, padded_vocab_size, segment_kind
-from .deps import _seed_cpu_rng_tracker, patch_megatron_for_cpu
+from .deps import MegatronConfigError, _seed_cpu_rng_tracker, patch_megatron_for_cpu
 from .linear import Segment, _linear_classes
 from .model import _block_spec, _transformer_config
-from .parallel import _GatherLastDim, initialize_parallel
+from .moe import router_modules, use_jetflow_dispatchers
+from .parallel import _GatherLastDim, expert_data_parallel_group, initialize_parallel
 from .pipeline import allgather_stages, gpipe, stage_neighbours
-from .sharding import _qkv_dims, hf_to_megatron, megatron_to_hf, tensor_parallel_dims
+from .sharding import _qkv_dims, hf_to_megatron, is_expert_param, megatron_to_hf, tensor_parallel_dims
 
 class MegatronPolicy(nn.Module):
     """A Megatron-Core GPTModel behind the native Decoder's trainer interface.
@@ -36,22 +37,29 @@ class MegatronPolicy(nn.Module):
     kept equal by summing the two gradients over Megatron's embedding group after every backward.
     Weights (`hf_state_dict`, `quantized_weights`) are gathered over stages too: every rank gets the
     whole model.
+
+    Mixture-of-experts models (Qwen3-MoE, Mixtral) run Megatron's MoE layer (moe.py); with
+    expert_parallel_size = EP > 1 each rank of an expert-parallel group holds num_experts / EP experts
+    and its own data (EP ranks are data-parallel ranks): every rank must run the same number of
+    forwards (the token dispatch is a collective of the EP group). Expert gradients are summed over the
+    expert-data-parallel group, the others over the data-parallel group (`reduce_data_parallel_grads`);
+    the gradient norm counts each expert once; `hf_state_dict` / `quantized_weights` gather every expert.
     """
 
     def __init__(self, config: ModelConfig, *, kind: str = "fp32", recipe: FP8Recipe | None = None,
                  gemm_backend: str = "auto", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  device: torch.device | str = "cpu", params_dtype: torch.dtype = torch.float32,
-                 init_weights: bool = True, seed: int = 0):
+                 init_weights: bool = True, seed: int = 0, expert_parallel_size: int = 1):
         super().__init__()
         if kind not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"MegatronPolicy kind={kind!r}: valid kinds are fp32, bf16, fp8")
         if kind == "fp8" and recipe is None:
             raise ValueError("MegatronPolicy kind='fp8' needs an FP8Recipe")
-        tp, pp = tensor_parallel_size, pipeline_parallel_size
-        check_supported(config, tp, pp)
+        tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
+        check_supported(config, tp, pp, ep)
         check_fp8_tp_alignment(config, tp, recipe, kind)
         device = torch.device(device)
-        initialize_parallel(tp, pp, device)
+        initialize_parallel(tp, pp, device, ep)
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -71,12 +79,15 @@ class MegatronPolicy(nn.Module):
         # the ranks that hold one copy of the model between them (TP x PP): one optimizer shard each
         self.mp_group = ps.get_model_parallel_group()
         self.mp_size, self.mp_rank = dist.get_world_size(self.mp_group), dist.get_rank(self.mp_group)
+        # expert parallelism: the ranks of one EP group hold different experts (and different data)
+        self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group()
         self.params_dtype = params_dtype
         # tied embeddings on 2+ stages: the last stage's lm_head weight is a copy of the embedding
         self._tied_copy = config.tie_word_embeddings and pp > 1
         self.padded_vocab = padded_vocab_size(config.vocab_size, tp)
         torch.manual_seed(seed)  # Megatron's CPU init draws the full weight on every rank: same on all
-        mcfg = _transformer_config(config, tp, params_dtype, init_weights, pp)
+        mcfg = _transformer_config(config, tp, params_dtype, init_weights, pp, ep)
         # Under PP, GPTModel's own tying (setup_embeddings_and_output_layer) moves the weight with
         # `weight.data.cuda()` before its all-reduce over the embedding group (CUDA only): build the
         # stages untied and keep the copy equal here (_sync_tied_copy, _allreduce_tied_grads).
@@ -96,6 +107,7 @@ class MegatronPolicy(nn.Module):
                 tp_group=self.tp_group)
             if old.weight is not None:
                 self.gpt.output_layer.weight = old.weight
+        use_jetflow_dispatchers(self.gpt)  # Megatron's all-gather dispatcher assumes CUDA (moe.py)
         # this stage's parameter names -> the names of the one-stage model (global layer numbers);
         # the tied copy has none (it is the embedding's)
         self._global_names = {name: self._global_name(name) for name, _ in self.gpt.named_parameters()}
@@ -104,6 +116,7 @@ class MegatronPolicy(nn.Module):
         self._configure_linears()
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
         self.embed_grid: torch.dtype | None = None  # see Decoder.embed_grid
+        self._last_mask: torch.Tensor | None = None
         self.to(device)
         if self._tied_copy:
             self._sync_tied_copy()
@@ -120,11 +133,20 @@ class MegatronPolicy(nn.Module):
         return policy
 
     def _global_name(self, name: str) -> str:
-        """A parameter name of this stage -> its name in the one-stage model (decoder.layers.{global i})."""
+        """A parameter name of this stage -> its name in the one-stage model (decoder.layers.{global i}),
+        an expert's with its global index (mlp.experts.local_experts.{global e})."""
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers."):].split(".", 1)
+            if is_expert_param(name):
+                head, tail = rest.split("local_experts.", 1)
+                j, tail = tail.split(".", 1)
+                rest = f"{head}local_experts.{self._expert_offset() + int(j)}.{tail}"
             return f"decoder.layers.{self.gpt.decoder.layers[int(local)].layer_number - 1}.{rest}"
         return name
+
+    def _expert_offset(self) -> int:
+        """The global index of this rank's first expert."""
+        return self.ep_rank * (self.config.num_experts // self.ep_size)
 
     def _configure_linears(self) -> None:
         c, tp = self.config, self.tp_size
@@ -143,12 +165,34 @@ class MegatronPolicy(nn.Module):
                                        seg(a + "v_proj", i, g, (h + 1) * D, (h + 2) * D)], self.recipe,
                                       self.gemm_backend)
             attn.linear_proj.configure([seg(a + "o_proj", i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend)
+            if c.is_moe_layer(i):
+                self._configure_moe(mlp, i, seg)
+                continue
             mlp.linear_fc1.configure([seg(m + "gate_proj", i, 1, 0, inter), seg(m + "up_proj", i, 1, inter, 2 * inter)],
                                      self.recipe, self.gemm_backend)
             mlp.linear_fc2.configure([seg(m + "down_proj", i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend)
         if self.last_stage:
             self.gpt.output_layer.configure([seg("lm_head", None, 1, 0, self.padded_vocab // tp)], self.recipe,
                                             self.gemm_backend)
+
+    def _configure_moe(self, moe, i: int, seg) -> None:
+        """Layer i's router (the GEMM kind of the native router: bf16 where the recipe keeps it) and
+        each local expert's linears, one FP8 segment per HF matrix (gate, up; down)."""
+        from jetflow.model.moe import EXPERT_NAMES
+
+        c, inter = self.config, self.config.moe_intermediate_size
+        b = f"model.layers.{i}.{c.moe_attr}."
+        moe.router.kind = segment_kind(self.kind, self.recipe, b + "gate", i, c.num_layers)
+        if moe.router.kind == "fp8":
+            raise MegatronConfigError(f"{b}gate: the FP8 recipe does not keep the MoE router in high precision; the "
+                                      "Megatron backend runs routers in bf16 or fp32: add '*.mlp.gate' / "
+                                      "'*.block_sparse_moe.gate' to recipe.keep_high_precision")
+        gate, up, down = EXPERT_NAMES[c.model_type]
+        for j, expert in enumerate(moe.experts.local_experts):
+            x = f"{b}experts.{self._expert_offset() + j}."
+            expert.linear_fc1.configure([seg(x + gate, i, 1, 0, inter), seg(x + up, i, 1, inter, 2 * inter)],
+                                        self.recipe, self.gemm_backend)
+            expert.linear_fc2.configure([seg(x + down, i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend)
 
     def _output_weight(self) -> torch.Tensor:
         """lm_head's local (V_pad / tp, C) weight: the embedding's when tied (its copy on the last stage)."""
@@ -218,6 +262,7 @@ class MegatronPolicy(nn.Module):
             if attention_mask.shape != (B, T):
                 raise ValueError(f"attention_mask must be (B, T) = ({B}, {T}), got {tuple(attention_mask.shape)}")
             attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+        self._last_mask = attention_mask  # (B, T) or None: the real tokens of load_balancing_loss
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
@@ -317,6 +362,7 @@ class MegatronPolicy(nn.Module):
         """num_params, counted once at construction (a collective over the pipeline stages)."""
         split = set(tensor_parallel_dims(self.config))
         n = sum(p.numel() * (self.tp_size if self._global_names[name] in split else 1)
+                * (self.ep_size if is_expert_param(name) else 1)  # every EP rank holds as many experts
                 for name, p in self.gpt.named_parameters() if self._global_names[name] is not None)
         pad = (self.padded_vocab - self.config.vocab_size) * self.config.hidden_size
         n -= pad * (self.first_stage + (self.last_stage and not self.config.tie_word_embeddings))
@@ -339,6 +385,8 @@ class MegatronPolicy(nn.Module):
         model-parallel group (TP x PP)."""
         local = {self._global_names[n]: p.detach() for n, p in self.gpt.named_parameters()
                  if self._global_names[n] is not None}  # one-stage names; not the tied copy
+        if self.ep_size > 1:  # every EP rank's experts (disjoint global names), on every rank
+            local.update(allgather_stages({k: v for k, v in local.items() if is_expert_param(k)}, self.ep_group))
         shards = [dict(local) for _ in range(self.tp_size)]
         if self.tp_size > 1:
             for name in tensor_parallel_dims(self.config):
@@ -358,7 +406,8 @@ class MegatronPolicy(nn.Module):
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named full tensors (e.g. a Decoder's state dict) into this rank's shards (this
         pipeline stage's layers; the tied copy from the embedding)."""
-        full = hf_to_megatron(state_dict, self.config, self.tp_size, self.tp_rank)  # one-stage names
+        full = hf_to_megatron(state_dict, self.config, self.tp_size, self.tp_rank, self.ep_size,
+                              self.ep_rank)  # one-stage names, this rank's experts
         params = dict(self.gpt.named_parameters())
         wanted = {n: g for n, g in self._global_names.items() if g is not None}
         if self._tied_copy and self.last_stage:
@@ -377,24 +426,24 @@ class MegatronPolicy(nn.Module):
     @torch.no_grad()
     def quantized_weights(self) -> dict[str, QuantizedTensor]:
         """{HF module name: QuantizedTensor of the full weight} for every FP8 linear: this step's bytes
-        (the ones the forward computes with), shards gathered over TP and pipeline stages. A collective
-        under TP > 1 or PP > 1."""
+        (the ones the forward computes with), shards gathered over TP, pipeline stages and expert-parallel
+        ranks. A collective under TP, PP or EP > 1."""
         out = {}
+        expert_names = set()
         for module in self._linears():
             weight = self._output_weight() if module is getattr(self.gpt, "output_layer", None) else module.weight
             for name, q in module.quantized_segments(weight).items():
+                if ".experts." in name:
+                    expert_names.add(name)
                 if self.tp_size > 1:
                     dim = module.parallel_dim
                     data = torch.cat([p.view(q.data.dtype) for p in self._gather(q.data.view(torch.uint8))], dim)
                     q = QuantizedTensor(data, torch.cat(self._gather(q.scale_inv), dim), q.block)
                 out[name] = q
+        if self.ep_size > 1:  # every EP rank's experts
+            out.update(_allgather_quantized({k: q for k, q in out.items() if k in expert_names}, self.ep_group))
         if self.pp_size > 1:
-            parts = {}
-            for k, q in out.items():
-                parts.update({f"{k}/data": q.data, f"{k}/scale_inv": q.scale_inv, f"{k}/block": torch.tensor(q.block, device=q.data.device)})
-            parts = allgather_stages(parts, self.pp_group)
-            out = {k[:-5]: QuantizedTensor(t, parts[k[:-5] + "/scale_inv"], tuple(parts[k[:-5] + "/block"].tolist()))
-                   for k, t in parts.items() if k.endswith("/data")}
+            out = _allgather_quantized(out, self.pp_group)
         return out
 
     # Gradients ---------------------------------------------------------------------------------
@@ -408,6 +457,8 @@ class MegatronPolicy(nn.Module):
         split = set(tensor_parallel_dims(self.config))
 
         def add_squares(total: torch.Tensor) -> torch.Tensor:
+            if self.ep_size > 1:
+                return self._add_squares_over_experts(total)
             for name, p in self.gpt.named_parameters():
                 name = self._global_names[name]
                 if name is not None and p.grad is not None and (name in split or self.tp_rank == 0):
@@ -435,6 +486,34 @@ class MegatronPolicy(nn.Module):
         dist.broadcast(total, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
         return total.sqrt()
 
+    def _add_squares_over_experts(self, total: torch.Tensor) -> torch.Tensor:
+        """`total` plus the squared gradients of this stage under EP > 1 (TP = 1), every expert once,
+        added in the one-process model's parameter order: each layer's experts of EP rank 0, then of
+        rank 1, ... (so the norm, and the clipping, equal one process's bit for bit). One all-gather of
+        the per-parameter squares over the expert-parallel group."""
+        named = [(n, p) for n, p in self.gpt.named_parameters() if self._global_names[n] is not None]
+
+        def squares(p: nn.Parameter) -> torch.Tensor:
+            return p.grad.detach().float().pow(2).sum() if p.grad is not None else total.new_zeros(())
+
+        mine = torch.stack([squares(p) for n, p in named if is_expert_param(n)] or [total.new_zeros(())])
+        every = [torch.empty_like(mine) for _ in range(self.ep_size)]
+        dist.all_gather(every, mine.contiguous(), group=self.ep_group)
+        i, k = 0, 0  # next parameter, next local expert parameter
+        while i < len(named):
+            if not is_expert_param(named[i][0]):
+                total += squares(named[i][1])
+                i += 1
+                continue
+            j = i
+            while j < len(named) and is_expert_param(named[j][0]):
+                j += 1
+            for rank_squares in every:  # this layer's experts, EP rank by EP rank: global expert order
+                for sq in rank_squares[k:k + j - i]:
+                    total += sq
+            k, i = k + j - i, j
+        return total
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale all gradients so that the global (TP-aware) norm is at most max_norm; returns the norm."""
@@ -447,14 +526,74 @@ class MegatronPolicy(nn.Module):
         return norm
 
     def allreduce_data_parallel_grads(self) -> None:
-        """Average gradients over Megatron's data-parallel group (when world > tp); call after backward."""
+        """Average gradients over Megatron's data-parallel group (when world > tp), an expert's over the
+        expert-data-parallel group; call after backward."""
         from megatron.core import parallel_state as ps
 
-        group = ps.get_data_parallel_group()
-        world = dist.get_world_size(group)
-        if world == 1:
+        for group, params in ((ps.get_data_parallel_group(), self._dense_params()),
+                              (expert_data_parallel_group()[0], self._expert_params())):
+            world = dist.get_world_size(group)
+            if world == 1:
+                continue
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=group)
+                    p.grad.div_(world)
+
+    def _expert_params(self) -> list[nn.Parameter]:
+        return [p for n, p in self.gpt.named_parameters() if is_expert_param(n)]
+
+    def _dense_params(self) -> list[nn.Parameter]:
+        """Every parameter but the experts' (replicated over the data-parallel group)."""
+        return [p for n, p in self.gpt.named_parameters() if not is_expert_param(n)]
+
+    def reduce_data_parallel_grads(self, dp) -> None:
+        """Sum gradients over the data-parallel ranks `dp` (a jetflow.distributed.DataParallel over
+        Megatron's data-parallel group), an expert's over the expert-data-parallel group instead: the
+        ranks of one EP group hold different experts, and an expert's gradient already holds the
+        contributions of every EP rank's tokens (the dispatch's backward). The Trainer calls this in
+        place of `dp.all_reduce_grads(params)`."""
+        if not dp.enabled:
             return
-        for p in self.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(world)
+        dp.all_reduce_grads([p for p in self._dense_params() if p.requires_grad])
+        experts = [p for p in self._expert_params() if p.requires_grad]
+        for p in experts:  # as dp.all_reduce_grads does (also for an expert-data-parallel group of 1): an
+            if p.grad is None:  # expert without tokens still takes its optimizer step, as on other ranks
+                p.grad = torch.zeros_like(p)
+        if experts:
+            dp.within(*expert_data_parallel_group()).all_reduce_grads(experts)
+
+    # Mixture of experts --------------------------------------------------------------------------
+    @property
+    def collective_forward(self) -> bool:
+        """True when a forward is a collective of several ranks that hold different data (the token
+        dispatch over the expert-parallel group): every rank must run every micro-batch, even one
+        without response tokens."""
+        return self.ep_size > 1
+
+    def load_balancing_loss(self) -> torch.Tensor | None:
+        """`jetflow.model.moe.load_balancing_loss` of the last forward (this rank's tokens, padding left
+        out), what the native model's `model_load_balancing_loss` gives; None for a dense model.
+        One pipeline stage only (the routers of other stages are not here)."""
+        from jetflow.model.moe import load_balancing_loss
+
+        routers = [r for r in router_modules(self.gpt) if getattr(r, "last_logits", None) is not None]
+        if not routers:
+            return None
+        if self.pp_size > 1:
+            raise RuntimeError("the router load-balancing loss with pipeline_parallel_size > 1 is not supported; "
+                               "set algo.router_aux_loss_coef=0")
+        logits = [r.last_logits.transpose(0, 1).reshape(-1, self.config.num_experts) for r in routers]  # (B*T, E)
+        return load_balancing_loss(logits, self.config.num_experts, self.config.num_experts_per_tok,
+                                   attention_mask=self._last_mask)
+
+
+def _allgather_quantized(quantized: dict[str, QuantizedTensor], group) -> dict[str, QuantizedTensor]:
+    """The union of every rank's QuantizedTensors (disjoint names) over `group`, on every rank."""
+    parts = {}
+    for k, q in quantized.items():
+        parts.update({f"{k}/data": q.data, f"{k}/scale_inv": q.scale_inv,
+                      f"{k}/block": torch.tensor(q.block, device=q.data.device)})
+    parts = allgather_stages(parts, group)
+    return {k[:-5]: QuantizedTensor(t, parts[k[:-5] + "/scale_inv"], tuple(parts[k[:-5] + "/block"].tolist()))
+            for k, t in parts.items() if k.endswith("/data")}
