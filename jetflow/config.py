@@ -189,7 +189,8 @@ class TrainConfig:
     """Megatron backend: pipeline stages (under torchrun or as Ray trainer workers; jetflow's GPipe
     schedule over Megatron's stages)."""
     expert_parallel_size: int = 1
-    """Megatron backend, mixture-of-experts models: expert-parallel ranks (under torchrun), each holding
+    """Megatron backend, mixture-of-experts models: expert-parallel ranks (under torchrun or as Ray
+    trainer workers), each holding
     num_experts / EP experts; they are data-parallel ranks (own prompts), so the process count must be a
     multiple of EP x pipeline_parallel_size."""
     fp8_backend: str = "jetflow"

@@ -75,24 +75,31 @@ def model_data_parallel(model, dp):
     return dp.within(*data_parallel_group())
 
 
+def state_parts(model) -> int:
+    """Ranks with different trainer state: TP x PP for a MegatronPolicy, EP x PP under expert parallelism
+    (each EP rank's experts have their own optimizer moments), 1 for any other model."""
+    return getattr(model, "state_size", 1)
+
+
 def gather_trainer_state(model, state: dict) -> dict | None:
-    """Optimizer state is per model-parallel part (TP shard, PP stage): gather every part's to the group's
-    rank 0 (None elsewhere), so one checkpoint file holds all of them; `select_trainer_state` picks a
-    rank's own on resume. (The key keeps its name: with TP alone the group is the TP group, and
+    """Optimizer state is per model part (TP shard, PP stage, EP rank's experts): gather every part's to
+    the group's rank 0 (None elsewhere), so one checkpoint file holds all of them; `select_trainer_state`
+    picks a rank's own on resume. (The key keeps its name: with TP alone the group is the TP group, and
     checkpoints written before pipeline parallelism still load.)"""
-    if model_parallel_size(model) == 1:
+    if state_parts(model) == 1:
         return state
     import torch.distributed as dist
-    states = [None] * model.mp_size if model.mp_rank == 0 else None
-    dist.gather_object(state, states, group_dst=0, group=model.mp_group)
-    return {"tp_states": states} if model.mp_rank == 0 else None
+    states = [None] * model.state_size if model.state_rank == 0 else None
+    dist.gather_object(state, states, group_dst=0, group=model.state_group)
+    return {"tp_states": states} if model.state_rank == 0 else None
 
 
 def select_trainer_state(model, saved: dict) -> dict:
     if "tp_states" not in saved:
         return saved
     states = saved["tp_states"]
-    if len(states) != model_parallel_size(model):
-        raise ConfigError(f"checkpoint holds optimizer state for {len(states)} model-parallel ranks, this run has "
-                          f"{model_parallel_size(model)} (train.tensor_parallel_size x pipeline_parallel_size)")
-    return states[model.mp_rank]
+    if len(states) != state_parts(model):
+        raise ConfigError(f"checkpoint holds optimizer state for {len(states)} model parts, this run has "
+                          f"{state_parts(model)} (train.tensor_parallel_size x pipeline_parallel_size x "
+                          "expert_parallel_size)")
+    return states[model.state_rank]

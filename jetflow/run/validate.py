@@ -106,9 +106,6 @@ def check_expert_parallel(cfg: Config, world: int) -> None:
     ep, pp = t.expert_parallel_size, t.pipeline_parallel_size
     if ep < 1:
         raise ConfigError(f"train.expert_parallel_size={ep} must be >= 1")
-    if ep > 1 and cfg.run.orchestrator == "ray":
-        raise ConfigError(f"train.expert_parallel_size={ep} under run.orchestrator=ray is not wired yet: launch with "
-                          f"`torchrun --nproc_per_node {ep * pp} -m jetflow.cli train ...`")
     if world % (ep * pp * t.tensor_parallel_size):
         raise ConfigError(f"train.expert_parallel_size={ep} x pipeline_parallel_size={pp} x tensor_parallel_size="
                           f"{t.tensor_parallel_size} needs a multiple of that many processes, this run has {world}: "

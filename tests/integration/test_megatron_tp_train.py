@@ -1,6 +1,7 @@
 """`jetflow train` with train.backend=megatron and tensor parallelism 2 under torchrun (CPU, gloo): the
 same per-step loss as one process (fp32, <= 1e-5), and a resume from a mid-run checkpoint (every TP
-rank gets its own optimizer shard back) ends at the same weights as the uninterrupted run."""
+rank gets its own optimizer shard back) ends at the same weights as the uninterrupted run. The same
+resume with expert parallelism 2 on the tiny MoE (every EP rank gets its own experts' moments back)."""
 
 import os
 import shutil
@@ -31,9 +32,9 @@ def torchrun() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
 
 
-def _train(launcher: list[str], *overrides: str) -> None:
+def _train(launcher: list[str], *overrides: str, common: list[str] = COMMON) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.run([*launcher, "-m", "jetflow.cli", "train", *COMMON, *overrides], cwd=ROOT, env=env,
+    proc = subprocess.run([*launcher, "-m", "jetflow.cli", "train", *common, *overrides], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -55,12 +56,34 @@ def test_tensor_parallel_run_matches_one_process_and_resumes(tmp_path):
     before = load_file(str(run / "checkpoints" / "step_000002" / "model.safetensors"))
     assert any(not torch.equal(before[k], final[k]) for k in final), "the last step changed nothing"
 
-    # Interrupt after step 2: drop what the last step wrote, then resume.
+    resumed = interrupt_and_resume(run, lambda: _train(torchrun(), f"run.out_dir={tmp_path}", "run.name=tp2",
+                                                       "train.tensor_parallel_size=2", "run.resume=true"))
+    for name, tensor in final.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def interrupt_and_resume(run: Path, resume) -> dict[str, torch.Tensor]:
+    """Drop what the run's last step (3) wrote, as if it was killed after step 2, resume, and return
+    the weights the resumed step 3 saved."""
     shutil.rmtree(run / "checkpoints" / "step_000003")
     (run / "checkpoints" / "latest").write_text("step_000002")
     (run / COMPLETE).unlink()
-    _train(torchrun(), f"run.out_dir={tmp_path}", "run.name=tp2", "train.tensor_parallel_size=2", "run.resume=true")
-    resumed = load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
+    resume()
     assert (run / COMPLETE).exists() and [r["step"] for r in read_metrics(run)] == [0, 1, 2]
-    for name, tensor in final.items():
-        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
+    return load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
+
+
+def test_expert_parallel_run_resumes_with_every_ranks_expert_moments(tmp_path):
+    moe = ["--config", "configs/tiny-moe.yaml", "train.backend=megatron", "train.steps=3", "train.sft_warmup_steps=4",
+           "train.prompts_per_step=4", "rollout.group_size=4", "algo.ppo_epochs=2", "train.checkpoint_every=1",
+           "run.progress=false", "run.tensorboard=false", "run.num_threads=1", f"run.out_dir={tmp_path}",
+           "run.name=ep2", "train.expert_parallel_size=2"]
+    _train(torchrun(), common=moe)
+    run = tmp_path / "ep2"
+    saved = torch.load(run / "checkpoints" / "step_000003" / "trainer.pt", weights_only=False)
+    assert len(saved["tp_states"]) == 2  # one optimizer state per EP rank (different experts)
+    final = load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
+    resumed = interrupt_and_resume(run, lambda: _train(torchrun(), "run.resume=true", common=moe))
+    assert final.keys() == resumed.keys()
+    for name, tensor in final.items():  # the same layout and the same sums: bit for bit
+        assert torch.equal(resumed[name], tensor), name

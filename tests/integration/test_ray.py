@@ -136,6 +136,23 @@ def test_megatron_model_parallel_workers_match_native(tmp_path, layout):
     assert any(r["train/loss"] != 0 for r in ray_rows)
 
 
+def test_megatron_expert_parallel_workers_match_data_parallel(tmp_path):
+    """train.expert_parallel_size=2 under Ray on the tiny MoE (unified FP8): 2 trainer workers holding
+    2 of the 4 experts each train exactly like 2 data-parallel workers holding all 4."""
+    pytest.importorskip("megatron.core", reason="Megatron-Core is not installed (pip install -e '.[megatron]')")
+    common = ["train.backend=megatron", "train.steps=2", "train.sft_warmup_steps=4", "train.prompts_per_step=4",
+              "rollout.group_size=4", "run.progress=false", "run.tensorboard=false", "run.num_threads=1",
+              "eval.num_prompts=0", f"run.out_dir={tmp_path}", "run.orchestrator=ray", "train.num_workers=2",
+              "run.ray_num_cpus=2"]
+    ep = read_metrics(train(load_config(ROOT / "configs/tiny-moe.yaml", [*common, "run.name=ep2",
+                                                                         "train.expert_parallel_size=2"])))
+    dp = read_metrics(train(load_config(ROOT / "configs/tiny-moe.yaml", [*common, "run.name=dp2"])))
+    assert [r["step"] for r in ep] == [0, 1] and any(r["train/loss"] != 0 for r in ep)
+    for a, b in zip(ep, dp):
+        assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
+        assert a["mismatch/kl_k3"] == 0.0
+
+
 def test_fp8_kv_cache_under_ray_matches_one_process(tmp_path):
     """precision.kv_cache_fp8 under Ray with 2 data-parallel trainer workers: each observes K/V amax in
     its forwards, the amax is max-reduced among them, and the scales travel with the update to the

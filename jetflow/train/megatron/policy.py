@@ -82,6 +82,11 @@ class MegatronPolicy(nn.Module):
         # expert parallelism: the ranks of one EP group hold different experts (and different data)
         self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group()
+        # the ranks whose trainer state (optimizer moments) differs: the model-parallel parts and, under
+        # EP, the ranks holding other experts (EP x PP: MoE runs with TP = 1). A checkpoint holds one part
+        # per rank of this group.
+        self.state_group = ps.get_expert_tensor_model_pipeline_parallel_group() if ep > 1 else self.mp_group
+        self.state_size, self.state_rank = dist.get_world_size(self.state_group), dist.get_rank(self.state_group)
         self.params_dtype = params_dtype
         # tied embeddings on 2+ stages: the last stage's lm_head weight is a copy of the embedding
         self._tied_copy = config.tie_word_embeddings and pp > 1
