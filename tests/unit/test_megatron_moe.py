@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from jetflow.config import AlgoConfig, TrainConfig
-from jetflow.model import Decoder, ModelConfig
+from jetflow.model import ModelConfig
 from jetflow.model.moe import model_load_balancing_loss
 from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
 from jetflow.rl.experience import pack_experience
 from jetflow.train import megatron as jm
 from jetflow.train.trainer import Trainer
+from test_megatron import left_padded_batch, megatron_process_group, random_decoder  # noqa: F401  (the fixture)
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -41,39 +42,6 @@ CONFIGS = {
 # whole 128 x 128 FP8 blocks in every expert matrix
 FP8_CONFIG = ModelConfig(model_type="qwen3_moe", qk_norm=True, norm_topk_prob=True,
                          **{**COMMON, "hidden_size": 128, "head_dim": 32, "moe_intermediate_size": 128})
-
-
-def random_decoder(cfg: ModelConfig, seed: int = 0) -> Decoder:
-    torch.manual_seed(seed)
-    model = Decoder(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    return model
-
-
-def left_padded_batch(vocab: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (3, 12), generator=g)
-    mask = torch.ones(3, 12, dtype=torch.bool)
-    mask[0, :4] = False
-    mask[1, :1] = False
-    return ids, mask
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_process_group():
-    yield
-    if HAVE_MEGATRON:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------
