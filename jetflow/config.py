@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from jetflow.errors import UserError
+from jetflow.model.model_config import MOE_TYPES
 from jetflow.precision.modes import PRECISION_MODES, PrecisionMode
 from jetflow.precision.recipe import FORMATS, SCALE_RULES, FP8Recipe
 
@@ -264,7 +265,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.gemm_backend": ("auto", "scaled_mm", "emulate", "triton"),
     "precision.numerics": ("auto", "exact", "fast"),
     "model.dtype": ("float32", "bfloat16"),
-    "model.tiny.moe_family": ("qwen3_moe", "mixtral"),
+    "model.tiny.moe_family": MOE_TYPES,
     "rollout.backend": ("native", "vllm"),
     "task.name": ("arithmetic", "countdown", "math"),
     "algo.adv_norm": ("mean_std", "mean", "none"),

@@ -76,17 +76,17 @@ def pack_experience(prompts: list[list[int]], responses: list[list[int]], rollou
     exp = Experience(input_ids.to(dev), attention_mask.to(dev), response_ids.to(dev), response_mask.to(dev),
                      logprobs.to(dev), rewards.float().to(dev), advantages.float().to(dev), P)
     if routed_experts is not None:
-        exp.routed_experts = _pack_routing(prompts, responses, routed_experts, P + R).to(dev)
+        exp.routed_experts = _pack_routing(prompts, responses, routed_experts, P, R).to(dev)
     return exp
 
 
-def _pack_routing(prompts: list[list[int]], responses: list[list[int]], routing: list[Tensor], width: int) -> Tensor:
-    """Per-sequence expert ids (n, L, K) -> (B, width, L, K) long at the tokens' columns, -1 elsewhere."""
+def _pack_routing(prompts: list[list[int]], responses: list[list[int]], routing: list[Tensor], P: int,
+                  R: int) -> Tensor:
+    """Per-sequence expert ids (n, L, K) -> (B, P + R, L, K) long at the tokens' columns, -1 elsewhere."""
     if len(routing) != len(prompts):
         raise ValueError(f"pack_experience: {len(routing)} routing records for {len(prompts)} sequences")
     L, K = routing[0].shape[1:]
-    out = torch.full((len(prompts), width, L, K), -1, dtype=torch.long)
-    P = width - max(1, max(len(r) for r in responses))
+    out = torch.full((len(prompts), P + R, L, K), -1, dtype=torch.long)
     for i, (prompt, resp, ids) in enumerate(zip(prompts, responses, routing)):
         if ids.shape[0] > len(prompt) + len(resp) or tuple(ids.shape[1:]) != (L, K):
             raise ValueError(f"sequence {i}: routing record {tuple(ids.shape)} does not fit its "

@@ -73,6 +73,7 @@ import numpy as np
 import torch
 
 from jetflow.errors import MissingDependencyError
+from jetflow.model.model_config import MOE_TYPES
 from jetflow.precision import FP8Recipe, check_fingerprint, quantize_weight
 from jetflow.rollout.types import Rollouts
 from jetflow.sync import CorruptWeightsError, StaleWeightsError, WeightUpdate
@@ -263,7 +264,7 @@ class VLLMRollout:
         self.fingerprint = recipe.fingerprint() if recipe is not None else None
         self.num_layers = int(config["num_hidden_layers"])
         self.tied = bool(config.get("tie_word_embeddings", False))
-        self.moe = config.get("model_type") in ("qwen3_moe", "mixtral")
+        self.moe = config.get("model_type") in MOE_TYPES
         self.checkpoint = checkpoint_shapes(self.model_dir)
         eos = config.get("eos_token_id") if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))

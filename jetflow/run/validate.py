@@ -72,9 +72,10 @@ def check_megatron(cfg: Config, world: int | None = None) -> None:
     if t.expert_parallel_size != 1 and t.backend != "megatron":
         raise ConfigError(f"train.expert_parallel_size={t.expert_parallel_size}: expert parallelism needs "
                           "train.backend=megatron")
-    if t.tensor_parallel_size < 1 or t.pipeline_parallel_size < 1:
-        raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} and train.pipeline_parallel_size="
-                          f"{t.pipeline_parallel_size} must be >= 1")
+    sizes = {"tensor_parallel_size": t.tensor_parallel_size, "pipeline_parallel_size": t.pipeline_parallel_size,
+             "expert_parallel_size": t.expert_parallel_size}
+    if bad := [f"train.{k}={v}" for k, v in sizes.items() if v < 1]:
+        raise ConfigError(" and ".join(bad) + " must be >= 1")
     if t.backend != "megatron":
         if t.tensor_parallel_size != 1 or t.pipeline_parallel_size != 1:
             raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} / pipeline_parallel_size="
@@ -84,32 +85,25 @@ def check_megatron(cfg: Config, world: int | None = None) -> None:
         raise ConfigError("precision.kv_cache_fp8=true with train.backend=megatron is not supported: the trainer-side "
                           "K/V quantizer hooks the native Decoder's attention; use train.backend=native")
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    mp = t.tensor_parallel_size * t.pipeline_parallel_size
+    mp = t.tensor_parallel_size * t.pipeline_parallel_size * t.expert_parallel_size  # distinct ranks of one layout
     if world % mp:
-        what = (f"train.tensor_parallel_size={t.tensor_parallel_size}" if t.pipeline_parallel_size == 1 else
-                f"train.tensor_parallel_size={t.tensor_parallel_size} x pipeline_parallel_size="
-                f"{t.pipeline_parallel_size} = {mp}")
+        parts = [f"{k}={v}" for k, v in sizes.items() if v != 1] or ["tensor_parallel_size=1"]
+        what = "train." + " x ".join(parts) + (f" = {mp}" if len(parts) > 1 else "")
         raise ConfigError(f"{what} needs a multiple of that many processes, this run has {world}: launch with "
                           f"`torchrun --nproc_per_node {mp} -m jetflow.cli train ...` (or launch/torchrun.sh), or under "
                           f"run.orchestrator=ray set train.num_workers to a multiple of it")
-    check_expert_parallel(cfg, world)
+    check_expert_parallel(cfg)
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         from jetflow.train.megatron import INSTALL_HINT
         raise ConfigError(f"train.backend=megatron needs Megatron-Core, which is not installed: {INSTALL_HINT}")
 
 
-def check_expert_parallel(cfg: Config, world: int) -> None:
+def check_expert_parallel(cfg: Config) -> None:
     """Expert parallelism (Megatron backend): EP ranks are data-parallel ranks of one pipeline stage, each
     holding num_experts / EP experts of a mixture-of-experts model (checked here for `model.path=tiny`;
     a checkpoint's config is checked when the policy is built)."""
     t, tiny = cfg.train, cfg.model.tiny
     ep, pp = t.expert_parallel_size, t.pipeline_parallel_size
-    if ep < 1:
-        raise ConfigError(f"train.expert_parallel_size={ep} must be >= 1")
-    if world % (ep * pp * t.tensor_parallel_size):
-        raise ConfigError(f"train.expert_parallel_size={ep} x pipeline_parallel_size={pp} x tensor_parallel_size="
-                          f"{t.tensor_parallel_size} needs a multiple of that many processes, this run has {world}: "
-                          f"launch with `torchrun --nproc_per_node {ep * pp * t.tensor_parallel_size} ...`")
     if cfg.model.path == "tiny":
         if ep > 1 and not tiny.num_experts:
             raise ConfigError(f"train.expert_parallel_size={ep} needs a mixture-of-experts model: set "
