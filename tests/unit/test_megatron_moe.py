@@ -176,6 +176,11 @@ def test_expert_parallel_config_is_validated():
         check_megatron(cfg("train.expert_parallel_size=2"), world=2)
     with pytest.raises(ConfigError, match="needs a multiple of that many processes"):
         check_megatron(cfg("train.expert_parallel_size=2"), world=3)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 x expert_parallel_size=2 = 4 needs a multiple.*"
+                                          r"this run has 2: launch with `torchrun --nproc_per_node 4"):
+        check_megatron(cfg("train.expert_parallel_size=2", "train.pipeline_parallel_size=2"), world=2)
+    with pytest.raises(ConfigError, match=r"^train.expert_parallel_size=0 must be >= 1$"):
+        check_megatron(cfg("train.expert_parallel_size=0"), world=1)
     with pytest.raises(ConfigError, match="model.tiny.num_experts=4 is not a multiple of train.expert_parallel_size=3"):
         check_megatron(cfg("train.expert_parallel_size=3"), world=3)
     with pytest.raises(ConfigError, match="expert parallelism needs train.backend=megatron"):
