@@ -97,6 +97,15 @@ class DataParallel:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def any_in_world(self, flag: bool) -> bool:
+        """True on every process when `flag` is true on any process of the world (data-parallel and
+        model-parallel ranks alike)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def barrier(self) -> None:
         """All processes of the world (data-parallel and model-parallel ranks alike)."""
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -22,6 +22,8 @@ silently turn inf into 448.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +34,39 @@ from jetflow.precision.recipe import FP8_DTYPES, FP8_MAX
 
 class NonFiniteError(ValueError):
     """A tensor offered for FP8 quantization holds NaN or Inf."""
+
+
+@dataclass
+class NonFiniteRecord:
+    """What `defer_nonfinite` saw: the first quantizer's message, None while every tensor was finite."""
+
+    message: str | None = None
+
+
+_deferred: list[NonFiniteRecord] = []  # active defer_nonfinite records, innermost last (module state, not
+# thread-local: autograd may run a backward's quantizers on another thread)
+
+
+@contextmanager
+def defer_nonfinite() -> Iterator[NonFiniteRecord]:
+    """A quantizer meeting NaN/Inf records it here instead of raising NonFiniteError, and goes on (the
+    NaN flows on through the computation). For a forward whose layers run collectives (expert
+    parallelism's token dispatch): a rank that stopped at its first NaN would leave the others waiting in
+    the next collective, so it finishes the step and the ranks then agree that the step was bad."""
+    record = NonFiniteRecord()
+    _deferred.append(record)
+    try:
+        yield record
+    finally:
+        _deferred.remove(record)
+
+
+def _nonfinite(message: str) -> None:
+    """Raise NonFiniteError(message), or record it under `defer_nonfinite`."""
+    if not _deferred:
+        raise NonFiniteError(message)
+    if _deferred[-1].message is None:
+        _deferred[-1].message = message
 
 
 @dataclass
@@ -131,9 +166,8 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3", 
     amax = blocks.abs().amax(dim=(1, 3))  # (nr, nc)
     if check_finite and not bool(torch.isfinite(amax).all()):
         bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
-        raise NonFiniteError(
-            f"{name}: NaN or Inf in block {tuple(bad)} (block size {block}) of a tensor of shape "
-            f"{tuple(x.shape)}; refusing to quantize it to FP8 (the cast would hide it)")
+        _nonfinite(f"{name}: NaN or Inf in block {tuple(bad)} (block size {block}) of a tensor of shape "
+                   f"{tuple(x.shape)}; refusing to quantize it to FP8 (the cast would hide it)")
     scale_inv = compute_scale_inv(amax, fmt, scale_rule, margin)  # (nr, nc)
     fp8_max = FP8_MAX[fmt]
     scaled = (blocks / scale_inv[:, None, :, None]).clamp_(-fp8_max, fp8_max)
@@ -151,8 +185,8 @@ def _quantize_1x128_cuda(x: torch.Tensor, scale_rule: str, margin: int, name: st
     data, scale_inv = quantize_1x128(x, scale_rule, margin)  # (M, K) e4m3, (M, ceil(K/128)); NaN: bad group
     if check_finite and not bool(torch.isfinite(scale_inv).all()):
         bad = (~torch.isfinite(scale_inv)).nonzero()[0].tolist()
-        raise NonFiniteError(f"{name}: NaN or Inf in block {tuple(bad)} (block size (1, 128)) of a tensor of shape "
-                             f"{tuple(x.shape)}; refusing to quantize it to FP8 (the cast would hide it)")
+        _nonfinite(f"{name}: NaN or Inf in block {tuple(bad)} (block size (1, 128)) of a tensor of shape "
+                   f"{tuple(x.shape)}; refusing to quantize it to FP8 (the cast would hide it)")
     return QuantizedTensor(data, scale_inv, (1, 128))
 
 

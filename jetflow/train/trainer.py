@@ -22,7 +22,7 @@ from jetflow.model.moe import model_load_balancing_loss, replay_flip_fraction
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy
-from jetflow.precision import NonFiniteError
+from jetflow.precision import NonFiniteError, defer_nonfinite
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
@@ -111,14 +111,21 @@ class Trainer:
     def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> Tensor:
         """Trainer log-probs of the rollout tokens under the current weights (no grad): (B, R).
         On a pipeline every stage gets them (from the last stage)."""
-        if pipelined(self.model):
-            micro = exp.micro_batches(self.cfg.micro_batch_size)
-            return torch.cat(self.model.pipeline_forward_backward(
-                _stage_inputs(micro), lambda i, hidden: (None, response_logprobs(self.model, micro[i], temperature,
-                                                                                hidden=hidden)),
-                forward_only=True))
-        return torch.cat([response_logprobs(self.model, mb, temperature)
-                          for mb in exp.micro_batches(self.cfg.micro_batch_size)])
+        micro = exp.micro_batches(self.cfg.micro_batch_size)
+
+        def logprobs() -> Tensor:
+            if pipelined(self.model):
+                return torch.cat(self.model.pipeline_forward_backward(
+                    _stage_inputs(micro), lambda i, hidden: (None, response_logprobs(self.model, micro[i], temperature,
+                                                                                    hidden=hidden)),
+                    forward_only=True))
+            return torch.cat([response_logprobs(self.model, mb, temperature) for mb in micro])
+
+        out, bad = self._agreeing_on_nonfinite(logprobs)
+        if bad:
+            raise NonFiniteError("trainer log-probs: an FP8 quantizer met NaN or Inf on an expert-parallel rank; "
+                                 "every rank stops here")
+        return out
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None):
         """The payload for rollout engines at the current weight version (jetflow.sync)."""
@@ -164,32 +171,53 @@ class Trainer:
         sums: dict[str, float] = {}
         loss_total = 0.0
         olds: list[Tensor] = []
-        entropy_sum, tokens = 0.0, 0.0
-        if pipelined(self.model):  # the same steps through the model's pipeline schedule
-            loss_total, entropy_sum, tokens = self._pipeline_micro_steps(micro, total_denominator, temperature, weigh,
-                                                                         olds, sums, agg)
-        else:
-            for mb in micro:
-                weight = agg_denominator(mb.response_mask, agg) / total_denominator
-                # no response tokens: nothing to learn, and its log-probs are all masked (but an expert-
-                # parallel model still runs it: the other ranks' token dispatch waits for this one)
-                if weight == 0 and not collective_forward(self.model):
-                    olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
-                    continue
-                try:
-                    loss_total += self._micro_step(mb, weight, temperature, weigh, olds, sums, agg)
-                except NonFiniteError:  # an FP8 quantizer met NaN/Inf (forward or backward): a bad step,
-                    loss_total = float("nan")  # skipped like a NaN loss (train.max_bad_steps applies)
-                    olds += [torch.full(m.response_ids.shape, float("nan"), device=m.response_ids.device)
-                             for m in micro[len(olds):]]
-                    break
-                entropy_sum += sums.pop("_entropy_sum")
-                tokens += float(mb.response_mask.sum())
+        # pipelined: the same steps through the model's pipeline schedule
+        steps = self._pipeline_micro_steps if pipelined(self.model) else self._micro_steps
+        (loss_total, entropy_sum, tokens), bad = self._agreeing_on_nonfinite(
+            lambda: steps(micro, total_denominator, temperature, weigh, olds, sums, agg))
+        if bad:  # a quantizer met NaN/Inf on some expert-parallel rank: a bad step on every rank
+            loss_total = float("nan")
+            olds[:] = [torch.full_like(old, float("nan")) for old in olds]
         # the policy's entropy per response token (nats): this rank's share of the mean over every
         # rank's tokens (the metrics are summed over ranks below)
         all_tokens = self.dp.sum(tokens)
         sums["policy/entropy"] = entropy_sum / all_tokens if all_tokens else 0.0
         return self._apply_gradients(loss_total, sums, t0), (torch.cat(olds) if weigh is not None else None)
+
+    def _micro_steps(self, micro: list[Experience], total_denominator: float, temperature: float, weigh,
+                     olds: list[Tensor], sums: dict[str, float], agg: str) -> tuple[float, float, float]:
+        """`_micro_step` over every micro-batch, one after the other. Returns (loss_total, entropy_sum, tokens)."""
+        loss_total, entropy_sum, tokens = 0.0, 0.0, 0.0
+        for mb in micro:
+            weight = agg_denominator(mb.response_mask, agg) / total_denominator
+            # no response tokens: nothing to learn, and its log-probs are all masked (but an expert-
+            # parallel model still runs it: the other ranks' token dispatch waits for this one)
+            if weight == 0 and not collective_forward(self.model):
+                olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
+                continue
+            try:
+                loss_total += self._micro_step(mb, weight, temperature, weigh, olds, sums, agg)
+            except NonFiniteError:  # an FP8 quantizer met NaN/Inf (forward or backward): a bad step,
+                olds += [torch.full(m.response_ids.shape, float("nan"), device=m.response_ids.device)
+                         for m in micro[len(olds):]]  # skipped like a NaN loss (train.max_bad_steps applies)
+                return float("nan"), entropy_sum, tokens
+            entropy_sum += sums.pop("_entropy_sum")
+            tokens += float(mb.response_mask.sum())
+        return loss_total, entropy_sum, tokens
+
+    def _agreeing_on_nonfinite(self, compute: Callable[[], Any]) -> tuple[Any, bool]:
+        """compute(), and whether an FP8 quantizer met NaN/Inf in it on any rank: (result, bad).
+
+        A model whose forward runs collectives (expert parallelism: every MoE layer dispatches tokens
+        to the other ranks' experts) cannot stop one rank at its first NaN, the others would wait for it
+        in the next dispatch forever: compute runs with the error deferred (the NaN flows on), then
+        every rank learns whether any met one. Other models raise NonFiniteError where it happens, and
+        bad is False."""
+        if not collective_forward(self.model):
+            return compute(), False
+        with defer_nonfinite() as record:
+            result = compute()
+        return result, self.dp.any_in_world(record.message is not None)
 
     def _micro_step(self, mb: Experience, weight: float, temperature: float, weigh, olds: list[Tensor],
                     sums: dict[str, float], agg: str) -> float:
@@ -269,26 +297,31 @@ class Trainer:
         micro = exp.micro_batches(self.cfg.micro_batch_size)
         total_tokens = self.dp.sum(float(exp.response_mask.sum())) or 1.0
         loss_total = 0.0
-        if pipelined(self.model):  # the same loss through the model's pipeline schedule
-            def head(i: int, hidden: Tensor):
-                mb = micro[i]
-                loss = -(response_logprobs(self.model, mb, hidden=hidden) * mb.response_mask).sum() / total_tokens
-                return loss, loss.item()
-            try:
-                for value in self.model.pipeline_forward_backward(_stage_inputs(micro), head):
-                    loss_total += value
-            except NonFiniteError:  # on any stage: a bad step on every stage
-                loss_total = float("nan")
-        else:
+
+        def nll_steps() -> float:
+            total = 0.0
+            if pipelined(self.model):  # the same loss through the model's pipeline schedule
+                def head(i: int, hidden: Tensor):
+                    mb = micro[i]
+                    loss = -(response_logprobs(self.model, mb, hidden=hidden) * mb.response_mask).sum() / total_tokens
+                    return loss, loss.item()
+                try:
+                    for value in self.model.pipeline_forward_backward(_stage_inputs(micro), head):
+                        total += value
+                except NonFiniteError:  # on any stage: a bad step on every stage
+                    return float("nan")
+                return total
             for mb in micro:
                 try:
                     loss = -(response_logprobs(self.model, mb) * mb.response_mask).sum() / total_tokens
                     loss.backward()
                 except NonFiniteError:  # an FP8 quantizer met NaN/Inf: a bad step
-                    loss_total = float("nan")
-                    break
-                loss_total += loss.item()
-        return self._apply_gradients(loss_total, {}, t0, sft=True)
+                    return float("nan")
+                total += loss.item()
+            return total
+
+        loss_total, bad = self._agreeing_on_nonfinite(nll_steps)
+        return self._apply_gradients(float("nan") if bad else loss_total, {}, t0, sft=True)
 
     def _apply_gradients(self, loss_value: float, metrics: dict[str, float], t0: float,
                          sft: bool = False) -> dict[str, float]:

@@ -11,7 +11,11 @@ token dispatch). Every rank builds the same native Decoder (fixed seed) and hand
   losses      `steps` Trainer.train_step against logprobs0, gradient clipping by the global norm
   weights     the HF-named weights after training (every expert gathered to every rank)
   fp8         (case fp8) checksums of quantized_weights() before and after training
-Every rank writes DIR/<case>.rank<r>.pt. Cases: fp32, fp8 (FP8 expert GEMMs, emulated).
+Every rank writes DIR/<case>.rank<r>.pt. Cases: fp32, fp8 (FP8 expert GEMMs, emulated), nan (fp8 with a
+NaN put into one token's embedding on one rank only, the last data-parallel rank of the first stage, in
+RL step 1 and in a last compute_logprobs; it records:
+  skipped     train/skipped of every step
+  logprobs_nonfinite  whether that compute_logprobs raised NonFiniteError on this rank).
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def rl_batch(vocab: int):
 def run_case(case: str, steps: int, ep: int, pp: int) -> dict:
     from jetflow.train.megatron import MegatronPolicy
 
-    kind = "fp8" if case == "fp8" else "fp32"
+    kind = "fp32" if case == "fp32" else "fp8"
     policy = MegatronPolicy.from_decoder(tiny_decoder(), kind=kind, recipe=FP8Recipe() if kind == "fp8" else None,
                                          gemm_backend="emulate", expert_parallel_size=ep, pipeline_parallel_size=pp)
     world = dist.get_world_size()
@@ -85,8 +89,30 @@ def run_case(case: str, steps: int, ep: int, pp: int) -> dict:
     result["rows"] = (rows.start, rows.stop)
     result["logprobs0"] = trainer.compute_logprobs(exp)
     exp.old_logprobs = result["logprobs0"]
-    metrics = [trainer.train_step(exp) for _ in range(steps)]
+    poison = {"on": False}
+    if case == "nan" and policy.first_stage and dp.rank == dp.world_size - 1:
+        def put_nan(module, args, out):  # (T, B, C): one token's embedding on this rank only
+            if poison["on"]:
+                out = out.clone()
+                out[0, 0, 0] = float("nan")
+            return out
+        policy.gpt.embedding.register_forward_hook(put_nan)
+    metrics = []
+    for step in range(steps):
+        poison["on"] = case == "nan" and step == 1
+        metrics.append(trainer.train_step(exp))
+    poison["on"] = False
     result["losses"] = [m["train/loss"] for m in metrics]
+    result["skipped"] = [m["train/skipped"] for m in metrics]
+    if case == "nan":
+        from jetflow.precision import NonFiniteError
+        poison["on"] = True
+        try:
+            trainer.compute_logprobs(exp)
+            result["logprobs_nonfinite"] = False
+        except NonFiniteError:
+            result["logprobs_nonfinite"] = True
+        poison["on"] = False
     result["grad_norms"] = [m["train/grad_norm"] for m in metrics]
     result["logprobs_end"] = trainer.compute_logprobs(exp)
     result["weights"] = {k: v.clone() for k, v in policy.hf_state_dict().items()}

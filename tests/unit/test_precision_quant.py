@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jetflow.precision import NonFiniteError, dequantize, quantize_blocks
+from jetflow.precision import NonFiniteError, defer_nonfinite, dequantize, quantize_blocks
 from jetflow.precision.quant import compute_scale_inv
 
 E4M3_REL = 2.0**-4  # half an ulp with 3 mantissa bits
@@ -110,6 +110,27 @@ def test_non_finite_input_raises_naming_the_tensor(bad):
     x[2, 200] = bad
     with pytest.raises(NonFiniteError, match="layers.3.mlp.up_proj.input"):
         quantize_blocks(x, (1, 128), name="layers.3.mlp.up_proj.input")
+
+
+def test_deferred_non_finite_is_recorded_once_and_the_bytes_of_finite_blocks_are_unchanged():
+    """defer_nonfinite (an expert-parallel step that must reach every collective): no raise, the first
+    tensor's message kept, the finite blocks quantized as without NaN elsewhere, raising again after."""
+    x = torch.randn(4, 256)
+    clean = quantize_blocks(x, (1, 128))
+    x[2, 200] = float("nan")
+    with defer_nonfinite() as record:
+        q = quantize_blocks(x, (1, 128), name="first")
+        quantize_blocks(x, (1, 128), name="second")
+    assert record.message.startswith("first: NaN or Inf in block (2, 1)")
+    finite = torch.ones(4, 2, dtype=torch.bool)
+    finite[2, 1] = False
+    assert torch.equal(q.scale_inv[finite], clean.scale_inv[finite])
+    assert torch.equal(q.data.view(torch.uint8)[:2], clean.data.view(torch.uint8)[:2])
+    with defer_nonfinite() as finite_only:
+        quantize_blocks(torch.randn(4, 256), (1, 128))
+    assert finite_only.message is None
+    with pytest.raises(NonFiniteError, match="second"):
+        quantize_blocks(x, (1, 128), name="second")
 
 
 def test_e5m2_gradients_round_trip_and_do_not_overflow():
