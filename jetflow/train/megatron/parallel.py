@@ -43,12 +43,10 @@ def initialize_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: i
                                       f"not {want}")
         return
     world = dist.get_world_size()
-    if world % (tensor_parallel_size * pipeline_parallel_size):
-        raise MegatronConfigError(f"world size {world} is not a multiple of tp * pp = "
-                                  f"{tensor_parallel_size * pipeline_parallel_size}")
-    if world % (expert_parallel_size * pipeline_parallel_size * tensor_parallel_size):
-        raise MegatronConfigError(f"world size {world} is not a multiple of expert_parallel_size x pp x tp = "
-                                  f"{expert_parallel_size * pipeline_parallel_size * tensor_parallel_size}")
+    layout = tensor_parallel_size * pipeline_parallel_size * expert_parallel_size  # distinct ranks of one layout
+    if world % layout:
+        raise MegatronConfigError(f"world size {world} is not a multiple of tp * pp * ep = {tensor_parallel_size} * "
+                                  f"{pipeline_parallel_size} * {expert_parallel_size} = {layout}")
     ps.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size,
                                  expert_model_parallel_size=expert_parallel_size)
 
