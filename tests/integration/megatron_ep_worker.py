@@ -39,7 +39,7 @@ from jetflow.run.megatron_side import model_data_parallel  # noqa: E402
 from jetflow.train.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megatron_pp_worker import checksum  # noqa: E402
+from megatron_pp_worker import checksum, random_decoder  # noqa: E402
 
 # hidden 128 and expert width 128: whole 128x128 FP8 blocks
 MOE = ModelConfig(model_type="qwen3_moe", vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -49,15 +49,7 @@ MOE = ModelConfig(model_type="qwen3_moe", vocab_size=96, hidden_size=128, interm
 
 def tiny_decoder(seed: int = 0) -> Decoder:
     """The same random model on every rank (and in every run)."""
-    torch.manual_seed(seed)
-    model = Decoder(MOE)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.05 * torch.randn_like(p))
-    return model
+    return random_decoder(MOE, seed)
 
 
 def rl_batch(vocab: int):

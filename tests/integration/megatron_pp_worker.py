@@ -52,8 +52,13 @@ CASES = {
 
 def tiny_decoder(case: str, seed: int = 0) -> Decoder:
     """The same random model on every rank (and in every run)."""
+    return random_decoder(CASES[case], seed)
+
+
+def random_decoder(config: ModelConfig, seed: int = 0) -> Decoder:
+    """A Decoder with seeded random weights: norms 1 + 0.1 noise, biases 0.1 and matrices 0.05 scale."""
     torch.manual_seed(seed)
-    model = Decoder(CASES[case])
+    model = Decoder(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetflow.distributed import free_port
+from torchrun_jobs import launch_worker, torchrun, wait_all
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -40,30 +40,17 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 
 def launch(nproc: int, ep: int, pp: int, out: Path) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(WORKER), "--out", str(out), "--steps", str(STEPS),
-           "--cases", ",".join(CASES), "--ep", str(ep), "--pp", str(pp)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    return launch_worker(nproc, WORKER, "--out", out, "--steps", STEPS, "--cases", ",".join(CASES), "--ep", ep,
+                         "--pp", pp)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{run: {case: [rank 0's result, rank 1's ...]}}."""
     tmp = tmp_path_factory.mktemp("megatron_ep")
-    procs = {name: launch(nproc, ep, pp, tmp / name) for name, (nproc, ep, pp) in RUNS.items()}
-    results = {}
-    for name, proc in procs.items():
-        try:
-            log, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs.values():
-                p.kill()
-            pytest.fail(f"torchrun run {name} timed out")
-        assert proc.returncode == 0, f"torchrun run {name} failed:\n{log[-4000:]}"
-        results[name] = {case: [torch.load(tmp / name / f"{case}.rank{r}.pt", weights_only=False)
-                                for r in range(RUNS[name][0])] for case in CASES}
-    return results
+    wait_all({name: launch(nproc, ep, pp, tmp / name) for name, (nproc, ep, pp) in RUNS.items()})
+    return {name: {case: [torch.load(tmp / name / f"{case}.rank{r}.pt", weights_only=False) for r in range(nproc)]
+                   for case in CASES} for name, (nproc, _, _) in RUNS.items()}
 
 
 @pytest.mark.parametrize("run", ["ep2", "pp2", "ep2pp2"])
@@ -122,16 +109,10 @@ def test_jetflow_train_expert_parallel_equals_data_parallel(tmp_path):
               "run.tensorboard=false", "run.num_threads=1", f"run.out_dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
 
-    def torchrun():
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-
     runs = {"one": ([sys.executable], []), "dp2": (torchrun(), []), "ep2": (torchrun(), ["train.expert_parallel_size=2"])}
-    procs = {name: subprocess.Popen([*launcher, "-m", "jetflow.cli", "train", *common, f"run.name={name}", *extra],
-                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, (launcher, extra) in runs.items()}
-    for name, proc in procs.items():
-        log, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{name}:\n{log[-3000:]}"
+    wait_all({name: subprocess.Popen([*launcher, "-m", "jetflow.cli", "train", *common, f"run.name={name}", *extra],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for name, (launcher, extra) in runs.items()})
     one, dp2, ep2 = (read_metrics(tmp_path / name) for name in runs)
     assert [r["step"] for r in ep2] == [r["step"] for r in dp2] == [r["step"] for r in one]
     rl = [r for r in ep2 if "loss/router_aux" in r]

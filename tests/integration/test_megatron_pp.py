@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetflow.distributed import free_port
+from torchrun_jobs import launch_worker, torchrun, wait_all
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -41,11 +41,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 
 def launch(nproc: int, out: Path, tp: int = 1, cases=CASES) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(WORKER), "--out", str(out), "--steps", str(STEPS),
-           "--cases", ",".join(cases), "--tp", str(tp)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    return launch_worker(nproc, WORKER, "--out", out, "--steps", STEPS, "--cases", ",".join(cases), "--tp", tp)
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +49,9 @@ def runs(tmp_path_factory):
     """{run: {case: [rank 0's result, rank 1's ...]}}; runs 2 (PP=2), 1 (one process), "tp2pp2" (4 ranks)."""
     tmp = tmp_path_factory.mktemp("megatron_pp")
     runs = {2: (2, 1, CASES), 1: (1, 1, CASES), "tp2pp2": (4, 2, TP_CASES)}  # nproc, tp, cases
-    procs = {name: launch(nproc, tmp / str(name), tp, cases) for name, (nproc, tp, cases) in runs.items()}
-    results = {}
-    for name, proc in procs.items():
-        try:
-            log, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs.values():
-                p.kill()
-            pytest.fail(f"torchrun run {name} timed out")
-        nproc, _, cases = runs[name]
-        assert proc.returncode == 0, f"torchrun run {name} failed:\n{log[-4000:]}"
-        results[name] = {case: [torch.load(tmp / str(name) / f"{case}.rank{r}.pt", weights_only=False)
-                                for r in range(nproc)] for case in cases}
-    return results
+    wait_all({name: launch(nproc, tmp / str(name), tp, cases) for name, (nproc, tp, cases) in runs.items()})
+    return {name: {case: [torch.load(tmp / str(name) / f"{case}.rank{r}.pt", weights_only=False)
+                          for r in range(nproc)] for case in cases} for name, (nproc, _, cases) in runs.items()}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -149,9 +134,8 @@ def test_jetflow_train_pipeline_parallel_matches_one_process(tmp_path):
               "train.sft_warmup_steps=10", "train.prompts_per_step=4", "rollout.group_size=4", "algo.ppo_epochs=2",
               "run.progress=false", "run.tensorboard=false", "run.num_threads=1", f"run.out_dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     for launcher, extra in (([sys.executable], ["run.name=pp1"]),
-                            (torchrun, ["run.name=pp2", "train.pipeline_parallel_size=2"])):
+                            (torchrun(), ["run.name=pp2", "train.pipeline_parallel_size=2"])):
         proc = subprocess.run([*launcher, "-m", "jetflow.cli", "train", *common, *extra], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

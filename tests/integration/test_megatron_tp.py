@@ -13,7 +13,6 @@ The native Decoder trained by the same Trainer in this process is the independen
 import copy
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetflow.distributed import free_port
+from torchrun_jobs import launch_worker, wait_all
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "megatron_tp_worker.py"
@@ -33,26 +32,15 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 
 
 def launch(nproc: int, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(WORKER), "--out", str(out), "--steps", str(STEPS)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=HERE.parents[1])
+    return launch_worker(nproc, WORKER, "--out", out, "--steps", STEPS)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron_tp")
-    procs = {tp: launch(tp, tmp / f"tp{tp}.json") for tp in (2, 1)}
+    wait_all({tp: launch(tp, tmp / f"tp{tp}.json") for tp in (2, 1)})
     results = {}
-    for tp, proc in procs.items():
-        try:
-            log, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs.values():
-                p.kill()
-            pytest.fail(f"torchrun --nproc_per_node {tp} timed out")
-        assert proc.returncode == 0, f"torchrun --nproc_per_node {tp} failed:\n{log[-4000:]}"
+    for tp in (2, 1):
         results[tp] = json.loads((tmp / f"tp{tp}.json").read_text())
         results[tp]["weights"] = torch.load(tmp / f"tp{tp}.json.fp32.pt")
     return results

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core", reason="Megatron-Core is not installed (pip install -e '.[megatron]')")
 
-from jetflow.distributed import free_port  # noqa: E402
+from torchrun_jobs import torchrun  # noqa: E402
 from jetflow.metrics_log import read_metrics  # noqa: E402
 from jetflow.run.files import COMPLETE  # noqa: E402
 
@@ -26,10 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--config", "configs/tiny.yaml", "precision.mode=fp32", "train.backend=megatron", "train.steps=3",
           "train.sft_warmup_steps=10", "train.prompts_per_step=4", "rollout.group_size=4", "algo.ppo_epochs=2",
           "train.checkpoint_every=1", "run.progress=false", "run.tensorboard=false", "run.num_threads=1"]
-
-
-def torchrun() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
 
 
 def _train(launcher: list[str], *overrides: str, common: list[str] = COMMON) -> None:

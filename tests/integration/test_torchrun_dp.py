@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jetflow.distributed import free_port
+from torchrun_jobs import torchrun
 from jetflow.metrics_log import read_metrics
 from jetflow.run.files import COMPLETE
 
@@ -32,8 +32,7 @@ def _run(launcher: list[str], out: Path, name: str) -> Path:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
     one = _run([sys.executable], out, "one")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    two = _run(torchrun, out, "two")
+    two = _run(torchrun(), out, "two")
     return one, two
 
 

@@ -180,20 +180,10 @@ def test_megatron_policy_sync_copy_and_checkpoint_equal_native(tmp_path, megatro
 def test_tensor_parallel_gradient_clipping_is_global(tmp_path):
     """TP=2 under torchrun takes the same *clipped* steps as TP=1: the Trainer clips with the policy's
     norm over the TP group (tests/integration/megatron_clip_worker.py)."""
-    from jetflow.distributed import free_port
+    from torchrun_jobs import launch_worker, wait_all
 
-    def launch(nproc: int) -> subprocess.Popen:
-        port = free_port()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), str(ROOT / "tests/integration/megatron_clip_worker.py"),
-               "--out", str(tmp_path / f"tp{nproc}.json")]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    procs = {n: launch(n) for n in (2, 1)}
-    for n, proc in procs.items():
-        log, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"torchrun --nproc_per_node {n}:\n{log[-4000:]}"
+    wait_all({n: launch_worker(n, ROOT / "tests/integration/megatron_clip_worker.py", "--out", tmp_path / f"tp{n}.json")
+              for n in (2, 1)})
     tp1, tp2 = (json.loads((tmp_path / f"tp{n}.json").read_text()) for n in (1, 2))
     print("clipped steps: losses tp1", tp1["losses"], "tp2", tp2["losses"], "norms tp1", tp1["grad_norms"],
           "tp2", tp2["grad_norms"])

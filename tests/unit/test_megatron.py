@@ -290,18 +290,22 @@ def test_fp8_model_gradients_close_to_native():
     assert backend <= 0.25 * precision
 
 
-@needs_megatron
-def test_trainer_trains_the_policy_unchanged():
-    """jetflow's Trainer on the Megatron policy gives the native model's losses (fp32, left padding)."""
-    cfg = CONFIGS["qwen2"]
+def native_and_megatron_losses(cfg: ModelConfig, algo: AlgoConfig, steps) -> dict[str, list[float]]:
+    """{"native": steps(trainer, exp), "megatron": ...}: jetflow's Trainer on a random native Decoder and on
+    the MegatronPolicy built from the same weights, with one left-padded batch of 3 sequences."""
     base = random_decoder(cfg, seed=4)
     prompts, responses = [[5, 6, 7, 8], [9, 10], [11, 12, 13]], [[20, 21], [22, 23, 24], [25]]
     exp = pack_experience(prompts, responses, [[0.0] * len(r) for r in responses], torch.zeros(3), torch.zeros(3), 0)
     train = TrainConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2, steps=3)
-    losses = {}
-    for name, model in (("native", copy.deepcopy(base)), ("megatron", jm.MegatronPolicy.from_decoder(base))):
-        trainer = Trainer(model, train, AlgoConfig())
-        losses[name] = [trainer.sft_step(exp)["train/loss"] for _ in range(3)]
+    return {name: steps(Trainer(model, train, algo), exp)
+            for name, model in (("native", copy.deepcopy(base)), ("megatron", jm.MegatronPolicy.from_decoder(base)))}
+
+
+@needs_megatron
+def test_trainer_trains_the_policy_unchanged():
+    """jetflow's Trainer on the Megatron policy gives the native model's losses (fp32, left padding)."""
+    losses = native_and_megatron_losses(CONFIGS["qwen2"], AlgoConfig(), lambda trainer, exp: [
+        trainer.sft_step(exp)["train/loss"] for _ in range(3)])
     assert losses["native"][0] > losses["native"][-1]
     assert max(abs(a - b) for a, b in zip(losses["native"], losses["megatron"])) <= 1e-5
 

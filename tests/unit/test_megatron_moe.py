@@ -11,14 +11,13 @@ import importlib.util
 import pytest
 import torch
 
-from jetflow.config import AlgoConfig, TrainConfig
+from jetflow.config import AlgoConfig
 from jetflow.model import ModelConfig
 from jetflow.model.moe import model_load_balancing_loss
 from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
-from jetflow.rl.experience import pack_experience
 from jetflow.train import megatron as jm
-from jetflow.train.trainer import Trainer
-from test_megatron import left_padded_batch, megatron_process_group, random_decoder  # noqa: F401  (the fixture)
+from test_megatron import (left_padded_batch, megatron_process_group, native_and_megatron_losses,  # noqa: F401  (the fixture)
+                           random_decoder)
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -147,20 +146,16 @@ def test_fp8_expert_bytes_equal_native_and_router_stays_high_precision():
 @needs_megatron
 def test_trainer_trains_the_moe_policy_like_native():
     """jetflow's Trainer (with the router load-balancing loss) on the Megatron MoE policy: native losses."""
-    cfg = CONFIGS["qwen3_moe"]
-    base = random_decoder(cfg, seed=4)
-    prompts, responses = [[5, 6, 7, 8], [9, 10], [11, 12, 13]], [[20, 21], [22, 23, 24], [25]]
-    exp = pack_experience(prompts, responses, [[0.0] * len(r) for r in responses], torch.zeros(3), torch.zeros(3), 0)
-    train = TrainConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2, steps=3)
-    losses = {}
-    for name, model in (("native", copy.deepcopy(base)), ("megatron", jm.MegatronPolicy.from_decoder(base))):
-        trainer = Trainer(model, train, AlgoConfig(router_aux_loss_coef=0.01))
+    def two_sft_steps_and_an_rl_step(trainer, exp):
         exp.old_logprobs = trainer.compute_logprobs(exp)
         exp.advantages = torch.tensor([1.0, -1.0, 0.5])
-        losses[name] = [trainer.sft_step(exp)["train/loss"] for _ in range(2)]
+        losses = [trainer.sft_step(exp)["train/loss"] for _ in range(2)]
         metrics = trainer.train_step(exp)
-        losses[name].append(metrics["train/loss"])
         assert metrics["loss/router_aux"] > 0
+        return [*losses, metrics["train/loss"]]
+
+    losses = native_and_megatron_losses(CONFIGS["qwen3_moe"], AlgoConfig(router_aux_loss_coef=0.01),
+                                        two_sft_steps_and_an_rl_step)
     assert losses["native"][0] > losses["native"][1]
     assert max(abs(a - b) for a, b in zip(losses["native"], losses["megatron"])) <= 1e-5
 
