@@ -53,9 +53,9 @@ class PrecisionConfig:
     """FP8 (E4M3) KV cache in the rollout engine, per-layer scales recalibrated each step."""
     numerics: str = "auto"
     """exact | fast | auto. exact: the rollout engine and the trainer compute every token with the
-    batch-invariant kernels (jetflow.kernels), so their log-probs agree bit for bit (CPU, native
-    engine and trainer). fast: torch's kernels (BLAS, SDPA), a few ulps apart. auto: exact where it
-    runs (CPU, native rollout and trainer), else fast."""
+    batch-invariant kernels (jetflow.kernels), so their log-probs agree bit for bit (CPU; the native
+    engine, or vLLM through jetflow's plugin; the native trainer). fast: torch's / vLLM's kernels (BLAS,
+    SDPA), a few ulps apart. auto: exact where it runs (CPU, native trainer), else fast."""
 
     @property
     def precision_mode(self) -> PrecisionMode:
@@ -357,8 +357,6 @@ def _exact_blocker(cfg: Config) -> str | None:
             return "on CUDA the batch-invariant kernels are Triton's: pip install triton==3.6.0"
     elif not cfg.model.device.startswith("cpu"):
         return f"the batch-invariant kernels run on the CPU and on CUDA (model.device={cfg.model.device})"
-    if cfg.rollout.backend != "native":
-        return f"rollout.backend={cfg.rollout.backend} computes with its own kernels (only the native engine runs jetflow's)"
     if cfg.train.backend != "native":
         return f"train.backend={cfg.train.backend} computes attention with its own kernels"
     return None

@@ -52,6 +52,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (..., D) for token positions (...): angles in fp32, then cast to the activation dtype (as
+    transformers does). The one definition of the tables, for the Decoder and for the vLLM plugin."""
+    freqs = positions[..., None].float() * inv_freq  # (..., D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, H, T, D); cos, sin (B, 1, T, D). HF's "rotate half" convention (not interleaved pairs)."""
     return x * cos + rotate_half(x) * sin
@@ -125,6 +133,7 @@ class Attention(nn.Module):
         c = config
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = 1.0 / math.sqrt(self.head_dim)  # the softmax scale of the exact kernel
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
@@ -155,7 +164,7 @@ class Attention(nn.Module):
             k, v = k.to(q.dtype), v.to(q.dtype)
         if plan.exact:
             kt = k if cache is not None else k.transpose(-1, -2).contiguous()  # (B, H_kv, D, S)
-            y = invariant.attention(q, kt, v, plan.positions, 1.0 / math.sqrt(self.head_dim))  # (B, H, T, D)
+            y = invariant.attention(q, kt, v, plan.positions, self.scale)  # (B, H, T, D)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=plan.mask, is_causal=plan.is_causal,

