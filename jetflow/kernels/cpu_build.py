@@ -1,4 +1,4 @@
-"""Builds and loads the batch-invariant CPU kernels (csrc/invariant_cpu.cpp) as a small shared library.
+"""Builds and loads the batch-invariant CPU kernels (csrc/gemm.cpp, csrc/attention.cpp) as a small shared library.
 
 The library is compiled once per machine and source version with the system's C++ compiler
 (`-O3 -march=native -fopenmp -ffp-contract=off`; about 2 s) into a cache directory keyed by the
@@ -7,8 +7,10 @@ another kind gets its own build), and loaded with ctypes. OpenMP is the libgomp 
 loaded, so the kernels share torch's threads (`torch.set_num_threads`).
 
 `JETFLOW_KERNEL_CACHE` moves the cache (default ~/.cache/jetflow/kernels). Besides the `native`
-build, the variants `avx2` (-mavx2 -mfma: what an AVX2-only machine runs) and `scalar` (-DJF_NO_SIMD:
-the reference, one element at a time) compile the same kernels, which the tests compare bit for bit.
+build, the variants `avx512` (AVX-512 without the bf16 dot products: what an AVX-512 machine without
+AVX512_BF16 runs), `avx2` (-mavx2 -mfma: what an AVX2-only machine runs) and `scalar` (-DJF_NO_SIMD:
+the reference, one element at a time) compile the same kernels, which the tests compare bit for bit
+(`avx512` only where the CPU has AVX-512).
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ import torch  # noqa: F401  (loads torch's libgomp first, which the library then
 
 from jetflow.errors import UserError
 
-SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "gemm.cpp", CSRC / "attention.cpp"]
+HEADERS = [CSRC / "simd.h"]
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17"]
-VARIANTS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma"], "scalar": ["-DJF_NO_SIMD"]}
+VARIANTS = {"native": ["-march=native"],
+            "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
+            "avx2": ["-mavx2", "-mfma"], "scalar": ["-DJF_NO_SIMD"]}
 
 
 class KernelBuildError(UserError, RuntimeError):
@@ -67,15 +73,16 @@ def load_library(variant: str = "native") -> ctypes.CDLL:
     cxx = _compiler()
     flags = FLAGS + VARIANTS[variant]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), *version, _cpu_flags()]).encode())
+    texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\n".join([*texts, " ".join(flags), *version, _cpu_flags()]).encode())
     path = _cache_dir() / f"jetflow_invariant_{variant}_{key.hexdigest()[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / path.name
-            proc = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+            proc = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
             if proc.returncode != 0:
-                raise KernelBuildError(f"building {SOURCE.name} with {cxx} failed:\n{proc.stderr[-2000:]}\n"
+                raise KernelBuildError(f"building {CSRC} with {cxx} failed:\n{proc.stderr[-2000:]}\n"
                                        "(or run with precision.numerics=fast)")
             os.replace(out, path)  # atomic: concurrent builders (torchrun ranks) leave one whole file
     try:
@@ -85,8 +92,12 @@ def load_library(variant: str = "native") -> ctypes.CDLL:
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.jf_panel_width.restype = ctypes.c_int
     lib.jf_isa.restype = ctypes.c_char_p
-    lib.jf_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
+    lib.jf_gemm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, i64, ptr, i64, i64]
     lib.jf_gemm.restype = None
+    lib.jf_gemm_fp8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64]
+    lib.jf_gemm_fp8.restype = None
+    lib.jf_e4m3_to_f32.argtypes = [ptr, i64, ptr]
+    lib.jf_e4m3_to_f32.restype = None
     lib.jf_attention.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, f32]
     lib.jf_attention.restype = None
     return lib

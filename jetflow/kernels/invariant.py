@@ -1,23 +1,27 @@
 """Batch-invariant GEMM and attention: each row's result is one fixed sequence of floating-point
 operations, whatever else is in the call (the exact numerics mode, `precision.numerics=exact`).
 
-    packed = pack_weight(w)                       # (N, K) -> panels, once per weight version
-    y = matmul(x, w, packed)                      # x (..., K) -> (..., N), rows independent of M
+    packed = pack_weight(w)                       # (N, K) fp32 / bf16 / E4M3 -> panels, once per weight version
+    y = matmul(x, w, packed)                      # x (..., K) -> (..., N), rows independent of M and of TP
+    y = fp8_gemm(xq, sx, packed, sw, n)           # E4M3 operands with their block scales -> (M, N) fp32
     o = attention(q, kt, v, pos, scale)           # each query sees key slots 0..pos, one order
 
 Why: BLAS picks kernels by shape (gemv for one row, other blockings for other M; measured here: MKL's
 fp32 rows differ between M = 1..128 and large M on one shape, and vary with the ISA), and SDPA's
 reduction order depends on the sequence length, so a token decoded from a KV cache and the same
 token inside the trainer's full forward come out a few ulps apart, which FP8 rounding then
-amplifies. These kernels define every output element as one chain of correctly rounded FMAs in a
-fixed order (see csrc/invariant_cpu.cpp), so the rollout engine and the trainer compute the same bits.
+amplifies. These kernels define every output element as one fixed sequence of correctly rounded
+operations: the GEMMs the canonical reduction of jetflow.kernels.canonical (128-K block chains, groups,
+a pairwise tree; csrc/gemm.cpp), which also makes a row-parallel layer's result independent of its
+tensor-parallel degree; attention one chain per query (csrc/attention.cpp). So the rollout engine and
+the trainer compute the same bits.
 
 Gradients: backward passes use torch's ordinary kernels (the values of the gradients need not be
 exact, only the forward that produces log-probs).
 
 CUDA: the same contract on jetflow's Triton kernels (jetflow.kernels.triton): `pack_weight` keeps the
-(N, K) weight as it is, `matmul` / `gemm` run the dense batch-invariant GEMM and `attention` the
-fixed-block online-softmax kernel. They are not the CPU's bits (other hardware, other reduction
+(N, K) weight as it is, `matmul` / `gemm` / `fp8_gemm` run the Triton GEMMs with the same canonical
+reduction, and `attention` the fixed-block online-softmax kernel. They are not the CPU's bits (other hardware, other reduction
 shapes), but on the GPU a row again comes out the same whatever M, the batch or the KV cache.
 """
 
@@ -27,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from jetflow.kernels import canonical
 from jetflow.kernels import triton as cuda_kernels  # imports no triton until a kernel is used
 from jetflow.kernels.cpu_build import KernelBuildError, load_library
 
-__all__ = ["KernelBuildError", "attention", "check_device", "matmul", "pack_weight", "panel_width",
+__all__ = ["KernelBuildError", "attention", "check_device", "fp8_gemm", "gemm", "matmul", "pack_weight", "panel_width",
            "reference_attention"]
 
 
@@ -53,45 +58,98 @@ def panel_width(variant: str = "native") -> int:
     return load_library(variant).jf_panel_width()
 
 
+def isa(variant: str = "native") -> str:
+    """The instruction set a build computes with: avx512_bf16, avx512, avx2 or scalar."""
+    return load_library(variant).jf_isa().decode()
+
+
+_WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+
+
 def pack_weight(w: Tensor, variant: str = "native") -> Tensor:
-    """(N, K) weight -> (ceil(N / NR), K, NR) fp32 panels (zero-padded columns), the GEMM's layout.
-    On CUDA the Triton GEMM reads the (N, K) fp32 weight itself (no copy when it already is one)."""
+    """(N, K) weight -> (ceil(N / NR), K, NR) panels (zero-padded columns) in the weight's own format:
+    float32, bfloat16 or float8_e4m3fn (FP8 bytes): the GEMM reads those bytes and converts them in
+    registers. On CUDA the Triton GEMMs read the (N, K) weight itself (returned as it is)."""
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(f"pack_weight: float32, bfloat16 or float8_e4m3fn weights, got {w.dtype}")
+    w = w.detach()
     if w.is_cuda:
-        return w.detach().float().contiguous()
+        return w.contiguous()
     nr = panel_width(variant)
     n, k = w.shape
     p = -(-n // nr)
-    w = w.detach().float()
+    bits = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
     if p * nr != n:
-        w = F.pad(w, (0, 0, 0, p * nr - n))
-    return w.view(p, nr, k).transpose(1, 2).contiguous()
+        bits = F.pad(bits, (0, 0, 0, p * nr - n))  # zero bytes: 0.0 in every format
+    panels = bits.reshape(p, nr, k).transpose(1, 2).contiguous()
+    return panels.view(w.dtype) if w.dtype == torch.float8_e4m3fn else panels
 
 
-def gemm(x2: Tensor, packed: Tensor, n: int, variant: str = "native") -> Tensor:
-    """x2 (M, K) fp32 @ W^T -> (M, N) fp32, W given as `pack_weight(W)`; no autograd."""
+def _groups(k: int, groups: int | None) -> int:
+    groups = canonical.tree_width(k) if groups is None else int(groups)
+    canonical.check_groups(k, groups)
+    return groups
+
+
+def gemm(x2: Tensor, packed: Tensor, n: int, variant: str = "native", groups: int | None = None) -> Tensor:
+    """x2 (M, K) fp32 @ W^T -> (M, N) fp32, the canonical reduction (jetflow.kernels.canonical) with
+    `groups` groups (default tree_width(K)); W given as `pack_weight(W)` (fp32 or bf16); no autograd."""
+    groups = _groups(x2.shape[1], groups)
     if x2.is_cuda:
-        return cuda_kernels.dense_gemm(x2, packed[:n], "fp32")
+        dot = "bf16" if packed.dtype == torch.bfloat16 else "fp32"
+        return cuda_kernels.dense_gemm(x2, packed[:n], dot, groups=groups)
     lib = load_library(variant)
     m, k = x2.shape
-    if packed.shape[1] != k or packed.shape[2] != lib.jf_panel_width() or packed.shape[0] * packed.shape[2] < n:
-        raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x2.shape)} and N={n}")
+    if packed.dtype not in _WEIGHT_FORMATS or packed.shape[1] != k or packed.shape[2] != lib.jf_panel_width() \
+            or packed.shape[0] * packed.shape[2] < n:
+        raise ValueError(f"packed weight {tuple(packed.shape)} {packed.dtype} does not fit x {tuple(x2.shape)} and N={n}")
     x2 = x2.float()
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.jf_gemm(_ptr(x2), m, k, x2.stride(0), _ptr(packed), n, _ptr(out), n)
+    lib.jf_gemm(_ptr(x2), m, k, x2.stride(0), _ptr(packed), _WEIGHT_FORMATS[packed.dtype], n, _ptr(out), n, groups)
+    return out
+
+
+def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant: str = "native",
+             groups: int | None = None) -> Tensor:
+    """xq (M, K) E4M3 with sx (M, ceil(K/128)) @ W^T -> (M, N) fp32, W (N, K) E4M3 given as
+    `pack_weight(W)` with its 128x128 block scales sw (ceil(N/128), ceil(K/128)): each 128-K block's
+    chain over the raw FP8 values times sx * sw, then the groups and the tree (jetflow.kernels.canonical)."""
+    m, k = xq.shape
+    groups = _groups(k, groups)
+    nb = -(-k // canonical.BLOCK_K)
+    if xq.dtype != torch.float8_e4m3fn or packed.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemm: E4M3 operands, got {xq.dtype} and {packed.dtype}")
+    if tuple(sx.shape) != (m, nb) or sw.shape[1] != nb or sw.shape[0] * canonical.BLOCK_K < n:
+        raise ValueError(f"fp8_gemm scales: sx {tuple(sx.shape)} for x {tuple(xq.shape)}, sw {tuple(sw.shape)} for N={n}")
+    if xq.is_cuda:
+        return cuda_kernels.fp8_gemm(xq, sx, packed[:n], sw, canonical.BLOCK_K, torch.float32, groups=groups)
+    lib = load_library(variant)
+    if packed.shape[1] != k or packed.shape[2] != lib.jf_panel_width() or packed.shape[0] * packed.shape[2] < n:
+        raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(xq.shape)} and N={n}")
+    if xq.stride(1) != 1:
+        xq = xq.contiguous()
+    sx, sw = sx.float().contiguous(), sw.float().contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    lib.jf_gemm_fp8(_ptr(xq), m, k, xq.stride(0), _ptr(sx), nb, _ptr(packed), _ptr(sw), nb, n, _ptr(out), n, groups)
+    return out
+
+
+def e4m3_to_float(codes: Tensor, variant: str = "native") -> Tensor:
+    """The kernels' own conversion of E4M3 bytes to fp32 (for tests: it must equal torch's)."""
+    codes = codes.contiguous().view(torch.uint8).reshape(-1)
+    out = torch.empty(codes.numel(), dtype=torch.float32)
+    load_library(variant).jf_e4m3_to_f32(_ptr(codes), codes.numel(), _ptr(out))
     return out
 
 
 class _Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, packed, dot):
+    def forward(ctx, x, weight, packed, dot, groups):
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.is_cuda:
-            y = cuda_kernels.dense_gemm(x2, packed, dot)
-        else:
-            y = gemm(x2, packed, weight.shape[0])
+        y = gemm(x2, packed, weight.shape[0], groups=groups)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -103,17 +161,19 @@ class _Matmul(torch.autograd.Function):
             grad_x = (g2 @ weight.to(g2.dtype)).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
-def matmul(x: Tensor, weight: Tensor, packed: Tensor, dot: str = "fp32") -> Tensor:
-    """x (..., K) @ weight^T (weight (N, K), `packed = pack_weight(weight)`): every output element is
-    an FMA chain over k in order from 0, so a row's result does not depend on the other rows.
-    Differentiable in x and weight (backward through torch's matmul). `dot="bf16"` says both operands
-    lie on the bf16 grid: on CUDA the product then runs on bf16 tensor cores (the same products, fp32
-    accumulation); the CPU computes it as it computes fp32."""
+def matmul(x: Tensor, weight: Tensor, packed: Tensor, dot: str = "fp32", groups: int | None = None) -> Tensor:
+    """x (..., K) @ weight^T (weight (N, K), `packed = pack_weight(weight)` or of its bf16 copy): the
+    canonical reduction (jetflow.kernels.canonical), so a row's result depends neither on the other rows
+    nor on how K is sharded. Differentiable in x and weight (backward through torch's matmul).
+    `dot="bf16"` says both operands lie on the bf16 grid (pack the weight as bfloat16: half the bytes;
+    on CUDA the product runs on bf16 tensor cores)."""
     check_device(x.device)
-    return _Matmul.apply(x, weight, packed, dot)
+    if dot not in ("fp32", "bf16"):
+        raise ValueError(f"dot={dot!r}: 'fp32' or 'bf16'")
+    return _Matmul.apply(x, weight, packed, dot, groups)
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float) -> Tensor:

@@ -17,11 +17,12 @@ Backends:
 `auto` picks scaled_mm on a capable CUDA device, else emulate. Blackwell (SM100+) is left to the
 emulation: torch offers DeepSeek-style 128-blocks on SM90 only.
 
-Exact numerics (`numerics="exact"`): a row's result does not depend on how many rows share the call,
-so the rollout engine's decode rows and the trainer's full-sequence rows come out bit for bit equal.
-On the CPU the emulation's fp32 product runs on the batch-invariant GEMM (jetflow.kernels.invariant);
-on CUDA the product is the triton backend (cuBLAS picks kernels by shape, split-K for small M, so
-scaled_mm cannot promise this).
+Exact numerics (`numerics="exact"`, fprop: 1x128 activations x 128x128 E4M3 weight blocks): the
+canonical FP8 GEMM (jetflow.kernels.canonical: each 128-K block's chain over the raw FP8 values times
+the two block scales, groups, a pairwise tree), on the CPU (jetflow.kernels.invariant.fp8_gemm, the
+weight read as its FP8 bytes) and on CUDA (the Triton kernel; cuBLAS picks kernels by shape, split-K
+for small M, so scaled_mm cannot promise this). A row's result then depends neither on how many rows
+share the call nor on how K is sharded over tensor-parallel ranks (`groups`).
 """
 
 from __future__ import annotations
@@ -59,26 +60,35 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def fp8_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32,
-               backend: str = "auto", numerics: str = "fast") -> torch.Tensor:
+               backend: str = "auto", numerics: str = "fast", groups: int | None = None) -> torch.Tensor:
     """a @ b.T -> (M, N) in out_dtype; a (M, K) with (1, g) groups, b (N, K) with (128, 128) or (1, g).
-    numerics="exact": the batch-invariant GEMM on the dequantized operands (b's panels cached on b)."""
+    numerics="exact": the canonical FP8 GEMM with `groups` groups over K (default tree_width(K)); b's
+    panels are cached on b (`packed_fp8_weight`)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_matmul: contraction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if a.block[0] != 1:
         raise ValueError(f"fp8_matmul: a must be blocked 1 x g along K, got block {a.block}")
     if numerics == "exact":
         invariant.check_device(a.data.device)
-        if a.data.is_cuda:
-            return _triton_blockwise(a, b, out_dtype)
-        if b.packed is None:
-            b.packed = invariant.pack_weight(b.dequantize())
-        return invariant.gemm(a.dequantize(), b.packed, b.shape[0]).to(out_dtype)
+        if a.block != (1, 128) or b.block != (128, 128) or a.fmt != "e4m3" or b.fmt != "e4m3":
+            raise ValueError(f"exact fp8_matmul runs the fprop (E4M3 1x128 x 128x128), got {a.fmt} {a.block} x "
+                             f"{b.fmt} {b.block}")
+        out = invariant.fp8_gemm(a.data, a.scale_inv, packed_fp8_weight(b), b.scale_inv, b.shape[0], groups=groups)
+        return out.to(out_dtype)
     backend = resolve_backend(backend, a.data.device)
     if backend == "triton":
         return _triton_blockwise(a, b, out_dtype)
     if backend == "scaled_mm":
         return _scaled_mm_blockwise(a, b).to(out_dtype)
     return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+
+
+def packed_fp8_weight(wq: QuantizedTensor) -> torch.Tensor:
+    """The canonical GEMM's panels of an FP8 weight's bytes, kept on the QuantizedTensor (one per weight
+    version: PrecisionLinear caches the QuantizedTensor per version, a rollout keeps the shipped one)."""
+    if wq.packed is None:
+        wq.packed = invariant.pack_weight(wq.data)
+    return wq.packed
 
 
 def _triton_blockwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -171,22 +181,15 @@ def _scaled_mm_blockwise(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                weight_on_grid: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
+                weight_on_grid: bool = False) -> torch.Tensor:
     """A bf16 GEMM: bf16 operands, fp32 accumulation, bf16-rounded output, returned in x's dtype.
 
     On CUDA this is a real bf16 GEMM. On the CPU, bf16 matmul is a slow fallback (FACTS.md), so the
     operands are rounded to the bf16 grid and multiplied in fp32: the same values a bf16 tensor-core
     GEMM produces, up to accumulation order. `weight_on_grid` says the fp32 weight is already rounded
-    to bf16 (a cached copy), which saves re-rounding a large weight on every decode step.
-    `packed` (exact numerics): the bf16-grid weight's panels; the product then runs on the
-    batch-invariant GEMM, and the bias is added after it.
+    to bf16 (a cached copy), which saves re-rounding a large weight on every decode step. (Exact
+    numerics: jetflow.precision.exact.)
     """
-    if packed is not None:
-        w = weight if weight_on_grid else weight.bfloat16().float()
-        out = invariant.matmul(x.bfloat16().float(), w, packed, dot="bf16")  # CUDA: on bf16 tensor cores
-        if bias is not None:
-            out = out + bias.bfloat16().float()
-        return out.bfloat16().to(x.dtype)
     if x.is_cuda:
         out = F.linear(x.bfloat16(), weight.bfloat16(), None if bias is None else bias.bfloat16())
         return out.to(x.dtype)

@@ -80,7 +80,7 @@ class QuantizedTensor:
     """Optional cached fp32 dequantization (the CPU emulation of a GEMM reads it instead of
     dequantizing the same weight again for every call)."""
     packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    """Optional cached panels of the dequantized weight for the batch-invariant GEMM (exact numerics)."""
+    """Optional cached panels of the FP8 bytes for the canonical GEMM (exact numerics: gemm.packed_fp8_weight)."""
 
     @property
     def shape(self) -> torch.Size:

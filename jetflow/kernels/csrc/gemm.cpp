@@ -1,0 +1,426 @@
+// The canonical GEMM of jetflow's exact numerics (precision.numerics=exact): one fixed sequence of
+// IEEE operations per output element, whatever the number of rows, the batch, the thread, the SIMD
+// width or the tensor-parallel sharding of K.
+//
+// C[m, n] = sum_k A[m, k] W[n, k], computed as
+//   1. K is cut into 128-wide blocks b (the last one may be shorter); each block's partial P_b is its
+//      own chain from +0:
+//        fp32 / bf16 weights  an FMA chain over k in order (bf16 values are exact in fp32);
+//        E4M3 (FP8)           an FMA chain over the raw E4M3 values (products are exact in fp32) in
+//                             pairs, odd element first: k = 1, 0, 3, 2, ... (the order of AVX512_BF16's
+//                             vdpbf16ps, which this kernel uses where the CPU has it), then scaled:
+//                             P_b = P_b * (sa[m, b] * sw[n / 128, b]) (two roundings, no FMA).
+//   2. the blocks form `groups` contiguous groups of equal size; a group's sum S_g = ((0 + P_first) +
+//      P_next) + ... in block order;
+//   3. the groups' sums are combined by a fixed pairwise tree: ((S_0 + S_1) + (S_2 + S_3)) + ...
+// A tensor-parallel shard holding a contiguous 1/T of K (T dividing `groups`) computes the subtree of
+// its groups with groups / T; the T results combined by the same tree give the full result bit for
+// bit (jetflow.kernels.canonical.tree_sum). The Triton kernels compute the same structure on CUDA.
+//
+// Weights are packed per panel of NR columns: (P, K, NR) in their own format (fp32, bf16 bits, or
+// E4M3 bytes), and converted in registers / a per-thread buffer: the low-precision bytes are what
+// streams from memory.
+#include "simd.h"
+
+#if !defined(JF_NO_SIMD) && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define JF_DPBF16 1
+#endif
+
+static const int64_t KB = 128;  // K block: one partial chain each (= the FP8 recipe's scale group)
+static const int MAX_LEVELS = 4;  // tree of at most 8 groups: 4 levels of partial sums
+
+enum { WF_F32 = 0, WF_BF16 = 1, WF_E4M3 = 2 };
+enum { MODE_F32 = 0, MODE_PAIRS = 1, MODE_DP = 2 };
+
+// ---------------------------------------------------------------------------------------------
+// Conversions. Every E4M3 and bf16 value is exact in fp32, so any correct conversion gives the same
+// bits; the tables are the reference (and the scalar build's path). Codes 0x7F / 0xFF (NaN) never
+// reach a kernel: the quantizer refuses non-finite values.
+
+static float E4M3_F32[256];
+static uint16_t E4M3_BF16[256];
+static const bool TABLES_READY = [] {
+  for (int c = 0; c < 256; c++) {
+    int e = (c >> 3) & 15, m = c & 7;
+    float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp((float)m, -9);
+    E4M3_F32[c] = (c & 0x80) ? -v : v;
+    uint32_t bits;
+    std::memcpy(&bits, &E4M3_F32[c], 4);
+    E4M3_BF16[c] = (uint16_t)(bits >> 16);  // exact: 3 mantissa bits
+  }
+  return true;
+}();
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// n E4M3 codes -> fp32 values (n a multiple of VL, or any n in the scalar build)
+static inline void e4m3_to_f32(const uint8_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if !defined(JF_NO_SIMD) && defined(__AVX512F__)
+  const __m512i m7f = _mm512_set1_epi32(0x7f), m80 = _mm512_set1_epi32(0x80), bias = _mm512_set1_epi32(120 << 23),
+                eight = _mm512_set1_epi32(8);
+  const __m512 sub_scale = _mm512_set1_ps(1.0f / 512);  // subnormal E4M3: m * 2^-9
+  for (; i + 16 <= n; i += 16) {
+    __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(src + i)));
+    __m512i mag = _mm512_and_si512(u, m7f);
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, m80), 24);
+    __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), bias));
+    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), sub_scale);
+    __m512 v = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(mag, eight), sub, normal);
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign)));
+  }
+#elif !defined(JF_NO_SIMD) && defined(__AVX2__)
+  const __m256i m7f = _mm256_set1_epi32(0x7f), m80 = _mm256_set1_epi32(0x80), bias = _mm256_set1_epi32(120 << 23),
+                seven = _mm256_set1_epi32(7);
+  const __m256 sub_scale = _mm256_set1_ps(1.0f / 512);
+  for (; i + 8 <= n; i += 8) {
+    __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(src + i)));
+    __m256i mag = _mm256_and_si256(u, m7f);
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, m80), 24);
+    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), bias));
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), sub_scale);
+    __m256 v = _mm256_blendv_ps(sub, normal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, seven)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign)));
+  }
+#endif
+  for (; i < n; i++) dst[i] = E4M3_F32[src[i]];
+}
+
+static inline void bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if !defined(JF_NO_SIMD) && defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+  }
+#elif !defined(JF_NO_SIMD) && defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+  }
+#endif
+  for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+#ifdef JF_DPBF16
+// 32 E4M3 codes -> 32 bf16 (u16 lanes)
+static inline __m512i e4m3x32_to_bf16(const uint8_t* p) {
+  alignas(64) static const uint16_t SUB[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};  // m * 2^-9
+  const __m512i sub_table = _mm512_load_si512(SUB);
+  __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  __m512i mag = _mm512_and_si512(u, _mm512_set1_epi16(0x7f));
+  __m512i sign = _mm512_slli_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x80)), 8);
+  __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  __m512i sub = _mm512_permutexvar_epi16(mag, sub_table);  // index: the low 5 bits (mag < 8 here)
+  __m512i v = _mm512_mask_blend_epi16(_mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(8)), sub, normal);
+  return _mm512_or_si512(v, sign);
+}
+
+// permutex2var indices: word 2j takes the even row's column j (+16 for the high half), 2j+1 the odd row's
+struct PairIndex {
+  uint16_t w[2][32];
+  PairIndex() {
+    for (int h = 0; h < 2; h++)
+      for (int j = 0; j < 16; j++) w[h][2 * j] = (uint16_t)(16 * h + j), w[h][2 * j + 1] = (uint16_t)(32 + 16 * h + j);
+  }
+};
+static const PairIndex PAIR_INDEX_TABLE;
+static const uint16_t (&PAIR_INDEX)[2][32] = PAIR_INDEX_TABLE.w;
+
+// A (K, NR=32) E4M3 panel -> (ceil(K/2), 32) dwords: dword (i, j) = bf16(w[2i][j]) | bf16(w[2i+1][j]) << 16
+static void e4m3_panel_to_pairs(const uint8_t* src, int64_t K, uint32_t* dst) {
+  const __m512i lo_idx = _mm512_loadu_si512(PAIR_INDEX[0]), hi_idx = _mm512_loadu_si512(PAIR_INDEX[1]);
+  const uint8_t zeros[32] = {0};
+  for (int64_t i = 0; 2 * i < K; i++) {
+    __m512i even = e4m3x32_to_bf16(src + 2 * i * NR);
+    __m512i odd = e4m3x32_to_bf16(2 * i + 1 < K ? src + (2 * i + 1) * NR : zeros);
+    _mm512_storeu_si512(dst + i * NR, _mm512_permutex2var_epi16(even, lo_idx, odd));
+    _mm512_storeu_si512(dst + i * NR + 16, _mm512_permutex2var_epi16(even, hi_idx, odd));
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Block partials: acc[r][0..1] = the chain over one K block of row r against the panel's NR columns.
+// Ap: packed A rows interleaved, (kc, GEMM_MR) floats (or (kc/2, GEMM_MR) bf16 pairs for DP).
+
+template <int R>
+static inline void block_f32(const float* Ap, const float* B, int64_t kc, vf (*acc)[2]) {
+  for (int64_t k = 0; k < kc; k++) {
+    __builtin_prefetch(B + (k + 12) * NR);  // decode streams fp32 weights from memory: fetch ahead
+    __builtin_prefetch(B + (k + 12) * NR + 16);
+    vf b0 = v_load(B + k * NR), b1 = v_load(B + k * NR + VL);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+      vf a = v_set1(Ap[k * GEMM_MR + r]);
+      acc[r][0] = v_fma(a, b0, acc[r][0]);
+      acc[r][1] = v_fma(a, b1, acc[r][1]);
+    }
+  }
+}
+
+template <int R>
+static inline void pair_step(const float* Ap, const float* B, int64_t k, vf (*acc)[2]) {
+  vf b0 = v_load(B + k * NR), b1 = v_load(B + k * NR + VL);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++) {
+    vf a = v_set1(Ap[k * GEMM_MR + r]);
+    acc[r][0] = v_fma(a, b0, acc[r][0]);
+    acc[r][1] = v_fma(a, b1, acc[r][1]);
+  }
+}
+
+template <int R>  // E4M3 values: pairs, odd element first (vdpbf16ps's order)
+static inline void block_pairs(const float* Ap, const float* B, int64_t kc, vf (*acc)[2]) {
+  int64_t k = 0;
+  for (; k + 1 < kc; k += 2) {
+    pair_step<R>(Ap, B, k + 1, acc);
+    pair_step<R>(Ap, B, k, acc);
+  }
+  if (k < kc) pair_step<R>(Ap, B, k, acc);
+}
+
+#ifdef JF_DPBF16
+template <int R>  // E4M3 values as bf16 pairs on AVX512_BF16: the same bits as block_pairs
+static inline void block_dp(const uint32_t* Ap, const uint32_t* B, int64_t kp, vf (*acc)[2]) {
+  for (int64_t i = 0; i < kp; i++) {
+    __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + i * NR), b1 = (__m512bh)_mm512_loadu_si512(B + i * NR + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+      __m512bh a = (__m512bh)_mm512_set1_epi32((int)Ap[i * GEMM_MR + r]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// One tile: rows [m0, m0 + R) x the panel's NR columns, over the whole K range, through the groups
+// and the tree.
+
+struct Gemm {
+  int mode;
+  const void* Ap;  // packed A, (MB, K, GEMM_MR) floats or (MB, K2, GEMM_MR) dwords (DP)
+  int64_t M, K, K2, N, nb, groups;
+  const float* sa;  // FP8: (M, nb) scales of A's rows, row stride sa_ld
+  int64_t sa_ld;
+  const float* sw;  // FP8: (ceil(N / 128), nb) weight block scales, row stride sw_ld
+  int64_t sw_ld;
+  float* C;
+  int64_t ldc;
+};
+
+template <int R>
+static void tile(const Gemm& g, int64_t rb, const void* Bp, int64_t p) {
+  const int64_t m0 = rb * GEMM_MR;
+  const int ncols = (int)std::min<int64_t>(NR, g.N - p * NR);
+  const int64_t bpg = g.nb / g.groups;  // blocks per group
+  alignas(64) float level[MAX_LEVELS][R * NR];  // the tree's pending partial sums
+  alignas(64) float sum[R * NR];                // the current group's sum
+  int top = 0;
+  for (int64_t grp = 0; grp < g.groups; grp++) {
+    for (int64_t j = 0; j < bpg; j++) {
+      const int64_t b = grp * bpg + j, k0 = b * KB, kc = std::min(KB, g.K - k0);
+      vf acc[R][2];
+      for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = v_zero();
+      if (g.mode == MODE_F32) {
+        block_f32<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const float*)Bp + k0 * NR, kc, acc);
+      } else if (g.mode == MODE_PAIRS) {
+        block_pairs<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const float*)Bp + k0 * NR, kc, acc);
+      } else {
+#ifdef JF_DPBF16
+        block_dp<R>((const uint32_t*)g.Ap + (rb * g.K2 + k0 / 2) * GEMM_MR, (const uint32_t*)Bp + (k0 / 2) * NR,
+                    (kc + 1) / 2, acc);
+#endif
+      }
+      for (int r = 0; r < R; r++) {
+        vf a0 = acc[r][0], a1 = acc[r][1];
+        if (g.mode != MODE_F32) {  // FP8: the block's scale, (sa * sw) first
+          const float s = m0 + r < g.M ? g.sa[(m0 + r) * g.sa_ld + b] * g.sw[(p * NR / KB) * g.sw_ld + b] : 0.0f;
+          a0 = v_mul(a0, v_set1(s));
+          a1 = v_mul(a1, v_set1(s));
+        }
+        float* s = sum + r * NR;
+        vf s0 = j == 0 ? v_zero() : v_load(s), s1 = j == 0 ? v_zero() : v_load(s + VL);
+        v_store(s, v_add(s0, a0));
+        v_store(s + VL, v_add(s1, a1));
+      }
+    }
+    // push the group's sum: merge with pending subtrees while this group closes a pair
+    int64_t idx = grp;
+    int lvl = 0;
+    while (idx & 1) {
+      for (int e = 0; e < R * NR; e += VL) v_store(sum + e, v_add(v_load(level[lvl] + e), v_load(sum + e)));
+      idx >>= 1;
+      lvl++;
+    }
+    std::memcpy(level[lvl], sum, sizeof(sum));
+    top = lvl;
+  }
+  const float* out = level[top];
+  for (int r = 0; r < R && m0 + r < g.M; r++)
+    for (int c = 0; c < ncols; c++) g.C[(m0 + r) * g.ldc + p * NR + c] = out[r * NR + c];
+}
+
+static void tile_rows(int R, const Gemm& g, int64_t rb, const void* Bp, int64_t p) {
+  switch (R) {
+#define JF_CASE(n)                                              \
+  case n:                                                       \
+    if (n <= GEMM_MR) tile<(n <= GEMM_MR ? n : 1)>(g, rb, Bp, p); \
+    break;
+    JF_CASE(1) JF_CASE(2) JF_CASE(3) JF_CASE(4) JF_CASE(5) JF_CASE(6) JF_CASE(7)
+    JF_CASE(8) JF_CASE(9) JF_CASE(10) JF_CASE(11) JF_CASE(12) JF_CASE(13) JF_CASE(14)
+#undef JF_CASE
+    default: break;
+  }
+}
+
+// A per-thread buffer for a converted weight panel (grown as needed, kept for the next call).
+static float* panel_buffer(int64_t floats) {
+  static thread_local float* buf = nullptr;
+  static thread_local int64_t cap = 0;
+  if (floats > cap) {
+    std::free(buf);
+    cap = floats;
+    buf = jf_alloc_f32(cap);
+  }
+  return buf;
+}
+
+// Runs every (row block, panel) tile: row chunks whose packed A stays in L2 while panels stream past;
+// with few chunks (decode), (chunk, panel) pairs are the parallel tasks. One thread computes a whole
+// output element.
+static void run(const Gemm& g, const void* W, int wfmt) {
+  const int64_t P = (g.N + NR - 1) / NR, MB = (g.M + GEMM_MR - 1) / GEMM_MR;
+  const int64_t chunk = std::max<int64_t>(1, (512 * 1024) / (g.K * GEMM_MR * (int64_t)sizeof(float)));
+  const int64_t nchunks = (MB + chunk - 1) / chunk;
+  auto work = [&](int64_t i, int64_t p0, int64_t p1) {
+    const int64_t b0 = i * chunk, b1 = std::min(MB, b0 + chunk);
+    for (int64_t p = p0; p < p1; p++) {
+      const void* Bp;
+      if (wfmt == WF_F32) {
+        Bp = (const float*)W + p * g.K * NR;
+      } else if (wfmt == WF_BF16) {
+        float* buf = panel_buffer(g.K * NR);
+        bf16_to_f32_n((const uint16_t*)W + p * g.K * NR, buf, g.K * NR);
+        Bp = buf;
+      } else if (g.mode == MODE_PAIRS) {
+        float* buf = panel_buffer(g.K * NR);
+        e4m3_to_f32((const uint8_t*)W + p * g.K * NR, buf, g.K * NR);
+        Bp = buf;
+      } else {
+#ifdef JF_DPBF16
+        uint32_t* buf = (uint32_t*)panel_buffer(g.K2 * NR);
+        e4m3_panel_to_pairs((const uint8_t*)W + p * g.K * NR, g.K, buf);
+        Bp = buf;
+#else
+        Bp = nullptr;
+#endif
+      }
+      for (int64_t b = b0; b < b1; b++) tile_rows((int)std::min<int64_t>(GEMM_MR, g.M - b * GEMM_MR), g, b, Bp, p);
+    }
+  };
+  if (nchunks >= 4 * (int64_t)omp_get_max_threads()) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < nchunks; i++) work(i, 0, P);
+  } else {  // contiguous panel ranges per thread: each streams one region of the weight in order
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < nchunks * P; t++) work(t / P, t % P, t % P + 1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points (jetflow/kernels/invariant.py)
+
+extern "C" int jf_panel_width(void) { return NR; }
+
+extern "C" const char* jf_isa(void) {
+#if defined(JF_DPBF16)
+  return "avx512_bf16";
+#elif !defined(JF_NO_SIMD) && defined(__AVX512F__)
+  return "avx512";
+#elif !defined(JF_NO_SIMD) && defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+extern "C" void jf_e4m3_to_f32(const uint8_t* src, int64_t n, float* dst) { e4m3_to_f32(src, dst, n); }
+
+static bool trivial(int64_t M, int64_t K, int64_t N, float* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return true;
+  if (K == 0) {
+    for (int64_t m = 0; m < M; m++) std::fill(C + m * ldc, C + m * ldc + N, 0.0f);
+    return true;
+  }
+  return false;
+}
+
+// A (M, K) fp32 with row stride lda; W packed (ceil(N/NR), K, NR) fp32 (wfmt 0) or bf16 bits (wfmt 1);
+// C (M, N) with row stride ldc; `groups` as above (1 = one group: a chain of block partials).
+extern "C" void jf_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const void* W, int wfmt, int64_t N,
+                        float* C, int64_t ldc, int64_t groups) {
+  if (trivial(M, K, N, C, ldc)) return;
+  const int64_t MB = (M + GEMM_MR - 1) / GEMM_MR;
+  float* Ap = jf_alloc_f32(MB * K * GEMM_MR);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < MB; b++) {  // A packed per micro block: (K, GEMM_MR), rows past M are zeros
+    float* dst = Ap + b * K * GEMM_MR;
+    for (int r = 0; r < GEMM_MR; r++) {
+      const int64_t m = b * GEMM_MR + r;
+      for (int64_t k = 0; k < K; k++) dst[k * GEMM_MR + r] = m < M ? A[m * lda + k] : 0.0f;
+    }
+  }
+  const int64_t nb = (K + KB - 1) / KB;
+  Gemm g{MODE_F32, Ap, M, K, 0, N, nb, groups, nullptr, 0, nullptr, 0, C, ldc};
+  run(g, W, wfmt);
+  std::free(Ap);
+}
+
+// A (M, K) E4M3 codes with row stride lda and sa (M, ceil(K/128)) fp32 scales (row stride sa_ld);
+// W packed (ceil(N/NR), K, NR) E4M3 codes with sw (ceil(N/128), ceil(K/128)) (row stride sw_ld).
+extern "C" void jf_gemm_fp8(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const float* sa, int64_t sa_ld,
+                            const uint8_t* W, const float* sw, int64_t sw_ld, int64_t N, float* C, int64_t ldc,
+                            int64_t groups) {
+  if (trivial(M, K, N, C, ldc)) return;
+  const int64_t MB = (M + GEMM_MR - 1) / GEMM_MR, nb = (K + KB - 1) / KB, K2 = (K + 1) / 2;
+#ifdef JF_DPBF16
+  uint32_t* Ap = (uint32_t*)jf_alloc_f32(MB * K2 * GEMM_MR);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < MB; b++) {  // (K2, GEMM_MR) bf16 pairs: (k = 2i) | (k = 2i + 1) << 16
+    uint32_t* dst = Ap + b * K2 * GEMM_MR;
+    for (int r = 0; r < GEMM_MR; r++) {
+      const int64_t m = b * GEMM_MR + r;
+      for (int64_t i = 0; i < K2; i++) {
+        uint32_t lo = 0, hi = 0;
+        if (m < M) {
+          lo = E4M3_BF16[A[m * lda + 2 * i]];
+          hi = 2 * i + 1 < K ? E4M3_BF16[A[m * lda + 2 * i + 1]] : 0;
+        }
+        dst[i * GEMM_MR + r] = lo | (hi << 16);
+      }
+    }
+  }
+  Gemm g{MODE_DP, Ap, M, K, K2, N, nb, groups, sa, sa_ld, sw, sw_ld, C, ldc};
+#else
+  float* Ap = jf_alloc_f32(MB * K * GEMM_MR);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < MB; b++) {
+    float* dst = Ap + b * K * GEMM_MR;
+    for (int r = 0; r < GEMM_MR; r++) {
+      const int64_t m = b * GEMM_MR + r;
+      for (int64_t k = 0; k < K; k++) dst[k * GEMM_MR + r] = m < M ? E4M3_F32[A[m * lda + k]] : 0.0f;
+    }
+  }
+  Gemm g{MODE_PAIRS, Ap, M, K, K2, N, nb, groups, sa, sa_ld, sw, sw_ld, C, ldc};
+#endif
+  run(g, W, WF_E4M3);
+  std::free(Ap);
+}

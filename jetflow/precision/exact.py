@@ -1,0 +1,95 @@
+"""The exact linear: the one function every side calls under `precision.numerics=exact`.
+
+    y = exact_linear(x, weight, bias, kind, recipe=recipe, wq=wq, cache=cache)
+
+The native model's PrecisionLinear, the Megatron trainer's parallel linears and the vLLM plugin's
+linear method all compute a linear layer through this function, so the rollout engine and the trainer
+produce a token's row with the same operations whichever engine or trainer runs it:
+
+    product   the canonical GEMM (jetflow.kernels.canonical: 128-K block chains, `groups` groups, a
+              pairwise tree) on the kind's operands, fp32 out:
+                fp32  x and the fp32 weight;
+                bf16  x and the weight rounded to bf16 (the weight read as bf16 bytes);
+                fp8   x quantized in 1x128 groups (the recipe's activation quantizer) and the weight's
+                      128x128-block E4M3 bytes `wq` (this step's bytes, or the bytes a trainer shipped);
+    combine   optional, on the fp32 product: a row-parallel layer's shards exchange their subtrees
+              and finish the tree (Megatron's tensor parallelism);
+    epilogue  bias, the bf16 kind's rounding of the output, the output dtype (`linear_epilogue`).
+
+Differentiable in x and weight: backward runs torch's GEMMs (fp32 / bf16) or the recipe's FP8 dgrad and
+wgrad; only the forward must be exact. `cache` is a dict the caller keeps per layer: the packed weight
+panels live there (fp32 / bf16), rebuilt when the weight's version changes; FP8 panels live on `wq`
+(jetflow.precision.gemm.packed_fp8_weight).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from jetflow.kernels import invariant
+from jetflow.precision.fp8_function import fp8_linear
+from jetflow.precision.quant import QuantizedTensor
+from jetflow.precision.recipe import FP8Recipe
+
+EXACT_KINDS = ("fp32", "bf16", "fp8")
+
+
+def _weight_key(weight: Tensor) -> tuple:
+    return weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape)
+
+
+def packed_weight(cache: dict | None, weight: Tensor, kind: str) -> Tensor:
+    """The canonical GEMM's panels of `weight` as `kind` reads it (fp32, or its bf16 bytes), once per
+    weight version when a cache dict is given."""
+    key = (kind, *_weight_key(weight))
+    if cache is not None and cache.get("key") == key:
+        return cache["packed"]
+    w = weight.detach().float() if kind == "fp32" else weight.detach().bfloat16()
+    packed = invariant.pack_weight(w)
+    if cache is not None:
+        cache.update(key=key, packed=packed)
+    return packed
+
+
+def linear_epilogue(y: Tensor, bias: Tensor | None, kind: str, dtype: torch.dtype) -> Tensor:
+    """After the full product (fp32): the bias, then the bf16 kind's rounding to bf16 (bias on the bf16
+    grid first), and the output dtype."""
+    if kind == "bf16":
+        if bias is not None:
+            y = y + bias.bfloat16().float()
+        return y.bfloat16().to(dtype)
+    y = y.to(dtype)
+    return y if bias is None else y + bias.to(dtype)
+
+
+def exact_product(x: Tensor, weight: Tensor, kind: str, *, recipe: FP8Recipe | None = None,
+                  wq: QuantizedTensor | None = None, cache: dict | None = None, groups: int | None = None,
+                  name: str = "linear") -> Tensor:
+    """The canonical product of x (..., K) and weight (N, K) under `kind`: (..., N) fp32, no bias."""
+    if kind == "fp32":
+        return invariant.matmul(x.float(), weight, packed_weight(cache, weight, "fp32"), groups=groups)
+    if kind == "bf16":
+        # the bf16 grid in fp32 storage, for the backward only (the product reads the packed bf16 bytes)
+        w = weight.bfloat16().float() if torch.is_grad_enabled() and weight.requires_grad else weight
+        return invariant.matmul(x.bfloat16().float(), w, packed_weight(cache, weight, "bf16"), dot="bf16",
+                                groups=groups)
+    if kind == "fp8":
+        if recipe is None or wq is None:
+            raise ValueError(f"{name}: an exact fp8 product needs the recipe and the quantized weight")
+        return fp8_linear(x.float(), weight, None, wq, recipe, name=name, numerics="exact", groups=groups)
+    raise ValueError(f"exact linear kind {kind!r}: valid kinds are {EXACT_KINDS}")
+
+
+def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, recipe: FP8Recipe | None = None,
+                 wq: QuantizedTensor | None = None, cache: dict | None = None, groups: int | None = None,
+                 combine=None, name: str = "linear") -> Tensor:
+    """x (..., K) -> (..., N) in x's dtype: product, optional combine, epilogue (see the module docstring).
+
+    groups: canonical groups in this call's K range (default tree_width(K)); a row-parallel shard of
+    a layer sharded T ways passes tree_width(K_full) // T and a `combine` that finishes the tree.
+    combine: fn(fp32 (..., N)) -> fp32 (..., N), applied to the product before the epilogue."""
+    y = exact_product(x, weight, kind, recipe=recipe, wq=wq, cache=cache, groups=groups, name=name)
+    if combine is not None:
+        y = combine(y)
+    return linear_epilogue(y, bias, kind, x.dtype)

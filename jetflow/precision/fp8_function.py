@@ -1,0 +1,76 @@
+"""The FP8 linear's autograd function: the recipe's FP8 GEMMs for fprop, dgrad and wgrad.
+
+    fprop  Y  = X  @ W^T    X: 1x128 groups (E4M3)       W: 128x128 blocks (E4M3)
+    dgrad  dX = dY @ W      dY: 1x128 groups             W^T: the same blocks, transposed
+    wgrad  dW = dY^T @ X    dY^T: 1x128 along tokens     X^T: 1x128 along tokens (= X in 128x1)
+Gradients are E5M2 under the `hybrid` format. X is saved for backward in FP8 (its 128x1 quantization),
+never in high precision. Used by PrecisionLinear (jetflow.precision.linear), the exact linear
+(jetflow.precision.exact) and Megatron's parallel linears.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jetflow.precision.gemm import fp8_matmul
+from jetflow.precision.quant import QuantizedTensor, quantize_blocks
+from jetflow.precision.recipe import FP8Recipe
+
+
+def quantize_weight_for_recipe(weight: torch.Tensor, recipe: FP8Recipe, name: str = "weight") -> QuantizedTensor:
+    return quantize_blocks(weight.detach(), recipe.weight_block, recipe.forward_format, recipe.scale_rule,
+                           recipe.margin, name)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, wq: QuantizedTensor, recipe: FP8Recipe, backend: str, name: str,
+                save_input: bool, numerics: str, groups: int | None):
+        in_features = x.shape[-1]
+        x2 = x.reshape(-1, in_features)  # (M, K)
+        group, rule, margin = recipe.group_size, recipe.scale_rule, recipe.margin
+        xq = quantize_blocks(x2, (1, group), recipe.forward_format, rule, margin, f"{name}.input")
+        # exact: the canonical product in fp32 (the caller's epilogue casts it); fast: x's dtype
+        out_dtype = torch.float32 if numerics == "exact" else x.dtype
+        y = fp8_matmul(xq, wq, out_dtype=out_dtype, backend=backend, numerics=numerics, groups=groups)  # (M, N)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        if save_input:
+            # Saved in FP8 for the wgrad GEMM: X quantized in 128 x 1 groups (along tokens).
+            xq_col = quantize_blocks(x2, (group, 1), recipe.forward_format, rule, margin, f"{name}.input")
+            ctx.saved_x = xq_col
+        ctx.saved_w = wq
+        ctx.recipe, ctx.backend, ctx.name = recipe, backend, name
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
+        ctx.weight_requires_grad = save_input
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        recipe, backend, name = ctx.recipe, ctx.backend, ctx.name
+        group, rule, margin, gfmt = recipe.group_size, recipe.scale_rule, recipe.margin, recipe.grad_format
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            gq = quantize_blocks(g2, (1, group), gfmt, rule, margin, f"{name}.grad_output")
+            grad_x = fp8_matmul(gq, ctx.saved_w.t(), out_dtype=ctx.x_dtype, backend=backend)  # (M, K)
+            grad_x = grad_x.reshape(ctx.x_shape)
+        if ctx.weight_requires_grad and ctx.needs_input_grad[1]:
+            gq_col = quantize_blocks(g2, (group, 1), gfmt, rule, margin, f"{name}.grad_output")
+            grad_w = fp8_matmul(gq_col.t(), ctx.saved_x.t(), out_dtype=ctx.weight_dtype, backend=backend)  # (N, K)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(ctx.weight_dtype)
+        ctx.saved_x = ctx.saved_w = None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: QuantizedTensor,
+               recipe: FP8Recipe, backend: str = "auto", name: str = "linear", numerics: str = "fast",
+               groups: int | None = None) -> torch.Tensor:
+    """Functional FP8 linear with FP8 fprop, dgrad and wgrad. `wq` is `weight` quantized by the recipe.
+    numerics="exact": the fprop is the canonical FP8 GEMM (`groups` canonical groups over K, see
+    jetflow.kernels.canonical) and the result is fp32 (jetflow.precision.exact applies the epilogue)."""
+    # The 128x1 copy of the input is only needed for the weight gradient of a graph being recorded.
+    save_input = torch.is_grad_enabled() and weight.requires_grad
+    return _FP8LinearFunction.apply(x, weight, bias, wq, recipe, backend, name, save_input, numerics, groups)

@@ -1,0 +1,138 @@
+"""The canonical GEMM (jetflow.kernels.canonical, csrc/gemm.cpp): its FP8 arithmetic against an
+independent float64 emulation (bit for bit), every build of the kernels against each other (native,
+which uses AVX512_BF16's vdpbf16ps where the CPU has it; AVX-512 without it; AVX2; scalar), rows
+independent of M, and tensor-parallel shards whose subtrees combine into the unsharded result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetflow.kernels import canonical
+from jetflow.kernels import invariant as inv
+from jetflow.kernels.cpu_build import _cpu_flags
+from jetflow.precision.quant import quantize_blocks
+
+FLAGS = f" {_cpu_flags()} "
+VARIANTS = ["native", "scalar"] + (["avx2"] if " avx2 " in FLAGS and " fma " in FLAGS else []) \
+    + (["avx512"] if all(f" {f} " in FLAGS for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl")) else [])
+
+
+def test_tree_width_and_tree_sum():
+    assert [canonical.tree_width(k) for k in (64, 128, 256, 384, 512, 576, 1024, 1536, 2048, 4096, 14336)] == \
+        [1, 1, 2, 1, 4, 1, 8, 4, 8, 8, 8]
+    a, b, c, d = (torch.tensor([x]) for x in (1e8, 1.0, -1e8, 1.0))
+    assert canonical.tree_sum([a, b, c, d]).item() == 0.0  # pairs first in fp32: (1e8 + 1) + (-1e8 + 1) = 1e8 - 1e8
+    assert (((a + b) + c) + d).item() == 1.0  # a chain gives another result
+    with pytest.raises(ValueError):
+        canonical.tree_sum([a, b, c])
+    with pytest.raises(ValueError):
+        canonical.check_groups(576, 2)  # not whole blocks
+    with pytest.raises(ValueError):
+        inv.gemm(torch.randn(2, 384), inv.pack_weight(torch.randn(3, 384)), 3, groups=2)  # 3 blocks
+
+
+def test_e4m3_conversion_of_every_code_equals_torch():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # NaN codes never reach a kernel
+    ref = codes.view(torch.float8_e4m3fn).float()
+    for variant in VARIANTS:
+        got = inv.e4m3_to_float(codes, variant)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), variant  # signed zeros too
+
+
+def fp8_reference(xq, wq) -> torch.Tensor:
+    """The canonical FP8 arithmetic in float64 steps rounded to fp32 after every operation: per 128-K
+    block a chain over the raw E4M3 values, pairs odd element first (a product of two E4M3 values is
+    exact, and so is its float64 sum with an fp32 accumulator, so rounding that sum once to fp32 is the
+    FMA), times sx * sw, added to the group sum; the groups through the pairwise tree."""
+    a, b = xq.data.float(), wq.data.float()  # (M, K), (N, K) raw values
+    m, k = a.shape
+    n = b.shape[0]
+    nb, groups = -(-k // 128), canonical.tree_width(k)
+    sums = []
+    for g in range(groups):
+        s = torch.zeros(m, n)
+        for blk in range(g * nb // groups, (g + 1) * nb // groups):
+            acc = torch.zeros(m, n)
+            ks = list(range(blk * 128, min(k, blk * 128 + 128)))
+            order = [kk for i in range(0, len(ks), 2) for kk in reversed(ks[i:i + 2])]
+            for kk in order:
+                acc = (acc.double() + a[:, kk, None].double() * b[None, :, kk].double()).float()
+            scale = xq.scale_inv[:, blk, None] * wq.scale_inv[torch.arange(n) // 128, blk][None, :]
+            s = s + acc * scale
+        sums.append(s)
+    return canonical.tree_sum(sums)
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 40, 64), (5, 33, 576), (4, 130, 512), (2, 17, 129)])
+def test_fp8_gemm_is_the_canonical_arithmetic_bit_for_bit(m, n, k):
+    gen = torch.Generator().manual_seed(m * 7 + k)
+    xq = quantize_blocks(torch.randn(m, k, generator=gen) * 3, (1, 128))
+    wq = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, (128, 128))
+    ref = fp8_reference(xq, wq)
+    for variant in VARIANTS:
+        got = inv.fp8_gemm(xq.data, xq.scale_inv, inv.pack_weight(wq.data, variant), wq.scale_inv, n, variant)
+        assert torch.equal(got, ref), variant
+
+
+def _operands(kind: str, m: int, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05
+    if kind == "fp8":
+        return quantize_blocks(x, (1, 128)), quantize_blocks(w, (128, 128))
+    return (x.bfloat16().float(), w.bfloat16()) if kind == "bf16" else (x, w)
+
+
+def _gemm(kind, x, w, n, variant="native", groups=None):
+    if kind == "fp8":
+        return inv.fp8_gemm(x.data, x.scale_inv, inv.pack_weight(w.data, variant), w.scale_inv, n, variant, groups)
+    return inv.gemm(x, inv.pack_weight(w, variant), n, variant, groups)
+
+
+def _rows(kind, x, rows):
+    if kind == "fp8":
+        return type(x)(x.data[rows].contiguous(), x.scale_inv[rows].contiguous(), x.block)
+    return x[rows]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("n,k", [(576, 576), (1536, 576), (576, 1536), (96, 1024), (37, 130)])
+def test_builds_equal_and_rows_do_not_depend_on_m(kind, n, k):
+    x, w = _operands(kind, 70, n, k, seed=n + k)
+    y = _gemm(kind, x, w, n)
+    for variant in VARIANTS[1:]:
+        assert torch.equal(_gemm(kind, x, w, n, variant), y), variant
+    for m, off in [(1, 0), (2, 5), (3, 60), (16, 1), (17, 40), (64, 3)]:
+        assert torch.equal(_gemm(kind, _rows(kind, x, slice(off, off + m)), w, n), y[off:off + m]), (m, off)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+def test_tensor_parallel_shards_combine_into_the_unsharded_result(kind):
+    """A row-parallel layer at TP = T: rank r holds K columns [r K/T, (r+1) K/T), computes its subtree
+    with groups = G / T, and tree_sum of the T results is the TP = 1 result, bit for bit."""
+    m, n, k = 9, 70, 2048
+    x, w = _operands(kind, m, n, k, seed=5)
+    full = _gemm(kind, x, w, n)
+    G = canonical.tree_width(k)
+    chain = _gemm(kind, x, w, n, groups=1)  # one chain of block partials: what a tree-less kernel would do
+    assert not torch.equal(chain, full)  # the grouping is visible in the bits, so the test below can fail
+    for T in (2, 4, 8):
+        cols, blocks = k // T, k // T // 128
+        parts = []
+        for r in range(T):
+            cs, bs = slice(r * cols, (r + 1) * cols), slice(r * blocks, (r + 1) * blocks)
+            if kind == "fp8":
+                xs = type(x)(x.data[:, cs].contiguous(), x.scale_inv[:, bs].contiguous(), x.block)
+                ws = type(w)(w.data[:, cs].contiguous(), w.scale_inv[:, bs].contiguous(), w.block)
+            else:
+                xs, ws = x[:, cs].contiguous(), w[:, cs].contiguous()
+            parts.append(_gemm(kind, xs, ws, n, groups=G // T))
+        assert torch.equal(canonical.tree_sum(parts), full), T
+
+
+def test_fp8_gemm_is_close_to_the_dequantized_product():
+    x, w = _operands("fp8", 33, 200, 1536, seed=2)
+    ref = x.dequantize().double() @ w.dequantize().double().t()
+    got = _gemm("fp8", x, w, 200)
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
