@@ -10,18 +10,21 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
-from jetflow.precision import FP8Recipe, QuantizedTensor
+from jetflow.precision import FP8Recipe
 
 from .checks import check_fp8_tp_alignment, check_supported, padded_vocab_size, segment_kind
 from .deps import MegatronConfigError, _seed_cpu_rng_tracker, patch_megatron_for_cpu
+from .grads import PolicyGrads
 from .linear import Segment, _linear_classes
 from .model import _block_spec, _transformer_config
 from .moe import router_modules, use_jetflow_dispatchers
-from .parallel import _GatherLastDim, expert_data_parallel_group, initialize_parallel
-from .pipeline import allgather_stages, gpipe, stage_neighbours
-from .sharding import _qkv_dims, hf_to_megatron, is_expert_param, megatron_to_hf, tensor_parallel_dims
+from .parallel import _GatherLastDim, initialize_parallel
+from .pipeline import gpipe
+from .sharding import _qkv_dims, is_expert_param, tensor_parallel_dims
+from .weights import PolicyWeights
 
-class MegatronPolicy(nn.Module):
+
+class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
     """A Megatron-Core GPTModel behind the native Decoder's trainer interface.
 
     kind: fp32 | bf16 | fp8 (as in `apply_precision`; fp8 layers the recipe keeps run in bf16).
@@ -377,197 +380,6 @@ class MegatronPolicy(nn.Module):
             n = int(total.item())
         return n
 
-    # Weights in HF names -----------------------------------------------------------------------
-    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
-        return parts
-
-    @torch.no_grad()
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors gathered from all TP ranks and pipeline stages (every rank gets them);
-        the keys of `Decoder(config).named_parameters()`. A collective: call it on every rank of the
-        model-parallel group (TP x PP)."""
-        local = {self._global_names[n]: p.detach() for n, p in self.gpt.named_parameters()
-                 if self._global_names[n] is not None}  # one-stage names; not the tied copy
-        if self.ep_size > 1:  # every EP rank's experts (disjoint global names), on every rank
-            local.update(allgather_stages({k: v for k, v in local.items() if is_expert_param(k)}, self.ep_group))
-        shards = [dict(local) for _ in range(self.tp_size)]
-        if self.tp_size > 1:
-            for name in tensor_parallel_dims(self.config):
-                if name in local:  # the same names on every rank of this stage's TP group
-                    for r, part in enumerate(self._gather(local[name])):
-                        shards[r][name] = part
-        if self.pp_size > 1:
-            merged = allgather_stages({f"{r}/{k}": v for r, shard in enumerate(shards) for k, v in shard.items()},
-                                      self.pp_group)
-            shards = [{} for _ in range(self.tp_size)]
-            for key, tensor in merged.items():
-                r, name = key.split("/", 1)
-                shards[int(r)][name] = tensor
-        return megatron_to_hf(shards, self.config)
-
-    @torch.no_grad()
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named full tensors (e.g. a Decoder's state dict) into this rank's shards (this
-        pipeline stage's layers; the tied copy from the embedding)."""
-        full = hf_to_megatron(state_dict, self.config, self.tp_size, self.tp_rank, self.ep_size,
-                              self.ep_rank)  # one-stage names, this rank's experts
-        params = dict(self.gpt.named_parameters())
-        wanted = {n: g for n, g in self._global_names.items() if g is not None}
-        if self._tied_copy and self.last_stage:
-            wanted["output_layer.weight"] = "embedding.word_embeddings.weight"
-        missing = {n for n, g in wanted.items() if g not in full}
-        unexpected = set(full) - set(wanted.values()) if self.pp_size == 1 else set()
-        if missing or unexpected:
-            raise KeyError(f"Megatron parameters without HF weights: {sorted(missing)[:5]}; "
-                           f"HF weights without Megatron parameters: {sorted(unexpected)[:5]}")
-        for name, source in wanted.items():
-            tensor = full[source]
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: shard shape {tuple(tensor.shape)} != parameter {tuple(params[name].shape)}")
-            params[name].copy_(tensor)
-
-    @torch.no_grad()
-    def quantized_weights(self) -> dict[str, QuantizedTensor]:
-        """{HF module name: QuantizedTensor of the full weight} for every FP8 linear: this step's bytes
-        (the ones the forward computes with), shards gathered over TP, pipeline stages and expert-parallel
-        ranks. A collective under TP, PP or EP > 1."""
-        out = {}
-        expert_names = set()
-        for module in self._linears():
-            weight = self._output_weight() if module is getattr(self.gpt, "output_layer", None) else module.weight
-            for name, q in module.quantized_segments(weight).items():
-                if ".experts." in name:
-                    expert_names.add(name)
-                if self.tp_size > 1:
-                    dim = module.parallel_dim
-                    data = torch.cat([p.view(q.data.dtype) for p in self._gather(q.data.view(torch.uint8))], dim)
-                    q = QuantizedTensor(data, torch.cat(self._gather(q.scale_inv), dim), q.block)
-                out[name] = q
-        if self.ep_size > 1:  # every EP rank's experts
-            out.update(_allgather_quantized({k: q for k, q in out.items() if k in expert_names}, self.ep_group))
-        if self.pp_size > 1:
-            out = _allgather_quantized(out, self.pp_group)
-        return out
-
-    # Gradients ---------------------------------------------------------------------------------
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients over the model-parallel group (TP x PP): TP-split
-        parameters counted on every rank, replicated ones (norms, row-parallel biases) once per stage,
-        the tied embedding once (not its copy on the last stage). The native Trainer's
-        `clip_grad_norm_` sees only this rank's shards; under TP/PP > 1 clip with `clip_grad_norm_` below.
-        Pipeline stages add their squares to the running sum of the stages before them, in the
-        one-stage model's parameter order, so under TP = 1 the norm is the one-process norm bit for bit."""
-        split = set(tensor_parallel_dims(self.config))
-
-        def add_squares(total: torch.Tensor) -> torch.Tensor:
-            if self.ep_size > 1:
-                return self._add_squares_over_experts(total)
-            for name, p in self.gpt.named_parameters():
-                name = self._global_names[name]
-                if name is not None and p.grad is not None and (name in split or self.tp_rank == 0):
-                    total += p.grad.detach().float().pow(2).sum()
-            return total
-
-        zero = torch.zeros((), dtype=torch.float32, device=self.rope_inv_freq.device)
-        if self.pp_size == 1:
-            total = add_squares(zero)
-            if self.tp_size > 1:
-                dist.all_reduce(total, group=self.tp_group)
-            return total.sqrt()
-        prev, nxt = stage_neighbours(self.pp_group)
-        total = zero.clone()
-        if prev is not None:
-            dist.recv(total, prev, group=self.pp_group)
-        if self.tp_size == 1:
-            total = add_squares(total)
-        else:
-            part = add_squares(zero)
-            dist.all_reduce(part, group=self.tp_group)
-            total += part
-        if nxt is not None:
-            dist.send(total, nxt, group=self.pp_group)
-        dist.broadcast(total, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
-        return total.sqrt()
-
-    def _add_squares_over_experts(self, total: torch.Tensor) -> torch.Tensor:
-        """`total` plus the squared gradients of this stage under EP > 1 (TP = 1), every expert once,
-        added in the one-process model's parameter order: each layer's experts of EP rank 0, then of
-        rank 1, ... (so the norm, and the clipping, equal one process's bit for bit). One all-gather of
-        the per-parameter squares over the expert-parallel group."""
-        named = [(n, p) for n, p in self.gpt.named_parameters() if self._global_names[n] is not None]
-
-        def squares(p: nn.Parameter) -> torch.Tensor:
-            return p.grad.detach().float().pow(2).sum() if p.grad is not None else total.new_zeros(())
-
-        mine = torch.stack([squares(p) for n, p in named if is_expert_param(n)] or [total.new_zeros(())])
-        every = [torch.empty_like(mine) for _ in range(self.ep_size)]
-        dist.all_gather(every, mine.contiguous(), group=self.ep_group)
-        i, k = 0, 0  # next parameter, next local expert parameter
-        while i < len(named):
-            if not is_expert_param(named[i][0]):
-                total += squares(named[i][1])
-                i += 1
-                continue
-            j = i
-            while j < len(named) and is_expert_param(named[j][0]):
-                j += 1
-            for rank_squares in every:  # this layer's experts, EP rank by EP rank: global expert order
-                for sq in rank_squares[k:k + j - i]:
-                    total += sq
-            k, i = k + j - i, j
-        return total
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale all gradients so that the global (TP-aware) norm is at most max_norm; returns the norm."""
-        norm = self.grad_norm()
-        coef = max_norm / (norm + 1e-6)
-        if bool(coef < 1):
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
-
-    def allreduce_data_parallel_grads(self) -> None:
-        """Average gradients over Megatron's data-parallel group (when world > tp), an expert's over the
-        expert-data-parallel group; call after backward."""
-        from megatron.core import parallel_state as ps
-
-        for group, params in ((ps.get_data_parallel_group(), self._dense_params()),
-                              (expert_data_parallel_group()[0], self._expert_params())):
-            world = dist.get_world_size(group)
-            if world == 1:
-                continue
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=group)
-                    p.grad.div_(world)
-
-    def _expert_params(self) -> list[nn.Parameter]:
-        return [p for n, p in self.gpt.named_parameters() if is_expert_param(n)]
-
-    def _dense_params(self) -> list[nn.Parameter]:
-        """Every parameter but the experts' (replicated over the data-parallel group)."""
-        return [p for n, p in self.gpt.named_parameters() if not is_expert_param(n)]
-
-    def reduce_data_parallel_grads(self, dp) -> None:
-        """Sum gradients over the data-parallel ranks `dp` (a jetflow.distributed.DataParallel over
-        Megatron's data-parallel group), an expert's over the expert-data-parallel group instead: the
-        ranks of one EP group hold different experts, and an expert's gradient already holds the
-        contributions of every EP rank's tokens (the dispatch's backward). The Trainer calls this in
-        place of `dp.all_reduce_grads(params)`."""
-        if not dp.enabled:
-            return
-        dp.all_reduce_grads([p for p in self._dense_params() if p.requires_grad])
-        experts = [p for p in self._expert_params() if p.requires_grad]
-        for p in experts:  # as dp.all_reduce_grads does (also for an expert-data-parallel group of 1): an
-            if p.grad is None:  # expert without tokens still takes its optimizer step, as on other ranks
-                p.grad = torch.zeros_like(p)
-        if experts:
-            dp.within(*expert_data_parallel_group()).all_reduce_grads(experts)
-
     # Mixture of experts --------------------------------------------------------------------------
     @property
     def collective_forward(self) -> bool:
@@ -591,14 +403,3 @@ class MegatronPolicy(nn.Module):
         logits = [r.last_logits.transpose(0, 1).reshape(-1, self.config.num_experts) for r in routers]  # (B*T, E)
         return load_balancing_loss(logits, self.config.num_experts, self.config.num_experts_per_tok,
                                    attention_mask=self._last_mask)
-
-
-def _allgather_quantized(quantized: dict[str, QuantizedTensor], group) -> dict[str, QuantizedTensor]:
-    """The union of every rank's QuantizedTensors (disjoint names) over `group`, on every rank."""
-    parts = {}
-    for k, q in quantized.items():
-        parts.update({f"{k}/data": q.data, f"{k}/scale_inv": q.scale_inv,
-                      f"{k}/block": torch.tensor(q.block, device=q.data.device)})
-    parts = allgather_stages(parts, group)
-    return {k[:-5]: QuantizedTensor(t, parts[k[:-5] + "/scale_inv"], tuple(parts[k[:-5] + "/block"].tolist()))
-            for k, t in parts.items() if k.endswith("/data")}
