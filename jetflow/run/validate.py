@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from jetflow.config import Config, ConfigError
+from jetflow.config import Config, ConfigError, resolve_numerics
 from jetflow.run.build import build_task
 
 
@@ -131,9 +131,9 @@ def check_vllm(cfg: Config) -> None:
     """Refuse what the vLLM rollout side does not run, before anything is built (imports nothing heavy)."""
     if cfg.rollout.backend != "vllm":
         return
-    if cfg.precision.kv_cache_fp8:
-        raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm is not supported: the vLLM adapter "
-                          "does not load jetflow's per-step FP8 KV scales; use rollout.backend=native")
+    if cfg.precision.kv_cache_fp8 and resolve_numerics(cfg) != "exact":
+        raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm needs precision.numerics=exact (or "
+                          "auto): only jetflow's plugin loads the per-step FP8 KV scales")
     if importlib.util.find_spec("vllm") is None:
         from jetflow.rollout.vllm import INSTALL_HINT
         raise ConfigError(f"rollout.backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}")

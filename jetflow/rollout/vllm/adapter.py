@@ -94,7 +94,7 @@ class VLLMRollout:
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop: tuple[str, ...] = (), tokenizer=None, max_model_len: int = 1024, max_batch: int = 64,
                  gpu_memory_utilization: float = 0.2, kv_cache_bytes: int | None = None, enforce_eager: bool = True,
-                 prefix_caching: bool = True, policy=None):
+                 prefix_caching: bool = True, policy=None, engine_args: dict | None = None):
         """
         model_dir: HF directory to start from: fp32 / bf16 weights (`save_hf_dir`), or an FP8 export
             (`export_fp8`) for execution="fp8"; for execution="exact" only its config.json and
@@ -115,9 +115,14 @@ class VLLMRollout:
             trainer (or a second engine) in the same process can leave it nothing.
         kv_cache_bytes: the KV cache's size in bytes, instead of gpu_memory_utilization (the robust
             choice on a CPU, where the engine shares its process with the trainer).
+        engine_args: further arguments of vllm.LLM (e.g. max_num_batched_tokens, which sets the
+            prefill chunk).
         """
         from jetflow.model import load_tokenizer
 
+        if policy is not None:  # an exact engine: refuse what the plugin cannot serve before anything else
+            from jetflow.rollout.vllm.serve import check_servable
+            check_servable(policy)
         self.model_dir = Path(model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         quant = config.get("quantization_config")
@@ -148,15 +153,20 @@ class VLLMRollout:
         self.tokenizer = tokenizer
         self.weight_version = -1  # the checkpoint the engine starts from is not a trainer version
 
-        engine_args = dict(
+        extra_args, engine_args = engine_args, dict(
             model=str(self.model_dir), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_batch,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
             enforce_eager=enforce_eager, seed=0,
             logprobs_mode="processed_logprobs", enable_prefix_caching=prefix_caching,
             skip_tokenizer_init=not self.has_hf_tokenizer)
+        if not torch.cuda.is_available():
+            # vLLM 0.32 on the CPU cannot rewind a seeded request's generator after a partial prefill (it
+            # raises "CPU Generator does not use offset"): a prompt is prefilled in one step instead
+            engine_args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
+        engine_args.update(extra_args or {})
         self.description = self.execution
         if self.execution == "exact":
-            engine_args.update(self._exact_engine_args(policy, dtype, enforce_eager))
+            engine_args.update(self._exact_engine_args(policy, dtype, enforce_eager, max_model_len))
         try:
             self.llm = self._start_engine(engine_args)
             if self.execution == "exact":
@@ -207,21 +217,22 @@ class VLLMRollout:
             raise ValueError(f"execution={execution!r} with dtype={dtype!r}: they must agree")
         return execution
 
-    def _exact_engine_args(self, policy, dtype: str, enforce_eager: bool) -> dict:
-        """vLLM's arguments for an exact engine: the plugin's quantization config naming the policy,
-        no weights to read (they are the policy's), float32, eager."""
+    def _exact_engine_args(self, policy, dtype: str, enforce_eager: bool, max_model_len: int) -> dict:
+        """vLLM's arguments for an exact engine: the plugin's quantization config naming the policy, no
+        weights to read (they are the policy's), float32, eager, and one KV block per sequence (the
+        exact attention reads a sequence's keys where they lie; jetflow.rollout.vllm.attention), which
+        leaves prefix caching nothing to share: it is turned off."""
         import_vllm()
-        from jetflow.rollout.vllm import plugin, serve
+        from jetflow.rollout.vllm import plugin
 
         if policy is None:
             raise ValueError("execution='exact' computes with a jetflow policy: pass policy=")
-        serve.check_servable(policy)
         if dtype != "float32" or not enforce_eager:
             raise ValueError(f"execution='exact' runs float32 activations in eager mode (got dtype={dtype!r}, "
                              f"enforce_eager={enforce_eager}): vLLM's torch.compile would change the arithmetic")
         self.token = plugin.serve(policy)
-        return dict(load_format="dummy", hf_overrides={"quantization_config": {
-            "quant_method": plugin.QUANT_METHOD, "policy": self.token}})
+        return dict(load_format="dummy", block_size=-(-max_model_len // 32) * 32, enable_prefix_caching=False,
+                    hf_overrides={"quantization_config": {"quant_method": plugin.QUANT_METHOD, "policy": self.token}})
 
     def _start_engine(self, engine_args: dict):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine (and its model) in this process

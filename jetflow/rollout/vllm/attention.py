@@ -10,11 +10,12 @@ kernel). K/V written into the cache first pass the policy's FP8 KV quantizer whe
 (jetflow.precision.kv, the function the native Attention calls; the values stay in the cache's fp32
 on the E4M3 grid, as in the native engine's cache).
 
-Cache layout. vLLM allocates (num_blocks, H_kv, block_size, 2 D) per layer; of each (block, head) row
-block, the first half holds K transposed, (D, block_size), the second V, (block_size, D): a block's
-keys are then contiguous along slots, the layout the kernel reads. A request's blocks are gathered
-into (H_kv, D, S) / (H_kv, S, D) per call (one copy; S = its blocks x block_size), decode requests
-together, each prefill chunk on its own.
+Cache layout. The exact engine gives each sequence one KV block (block_size >= max_model_len, set by
+the adapter), so a sequence's keys and values are contiguous and the kernel reads them where they lie,
+without a copy. vLLM allocates (num_blocks, H_kv, block_size, 2 D) per layer; of each (block, head)
+the first half holds K transposed, (D, block_size), the second V, (block_size, D). Decode requests go
+to the kernel in one call whose batch is the span of blocks they occupy (rows of blocks without a
+query attend one slot and are dropped); each prefill chunk is one call on its own block.
 
 Shapes: N tokens in the step, R requests, H / H_kv query / KV heads, D head dim, S key slots.
 """
@@ -35,51 +36,69 @@ from jetflow.rollout.vllm.plugin import UnservedError, exact_policy, layer_index
 
 @dataclass
 class Group:
-    """Requests attended in one kernel call: their query rows and positions, and their KV blocks."""
+    """Queries attended in one kernel call, over the cache blocks [first, first + B)."""
 
-    rows: torch.Tensor  # (R, T) token rows of the step (one request per row)
-    positions: torch.Tensor  # (R, T) position of each query
-    blocks: torch.Tensor  # (R * nblk,) KV cache blocks, request-major
-    nblk: int  # blocks per request (the longest request's; shorter ones read blocks they never attend)
+    rows: torch.Tensor | slice  # (R, T) token rows of the step (one request per row), a slice if consecutive
+    blocks: torch.Tensor | None  # (R,) each request's block minus `first`; None: the span holds them in order
+    positions: torch.Tensor  # (B, T) position of each query (0 in blocks without one)
+    first: int
+    span: int  # B
 
 
 @dataclass
 class ExactMetadata:
     """One step's attention plan, built once and shared by every layer."""
 
-    policy: object  # the engine's policy (plugin.running_policy reads it)
-    num_actual_tokens: int
-    slot_mapping: torch.Tensor  # (N,) cache slot of each token (-1: none)
+    policy: object  # the engine's policy
+    slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # block (n,), offset (n,) of each token with a
+    # slot, and which tokens have one (None: all)
     groups: list[Group] = field(default_factory=list)
+    rope: dict = field(default_factory=dict)  # the step's RoPE tables (ops.ExactRotary), computed once
 
 
-def plan_groups(common: CommonAttentionMetadata, block_size: int) -> list[Group]:
+def plan_slots(slot_mapping: torch.Tensor, block_size: int):
+    """Cache block and offset of each token of the step (-1: a padding token without a slot)."""
+    keep = None
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slot_mapping = slot_mapping[keep]
+    return slot_mapping // block_size, slot_mapping % block_size, keep
+
+
+def plan_groups(common: CommonAttentionMetadata) -> list[Group]:
     """Decode requests (one query each) in one group, every longer query (prefill chunk) in its own."""
     qsl = common.query_start_loc_cpu.tolist()
     seq_lens = common.seq_lens.cpu().tolist()
-    table = common.block_table_tensor.cpu()  # (R, max blocks)
+    first_blocks = common.block_table_tensor[:, 0].tolist()  # a sequence's one block
     decode, groups = [], []
     for r in range(common.num_reqs):
         start, end, seq = qsl[r], qsl[r + 1], seq_lens[r]
         if end == start:
             continue
-        rows = torch.arange(start, end)
-        positions = torch.arange(seq - (end - start), seq)  # the context before this step's queries, then them
+        member = (start, end, first_blocks[r], torch.arange(seq - (end - start), seq))
         if end - start == 1:
-            decode.append((r, rows, positions, seq))
+            decode.append(member)
         else:
-            groups.append(_group([(r, rows, positions, seq)], table, block_size))
+            groups.append(_group([member]))
     if decode:
-        groups.insert(0, _group(decode, table, block_size))
+        groups.insert(0, _group(decode))
     return groups
 
 
-def _group(members, table: torch.Tensor, block_size: int) -> Group:
-    nblk = -(-max(seq for *_, seq in members) // block_size)
-    requests = torch.tensor([r for r, *_ in members])
-    return Group(rows=torch.stack([rows for _, rows, _, _ in members]),
-                 positions=torch.stack([pos for _, _, pos, _ in members]),
-                 blocks=table[requests, :nblk].reshape(-1).long(), nblk=nblk)
+def _group(members) -> Group:
+    """members: (first token row, end row, block, positions (T,)) of each request, all of one length T."""
+    starts = [start for start, *_ in members]
+    t = members[0][1] - members[0][0]
+    consecutive = starts == list(range(starts[0], starts[0] + t * len(starts), t))
+    rows = (slice(starts[0], starts[-1] + t) if consecutive else
+            torch.tensor(starts)[:, None] + torch.arange(t))  # (R, T)
+    blocks = torch.tensor([block for _, _, block, _ in members])
+    first = int(blocks.min())
+    span = int(blocks.max()) - first + 1
+    in_order = span == len(members) and bool((blocks == first + torch.arange(span)).all())
+    positions = torch.zeros(span, t, dtype=torch.long)  # (B, T)
+    positions[blocks - first] = torch.stack([pos for *_, pos in members])
+    return Group(rows=rows, blocks=None if in_order else blocks - first, positions=positions, first=first, span=span)
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,8 +117,11 @@ class ExactMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         if self.policy is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        return ExactMetadata(self.policy, common_attn_metadata.num_actual_tokens, common_attn_metadata.slot_mapping,
-                             plan_groups(common_attn_metadata, self.block_size))
+        if common_attn_metadata.max_seq_len > self.block_size:
+            raise UnservedError(f"exact vLLM plugin: a sequence of {common_attn_metadata.max_seq_len} tokens spans "
+                                f"several KV blocks of {self.block_size}; the exact engine needs block_size >= max_model_len")
+        return ExactMetadata(self.policy, plan_slots(common_attn_metadata.slot_mapping, self.block_size),
+                             plan_groups(common_attn_metadata))
 
 
 class ExactAttentionImpl(CPUAttentionBackendImpl):
@@ -129,20 +151,21 @@ class ExactAttentionImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        """key, value (N, H_kv, D) after RoPE -> the cache slots (-1: padding, skipped)."""
+        """key, value (N, H_kv, D) after RoPE -> their cache slots (planned once per step: ExactMetadata.slots)."""
         if self.policy is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        from vllm.forward_context import get_forward_context
+
+        block, offset, keep = get_forward_context().attn_metadata[layer.layer_name].slots
         attention = self._jetflow_attention(layer)
-        n = slot_mapping.shape[0]
-        key, value = key[:n], value[:n]
+        key, value = key[:slot_mapping.shape[0]], value[:slot_mapping.shape[0]]
+        if keep is not None:
+            key, value = key[keep], value[keep]
         if attention.kv_quantizer is not None:  # the native Attention's K/V quantization, after RoPE
             key, value = attention.kv_quantizer(attention.layer_idx, key, value)
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
         kt_cache, v_cache = cache_views(kv_cache)
-        block, offset = slots // kt_cache.shape[-1], slots % kt_cache.shape[-1]
-        kt_cache[block, :, :, offset] = key[keep].to(kt_cache.dtype)  # (n, H_kv, D)
-        v_cache[block, :, offset] = value[keep].to(v_cache.dtype)
+        kt_cache[block, :, :, offset] = key.to(kt_cache.dtype)  # (n, H_kv, D)
+        v_cache[block, :, offset] = value.to(v_cache.dtype)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata, output: torch.Tensor, output_scale=None, output_block_scale=None) -> torch.Tensor:
@@ -154,15 +177,15 @@ class ExactAttentionImpl(CPUAttentionBackendImpl):
             return output
         scale = self._jetflow_attention(layer).scale
         kt_cache, v_cache = cache_views(kv_cache)
-        hkv, d, bs = kt_cache.shape[1:]
         for g in attn_metadata.groups:
-            r, t = g.rows.shape
-            # one copy each: (H_kv, D, R * nblk, bs) -> (R, H_kv, D, S) with unit stride along S
-            kt = kt_cache.permute(1, 2, 0, 3).index_select(2, g.blocks).view(hkv, d, r, g.nblk * bs).permute(2, 0, 1, 3)
-            v = v_cache.permute(1, 0, 2, 3).index_select(1, g.blocks).view(hkv, r, g.nblk * bs, d).permute(1, 0, 2, 3)
-            q = query[g.rows].transpose(1, 2)  # (R, H, T, D)
-            y = invariant.attention(q, kt, v, g.positions, scale)  # (R, H, T, D)
-            output[g.rows] = y.transpose(1, 2).to(output.dtype)
+            r, t = g.positions.shape if g.blocks is None else (len(g.blocks), g.positions.shape[1])
+            q = query[g.rows].view(r, t, *query.shape[1:]).transpose(1, 2)  # (R, H, T, D)
+            if g.blocks is not None:  # a row per block of the span, the requests' queries at their blocks
+                q = q.new_zeros(g.span, *q.shape[1:]).index_copy_(0, g.blocks, q)  # (B, H, T, D)
+            kt, v = kt_cache[g.first:g.first + g.span], v_cache[g.first:g.first + g.span]  # views
+            y = invariant.attention(q, kt, v, g.positions, scale)  # (B, H, T, D)
+            y = (y if g.blocks is None else y[g.blocks]).transpose(1, 2)  # (R, T, H, D)
+            output[g.rows] = y.reshape(r * t, *y.shape[2:]) if isinstance(g.rows, slice) else y
         return output
 
 

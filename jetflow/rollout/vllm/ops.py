@@ -24,7 +24,7 @@ from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3Rotary
 
 from jetflow.model.attention import apply_rope, rope_tables
 from jetflow.model.layers import silu_exact
-from jetflow.rollout.vllm.plugin import UnservedError, exact_policy, running_policy
+from jetflow.rollout.vllm.plugin import UnservedError, exact_policy, running_metadata
 
 
 class ExactRMSNorm(RMSNorm):
@@ -75,15 +75,18 @@ class ExactRotary:
     """The exact rotation, for vLLM's rotary classes (mixed in before them)."""
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
-        policy = running_policy()
-        if policy is None:
+        step = running_metadata()
+        if step is None:
             return super().forward(positions, query, key)  # an engine that is not exact: vLLM's own
         if self.rotary_dim != self.head_size or not self.is_neox_style:
             raise UnservedError(f"exact vLLM plugin: cannot serve a partial ({self.rotary_dim} of {self.head_size}) "
                                 "or interleaved rotary embedding")
         n = positions.numel()
-        cos, sin = rope_tables(positions.reshape(n), policy.rope_inv_freq, query.dtype)  # (N, D) each
-        cos, sin = cos[:, None], sin[:, None]  # (N, 1, D)
+        key_ = (positions.data_ptr(), n, query.dtype)  # every layer of a step rotates the same positions
+        if key_ not in step.rope:
+            cos, sin = rope_tables(positions.reshape(n), step.policy.rope_inv_freq, query.dtype)  # (N, D) each
+            step.rope[key_] = cos[:, None], sin[:, None]  # (N, 1, D)
+        cos, sin = step.rope[key_]
         query = apply_rope(query.view(n, -1, self.head_size), cos, sin).view(query.shape)  # over (N, H, D)
         if key is not None:
             key = apply_rope(key.view(n, -1, self.head_size), cos, sin).view(key.shape)

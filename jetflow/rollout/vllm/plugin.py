@@ -85,10 +85,10 @@ def exact_policy(vllm_config) -> Decoder | None:
     return policy_for(quant.token) if isinstance(quant, ExactConfig) else None
 
 
-def running_policy() -> Decoder | None:
-    """The policy of the engine whose forward is running now, or None (another engine, or a warm-up
-    run without attention metadata). For ops that vLLM shares between engines (the rotary embedding
-    is cached by its parameters)."""
+def running_metadata():
+    """The attention plan (attention.ExactMetadata) of the exact engine whose forward runs now, or None
+    (another engine, or a warm-up run without attention metadata). For ops that vLLM shares between
+    engines (the rotary embedding is cached by its parameters): they ask at each call."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     from jetflow.rollout.vllm.attention import ExactMetadata
@@ -99,7 +99,7 @@ def running_policy() -> Decoder | None:
     if isinstance(metadata, list):  # micro-batched runs: one dict per micro-batch
         metadata = metadata[0] if metadata else None
     first = next(iter(metadata.values()), None) if isinstance(metadata, dict) else None
-    return first.policy if isinstance(first, ExactMetadata) else None
+    return first if isinstance(first, ExactMetadata) else None
 
 
 def layer_index(name: str) -> int:
