@@ -257,3 +257,27 @@ def test_diagnostic_torch_row_ops_on_cuda(op):
         full = fn(x)
         differ = [m for m in (1, 3, 15) if not torch.equal(fn(x[:m].clone()), full[:m])]
     assert not differ, f"torch {op} on CUDA: rows differ when the call has {differ} rows instead of 4096"
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16", "fp32"])
+def test_tensor_parallel_shards_combine_into_the_unsharded_result(kind):
+    """The canonical tree on the GPU: K = 4096 (tree_width 8) cut into T = 2, 4, 8 contiguous shards,
+    each computing its subtree (groups = 8 // T), combined by tree_sum: the TP = 1 result bit for bit."""
+    from jetflow.kernels.canonical import tree_sum
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    m, n, k = 96, 512, 4096
+    x = torch.randn(m, k, device="cuda", generator=gen)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.05
+
+    def run(xs, ws, groups=None):
+        if kind == "fp8":
+            a, b = quantize_blocks(xs, (1, 128)), quantize_blocks(ws, (128, 128))
+            return gemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, 128, torch.float32, groups)
+        return gemm.dense_gemm(xs, ws, kind, torch.float32, groups)
+
+    full = run(x, w)
+    for t in (2, 4, 8):
+        cols = k // t
+        parts = [run(x[:, r * cols:(r + 1) * cols].contiguous(), w[:, r * cols:(r + 1) * cols].contiguous(), 8 // t)
+                 for r in range(t)]
+        assert torch.equal(tree_sum(parts), full), t

@@ -148,6 +148,18 @@ def test_fp8_gemm_dgrad_and_wgrad_layouts(interp):
     assert bool((err <= _fp8_bound(*operands)).all())
 
 
+def test_gemms_compute_the_canonical_tree_and_tp_shards_combine_exactly(interp):
+    """K = 512: four groups of one block combined by the pairwise tree (the reference computes the same
+    tree; one group differs from it), and two half-K shards with two groups each, combined by
+    tree_sum, equal the unsharded result bit for bit (FP8 and dense bf16)."""
+    r = interp("gemm_tensor_parallel_shards")
+    assert torch.equal(r["fp8_full"], reference.fp8_gemm(r["a"], r["sa"], r["b"], r["sb"], 128))
+    assert torch.equal(r["fp8_one_group"], reference.fp8_gemm(r["a"], r["sa"], r["b"], r["sb"], 128, groups=1))
+    assert not torch.equal(r["fp8_one_group"], r["fp8_full"])
+    assert torch.equal(r["fp8_tp2"], r["fp8_full"])
+    assert torch.equal(r["dense_tp2"], r["dense_full"])
+
+
 @pytest.mark.parametrize("dot", ["fp32", "bf16"])
 def test_dense_gemm_within_bound_and_row_invariant(interp, dot):
     """|kernel - exact| <= (K / BLOCK_K + 1) * 2^-24 * (|A| @ |B|^T) (each BLOCK_K partial rounded once,
@@ -157,7 +169,7 @@ def test_dense_gemm_within_bound_and_row_invariant(interp, dot):
     a, b = r["a"].double(), r["b"].double()
     if dot == "bf16":
         a, b = r["a"].bfloat16().double(), r["b"].bfloat16().double()
-    blocks = -(-a.shape[1] // (32 if dot == "fp32" else 64))
+    blocks = -(-a.shape[1] // (32 if dot == "fp32" else 64)) + -(-a.shape[1] // 128)  # dot steps + block adds
     bound = (blocks + 1) * 2.0**-24 * (a.abs() @ b.abs().t())
     assert bool(((r[dot].double() - a @ b.t()).abs() <= bound).all())
     assert torch.equal(r[f"{dot}_row0_alone"][0], r[dot][0])

@@ -190,6 +190,27 @@ def fp8_gemm_backward_layouts():
 
 
 @case
+def gemm_tensor_parallel_shards():
+    """K = 512 (4 blocks: tree_width 4): the full product, and at TP = 2 the two shards' subtrees
+    (groups = 2 each), for the FP8 and the dense bf16 GEMM."""
+    from jetflow.kernels.canonical import tree_sum
+    a, b = _fp8_operands(8, 64, 512, 9, "fp32", (128, 128))
+    out = {"a": a.data, "sa": a.scale_inv, "b": b.data, "sb": b.scale_inv, "fp8_full": _gemm(a, b, torch.float32)}
+    halves = [tgemm.fp8_gemm(a.data[:, h * 256:(h + 1) * 256], a.scale_inv[:, 2 * h:2 * h + 2],
+                             b.data[:, h * 256:(h + 1) * 256], b.scale_inv[:, 2 * h:2 * h + 2], 128, torch.float32,
+                             groups=2) for h in range(2)]
+    out["fp8_tp2"] = tree_sum(halves)
+    out["fp8_one_group"] = tgemm.fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, 128, torch.float32, groups=1)
+    gen = torch.Generator().manual_seed(10)
+    x, w = torch.randn(8, 512, generator=gen), torch.randn(64, 512, generator=gen)
+    out["dense_full"] = tgemm.dense_gemm(x, w, "bf16")
+    out["dense_tp2"] = tree_sum([tgemm.dense_gemm(x[:, h * 256:(h + 1) * 256].contiguous(),
+                                                  w[:, h * 256:(h + 1) * 256].contiguous(), "bf16", groups=2)
+                                 for h in range(2)])
+    return out
+
+
+@case
 def dense_gemm():
     gen = torch.Generator().manual_seed(6)
     a, b = torch.randn(64, 200, generator=gen), torch.randn(96, 200, generator=gen)

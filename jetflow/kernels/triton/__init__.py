@@ -2,8 +2,8 @@
 batch or whether it is decoded from a KV cache (see jetflow.kernels.invariant for the CPU twins).
 
     quant.quantize_1x128     1x128 E4M3 activation quantization, the CPU quantizer's bytes
-    gemm.fp8_gemm            block-scaled FP8 GEMM (1x128 x 128x128 or 1x128 x 1x128), fixed K order
-    gemm.dense_gemm          dense GEMM (bf16 or fp32 operands), fixed K order
+    gemm.fp8_gemm            block-scaled FP8 GEMM (1x128 x 128x128 or 1x128 x 1x128), the canonical K order
+    gemm.dense_gemm          dense GEMM (bf16 or fp32 operands), the canonical K order
     attn.attention           causal attention, prefill and decode, contiguous or paged, bf16/fp32/FP8 KV
     rmsnorm.rms_norm         RMSNorm with one reduction tree per row (torch's CUDA reduction is not)
 
@@ -48,22 +48,22 @@ def quantize_1x128(x, scale_rule: str = "fp32", margin: int = 0):
     return quant.quantize_1x128(x, scale_rule, margin)
 
 
-def fp8_gemm(a, sa, b, sb, b_rows_per_scale: int, out_dtype=None):
+def fp8_gemm(a, sa, b, sb, b_rows_per_scale: int, out_dtype=None, groups: int | None = None):
     """See gemm.fp8_gemm."""
     require()
     import torch
 
     from jetflow.kernels.triton import gemm
-    return gemm.fp8_gemm(a, sa, b, sb, b_rows_per_scale, out_dtype or torch.float32)
+    return gemm.fp8_gemm(a, sa, b, sb, b_rows_per_scale, out_dtype or torch.float32, groups)
 
 
-def dense_gemm(a, b, dot: str = "fp32", out_dtype=None):
+def dense_gemm(a, b, dot: str = "fp32", out_dtype=None, groups: int | None = None):
     """See gemm.dense_gemm."""
     require()
     import torch
 
     from jetflow.kernels.triton import gemm
-    return gemm.dense_gemm(a, b, dot, out_dtype or torch.float32)
+    return gemm.dense_gemm(a, b, dot, out_dtype or torch.float32, groups)
 
 
 def attention(q, k, v, pos, scale: float, block_table=None, k_scale=None, v_scale=None):

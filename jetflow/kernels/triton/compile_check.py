@@ -41,20 +41,20 @@ def signature(spec: Spec) -> dict[str, str]:
     return sig
 
 
-def _fp8_gemm(name: str, a: str, b: str, out: str, rows_per_scale: int) -> Spec:
+def _fp8_gemm(name: str, a: str, b: str, out: str, rows_per_scale: int, groups: int = 8) -> Spec:
     cfg = gemm.fp8_config(4096, 4096)
     return Spec(name, gemm._fp8_gemm_kernel, {"a_ptr": a, "b_ptr": b, "c_ptr": out, "sa_ptr": "fp32", "sb_ptr": "fp32"},
                 {"B_ROWS_PER_SCALE": rows_per_scale, "OUT_BF16": out == "bf16", "BLOCK_M": cfg.block_m,
-                 "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m},
+                 "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "GROUPS": groups},
                 cfg.num_warps, cfg.num_stages, expect=("wgmma",))
 
 
-def _dense(dot: str, operand: str, out: str) -> Spec:
+def _dense(dot: str, operand: str, out: str, groups: int = 8) -> Spec:
     cfg = gemm.dense_config(4096, 4096, dot)
-    return Spec(f"dense_{dot}_dot_{operand}_in_{out}_out", gemm._dense_gemm_kernel,
+    return Spec(f"dense_{dot}_dot_{operand}_in_{out}_out_{groups}_groups", gemm._dense_gemm_kernel,
                 {"a_ptr": operand, "b_ptr": operand, "c_ptr": out},
                 {"DOT_BF16": dot == "bf16", "OUT_BF16": out == "bf16", "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                 "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m},
+                 "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "GROUPS": groups},
                 cfg.num_warps, cfg.num_stages, expect=("wgmma",) if dot == "bf16" else ())
 
 
@@ -84,9 +84,11 @@ SPECS: list[Spec] = [
     _quant("fp32", False), _quant("bf16", True),
     _fp8_gemm("fp8_gemm_fprop_bf16_out", "fp8e4nv", "fp8e4nv", "bf16", 128),
     _fp8_gemm("fp8_gemm_fprop_fp32_out", "fp8e4nv", "fp8e4nv", "fp32", 128),
+    _fp8_gemm("fp8_gemm_fprop_one_group", "fp8e4nv", "fp8e4nv", "fp32", 128, groups=1),
     _fp8_gemm("fp8_gemm_wgrad_1x128_groups", "fp8e4nv", "fp8e4nv", "fp32", 1),
     _fp8_gemm("fp8_gemm_dgrad_e5m2_grad", "fp8e5", "fp8e4nv", "fp32", 128),
     _dense("bf16", "fp32", "fp32"), _dense("bf16", "bf16", "bf16"), _dense("fp32", "fp32", "fp32"),
+    _dense("bf16", "bf16", "fp32", groups=1),
     _attention("bf16", "bf16", False), _attention("fp32", "fp32", False), _attention("bf16", "fp8e4nv", True),
     _attention("fp32", "fp8e4nv", True),
     _rms_norm("fp32", "fp32"), _rms_norm("bf16", "fp32"),
