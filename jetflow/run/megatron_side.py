@@ -29,7 +29,7 @@ and the policy sums expert gradients over Megatron's expert-data-parallel group 
 from __future__ import annotations
 
 
-from jetflow.config import Config, ConfigError
+from jetflow.config import Config, ConfigError, resolve_numerics
 from jetflow.model import Decoder
 from jetflow.model.protocol import tensor_parallel_size
 from jetflow.run.build import apply_mode, embedding_grid
@@ -37,7 +37,9 @@ from jetflow.run.build import apply_mode, embedding_grid
 
 
 def build_megatron_policy(cfg: Config, decoder: Decoder):
-    """A MegatronPolicy with `decoder`'s config and weights, its linears under the precision mode."""
+    """A MegatronPolicy with `decoder`'s config and weights, its linears under the precision mode and its
+    forward under the run's numerics (exact: the native engine's functions, so the rollout's log-probs
+    equal the trainer's bit for bit at any TP / PP / EP layout the checks accept)."""
     from jetflow.train.megatron import MegatronConfigError, MegatronPolicy
 
     kind = cfg.precision.precision_mode.trainer_kind
@@ -46,7 +48,7 @@ def build_megatron_policy(cfg: Config, decoder: Decoder):
             decoder, kind=kind, recipe=cfg.precision.recipe(),
             gemm_backend=cfg.precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
             pipeline_parallel_size=cfg.train.pipeline_parallel_size,
-            expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed)
+            expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=resolve_numerics(cfg))
     except MegatronConfigError as e:
         raise ConfigError(f"train.backend=megatron: {e}") from None
     policy.embed_grid = embedding_grid(kind)

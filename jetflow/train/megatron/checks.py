@@ -114,3 +114,25 @@ def check_fp8_tp_alignment(config: ModelConfig, tp: int, recipe: FP8Recipe, kind
                 f"multiple of {bad[0]} (weight block {recipe.weight_block}, group {g}); a shard edge would cut "
                 "through a scaling block, so the ranks' FP8 bytes would not be the full weight's. Use a smaller "
                 "tensor_parallel_size or keep this layer in bf16 (recipe.keep_high_precision).")
+
+
+def check_exact_tp_split(config: ModelConfig, tp: int, numerics: str = "exact") -> None:
+    """Raise MegatronConfigError naming the first row-parallel layer whose K the TP ranks cannot split
+    into whole canonical groups under exact numerics.
+
+    The canonical GEMM sums K as G = tree_width(K) contiguous groups of 128-wide blocks combined by a
+    fixed pairwise tree (jetflow.kernels.canonical); TP rank r of T computes groups [r G/T, (r+1) G/T)
+    and the ranks' partials are combined by the same tree (reduce.py): TP=1's sum, if T divides G.
+    Column-parallel layers keep whole output rows at any T."""
+    if numerics != "exact" or tp == 1:
+        return
+    from jetflow.kernels.canonical import tree_width
+
+    for suffix, (_, in_f, style) in _linear_shapes(config).items():
+        groups = tree_width(in_f)
+        if style == "row" and groups % tp:
+            raise MegatronConfigError(
+                f"model.layers.0.{suffix}: a row-parallel K of {in_f} sums as {groups} canonical group(s) of "
+                f"128-wide blocks (tree_width({in_f}) = {groups}), which tensor_parallel_size {tp} cannot split "
+                f"into whole groups per rank, so TP={tp} would not give TP=1's bits under precision.numerics=exact; "
+                f"use a tensor_parallel_size dividing {groups}, or precision.numerics=fast")

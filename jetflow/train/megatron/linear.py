@@ -1,13 +1,27 @@
-"""Linear layers: Megatron's parallel linears with jetflow's GEMMs (fp32, bf16, per-segment FP8)."""
+"""Linear layers: Megatron's parallel linears with jetflow's GEMMs (fp32, bf16, per-segment FP8).
+
+Two numerics, as the native PrecisionLinear (`precision.numerics`):
+  fast   Megatron's forward (its TP collectives, its bias handling) around jetflow's local GEMM.
+  exact  the whole forward is jetflow's `exact_linear`, the very function the native engine and trainer
+         run: the canonical GEMM (128-K blocks, G = tree_width(K) groups, a fixed pairwise tree), the bias
+         and the bf16 rounding in its epilogue. A row-parallel layer at TP = T computes its G / T groups
+         and combines the ranks' partials by the same tree (reduce.tp_tree_combine) before the
+         epilogue, so its output is TP=1's bit for bit; column-parallel layers keep whole output rows.
+         The bias goes into the epilogue (Megatron's skip_bias_add would add it after the bf16 rounding),
+         so an exact layer returns (output, None).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from jetflow.precision import FP8Recipe, QuantizedTensor, bf16_linear, fp8_linear, quantize_blocks, resolve_backend
+
+from .reduce import tp_tree_combine
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,18 @@ def _segment_rows(t: torch.Tensor, seg: Segment) -> torch.Tensor:
     return t.reshape(seg.groups, -1, *rest)[:, seg.start:seg.stop].reshape(-1, *rest)
 
 
+def weight_cache(owner, weight: torch.Tensor, name: str) -> dict:
+    """The dict `exact_linear` keeps for one GEMM of `owner` (packed panels), emptied whenever `weight`
+    (the owner's full parameter) changes version, i.e. after every optimizer step. exact_linear checks
+    the panels against the tensor it is given; a segment of a fused weight is a fresh copy every call
+    (linear_qkv's interleaved rows), which a later copy can meet at the same address and version:
+    emptying the dicts with the full weight's version keeps such panels from outliving their values."""
+    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    if getattr(owner, "_exact_key", None) != key:
+        owner._exact_caches, owner._exact_key = {}, key
+    return owner._exact_caches.setdefault(name, {})
+
+
 def _dense(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     if kind == "fp32":
         return F.linear(x, w, b)
@@ -51,17 +77,71 @@ class _JetflowLinearMixin:
     segments: tuple[Segment, ...] = ()  # empty: one plain fp32 GEMM (before configure)
     recipe: FP8Recipe | None = None
     gemm_backend = "auto"
+    numerics = "fast"  # fast | exact (see the module docstring)
     _wq_key: tuple | None = None  # (data_ptr, version, dtype, device) of the weight _wq was made from
     _wq: dict[str, QuantizedTensor] = {}
+    _exact_key: tuple | None = None  # the weight version the caches below belong to
+    _exact_caches: dict[str, dict] = {}  # exact_linear's per-weight caches, one per GEMM (segment name or "*")
 
-    def configure(self, segments: list[Segment], recipe: FP8Recipe | None, gemm_backend: str = "auto") -> None:
+    def configure(self, segments: list[Segment], recipe: FP8Recipe | None, gemm_backend: str = "auto",
+                  numerics: str = "fast") -> None:
         groups = {s.groups for s in segments}
         if len(groups) != 1 or [s.start for s in segments][1:] != [s.stop for s in segments][:-1]:
             raise ValueError(f"segments must share `groups` and tile the rows in order: {segments}")
         if any(s.kind == "fp8" for s in segments) and recipe is None:
             raise ValueError(f"{segments[0].name}: an fp8 segment needs an FP8Recipe")
+        if numerics not in ("fast", "exact"):
+            raise ValueError(f"{segments[0].name}: numerics={numerics!r}; valid: fast, exact")
         self.segments, self.recipe, self.gemm_backend = tuple(segments), recipe, gemm_backend
+        self.numerics, self._exact_caches = numerics, {}
         self._wq_key, self._wq = None, {}
+
+    def forward(self, input_, *args, **kwargs):
+        """Megatron's forward (fast), or jetflow's exact one: (output, None)."""
+        if self.numerics == "exact":
+            return self.exact_forward(input_, *args, **kwargs), None
+        return super().forward(input_, *args, **kwargs)
+
+    def exact_forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                      runtime_gather_output: bool | None = None) -> torch.Tensor:
+        """(..., K_local) -> (..., N_local), bias included. Column-parallel: the input's gradient is summed
+        over the TP group in backward (Megatron's copy region). Row-parallel: the local groups' partial,
+        tree-combined over the TP group."""
+        weight = self.weight if weight is None else weight
+        tp = 1 if self.explicit_expert_comm else dist.get_world_size(self.tp_group)
+        groups = combine = None
+        if self.parallel_dim == 0:
+            if getattr(self, "gather_output", False) or runtime_gather_output:
+                raise NotImplementedError("jetflow's exact column-parallel linears do not gather their output")
+            if tp > 1:
+                from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+                x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        elif tp > 1:
+            from jetflow.kernels.canonical import tree_width
+
+            groups, combine = tree_width(self.input_size) // tp, tp_tree_combine(self.tp_group)
+        return self.exact_local(x, weight, self.bias, groups, combine)
+
+    def exact_local(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: int | None = None,
+                    combine=None) -> torch.Tensor:
+        """exact_linear on this rank's shard: one call over the fused weight when every segment has one
+        non-FP8 kind (a column of the canonical GEMM does not depend on the other columns), else one per
+        segment (each HF matrix its own FP8 bytes), concatenated in Megatron's fused row order."""
+        from jetflow.precision.exact import exact_linear
+
+        kinds = {s.kind for s in self.segments} or {"fp32"}
+        if len(kinds) == 1 and "fp8" not in kinds:
+            name = "+".join(s.name for s in self.segments) or "linear"
+            return exact_linear(x, weight, bias, kinds.pop(), recipe=self.recipe, cache=weight_cache(self, weight, "*"),
+                                groups=groups, combine=combine, name=name)
+        wq = self.quantized_segments(weight)
+        outs = []
+        for seg in self.segments:
+            y = exact_linear(x, _segment_rows(weight, seg), None if bias is None else _segment_rows(bias, seg),
+                             seg.kind, recipe=self.recipe, wq=wq.get(seg.name), cache=weight_cache(self, weight, seg.name),
+                             groups=groups, combine=combine, name=seg.name)
+            outs.append(y.unflatten(-1, (seg.groups, seg.stop - seg.start)))  # (..., groups, rows)
+        return torch.cat(outs, dim=-1).flatten(-2)  # (..., N_local)
 
     def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, sequence_parallel=False, **_):
         if sequence_parallel:

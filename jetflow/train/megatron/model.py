@@ -1,13 +1,15 @@
 """The Megatron model's pieces: TransformerConfig from a ModelConfig, and the layer spec with jetflow's
-linears and RMSNorm."""
+linears, RMSNorm and core attention (under exact numerics: the batch-invariant kernel and `silu_exact`,
+the native exact model's functions)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from jetflow.model.decoder import ModelConfig, RMSNorm
+from jetflow.model.decoder import ModelConfig, RMSNorm, silu_exact
 
+from .attention import ExactCoreAttention, fast_core_attention
 from .linear import _linear_classes
 from .moe import moe_layer_spec
 
@@ -37,14 +39,15 @@ def _moe_fields(c: ModelConfig, ep: int) -> dict:
 
 
 def _transformer_config(c: ModelConfig, tp: int, params_dtype: torch.dtype, init_weights: bool, pp: int = 1,
-                        ep: int = 1):
+                        ep: int = 1, numerics: str = "fast"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(**_moe_fields(c, ep),
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
         num_attention_heads=c.num_heads, num_query_groups=c.num_kv_heads, kv_channels=c.head_dim,
         normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps, qk_layernorm=c.qk_norm,
-        gated_linear_unit=True, activation_func=F.silu,  # SwiGLU: silu(gate) * up
+        gated_linear_unit=True,  # SwiGLU: silu(gate) * up; exact: the native exact model's SiLU
+        activation_func=silu_exact if numerics == "exact" else F.silu,
         add_bias_linear=c.o_bias, add_qkv_bias=c.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
         # fused kernels are CUDA/TE-only, and our own linears replace the fused GEMM paths
@@ -56,13 +59,13 @@ def _transformer_config(c: ModelConfig, tp: int, params_dtype: torch.dtype, init
     )
 
 
-def _block_spec(config: ModelConfig, mcfg=None):
-    """A local (no Transformer Engine) layer spec with jetflow's linears and RMSNorm: one per layer of
-    this pipeline stage (Megatron's split of `mcfg`, the TransformerConfig; all layers without it).
-    A sparse layer of an MoE model holds Megatron's MoE layer (moe.py) in place of the dense MLP."""
+def _block_spec(config: ModelConfig, mcfg=None, numerics: str = "fast"):
+    """A local (no Transformer Engine) layer spec with jetflow's linears, RMSNorm and core attention
+    (attention.py): one per layer of this pipeline stage (Megatron's split of `mcfg`, the
+    TransformerConfig; all layers without it). A sparse layer of an MoE model holds Megatron's MoE layer
+    (moe.py) in place of the dense MLP."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -71,6 +74,7 @@ def _block_spec(config: ModelConfig, mcfg=None):
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     column, row = _linear_classes()
+    core_attention = ExactCoreAttention if numerics == "exact" else fast_core_attention()
     qk_norm = MegatronRMSNorm if config.qk_norm else IdentityOp  # Qwen3: RMSNorm over D per head, before RoPE
 
     def layer(mlp):
@@ -78,7 +82,7 @@ def _block_spec(config: ModelConfig, mcfg=None):
             input_layernorm=MegatronRMSNorm,
             self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                                       submodules=SelfAttentionSubmodules(
-                                          linear_qkv=column, core_attention=DotProductAttention, linear_proj=row,
+                                          linear_qkv=column, core_attention=core_attention, linear_proj=row,
                                           q_layernorm=qk_norm, k_layernorm=qk_norm)),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=MegatronRMSNorm,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .linear import _dense
+from .linear import _dense, weight_cache
 
 _CLASSES: dict[str, type] = {}
 
@@ -95,6 +95,20 @@ class _ReduceScatterTokens(torch.autograd.Function):
         return _gather_rows(grad.contiguous(), ctx.group, ctx.counts), None, None
 
 
+def exact_routing(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (n, E) fp32 -> routing weights (n, K) fp32 and expert ids (n, K) in slot order, as the native
+    `SparseMoeBlock.route` computes them under exact numerics (softmax_exact, top-k, renormalized by a
+    tree_sum). Megatron's own routing renormalizes by a softmax over the k logits: equal in exact
+    arithmetic, not in floating point. (The activation dtype here is the fp32 master dtype, so the native
+    cast of the weights to it is a no-op.)"""
+    from jetflow.model.moe import softmax_exact, tree_sum
+
+    weights, ids = torch.topk(softmax_exact(logits.float()), top_k, dim=-1)  # (n, K) fp32, (n, K)
+    if norm_topk_prob:
+        weights = weights / tree_sum(weights)
+    return weights, ids
+
+
 # Megatron subclasses (made on first use: Megatron is imported lazily) ----------------------------
 def _moe_classes() -> dict[str, type]:
     if _CLASSES:
@@ -105,14 +119,34 @@ def _moe_classes() -> dict[str, type]:
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     class JetflowTopKRouter(TopKRouter):
-        """TopKRouter whose logits come from the native router's GEMM (`kind`: fp32 or bf16)."""
+        """TopKRouter whose logits come from the native router's GEMM (`kind`: fp32 or bf16); under exact
+        numerics the routing is the native exact one too (`exact_routing`)."""
 
         kind = "fp32"
+        numerics = "fast"
+        norm_topk_prob = True  # set by MegatronPolicy from the model config
 
         def gating(self, input: torch.Tensor) -> torch.Tensor:
             """(T, B, C) -> logits (T, B, E) in fp32: `SparseMoeBlock.route`'s `self.gate(x)`."""
-            self.last_logits = _dense(self.kind, input, self.weight, self.bias).float()
+            if self.numerics == "exact":
+                from jetflow.precision.exact import exact_linear
+                logits = exact_linear(input, self.weight, self.bias, self.kind,
+                                      cache=weight_cache(self, self.weight, "gate"), name="router")
+            else:
+                logits = _dense(self.kind, input, self.weight, self.bias)
+            self.last_logits = logits.float()
             return self.last_logits
+
+        def routing(self, logits: torch.Tensor, padding_mask=None):
+            """Megatron's routing (fast), or the native exact one: probs (n, E) with the k routing weights
+            at the chosen experts, routing map (n, E); the chosen ids in slot order in `last_topk_ids`."""
+            if self.numerics != "exact":
+                return super().routing(logits, padding_mask=padding_mask)
+            logits = logits.reshape(-1, self.config.num_moe_experts)  # (n, E)
+            weights, ids = exact_routing(logits, self.topk, self.norm_topk_prob)  # (n, K), (n, K)
+            self.last_topk_ids = ids
+            probs = torch.zeros_like(logits).scatter(1, ids, weights)  # (n, E)
+            return probs, torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, True)
 
     class JetflowSequentialMLP(SequentialMLP):
         """SequentialMLP scaling each expert's output (not its activation) by the routing weight."""
@@ -136,14 +170,24 @@ def _moe_classes() -> dict[str, type]:
         """Megatron's all-gather dispatcher with device-agnostic collectives for uneven token counts
         over the expert-parallel group (see the module docstring)."""
 
+        router = None  # this layer's JetflowTopKRouter (set by use_jetflow_dispatchers)
+
+        @property
+        def slot_order(self) -> bool:
+            """Exact numerics: a token's k expert outputs are summed in slot order (see combine_preprocess)."""
+            return self.router is not None and self.router.numerics == "exact"
+
         def token_dispatch(self, hidden_states, probs):
             """hidden (n, C), probs (n, E), routing map (n, E) -> the EP group's (N, C), (N, E), (N, E)."""
+            self.topk_ids = self.router.last_topk_ids if self.slot_order else None  # (n, K)
             if self.ep_size > 1:
                 group = self.ep_group
                 self.token_counts = _token_counts(hidden_states.shape[0], group, hidden_states.device)
                 with torch.no_grad():
                     self.routing_map = _gather_rows(self.routing_map.to(torch.uint8), group,
                                                     self.token_counts).bool()
+                    if self.topk_ids is not None:
+                        self.topk_ids = _gather_rows(self.topk_ids, group, self.token_counts)  # (N, K)
                 probs = _GatherTokens.apply(probs, group, self.token_counts)
                 hidden_states = _GatherTokens.apply(hidden_states, group, self.token_counts)
             return hidden_states, probs
@@ -157,8 +201,32 @@ def _moe_classes() -> dict[str, type]:
                 tokens_per_expert = torch.stack([m.sum(0) for m in per_rank], dim=1).long().cpu()  # (E_local, EP)
             return permuted, tokens_per_expert, permuted_probs
 
+        def combine_preprocess(self, hidden_states):
+            """Megatron's unpermute (fast: each token's outputs of this rank's experts summed in expert
+            order), or under exact numerics the outputs placed by (token, slot): (N, K, C), zero where
+            another rank's expert or no expert wrote."""
+            if not self.slot_order:
+                return super().combine_preprocess(hidden_states)
+            expert, token = self.local_map.T.nonzero(as_tuple=True)  # each permuted row: expert-major, tokens in order
+            expert = expert + self.local_expert_indices[0]  # global expert ids
+            slot = (self.topk_ids[token] == expert[:, None]).long().argmax(-1)  # (rows,) its slot of the token's k
+            out = hidden_states.new_zeros(self.topk_ids.shape[0], self.topk_ids.shape[1], hidden_states.shape[-1])
+            return out.index_put((token, slot), hidden_states)  # (N, K, C)
+
         def token_combine(self, hidden_states):
-            """(N, C) partial outputs of this rank's experts -> (n, C) summed over the EP group."""
+            """(N, C) partial outputs of this rank's experts -> (n, C) summed over the EP group. Exact
+            numerics: (N, K, C) by slot -> this rank's tokens' (n, K, C) (each (token, slot) written by one
+            rank: the sum over ranks adds zeros only), then the k slots added in slot order, 0, 1, ...,
+            as the native SparseMoeBlock does, whichever ranks hold the experts."""
+            if self.slot_order:
+                n, K, C = hidden_states.shape
+                if self.ep_size > 1:
+                    hidden_states = _ReduceScatterTokens.apply(hidden_states.reshape(n, K * C), self.ep_group,
+                                                               self.token_counts).reshape(-1, K, C)
+                out = hidden_states[:, 0]
+                for k in range(1, K):
+                    out = out + hidden_states[:, k]
+                return out  # (n, C)
             if self.ep_size > 1:
                 hidden_states = _ReduceScatterTokens.apply(
                     hidden_states.to(self.local_probs.dtype), self.ep_group, self.token_counts).to(hidden_states.dtype)
@@ -182,6 +250,7 @@ def use_jetflow_dispatchers(gpt) -> None:
         if isinstance(layer, MoELayer):
             layer.token_dispatcher = dispatcher(layer.num_local_experts, layer.local_expert_indices,
                                                 config=layer.config, pg_collection=get_default_pg_collection())
+            layer.token_dispatcher.router = layer.router  # a plain attribute: the dispatcher is no nn.Module
 
 
 def moe_layer_spec(column: type, row: type):

@@ -12,7 +12,8 @@ import torch.nn as nn
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
 from jetflow.precision import FP8Recipe
 
-from .checks import check_fp8_tp_alignment, check_supported, padded_vocab_size, segment_kind
+from .attention import ModelParallelKVQuantizer, align_rows, core_attention_modules, unalign_rows
+from .checks import check_exact_tp_split, check_fp8_tp_alignment, check_supported, padded_vocab_size, segment_kind
 from .deps import MegatronConfigError, _seed_cpu_rng_tracker, patch_megatron_for_cpu
 from .grads import PolicyGrads
 from .linear import Segment, _linear_classes
@@ -52,8 +53,10 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
     def __init__(self, config: ModelConfig, *, kind: str = "fp32", recipe: FP8Recipe | None = None,
                  gemm_backend: str = "auto", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  device: torch.device | str = "cpu", params_dtype: torch.dtype = torch.float32,
-                 init_weights: bool = True, seed: int = 0, expert_parallel_size: int = 1):
+                 init_weights: bool = True, seed: int = 0, expert_parallel_size: int = 1, numerics: str = "fast"):
         super().__init__()
+        if numerics not in ("fast", "exact"):
+            raise ValueError(f"MegatronPolicy numerics={numerics!r}: valid modes are fast, exact")
         if kind not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"MegatronPolicy kind={kind!r}: valid kinds are fp32, bf16, fp8")
         if kind == "fp8" and recipe is None:
@@ -61,6 +64,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
         check_supported(config, tp, pp, ep)
         check_fp8_tp_alignment(config, tp, recipe, kind)
+        check_exact_tp_split(config, tp, numerics)
         device = torch.device(device)
         initialize_parallel(tp, pp, device, ep)
         from megatron.core import parallel_state as ps
@@ -74,6 +78,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
             model_parallel_cuda_manual_seed(seed)
 
         self.config, self.kind, self.recipe, self.gemm_backend = config, kind, recipe, gemm_backend
+        self.numerics = numerics
         self.tp_size, self.tp_rank = tp, ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
@@ -95,11 +100,11 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         self._tied_copy = config.tie_word_embeddings and pp > 1
         self.padded_vocab = padded_vocab_size(config.vocab_size, tp)
         torch.manual_seed(seed)  # Megatron's CPU init draws the full weight on every rank: same on all
-        mcfg = _transformer_config(config, tp, params_dtype, init_weights, pp, ep)
+        mcfg = _transformer_config(config, tp, params_dtype, init_weights, pp, ep, numerics)
         # Under PP, GPTModel's own tying (setup_embeddings_and_output_layer) moves the weight with
         # `weight.data.cuda()` before its all-reduce over the embedding group (CUDA only): build the
         # stages untied and keep the copy equal here (_sync_tied_copy, _allreduce_tied_grads).
-        self.gpt = GPTModel(mcfg, _block_spec(config, mcfg), vocab_size=self.padded_vocab,
+        self.gpt = GPTModel(mcfg, _block_spec(config, mcfg, numerics), vocab_size=self.padded_vocab,
                             max_sequence_length=config.max_position_embeddings, position_embedding_type="rope",
                             rotary_base=int(config.rope_theta), pre_process=self.first_stage,
                             post_process=self.last_stage,
@@ -171,17 +176,17 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
             g = G // tp
             attn.linear_qkv.configure([seg(a + "q_proj", i, g, 0, h * D), seg(a + "k_proj", i, g, h * D, (h + 1) * D),
                                        seg(a + "v_proj", i, g, (h + 1) * D, (h + 2) * D)], self.recipe,
-                                      self.gemm_backend)
-            attn.linear_proj.configure([seg(a + "o_proj", i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend)
+                                      self.gemm_backend, self.numerics)
+            attn.linear_proj.configure([seg(a + "o_proj", i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend, self.numerics)
             if c.is_moe_layer(i):
                 self._configure_moe(mlp, i, seg)
                 continue
             mlp.linear_fc1.configure([seg(m + "gate_proj", i, 1, 0, inter), seg(m + "up_proj", i, 1, inter, 2 * inter)],
-                                     self.recipe, self.gemm_backend)
-            mlp.linear_fc2.configure([seg(m + "down_proj", i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend)
+                                     self.recipe, self.gemm_backend, self.numerics)
+            mlp.linear_fc2.configure([seg(m + "down_proj", i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend, self.numerics)
         if self.last_stage:
             self.gpt.output_layer.configure([seg("lm_head", None, 1, 0, self.padded_vocab // tp)], self.recipe,
-                                            self.gemm_backend)
+                                            self.gemm_backend, self.numerics)
 
     def _configure_moe(self, moe, i: int, seg) -> None:
         """Layer i's router (the GEMM kind of the native router: bf16 where the recipe keeps it) and
@@ -191,6 +196,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         c, inter = self.config, self.config.moe_intermediate_size
         b = f"model.layers.{i}.{c.moe_attr}."
         moe.router.kind = segment_kind(self.kind, self.recipe, b + "gate", i, c.num_layers)
+        moe.router.numerics, moe.router.norm_topk_prob = self.numerics, c.norm_topk_prob
         if moe.router.kind == "fp8":
             raise MegatronConfigError(f"{b}gate: the FP8 recipe does not keep the MoE router in high precision; the "
                                       "Megatron backend runs routers in bf16 or fp32: add '*.mlp.gate' / "
@@ -199,8 +205,8 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         for j, expert in enumerate(moe.experts.local_experts):
             x = f"{b}experts.{self._expert_offset() + j}."
             expert.linear_fc1.configure([seg(x + gate, i, 1, 0, inter), seg(x + up, i, 1, inter, 2 * inter)],
-                                        self.recipe, self.gemm_backend)
-            expert.linear_fc2.configure([seg(x + down, i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend)
+                                        self.recipe, self.gemm_backend, self.numerics)
+            expert.linear_fc2.configure([seg(x + down, i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend, self.numerics)
 
     def _output_weight(self) -> torch.Tensor:
         """lm_head's local (V_pad / tp, C) weight: the embedding's when tied (its copy on the last stage)."""
@@ -270,6 +276,8 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
             if attention_mask.shape != (B, T):
                 raise ValueError(f"attention_mask must be (B, T) = ({B}, {T}), got {tuple(attention_mask.shape)}")
             attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+        if self.numerics == "exact":
+            return self._exact_stage_forward(input_ids, attention_mask, position_ids, hidden)
         self._last_mask = attention_mask  # (B, T) or None: the real tokens of load_balancing_loss
         if position_ids is None:
             if attention_mask is not None:
@@ -285,10 +293,15 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
             allowed = (allowed & attention_mask[:, None, :]) | (slot[None, :] == slot[:, None])[None]  # (B, T, T)
         mask = ~allowed[:, None]  # (B|1, 1, T, T)
 
+        return self._run_stage(input_ids, position_ids, mask, hidden)
+
+    def _run_stage(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                   hidden: torch.Tensor | None) -> torch.Tensor:
+        """This stage's embedding (first stage) and layers: (T, B, C). position_ids (B, T) give the RoPE
+        angles (fp32, as `Decoder.forward_hidden` computes them); mask is Megatron's (True = masked)."""
         # RoPE angles per (token, sequence): Megatron applies cos/sin of these in fp32, cast to x's dtype
         freqs = position_ids[..., None].float() * self.rope_inv_freq.float()  # (B, T, D/2)
         rope = torch.cat((freqs, freqs), dim=-1).transpose(0, 1)[:, :, None, :]  # (T, B, 1, D)
-
         if self.first_stage:
             x = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # (T, B, C)
             if self.embed_grid is not None:  # as Decoder.embed_grid: embeddings on the bf16 grid
@@ -297,6 +310,26 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
             x = hidden
             self.gpt.decoder.set_input_tensor(x)  # a later stage's TransformerBlock reads its input from here
         return self.gpt.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)  # (T, B, C), final norm
+
+    def _exact_stage_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                             position_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
+        """`_stage_forward` under exact numerics (`Decoder.forward_hidden`'s exact path): the batch-invariant
+        attention attends slots 0..position of a row, so padded rows are shifted to start at slot 0
+        (attention.align_rows; every stage shifts alike, the first embeds the shifted tokens, the last
+        shifts its output back) and every row's positions are arange(T)."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        arange = torch.arange(T, device=device).expand(B, T)
+        if position_ids is not None and not torch.equal(position_ids.to(device), arange):
+            raise ValueError("exact numerics need slot = position: position_ids must be arange(T) (pass an "
+                             "attention_mask for padded rows, not position_ids)")
+        back = None
+        if attention_mask is not None:
+            shift, back = align_rows(attention_mask)  # (B, T) each
+            input_ids, attention_mask = input_ids.gather(1, shift), attention_mask.gather(1, shift)
+        self._last_mask = attention_mask  # (B, T) in the aligned order the layers see (load_balancing_loss)
+        y = self._run_stage(input_ids, arange, None, hidden)  # (T, B, C); the exact attention reads no mask
+        return unalign_rows(y, back) if back is not None and self.last_stage else y
 
     def pipeline_forward_backward(self, inputs: list[tuple[torch.Tensor, torch.Tensor | None]],
                                   head: Callable[[int, torch.Tensor], tuple[torch.Tensor | None, Any]],
@@ -379,6 +412,17 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
             dist.all_reduce(total, group=self.pp_group)
             n = int(total.item())
         return n
+
+    def attach_kv_quantizer(self, quantizer):
+        """Make every attention layer of this stage apply `quantizer` (a jetflow.precision.kv.KVQuantizer)
+        to K and V after RoPE, as `attach_kv_quantizer` does on the native Decoder; returns the quantizer
+        the run must drive (under TP or PP a ModelParallelKVQuantizer: its amax is max-reduced over the
+        model-parallel group before new scales are set)."""
+        if quantizer is not None and self.mp_size > 1:
+            quantizer = ModelParallelKVQuantizer(quantizer, self.mp_group, self.rope_inv_freq.device)
+        for module in core_attention_modules(self.gpt):
+            module.kv_quantizer = quantizer
+        return quantizer
 
     # Mixture of experts --------------------------------------------------------------------------
     @property
