@@ -357,9 +357,22 @@ def _exact_blocker(cfg: Config) -> str | None:
             return "on CUDA the batch-invariant kernels are Triton's: pip install triton==3.6.0"
     elif not cfg.model.device.startswith("cpu"):
         return f"the batch-invariant kernels run on the CPU and on CUDA (model.device={cfg.model.device})"
-    if cfg.train.backend != "native":
-        return f"train.backend={cfg.train.backend} computes attention with its own kernels"
+    if cfg.train.backend == "megatron" and (k := _megatron_unsplit_k(cfg)):
+        return (f"train.backend=megatron with train.tensor_parallel_size={cfg.train.tensor_parallel_size} cannot split "
+                f"a row-parallel K of {k} into whole canonical 128-block groups (jetflow.kernels.canonical)")
     return None
+
+
+def _megatron_unsplit_k(cfg: Config) -> int | None:
+    """A row-parallel K of the tiny model (o_proj: hidden, down_proj: intermediate) that the Megatron
+    trainer's tensor parallelism cannot split exactly (tree_width(K) not a multiple of TP), else None. A
+    checkpoint's shapes are checked when the policy is built (jetflow.train.megatron.checks)."""
+    from jetflow.kernels.canonical import tree_width
+
+    tp, tiny = cfg.train.tensor_parallel_size, cfg.model.tiny
+    if tp == 1 or cfg.model.path != "tiny":
+        return None
+    return next((k for k in (tiny.hidden_size, tiny.intermediate_size) if tree_width(k) % tp), None)
 
 
 def resolve_numerics(cfg: Config) -> str:

@@ -184,6 +184,8 @@ def attach_kv_fp8(model: Decoder, cfg: Config, side: str) -> KVQuantizer | None:
         return None
     apply = side == "rollout" or cfg.precision.precision_mode.trainer_kind == "fp8"
     quantizer = KVQuantizer(model.config.num_layers, margin=cfg.precision.margin, apply=apply)
+    if hasattr(model, "attach_kv_quantizer"):  # a MegatronPolicy: its own attention modules, its own quantizer
+        return model.attach_kv_quantizer(quantizer)
     attach_kv_quantizer(model, quantizer)
     return quantizer
 

@@ -81,9 +81,6 @@ def check_megatron(cfg: Config, world: int | None = None) -> None:
             raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} / pipeline_parallel_size="
                               f"{t.pipeline_parallel_size}: model parallelism needs train.backend=megatron")
         return
-    if cfg.precision.kv_cache_fp8:
-        raise ConfigError("precision.kv_cache_fp8=true with train.backend=megatron is not supported: the trainer-side "
-                          "K/V quantizer hooks the native Decoder's attention; use train.backend=native")
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
     mp = t.tensor_parallel_size * t.pipeline_parallel_size * t.expert_parallel_size  # distinct ranks of one layout
     if world % mp:

@@ -67,7 +67,6 @@ def cli_train(tmp_path: Path, name: str, *overrides: str, timeout: int = 300) ->
     (["train.backend=megatron", "train.pipeline_parallel_size=2"], "needs a multiple of that many processes"),
     (["train.backend=megatron", "train.tensor_parallel_size=2"], "needs a multiple of that many processes"),
     (["train.tensor_parallel_size=2"], "needs train.backend=megatron"),
-    (["train.backend=megatron", "precision.kv_cache_fp8=true"], "kv_cache_fp8"),
     (["rollout.backend=vllm", "precision.kv_cache_fp8=true", "precision.numerics=fast"], "kv_cache_fp8"),
 ])
 def test_unsupported_backend_options_are_refused(overrides, match):
