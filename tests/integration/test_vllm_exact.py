@@ -1,6 +1,6 @@
 """vLLM with jetflow's exact plugin (`execution="exact"`, jetflow.rollout.vllm.plugin) on tiny models:
 its rollout log-probs equal the trainer's bit for bit (`torch.equal`) in fp32, bf16 and unified, with
-and without the FP8 KV cache; a request computes the same tokens and log-probs alone, inside a batch,
+and without the FP8 KV cache, also for Qwen3-MoE and Mixtral; a request computes the same tokens and log-probs alone, inside a batch,
 arriving while others decode and with its prefill chunked; greedy log-probs equal the native engine's
 (Llama, Llama 3 RoPE scaling, Qwen2 biases, Qwen3 q/k norms), also after in-place updates; updates the
 engine cannot take are refused untouched, and models it cannot serve before it starts.
@@ -194,14 +194,36 @@ def test_architectures_greedy_equal_the_native_engine(family, make_tiny_hf, tmp_
         rollout.close()
 
 
-def test_what_the_plugin_cannot_serve_is_refused_before_the_engine_starts(tmp_path):
+def test_what_the_plugin_cannot_serve_is_refused_before_the_run_starts(tmp_path):
+    """One line naming what cannot be served: a policy not on exact numerics or of a model type the
+    plugin was not read against (before vLLM starts), and a layer vLLM builds that the policy has no
+    module for (while the engine is built: here a checkpoint with one layer more than the policy)."""
+    from jetflow.run.vllm_side import write_engine_checkpoint
+
     cfg, model, tok, _ = tiny("unified", False)
     fast = apply_mode(copy_model(model), load_config(str(ROOT / "configs/tiny.yaml"), ["precision.numerics=fast"]),
                       "rollout")
     with pytest.raises(UnservedError, match="numerics='fast'"):
         VLLMRollout(tmp_path, execution="exact", policy=fast)
-    moe_cfg = load_config(str(ROOT / "configs/tiny-moe.yaml"), ["model.tiny.moe_family=mixtral"])
-    moe, _ = build_policy(moe_cfg, build_task(moe_cfg))
-    moe = apply_mode(moe, moe_cfg, "rollout")
-    with pytest.raises(UnservedError, match="model_type 'mixtral'"):
-        VLLMRollout(tmp_path, execution="exact", policy=moe)
+    policy = apply_mode(copy_model(model), cfg, "rollout")
+    policy.config.model_type = "gemma"
+    with pytest.raises(UnservedError, match="model_type 'gemma'"):
+        VLLMRollout(tmp_path, execution="exact", policy=policy)
+    policy.config.model_type = "llama"
+    deeper = copy_model(model)
+    deeper.config.num_layers += 1
+    path = write_engine_checkpoint(deeper, tok, tmp_path / "deeper", "exact", None)
+    with pytest.raises(Exception, match=r"model\.layers\.2\.self_attn\.qkv_proj has no jetflow module"):
+        VLLMRollout(path, execution="exact", policy=policy, max_model_len=64, kv_cache_bytes=KV_BYTES)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_rollout_logprobs_equal_trainer_bit_for_bit(family):
+    """Tiny Qwen3-MoE and Mixtral (4 experts, top-2), unified: the router (bf16 under the recipe) and the
+    FP8 experts are the policy's SparseMoeBlock, so routing and every expert GEMM are the trainer's."""
+    cfg = load_config(str(ROOT / "configs/tiny-moe.yaml"), [
+        "precision.mode=unified", f"model.tiny.moe_family={family}", "model.tiny.max_position=200",
+        "rollout.backend=vllm", "rollout.max_batch=16"])
+    task = build_task(cfg)
+    model, tok = build_policy(cfg, task)
+    assert_exact(cfg, model, tok, task, mixed_length_prompts(tok, 8, 3, 30), new_tokens=96)

@@ -241,6 +241,7 @@ class VLLMRollout:
         plugin.register()  # in every engine: vLLM shares rotary modules between the engines of a process
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        self.starting = True  # from here on close() tears down vLLM's process groups
         try:
             return vllm.LLM(**engine_args)
         except Exception as e:
@@ -366,7 +367,9 @@ class VLLMRollout:
             plugin.release(self.token)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-            # The CPU engine runs in this process and keeps its TP / PP / EP groups; the next engine
-            # would reuse them, and one built for a dense model has no expert-parallel group for an MoE.
+        if llm is not None or getattr(self, "starting", False):
+            # The CPU engine runs in this process and keeps its TP / PP / EP groups (also when it failed
+            # to start); the next engine would reuse them, and a dense model's have no expert-parallel group.
             from vllm.distributed.parallel_state import destroy_model_parallel
             destroy_model_parallel()
+            self.starting = False

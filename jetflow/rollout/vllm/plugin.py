@@ -10,9 +10,10 @@ scheduler, paged KV cache, batching and sampler; the plugin puts jetflow's funct
     embedding                                Decoder.embed (quant)
     attention                                jetflow.kernels.invariant.attention on vLLM's paged cache (attention)
     RMSNorm, SiluAndMul, rotary embedding    the policy's RMSNorm modules, silu_exact, rope_tables + apply_rope (ops)
+    MoE block (router and experts)           the policy's SparseMoeBlock (moe)
 
 `register()` installs the extension points once per process (vLLM 0.32: an out-of-tree quantization
-config, an attention backend registered over CPU_ATTN, out-of-tree custom ops). They are global, so
+config, an attention backend registered over CPU_ATTN, out-of-tree custom ops and MoE runner). They are global, so
 each piece decides per engine: an engine whose quantization config is QUANT_METHOD is exact, every
 other engine of the process keeps vLLM's own kernels. The engine names its policy by a token in that
 config (`serve`), because vLLM copies its configs; the token is looked up here, in this process: the
@@ -46,7 +47,7 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from jetflow.rollout.vllm import ops
+    from jetflow.rollout.vllm import moe, ops
     from jetflow.rollout.vllm.attention import ExactAttentionBackend
     from jetflow.rollout.vllm.quant import ExactConfig
 
@@ -55,6 +56,7 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN,
                      f"{ExactAttentionBackend.__module__}.{ExactAttentionBackend.__qualname__}")
     ops.register()
+    moe.register()
     _registered = True
 
 

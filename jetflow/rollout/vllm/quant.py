@@ -1,5 +1,5 @@
 """The exact engine's quantization config: vLLM's linear layers, embedding and lm_head computed by the
-policy's own modules (see jetflow.rollout.vllm.plugin).
+policy's own modules (see jetflow.rollout.vllm.plugin); MoE experts get jetflow.rollout.vllm.moe's method.
 
 vLLM fuses q/k/v (QKVParallelLinear) and gate/up (MergedColumnParallelLinear) into one layer; here
 each fused layer keeps one jetflow PrecisionLinear per Hugging Face sub-matrix (`q_proj`, `k_proj`,
@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 from jetflow.precision import PrecisionLinear
+from jetflow.rollout.vllm.moe import ExactMoEMethod
 from jetflow.rollout.vllm.plugin import QUANT_METHOD, UnservedError, policy_for
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -63,15 +65,22 @@ class ExactConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         policy = policy_for(self.token)
-        if isinstance(layer, ParallelLMHead):
-            return ExactLinearMethod(prefix, [_linear(policy, "lm_head", prefix)], vocab=True)
-        if isinstance(layer, VocabParallelEmbedding):
-            return ExactEmbeddingMethod(policy)
-        if isinstance(layer, LinearBase):
-            return ExactLinearMethod(prefix, [_linear(policy, name, prefix) for name in hf_names(prefix)])
+        if isinstance(layer, (LinearBase, VocabParallelEmbedding)):
+            return exact_method(layer, prefix, policy)
+        if isinstance(layer, RoutedExperts):
+            return ExactMoEMethod(layer.moe_config)  # the MoE runner computes the block (jetflow.rollout.vllm.moe)
         if isinstance(layer, Attention):
             return None  # the attention backend computes it (jetflow.rollout.vllm.attention)
         raise UnservedError(f"exact vLLM plugin: cannot serve {prefix} ({type(layer).__name__})")
+
+
+def exact_method(layer: torch.nn.Module, prefix: str, policy) -> QuantizeMethodBase:
+    """The method that computes vLLM's linear layer, lm_head or embedding `prefix` with the policy's module."""
+    if isinstance(layer, ParallelLMHead):
+        return ExactLinearMethod(prefix, [_linear(policy, "lm_head", prefix)], vocab=True)
+    if isinstance(layer, VocabParallelEmbedding):
+        return ExactEmbeddingMethod(policy)
+    return ExactLinearMethod(prefix, [_linear(policy, name, prefix) for name in hf_names(prefix)])
 
 
 def _linear(policy, name: str, prefix: str) -> PrecisionLinear:

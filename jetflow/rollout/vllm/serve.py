@@ -3,18 +3,22 @@ the policy once vLLM built it, and the line that says what the engine executes.
 
 A model is served when vLLM builds it with an architecture whose forward code the plugin was read
 against (SERVED: every computation in it is a linear, the embedding, an RMSNorm, SiluAndMul, the
-rotary embedding or attention, plus residual adds, splits and views) and every such module of the
+rotary embedding, attention or an MoE block, plus residual adds, splits and views) and every such module of the
 built model is the plugin's; anything else is refused in one line that names it.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+
+import torch
 
 from jetflow.model import Decoder
 from jetflow.rollout.vllm.plugin import UnservedError, policy_for
 
-SERVED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SERVED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 """jetflow model_type -> the vLLM architecture that runs it."""
 
 
@@ -40,6 +44,7 @@ def bind(model, token: str) -> dict[str, int]:
     from vllm.model_executor.custom_op import CustomOp
 
     from jetflow.rollout.vllm.attention import ExactAttentionImpl
+    from jetflow.rollout.vllm.moe import ExactMoERunner
     from jetflow.rollout.vllm.ops import ExactRMSNorm, ExactRotary, ExactSiluAndMul
     from jetflow.rollout.vllm.quant import ExactEmbeddingMethod, ExactLinearMethod
 
@@ -59,10 +64,9 @@ def bind(model, token: str) -> dict[str, int]:
                 raise UnservedError(f"exact vLLM plugin: vLLM's {name} (RMSNorm) has no jetflow RMSNorm of that name") from None
             kinds["RMSNorm"] += 1
         elif isinstance(module, (LinearBase, VocabParallelEmbedding)):
-            method = module.quant_method
-            if not isinstance(method, (ExactLinearMethod, ExactEmbeddingMethod)):
-                raise _refuse(name, module)
-            kinds["embedding" if isinstance(method, ExactEmbeddingMethod) else "linear"] += 1
+            if not isinstance(module.quant_method, (ExactLinearMethod, ExactEmbeddingMethod)):
+                late_bind(module, name, policy)
+            kinds["embedding" if isinstance(module.quant_method, ExactEmbeddingMethod) else "linear"] += 1
         elif isinstance(module, Attention):
             if not isinstance(module.impl, ExactAttentionImpl) or module.impl.policy is None:
                 raise _refuse(name, module)
@@ -70,6 +74,9 @@ def bind(model, token: str) -> dict[str, int]:
         elif isinstance(module, LogitsProcessor):
             if module.scale != 1.0 or module.soft_cap is not None or module.logits_as_input:
                 raise UnservedError(f"exact vLLM plugin: {name} scales or caps the logits")
+        elif isinstance(module, ExactMoERunner) and module.exact:  # its gate, router and experts are the block's
+            kinds["MoE"] += 1
+            served.append(name)
         elif isinstance(module, ExactRotary):  # exact per call (vLLM shares rotary modules between engines)
             kinds["rotary"] += 1
             served.append(name)
@@ -78,6 +85,23 @@ def bind(model, token: str) -> dict[str, int]:
         elif isinstance(module, CustomOp) or next(module.parameters(recurse=False), None) is not None:
             raise _refuse(name, module)
     return dict(kinds)
+
+
+def late_bind(module, name: str, policy) -> None:
+    """A layer vLLM built without the quantization config (Mixtral's embedding and router gate): hand it
+    the exact method now (its vLLM weight, never read again, is dropped where nothing else reads it)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from jetflow.rollout.vllm.quant import exact_method
+
+    method = exact_method(module, name, policy)
+    if isinstance(module, LinearBase):
+        in_features = getattr(module, "input_size_per_partition", module.input_size)
+        method.create_weights(module, in_features, module.output_partition_sizes, module.input_size,
+                              module.output_size, module.params_dtype)  # the shape check
+    else:
+        module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    module.quant_method = method
 
 
 def _refuse(name: str, module) -> UnservedError:
@@ -94,7 +118,8 @@ def describe(policy: Decoder) -> str:
     fp8 = kinds.get("fp8", 0)
     if fp8:
         recipe = next(m.recipe for m in linears.values() if m.kind == "fp8")
-        others = ", ".join(n for n, m in linears.items() if m.kind != "fp8")
+        others = ", ".join(dict.fromkeys(re.sub(r"layers\.\d+\.", "layers.*.", n)  # one entry per role
+                                         for n, m in linears.items() if m.kind != "fp8"))
         what = (f"W8A8 FP8 with jetflow's kernels ({fp8} FP8 linears: {recipe.weight_block[0]}x{recipe.weight_block[1]} "
                 f"weight blocks, 1x{recipe.group_size} activation groups; bf16: {others or 'none'})")
     else:
