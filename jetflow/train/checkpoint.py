@@ -6,6 +6,8 @@ checkpoints/step_000012/ model.safetensors, trainer.pt (optimizer, scheduler, ve
 (step, data position, counters), rng.pt (torch / python RNG states), manifest.json (the sha256 of
 each of those files, written last). A resume verifies the manifest and falls back to the previous
 checkpoint (two are kept) when the newest was damaged after it was written (a bad disk, a partial copy).
+Checkpoints written during the supervised warm-up are named warmup_000040/ (its step); every one of
+them comes before step_000000/ (the warm-up's end), which comes before the RL steps' checkpoints.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -30,6 +33,25 @@ from jetflow.model.protocol import ShardedPolicy, hf_weights
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "manifest.json"
+_NAME = re.compile(r"(warmup|step)_(\d{6,})")
+
+
+def checkpoint_name(step: int, warmup_step: int | None = None) -> str:
+    """step_NNNNNN for RL step `step`; warmup_NNNNNN for a checkpoint in the middle of the warm-up."""
+    return f"warmup_{warmup_step:06d}" if warmup_step is not None else f"step_{step:06d}"
+
+
+def _order(path: Path) -> tuple[int, int]:
+    """Oldest first: the warm-up's checkpoints, then the RL steps' (step_000000 is the warm-up's end)."""
+    kind, number = _NAME.fullmatch(path.name).groups()
+    return (kind == "step", int(number))
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """The checkpoint directories under `root`, oldest first (partial `.tmp-` ones are not listed)."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()), key=_order)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -40,16 +62,17 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
                     keep: int = 2, model_state: dict[str, torch.Tensor] | None = None, hf_config: bool = False,
-                    tokenizer=None) -> Path:
+                    tokenizer=None, name: str | None = None) -> Path:
     """`model_state`: the weights to write when the caller gathered them already (tensor parallelism:
     a collective every rank joins before rank 0 writes); default: the model's own.
     `hf_config`: also write the model's config.json, and `tokenizer` (a directory or a jetflow
     tokenizer) its files, so that the checkpoint directory describes itself: `jetflow generate --model
-    <it>` and transformers read it as a Hugging Face directory. Like every file, they are in the manifest."""
+    <it>` and transformers read it as a Hugging Face directory. Like every file, they are in the manifest.
+    `name`: the directory's name (default step_NNNNNN; see `checkpoint_name`)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}"
+    final = root / (name or checkpoint_name(step))
+    tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         _write_checkpoint_files(tmp, step, model, trainer_state, state, model_state, hf_config, tokenizer)
@@ -57,11 +80,18 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing checkpoint step {step} into {root} failed ({e}); older checkpoints are "
                               "intact: free space, then resume with run.resume=true") from None
-    shutil.rmtree(final, ignore_errors=True)
+    if final.exists():  # replaced (a resume fell back past it): moved aside, deleted once the new one is in place
+        aside = root / f".old-{final.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
     os.rename(tmp, final)
     _atomic_write_text(root / "latest", final.name)
-    for old in sorted(p for p in root.glob("step_*") if p != final)[:-max(keep - 1, 0) or None]:
+    older = [p for p in list_checkpoints(root) if p != final]
+    for old in older[:max(len(older) - max(keep - 1, 0), 0)]:
         shutil.rmtree(old, ignore_errors=True)
+    for leftover in root.glob(".*-*_*"):  # partial checkpoints of killed writers, replaced ones
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
     return final
 
 
@@ -122,9 +152,8 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     when it has some and none is intact (starting over would silently discard the run)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     pointer = root / "latest"
-    named = root / pointer.read_text().strip() if pointer.is_file() else None
-    candidates = sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []
-    damaged = []
+    named, damaged = _named_by_pointer(pointer)
+    candidates = list_checkpoints(root)[::-1]  # newest first
     if named is not None and named in candidates:
         candidates.remove(named)
         candidates.insert(0, named)
@@ -142,6 +171,19 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         raise CheckpointError(f"no intact checkpoint in {root}: {'; '.join(damaged)}; restore one from a backup, "
                               "or start over with another run.name")
     return None
+
+
+def _named_by_pointer(pointer: Path) -> tuple[Path | None, list[str]]:
+    """(the checkpoint `latest` names, [its damage]) where it names one by a valid name."""
+    if not pointer.is_file():
+        return None, []
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, [f"{pointer} (unreadable: {e})"]
+    if not _NAME.fullmatch(name):
+        return None, [f"{pointer} (names {name!r}, not a checkpoint)"]
+    return pointer.parent / name, []
 
 
 def _load_state(file: Path):
