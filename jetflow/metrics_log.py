@@ -1,56 +1,177 @@
-"""Metrics of a run: one JSON line per step in metrics.jsonl, and TensorBoard event files."""
+"""Metrics of a run: one JSON line per step in metrics.jsonl, and TensorBoard event files.
+
+These files are derived: the checkpoints are the run's truth. A damaged line never stops a reader or
+a resume: it is skipped with a warning that names it (a resume sets it aside, `set_aside_bad_lines`),
+and TensorBoard that cannot write is turned off with a warning."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+DAMAGED_SUFFIX = ".damaged"
+
+
+def warn(message: str) -> None:
+    print(f"[jetflow] warning: {message}", file=sys.stderr)
+
+
+def set_aside(path: Path) -> Path:
+    """Move a damaged file or directory out of the way (to <name>.damaged, numbered if taken)."""
+    target, n = path.with_name(path.name + DAMAGED_SUFFIX), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{n}")
+    os.rename(path, target)
+    return target
 
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and not self.path.is_file():  # e.g. a directory where the file belongs
+            warn(f"{self.path} is not a file; set aside as {set_aside(self.path).name}")
         self._file = self.path.open("a")
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # tensorboard is a core dependency
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self._tb = _summary_writer(Path(run_dir) / TENSORBOARD_DIR) if tensorboard else None
 
     def log(self, step: int, metrics: dict[str, float], phase: str = "rl") -> None:
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, "phase": phase, **clean}) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for k, v in clean.items():
-                if v is not None:
-                    self._tb.add_scalar(f"{phase}/{k}" if phase != "rl" else k, v, step)
+            try:
+                for k, v in clean.items():
+                    if v is not None:
+                        self._tb.add_scalar(f"{phase}/{k}" if phase != "rl" else k, v, step)
+            except OSError as e:  # a full disk, a lost mount: metrics.jsonl still has every row
+                warn(f"TensorBoard events could not be written ({e}); TensorBoard is off for the rest of this run")
+                self._tb = None
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError:
+                pass
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The rows of a JSON-lines file (none if it does not exist). A torn last line, what a kill in the
-    middle of a write leaves, is dropped; a bad line anywhere else is an error naming it."""
+def _summary_writer(log_dir: Path):
+    """A TensorBoard writer into `log_dir`; a path that is in the way is set aside; None (with a
+    warning) when it cannot be made."""
+    from torch.utils.tensorboard import SummaryWriter  # tensorboard is a core dependency
+    try:
+        if log_dir.exists() and not log_dir.is_dir():
+            warn(f"{log_dir} is not a directory; set aside as {set_aside(log_dir).name}")
+        return SummaryWriter(str(log_dir))
+    except OSError as e:
+        warn(f"TensorBoard cannot write into {log_dir} ({e}); TensorBoard is off for this run")
+        return None
+
+
+@dataclass
+class BadLine:
+    number: int  # 1-based
+    text: bytes
+    why: str
+
+    def describe(self, path: Path) -> str:
+        return f"{path.name} line {self.number} ({self.why})"
+
+
+def parse_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> tuple[list[dict], list[BadLine], bool]:
+    """(rows, bad lines, torn): every line that is a JSON object holding the `required` keys is a row;
+    any other line is bad, except a torn last line (what a kill in the middle of a write leaves:
+    no newline at its end), which is only reported as `torn`."""
     path = Path(path)
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
+    if not path.is_file():
+        return [], [], False
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    last = len(lines) - 1  # the text after the last newline: empty unless the last line is torn
+    rows, bad, torn = [], [], False
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        why = _row_problem(raw, required)
+        if why is None:
+            rows.append(json.loads(raw))
+        elif i == last:
+            torn = True
+        else:
+            bad.append(BadLine(i + 1, raw, why))
+    return rows, bad, torn
+
+
+def _row_problem(raw: bytes, required: tuple[str, ...]) -> str | None:
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text: {e.reason} at byte {e.start}"
+    except json.JSONDecodeError as e:
+        return f"not JSON: {e.msg} at column {e.colno}"
+    if not isinstance(row, dict):
+        return f"not a JSON object but a {type(row).__name__}"
+    missing = [k for k in required if k not in row]
+    if missing:
+        return f"no {', '.join(missing)}"
+    if "step" in required and (not isinstance(row["step"], int) or isinstance(row["step"], bool)):
+        return f"step {row['step']!r} is not a whole number"
+    return None
+
+
+def read_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:
+    """The rows of a JSON-lines file (none if it does not exist). A torn last line is dropped; a bad
+    line anywhere else is skipped with a warning naming it."""
+    path = Path(path)
+    rows, bad, _ = parse_jsonl(path, required)
+    if bad:
+        warn(f"skipped {_describe(path, bad)}")
     return rows
 
 
+def set_aside_bad_lines(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:
+    """Rewrite a JSON-lines file with its good rows only (a resume appends to it): bad lines are
+    appended to <name>.damaged with their line numbers, and a warning names them; a torn last line is
+    dropped. A path that is not a file is set aside whole. Returns the rows."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        warn(f"{path} is not a file; set aside as {set_aside(path).name}")
+        return []
+    rows, bad, torn = parse_jsonl(path, required)
+    if bad:
+        damaged = path.with_name(path.name + DAMAGED_SUFFIX)
+        with open(damaged, "ab") as f:
+            for line in bad:
+                f.write(f"# line {line.number}: {line.why}\n".encode() + line.text + b"\n")
+        warn(f"{_describe(path, bad)}: set aside in {damaged.name}; the run goes on without it")
+    if bad or torn:
+        write_jsonl(path, rows)
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Replace `path` with `rows`, atomically."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def _describe(path: Path, bad: list[BadLine]) -> str:
+    shown = "; ".join(line.describe(path) for line in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return f"{len(bad)} damaged line(s) in {path}: {shown}{more}"
+
+
+METRIC_KEYS = ("step", "phase")  # what every metrics row holds
+
+
 def read_metrics(run_dir: str | Path, phase: str = "rl") -> list[dict]:
-    return [r for r in read_jsonl(Path(run_dir) / METRICS_FILE) if r.get("phase") == phase]
+    return [r for r in read_jsonl(Path(run_dir) / METRICS_FILE, METRIC_KEYS) if r.get("phase") == phase]

@@ -3,6 +3,7 @@ the run directory alone, so it can be written at the end of a run and again at a
 (`jetflow report RUN`), also for an unfinished or stopped run.
 
     report/report.md              header (mode, model, task, status), the summary table, time split
+    (the directory is written under a temporary name and renamed into place: whole or not at all)
     report/reward.png             training reward per RL step (raw and smoothed) and accuracy
     report/heldout.png            held-out greedy pass@1 and mean reward (eval rows)
     report/mismatch_kl.png        KL(rollout || trainer) per step, log axis (exact zeros said in words)
@@ -13,6 +14,7 @@ the run directory alone, so it can be written at the end of a run and again at a
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -135,8 +137,24 @@ def write_run_report(run_dir: str | Path) -> Path:
                           "`jetflow train` run wrote, e.g. runs/default")
     cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
     rl, evals, sft = read_metrics(run_dir), read_metrics(run_dir, "eval"), read_metrics(run_dir, "sft")
-    out = run_dir / REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    final = run_dir / REPORT_DIR
+    out = run_dir / f".tmp-{REPORT_DIR}-{os.getpid()}"  # written whole, then put in place of the old one
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        _write(run_dir, out, cfg, rl, evals, sft)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    old = run_dir / f".old-{REPORT_DIR}-{os.getpid()}"
+    if final.exists():
+        os.rename(final, old)
+    os.rename(out, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final / REPORT_FILE
+
+
+def _write(run_dir: Path, out: Path, cfg: dict, rl: list[dict], evals: list[dict], sft: list[dict]) -> None:
     mode = (cfg.get("precision") or {}).get("mode")
     steps_planned = (cfg.get("train") or {}).get("steps")
 
@@ -174,11 +192,7 @@ def write_run_report(run_dir: str | Path) -> Path:
                    f"{sum(v or 0.0 for v in column(evals, 'time/eval')):.3g} s | |"]
         md += [""]
     md += [f"![{name}]({name}.png)\n" for name in PLOTS]
-    path = out / REPORT_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(md))
-    os.replace(tmp, path)
-    return path
+    (out / REPORT_FILE).write_text("\n".join(md))
 
 
 def _steps(rows: list[dict]) -> list[int]:
