@@ -7,6 +7,7 @@ workers), which optional backends are installed, which combinations the backends
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -22,6 +23,7 @@ def validate_run(cfg: Config, processes: int | None = None) -> None:
     if processes is None:
         processes = cfg.train.num_workers if cfg.run.orchestrator == "ray" else int(os.environ.get("WORLD_SIZE", "1"))
     check_device(cfg)
+    check_values(cfg)
     check_megatron(cfg, world=processes)
     check_batch_split(cfg, processes)
     check_vllm(cfg)
@@ -37,6 +39,54 @@ def check_device(cfg: Config) -> None:
     if cfg.model.device.startswith("cuda") and not torch.cuda.is_available():
         why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
         raise ConfigError(f"model.device={cfg.model.device}: {why}; use model.device=cpu")
+
+
+def check_values(cfg: Config) -> None:
+    """Values that jetflow.config.validate leaves through and that failed later with a traceback, ran
+    something else than asked, or wrote outside run.out_dir."""
+    tiny, r, util = cfg.model.tiny, cfg.run, cfg.rollout.vllm_gpu_memory_utilization
+    if cfg.model.path == "tiny":
+        sizes = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position")
+        if bad := [f"model.tiny.{k}={getattr(tiny, k)}" for k in sizes if getattr(tiny, k) < 1]:
+            raise ConfigError(" and ".join(bad) + " must be >= 1")
+        if tiny.num_heads % tiny.num_kv_heads or tiny.hidden_size % tiny.num_heads:
+            raise ConfigError(f"model.tiny.num_heads={tiny.num_heads} must be a multiple of num_kv_heads="
+                              f"{tiny.num_kv_heads} and divide hidden_size={tiny.hidden_size}")
+    checks = [
+        ("algo.clip_low", cfg.algo.clip_low, cfg.algo.clip_low < 1, "< 1 (the ratio is clipped below at 1 - clip_low)"),
+        ("rollout.vllm_gpu_memory_utilization", util, 0 < util <= 1, "in (0, 1]"),
+        ("run.num_threads", r.num_threads, r.num_threads >= 0, ">= 0 (0: torch's default)"),
+        ("run.ray_num_cpus", r.ray_num_cpus, r.ray_num_cpus >= 0, ">= 0 (0: all cores)"),
+        ("run.name", r.name, r.name not in ("", ".", "..") and "/" not in r.name and "\\" not in r.name,
+         "one directory name (the run goes to run.out_dir/run.name; put the path in run.out_dir)"),
+    ]
+    for key, value, ok, valid in checks:
+        if not ok:
+            raise ConfigError(f"{key}={value!r} is out of range; it must be {valid}")
+    if unknown := [k for k in r.allow_changes if not _is_key(k)]:
+        raise ConfigError(f"run.allow_changes: {', '.join(unknown)} is not a config key (e.g. train.steps)")
+    check_correction_params(cfg)
+
+
+def _is_key(dotted: str) -> bool:
+    node: object = Config()
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def check_correction_params(cfg: Config) -> None:
+    """algo.correction_params must be the correction's own parameters, in range: tried once on one token."""
+    from jetflow.rl import apply_correction
+    from jetflow.run.loop import resolve_correction
+    name, params = resolve_correction(cfg), cfg.algo.correction_params
+    zero, one = torch.zeros(1, 1), torch.ones(1, 1)
+    try:
+        apply_correction(name, zero, zero, one, **params)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"algo.correction_params={dict(params)} for correction {name}: {e}") from None
 
 
 def check_wired(cfg: Config) -> None:
