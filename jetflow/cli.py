@@ -24,15 +24,17 @@ from pathlib import Path
 def _cmd_train(args: argparse.Namespace) -> int:
     from jetflow.config import load_config
     from jetflow.run.runner import train
+    from jetflow.run.stop import StopRequests
     cfg = load_config(args.config, args.overrides)
-    run_dir = train(cfg)
-    if os.environ.get("RANK", "0") == "0":
-        from jetflow.run.report import report_at_end
-        report = report_at_end(run_dir)  # presentation, not the run: a failure here is one warning line
-        print(f"run complete: {run_dir}" + (f"\nreport: {report}" if report else ""))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from jetflow.distributed import exit_process
-        exit_process(0)  # skip the interpreter teardown of the distributed runtime (see exit_process)
+    run_dir = train(cfg)  # it answers stop requests itself
+    with StopRequests(after_run=True):  # a signal once the run is complete: the report is finished
+        if os.environ.get("RANK", "0") == "0":
+            from jetflow.run.report import report_at_end
+            report = report_at_end(run_dir)  # presentation, not the run: a failure here is one warning line
+            print(f"run complete: {run_dir}" + (f"\nreport: {report}" if report else ""))
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from jetflow.distributed import exit_process
+            exit_process(0)  # skip the interpreter teardown of the distributed runtime (see exit_process)
     return 0
 
 
@@ -243,11 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # a clear one-line error for the user's mistakes, tracebacks for ours
         from jetflow.errors import UserError
-        from jetflow.run.stop import EXIT_STOPPED, RunStopped
+        from jetflow.run.stop import EXIT_FAULT, EXIT_STOPPED, RunFault, RunStopped
         if isinstance(e, RunStopped):  # a signal asked for it; the checkpoint is written
             if os.environ.get("RANK", "0") == "0":
                 print(f"jetflow: {e}", file=sys.stderr)
             return EXIT_STOPPED
+        if isinstance(e, RunFault) and not args.debug:  # a rank or actor died: resumable
+            print(f"jetflow: error: {e}".replace("\n", " "), file=sys.stderr)
+            return EXIT_FAULT
         # the user's to fix: their input, or the machine (a missing file, a full disk, no permission)
         if isinstance(e, (UserError, OSError)) and not args.debug:
             print(f"jetflow: error: {type(e).__name__}: {e}".replace("\n", " "), file=sys.stderr)

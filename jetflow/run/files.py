@@ -5,7 +5,8 @@
     metrics.jsonl               one JSON row per SFT / RL step (jetflow.metrics_log)
     mismatch_positions.jsonl    per RL step: mean k3 and token count per response index
     tensorboard/                event files (run.tensorboard)
-    checkpoints/                step_NNNNNN/ + latest (jetflow.train.checkpoint)
+    *.damaged                   damaged lines or files a resume set aside (named in its warning)
+    checkpoints/                warmup_NNNNNN/, step_NNNNNN/ + latest (jetflow.train.checkpoint)
     vllm_engine*/, rollout_engine*/   checkpoints the vLLM engines start from
     model/, model-fp8/          the trained policy as a Hugging Face directory (bf16) and, under
                                 `unified`, its FP8 export (written at the end, from the final checkpoint)
@@ -15,7 +16,8 @@
     error.txt                   the traceback of a failed ablation cell (jetflow.ablate)
 
 A directory without COMPLETE is an unfinished run: `run.resume=true` continues it from its last
-checkpoint.
+checkpoint. The checkpoints are the run's truth; every other file is derived from the run and never
+blocks a resume (a damaged row is set aside with a warning), and every final write is atomic.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from jetflow.config import Config, ConfigError, check_resumed_config, save_config, to_dict
+from jetflow.config import Config, ConfigError, check_resumed_config, load_config, save_config, to_dict
 from jetflow.distributed import SINGLE, DataParallel
-from jetflow.metrics_log import METRICS_FILE, read_jsonl, read_metrics
+from jetflow.metrics_log import METRIC_KEYS, METRICS_FILE, read_metrics, set_aside_bad_lines, warn, write_jsonl
 from jetflow.train.checkpoint import CHECKPOINTS_DIR
 
 CONFIG_FILE = "config.yaml"
@@ -69,6 +71,7 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
         if any((run_dir / name).exists() for name in (COMPLETE, CHECKPOINTS_DIR, METRICS_FILE)):
             raise ConfigError(f"run directory {run_dir} already holds a run; pass run.resume=true to continue it, "
                               "or choose another run.name")
+    check_saved_config_readable(cfg, run_dir / CONFIG_FILE)
     check_resumed_config(cfg, run_dir / CONFIG_FILE)  # on resume: a changed config is refused by name
     dp.barrier()  # no rank may see rank 0's fresh files before it checked
     refused = None
@@ -88,16 +91,33 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
     return run_dir
 
 
-def mark_stopped(run_dir: Path, signame: str, stopped_at: int) -> int | None:
+def check_saved_config_readable(cfg: Config, path: Path) -> None:
+    """On resume, the run's config.yaml must load, or the resume cannot check it is the same run."""
+    if not (cfg.run.resume and path.exists()):
+        return
+    try:
+        load_config(path)
+    except ConfigError as e:
+        raise ConfigError(f"run.resume=true: {path} is damaged ({e}); restore it, or delete it to resume with the "
+                          "config given here (then nothing checks that it is the run's)") from None
+
+
+def describe_position(state: dict) -> str:
+    """Where a checkpoint's state resumes: "warm-up step K" or "step N"."""
+    return f"warm-up step {state['warmup_step']}" if "warmup_step" in state else f"step {state['next_step']}"
+
+
+def mark_stopped(run_dir: Path, signame: str, phase: str, at: str) -> str | None:
     """STOPPED: the run stopped on a signal and a resume continues it (the SLURM templates requeue
-    the job when it is there; the next run removes it). Returns the step a resume continues at: the
-    newest checkpoint's (the stop's own, unless the last steps were bad and none was written)."""
+    the job when it is there; the next run removes it). Returns where a resume continues: the newest
+    checkpoint's position (None without a checkpoint)."""
     pointer = run_dir / CHECKPOINTS_DIR / "latest"
-    try:  # the newest checkpoint's next step (not verified here: a resume does that)
-        resumes_at = json.loads((pointer.parent / pointer.read_text().strip() / "state.json").read_text())["next_step"]
+    try:  # the newest checkpoint's position (not verified here: a resume does that)
+        resumes_at = describe_position(json.loads((pointer.parent / pointer.read_text().strip() / "state.json")
+                                                  .read_text()))
     except (OSError, ValueError, KeyError):
         resumes_at = None
-    (run_dir / STOPPED).write_text(json.dumps({"signal": signame, "stopped_at": stopped_at,
+    (run_dir / STOPPED).write_text(json.dumps({"signal": signame, "phase": phase, "stopped_at": at,
                                                "resumes_at": resumes_at}) + "\n")
     return resumes_at
 
@@ -148,16 +168,37 @@ def release_run_lock(run_dir: Path) -> None:
         pass
 
 
-def truncate_metrics(run_dir: Path, keep_before_step: int, sft_done: bool) -> None:
-    """On resume, drop metric rows of steps the checkpoint does not contain (they are redone; an
-    evaluation at the resumed step too), and a torn last line."""
+def tidy_for_resume(run_dir: Path, state: dict) -> None:
+    """On resume, make the derived files agree with the checkpoint the run resumes from (`state`; {}
+    for none): damaged lines of metrics.jsonl and mismatch_positions.jsonl are set aside with a warning,
+    rows of steps the checkpoint does not contain are dropped (they are redone; an evaluation at the
+    resumed step too), and rows that are missing are named."""
     path = run_dir / METRICS_FILE
     if not path.exists():
+        if state.get("next_step", 0) or state.get("sft_done"):
+            warn(f"{path} is missing; the run goes on from its checkpoint, the rows of the steps before it are lost")
         return
-    rows = read_jsonl(path)  # without a torn last line: the next row must not be appended to it
-    kept = [r for r in rows if (r["phase"] == "sft" and sft_done)
-            or (r["phase"] in ("rl", "eval") and r["step"] < keep_before_step)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    rows = set_aside_bad_lines(path, METRIC_KEYS)
+    if not state and rows:
+        warn(f"{run_dir} has no checkpoint: starting over; its {len(rows)} metric row(s) are dropped")
+    next_step, sft_done, warm = state.get("next_step", 0), state.get("sft_done", False), state.get("warmup_step", 0)
+    kept = [r for r in rows if (r["phase"] == "sft" and (sft_done or r["step"] < warm))
+            or (r["phase"] in ("rl", "eval") and r["step"] < next_step)]
+    if path.is_file():
+        write_jsonl(path, kept)
+    lost = sorted(set(range(next_step)) - {r["step"] for r in kept if r["phase"] == "rl"})
+    if lost:
+        warn(f"{path} has no rows for RL step(s) {_ranges(lost)}; the run goes on from its checkpoint without them")
+    set_aside_bad_lines(run_dir / POSITIONS_FILE)
+
+
+def _ranges(steps: list[int]) -> str:
+    parts, start = [], steps[0]
+    for a, b in zip(steps, steps[1:] + [None]):
+        if b != a + 1:
+            parts.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(parts)
 
 
 def append_position_curve(run_dir: Path, step: int, exp) -> None:
@@ -201,6 +242,12 @@ def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_paral
         "data_parallel_size": data_parallel_size,
         "config": to_dict(cfg),
     }
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-    (run_dir / COMPLETE).write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+    _atomic_write(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+    _atomic_write(run_dir / COMPLETE, time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
     return summary
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

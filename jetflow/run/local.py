@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from jetflow.config import Config
 from jetflow.distributed import DataParallel
 from jetflow.run.build import run_fingerprint
@@ -34,11 +33,11 @@ class LocalPlacement:
     def restore(self, checkpoint: Path) -> dict:
         return self.side.restore(checkpoint)
 
-    def supervised_warmup(self) -> list[dict]:
-        return self.side.supervised_warmup()
+    def warmup_step(self, step: int) -> dict:
+        return self.side.warmup_step(step)
 
-    def save(self, step: int, sft_done: bool) -> None:
-        self.side.save(self.run_dir, step, sft_done)
+    def save(self, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
+        self.side.save(self.run_dir, step, sft_done, warmup_step)
 
     def build_loop(self) -> RLLoop:
         side, cfg = self.side, self.cfg

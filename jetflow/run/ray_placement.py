@@ -37,6 +37,7 @@ from jetflow.rollout.types import Rollouts
 from jetflow.run.build import build_task, build_tokenizer, prompt_encoder, run_fingerprint
 from jetflow.run.files import engine_dir
 from jetflow.run.loop import RLLoop
+from jetflow.run.stop import RESUME_HINT, RunFault
 from jetflow.sync import WeightUpdate
 
 ACTOR_RESTARTS = 3  # per rollout actor, over a run
@@ -99,14 +100,14 @@ class TrainerWorker:
         self.dp = init_from_env(cfg.model.device) if self.world_size > 1 else SINGLE
         self.side = TrainerSide(cfg, self.dp)
 
-    def supervised_warmup(self) -> list[dict]:
-        return self.side.supervised_warmup()
+    def warmup_step(self, step: int) -> dict:
+        return self.side.warmup_step(step)
 
     def restore(self, checkpoint: str) -> dict:
         return self.side.restore(Path(checkpoint))
 
-    def save_checkpoint(self, run_dir: str, step: int, sft_done: bool) -> None:
-        self.side.save(Path(run_dir), step, sft_done)
+    def save_checkpoint(self, run_dir: str, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
+        self.side.save(Path(run_dir), step, sft_done, warmup_step)
 
     def compute_logprobs(self, exp: Experience, temperature: float) -> torch.Tensor:
         return self.side.trainer.compute_logprobs(exp, temperature)
@@ -170,6 +171,16 @@ def _actor_classes(ray, num_gpus: float = 0):
     return rollout, trainer
 
 
+def trainer_results(ray, futures: list, doing: str) -> list:
+    """ray.get of the trainer workers' calls; a worker that died (trainer workers are not restarted:
+    their process group would have to be rebuilt) ends the run with RunFault naming it."""
+    try:
+        return ray.get(futures)
+    except ray.exceptions.RayActorError as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RunFault(f"a Ray trainer worker died {doing} ({why}); its checkpoints are intact: {RESUME_HINT}") from e
+
+
 # Driver-side proxies the RLLoop talks to.
 
 @dataclass
@@ -212,10 +223,11 @@ class TrainerGroup:
 
     def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> torch.Tensor:
         parts = [w.compute_logprobs.remote(s, temperature) for w, s in zip(self.workers, self._shards(exp))]
-        return self._rows(self.ray.get(parts))
+        return self._rows(trainer_results(self.ray, parts, "during an RL step"))
 
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
-        results = self.ray.get([w.train_step.remote(s, temperature) for w, s in zip(self.workers, self._shards(exp))])
+        results = trainer_results(self.ray, [w.train_step.remote(s, temperature)
+                                             for w, s in zip(self.workers, self._shards(exp))], "during an RL step")
         return self._stepped(*results[0])
 
     def _stepped(self, metrics: dict[str, float], version: int) -> dict[str, float]:
@@ -226,12 +238,13 @@ class TrainerGroup:
 
     def train_step_on_policy(self, exp: Experience, temperature: float, correction: str,
                              correction_params: dict) -> tuple[dict[str, float], torch.Tensor]:
-        results = self.ray.get([w.train_step_on_policy.remote(s, temperature, correction, correction_params)
-                                for w, s in zip(self.workers, self._shards(exp))])
+        results = trainer_results(self.ray, [w.train_step_on_policy.remote(s, temperature, correction, correction_params)
+                                             for w, s in zip(self.workers, self._shards(exp))], "during an RL step")
         return self._stepped(*results[0][:2]), self._rows([old for _, _, old in results])
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales=None) -> RemoteUpdate:
-        ref, size = self.ray.get([w.weight_update.remote(mode, fingerprint, kv_scales) for w in self.workers])[0]
+        ref, size = trainer_results(self.ray, [w.weight_update.remote(mode, fingerprint, kv_scales)
+                                               for w in self.workers], "during a weight update")[0]
         return RemoteUpdate(ref, self.version, size)
 
 
@@ -387,16 +400,20 @@ class RayPlacement:
                 f"({info['num_params'] / 1e6:.1f}M params)")
 
     def restore(self, checkpoint: Path) -> dict:
-        state = self.ray.get([wk.restore.remote(str(checkpoint)) for wk in self.workers])[0]
+        state = trainer_results(self.ray, [wk.restore.remote(str(checkpoint)) for wk in self.workers],
+                                "while loading a checkpoint")[0]
         info = self.ray.get(self.workers[0].info.remote())
         self.trainer.version, self.trainer.skipped_steps = info["version"], info["skipped_steps"]
         return state
 
-    def supervised_warmup(self) -> list[dict]:
-        return self.ray.get([wk.supervised_warmup.remote() for wk in self.workers])[0]
+    def warmup_step(self, step: int) -> dict:
+        return trainer_results(self.ray, [wk.warmup_step.remote(step) for wk in self.workers],
+                               f"during warm-up step {step}")[0]
 
-    def save(self, step: int, sft_done: bool) -> None:  # every worker joins (rank 0 writes, then all meet)
-        self.ray.get([wk.save_checkpoint.remote(str(self.run_dir), step, sft_done) for wk in self.workers])
+    def save(self, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
+        """Every worker joins (rank 0 writes, then all meet)."""
+        trainer_results(self.ray, [wk.save_checkpoint.remote(str(self.run_dir), step, sft_done, warmup_step)
+                                   for wk in self.workers], "while writing a checkpoint")
 
     def build_loop(self) -> RLLoop:
         cfg = self.cfg

@@ -14,11 +14,19 @@ from jetflow.config import Config
 from jetflow.distributed import SINGLE, DataParallel, init_from_env, shutdown
 from jetflow.run.files import prepare_run_dir, release_run_lock
 from jetflow.run.sequence import Placement, run_sequence
+from jetflow.run.stop import StopRequests
 from jetflow.run.validate import validate_run
 
 
 def train(cfg: Config) -> Path:
-    """Run (or resume) the configured RL run; returns its directory (see jetflow.run.files)."""
+    """Run (or resume) the configured RL run; returns its directory (see jetflow.run.files). Stop
+    requests are caught from the start to the end, so a signal during the model load or the teardown
+    also ends the run cleanly."""
+    with StopRequests() as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: Config, stop: StopRequests) -> Path:
     validate_run(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
@@ -27,8 +35,8 @@ def train(cfg: Config) -> Path:
     completed, run_dir = False, None
     try:
         run_dir = prepare_run_dir(cfg, dp)  # checks, LOCK, config.yaml
-        with place(cfg, dp, run_dir) as placement:
-            run_sequence(cfg, placement, run_dir)
+        with place(cfg, dp, run_dir) as placement:  # the model load
+            run_sequence(cfg, placement, run_dir, stop)
         completed = True
         return run_dir
     finally:

@@ -1,6 +1,11 @@
-"""A run's life, written once: resume -> supervised warm-up -> RL steps -> final checkpoint ->
-summary. Where the trainer and the rollout engines live is the `Placement`'s business (one process
-or torchrun ranks: jetflow.run.local; Ray actors: jetflow.run.ray_placement); the sequence is the same.
+"""A run's life, written once: model load (+ resume) -> supervised warm-up -> RL steps with held-out
+evaluations -> final writes (checkpoint, model/, summary.json + COMPLETE). Where the trainer and the
+rollout engines live is the `Placement`'s business (one process or torchrun ranks: jetflow.run.local;
+Ray actors: jetflow.run.ray_placement); the sequence is the same.
+
+Every phase answers a stop request (jetflow.run.stop) at its next step boundary: a checkpoint where
+there is state to keep, then `RunStopped`, and the run directory is marked STOPPED; the same command
+with run.resume=true continues it, bit for bit.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from typing import Callable, Protocol
 
 from jetflow.config import Config
 from jetflow.metrics_log import MetricsLogger
-from jetflow.run.files import (append_position_curve, mark_stopped, truncate_metrics, write_final_model,
+from jetflow.run.files import (append_position_curve, mark_stopped, tidy_for_resume, write_final_model,
                                write_summary)
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RunStopped, StopRequests
@@ -29,13 +34,13 @@ class Placement(Protocol):
     """One line for the start-up banner (layout, model size)."""
 
     def restore(self, checkpoint: Path) -> dict: ...
-    """Load a checkpoint into every trainer; returns its state (next_step, sft_done)."""
+    """Load a checkpoint into every trainer; returns its state (next_step, sft_done[, warmup_step])."""
 
-    def supervised_warmup(self) -> list[dict]: ...
-    """Run the supervised warm-up; returns its per-step metric rows."""
+    def warmup_step(self, step: int) -> dict: ...
+    """Supervised warm-up step `step` on every trainer; returns its metrics."""
 
-    def save(self, step: int, sft_done: bool) -> None: ...
-    """A checkpoint at `step` (every trainer joins)."""
+    def save(self, step: int, sft_done: bool, warmup_step: int | None = None) -> None: ...
+    """A checkpoint at RL step `step` (or at warm-up step `warmup_step`); every trainer joins."""
 
     def build_loop(self) -> RLLoop: ...
     """The RL loop over this placement's trainer and rollout engines."""
@@ -51,114 +56,157 @@ class Placement(Protocol):
     """True on every rank if `flag` is True on any (a stop request must end all ranks at one step)."""
 
 
-def run_sequence(cfg: Config, placement: Placement, run_dir: Path) -> Path:
-    """Run (or resume) the configured run on `placement`; returns its directory."""
-    start_step, sft_done = 0, False
-    checkpoint = latest_checkpoint(run_dir) if cfg.run.resume else None
-    if checkpoint is not None:
-        state = placement.restore(checkpoint)
-        start_step, sft_done = state["next_step"], state["sft_done"]
-    if placement.is_main:
-        truncate_metrics(run_dir, start_step, sft_done)
-        print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  recipe={cfg.precision.recipe().fingerprint()}  "
-              f"{placement.describe()}", file=sys.stderr)
-    logger = MetricsLogger(run_dir, cfg.run.tensorboard) if placement.is_main else None
-    try:
-        with StopRequests() as stop:
-            _run(cfg, placement, run_dir, logger, start_step, sft_done, stop)
-    finally:
-        if logger is not None:
-            logger.close()
-    return run_dir
+def run_sequence(cfg: Config, placement: Placement, run_dir: Path, stop: StopRequests | None = None) -> Path:
+    """Run (or resume) the configured run on `placement`; returns its directory. `stop`: the stop
+    requests caught since the run began (its model load included); default: from here on."""
+    if stop is not None:
+        return RunSequence(cfg, placement, run_dir, stop).run()
+    with StopRequests() as stop:
+        return RunSequence(cfg, placement, run_dir, stop).run()
 
 
-def _run(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: int, sft_done: bool,
-         stop: StopRequests) -> None:
-    try:
-        sft_done = _train(cfg, placement, run_dir, logger, start_step, sft_done, stop)
-    except RunStopped as stopped:  # its checkpoint is written: mark the run directory resumable
+class RunSequence:
+    def __init__(self, cfg: Config, placement: Placement, run_dir: Path, stop: StopRequests):
+        self.cfg, self.placement, self.run_dir, self.stop = cfg, placement, run_dir, stop
+        self.logger: MetricsLogger | None = None
+        self.state: dict = {}  # the newest checkpoint's: next_step, sft_done[, warmup_step]
+        self.saved_at: tuple | None = None  # (step, warmup_step) of the newest checkpoint this run holds
+
+    def run(self) -> Path:
+        cfg, placement, run_dir = self.cfg, self.placement, self.run_dir
+        checkpoint = latest_checkpoint(run_dir) if cfg.run.resume else None
+        if checkpoint is not None:
+            self.state = placement.restore(checkpoint)
+            self.saved_at = (self.state["next_step"], self.state.get("warmup_step"))
         if placement.is_main:
-            stopped.resumes_at = mark_stopped(run_dir, stopped.signame, stopped.stopped_at)
-        raise
-    placement.save(cfg.train.steps, sft_done)
-    if placement.is_main:  # from the final checkpoint: the same for every placement
-        write_final_model(run_dir, latest_checkpoint(run_dir), cfg)
-        write_summary(run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
-    placement.barrier()
+            tidy_for_resume(run_dir, self.state)
+            print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  recipe={cfg.precision.recipe().fingerprint()}  "
+                  f"{placement.describe()}", file=sys.stderr)
+            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard)
+        try:
+            self._stop_point("model load", "step 0")
+            self._warmup()
+            self._rl_steps()
+            self._final_writes()
+        except RunStopped as stopped:  # its checkpoint is written: mark the run directory resumable
+            if placement.is_main:
+                stopped.resumes_at = mark_stopped(run_dir, stopped.signame, stopped.phase, stopped.at)
+            raise
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+        return run_dir
 
-
-def _train(cfg: Config, placement: Placement, run_dir: Path, logger, start_step: int, sft_done: bool,
-           stop: StopRequests) -> bool:
-    """The supervised warm-up (unless done) and the RL steps; returns sft_done."""
-    def stop_requested() -> str | None:
-        if not placement.any_rank(stop.signame is not None):
+    # Stop requests ---------------------------------------------------------------------------------
+    def _requested(self) -> str | None:
+        """The stop request any rank received (every rank agrees), or None."""
+        if not self.placement.any_rank(self.stop.signame is not None):
             return None
-        return stop.signame or "a signal on another rank"
+        return self.stop.signame or "a signal on another rank"
 
-    if cfg.train.sft_warmup_steps and not sft_done:
-        rows = placement.supervised_warmup()
-        if logger is not None:
-            for step, metrics in enumerate(rows):
-                logger.log(step, metrics, phase="sft")
-        sft_done = True
-        placement.save(0, sft_done)
-    signame = stop_requested()
-    if signame is not None:  # during the warm-up: its checkpoint is written
-        raise RunStopped(signame, start_step, run_dir)
-    loop = placement.build_loop()
-    run_rl_steps(cfg, loop, start_step, logger, lambda step: placement.save(step, sft_done),
-                 on_metrics=placement.step_metrics, run_dir=run_dir, stop=stop_requested,
-                 evaluate=(lambda step: _evaluate(loop, logger, step)) if cfg.eval.num_prompts else None)
-    return sft_done
+    def _stop_point(self, phase: str, at: str, save: Callable[[], None] | None = None) -> None:
+        """A step boundary of `phase`: on a stop request, `save()` (a checkpoint of the state so far),
+        then RunStopped."""
+        signame = self._requested()
+        if signame is None:
+            return
+        if save is not None:
+            save()
+        raise RunStopped(signame, phase, at, self.run_dir)
 
+    def _save(self, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
+        """A checkpoint, unless this run already holds that one (a resume from it, an earlier stop point)."""
+        if self.saved_at == (step, warmup_step):
+            return
+        self.placement.save(step, sft_done, warmup_step)
+        self.saved_at = (step, warmup_step)
 
-def _evaluate(loop: RLLoop, logger, step: int) -> dict[str, float]:
-    metrics = loop.evaluate()  # every rank: each decodes its share
-    if logger is not None:
-        logger.log(step, metrics, phase="eval")
-    return metrics
+    def _log(self, step: int, metrics: dict, phase: str = "rl") -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics, phase=phase)
 
+    # Phases ------------------------------------------------------------------------------------------
+    def _warmup(self) -> None:
+        """The supervised warm-up (unless done): rows logged as they come, a checkpoint every
+        train.checkpoint_every steps, a stop request answered after the current step."""
+        n, every = self.cfg.train.sft_warmup_steps, self.cfg.train.checkpoint_every
+        if not n or self.state.get("sft_done"):
+            return
+        for step in range(self.state.get("warmup_step", 0), n):
+            self._log(step, self.placement.warmup_step(step), phase="sft")
+            if step + 1 == n:
+                break
+            checkpoint = lambda: self._save(0, False, warmup_step=step + 1)  # noqa: E731
+            self._stop_point("warm-up", f"warm-up step {step + 1}", checkpoint)
+            if every and (step + 1) % every == 0:
+                checkpoint()
+        self._save(0, True)  # the warm-up's end: step_000000
+        self.state = {"next_step": 0, "sft_done": True}
 
-def run_rl_steps(cfg: Config, loop: RLLoop, start_step: int, logger, checkpoint: Callable[[int], None],
-                 on_metrics: Callable[[dict], dict] | None = None, run_dir: Path | None = None,
-                 stop: Callable[[], str | None] | None = None, evaluate: Callable[[int], dict] | None = None) -> None:
-    """The RL steps of a run with their logs, progress bar and periodic checkpoints (logger None: not
-    the logging rank). `stop()` names a stop request: then a checkpoint and RunStopped. `evaluate(k)`
-    runs the held-out evaluation at step k (before step 0, every eval.every steps, after the last):
-    before RL step k, so a run resumed at k evaluates there again."""
-    progress = None
-    if cfg.run.progress and logger is not None:
-        from tqdm import tqdm
-        progress = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{cfg.run.name} [{cfg.precision.mode}]",
-                        file=sys.stderr, dynamic_ncols=True)
-    held_out = ""  # the progress line's latest held-out accuracy
-    try:
-        for step in range(start_step, cfg.train.steps):
-            if evaluate is not None and (step == 0 or (cfg.eval.every and step % cfg.eval.every == 0)):
-                held_out = f"held-out {evaluate(step)['eval/pass@1']:.2f} "
-            metrics = loop.step(step)
-            if on_metrics is not None:
-                metrics = on_metrics(metrics)
-            if logger is not None:
-                logger.log(step, metrics)
-                if run_dir is not None:
-                    append_position_curve(run_dir, step, loop.last_experience)
+    def _rl_steps(self) -> None:
+        """The RL steps with their logs, progress bar, periodic checkpoints and held-out evaluations
+        (before step 0, every eval.every steps, and after the last: before step k, so a run resumed at
+        k evaluates there again)."""
+        cfg, start = self.cfg, self.state.get("next_step", 0)
+        sft_done = bool(self.state.get("sft_done"))
+        checkpoint = lambda step: self._save(step, sft_done)  # noqa: E731
+        self._stop_point("rl", f"step {start}", lambda: checkpoint(start))
+        loop = self.placement.build_loop()
+        evaluate = cfg.eval.num_prompts > 0
+        progress = _progress_bar(cfg, start) if cfg.run.progress and self.logger is not None else None
+        held_out = ""  # the progress line's latest held-out accuracy
+        try:
+            for step in range(start, cfg.train.steps):
+                if evaluate and (step == 0 or (cfg.eval.every and step % cfg.eval.every == 0)):
+                    held_out = f"held-out {self._evaluate(loop, step)['eval/pass@1']:.2f} "
+                    self._stop_point("evaluation", f"step {step}", lambda: checkpoint(step))
+                metrics = self.placement.step_metrics(loop.step(step))
+                self._log(step, metrics)
+                if self.placement.is_main:
+                    append_position_curve(self.run_dir, step, loop.last_experience)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix_str(_progress_line(metrics, held_out))
+                self._stop_point("rl", f"step {step + 1}", lambda: checkpoint(step + 1))
+                every = cfg.train.checkpoint_every
+                if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
+                    checkpoint(step + 1)
+            if evaluate:
+                self._evaluate(loop, cfg.train.steps)
+        finally:
             if progress is not None:
-                progress.update(1)
-                progress.set_postfix_str(
-                    f"reward {metrics['reward/mean']:.3f} {held_out}kl {metrics['mismatch/kl_k3']:.1e} | "
-                    f"rollout {metrics['time/rollout']:.1f}s old {metrics['time/old_logprobs']:.1f}s "
-                    f"train {metrics['time/train']:.1f}s sync {metrics['time/sync']:.2f}s | "
-                    f"{metrics['throughput/tokens_per_s']:.0f} tok/s")
-            last = step + 1 == cfg.train.steps
-            every = cfg.train.checkpoint_every
-            signame = None if last or stop is None else stop()
-            if signame is not None or (every and (step + 1) % every == 0 and not last):
-                checkpoint(step + 1)
-            if signame is not None:
-                raise RunStopped(signame, step + 1, run_dir)
-        if evaluate is not None:
-            evaluate(cfg.train.steps)
-    finally:
-        if progress is not None:
-            progress.close()
+                progress.close()
+
+    def _evaluate(self, loop: RLLoop, step: int) -> dict[str, float]:
+        metrics = loop.evaluate()  # every rank: each decodes its share
+        self._log(step, metrics, phase="eval")
+        return metrics
+
+    def _final_writes(self) -> None:
+        """The final checkpoint, model/ (+ model-fp8/) from it, then summary.json and COMPLETE: each
+        atomic, a stop request answered between them (a resume then finishes the run)."""
+        cfg, placement, steps = self.cfg, self.placement, self.cfg.train.steps
+        at = f"step {steps}"
+        sft_done = bool(self.state.get("sft_done"))
+        self._stop_point("final writes", at, lambda: self._save(steps, sft_done))
+        self._save(steps, sft_done)
+        self._stop_point("final writes", at)
+        if placement.is_main:  # from the final checkpoint: the same for every placement
+            write_final_model(self.run_dir, latest_checkpoint(self.run_dir), self.cfg)
+        self._stop_point("final writes", at)
+        if placement.is_main:
+            write_summary(self.run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
+        placement.barrier()
+
+
+def _progress_bar(cfg: Config, start: int):
+    from tqdm import tqdm
+    return tqdm(total=cfg.train.steps, initial=start, desc=f"{cfg.run.name} [{cfg.precision.mode}]",
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def _progress_line(metrics: dict, held_out: str) -> str:
+    return (f"reward {metrics['reward/mean']:.3f} {held_out}kl {metrics['mismatch/kl_k3']:.1e} | "
+            f"rollout {metrics['time/rollout']:.1f}s old {metrics['time/old_logprobs']:.1f}s "
+            f"train {metrics['time/train']:.1f}s sync {metrics['time/sync']:.2f}s | "
+            f"{metrics['throughput/tokens_per_s']:.0f} tok/s")

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import random
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from jetflow.config import Config, ConfigError
 from jetflow.distributed import SINGLE, DataParallel
-from jetflow.rl.experience import pack_experience
 from jetflow.rollout.native import NativeRollout
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder,
                                run_fingerprint, stop_token_ids)
@@ -21,33 +19,9 @@ from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
                                        select_trainer_state)
 from jetflow.run.vllm_side import build_vllm_rollout
-from jetflow.train.checkpoint import checkpoint_weights, load_checkpoint, save_checkpoint
+from jetflow.run.warmup import Warmup
+from jetflow.train.checkpoint import checkpoint_name, checkpoint_weights, load_checkpoint, save_checkpoint
 from jetflow.train.trainer import Trainer
-
-SFT_INDEX_OFFSET = 10_000_000  # supervised warm-up draws problems far from the RL prompts
-
-
-def supervised_warmup(cfg: Config, trainer_model, task, encode, tokenizer, dp: DataParallel = SINGLE) -> list[dict]:
-    """A short supervised phase on reference answers (for models trained from scratch); returns its
-    per-step metrics."""
-    n = cfg.train.sft_warmup_steps
-    sft_cfg = replace(cfg.train, lr=cfg.train.sft_lr, warmup_steps=max(1, n // 10), steps=n, min_lr_ratio=0.1,
-                      micro_batch_size=cfg.train.sft_batch_size)
-    sft = Trainer(trainer_model, sft_cfg, cfg.algo, total_steps=n, dp=dp)
-    mine = dp.shard(cfg.train.sft_batch_size)
-    bs = len(mine)
-    end = task.stop[0] if task.stop else ""
-    rows = []
-    for step in range(n):
-        problems = task.problems(SFT_INDEX_OFFSET + step * cfg.train.sft_batch_size + mine.start, bs, cfg.run.seed)
-        prompts = [encode(p) for p in problems]
-        answers = [tokenizer.encode(p.answer + end) + [tokenizer.eos_token_id] for p in problems]
-        zeros = torch.zeros(bs)
-        exp = pack_experience(prompts, answers, [[0.0] * len(a) for a in answers], zeros, zeros,
-                              tokenizer.pad_token_id, cfg.model.device)
-        metrics = sft.sft_step(exp)
-        rows.append(metrics)
-    return rows
 
 
 class TrainerSide:
@@ -65,39 +39,57 @@ class TrainerSide:
         self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
         self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp)
         self.kv_quantizer = attach_kv_fp8(self.model, cfg, "trainer")
+        self.warmup: Warmup | None = None  # while the supervised warm-up runs
 
     def state(self) -> dict:
         state = self.trainer.state_dict()
         if self.kv_quantizer is not None:
             state["kv_quantizer"] = self.kv_quantizer.state_dict()
+        if self.warmup is not None:  # in the middle of the warm-up: its optimizer and schedule
+            state["warmup"] = self.warmup.state_dict()
         return state
 
     def restore(self, checkpoint: Path) -> dict:
-        """Load a checkpoint into model, optimizer and KV quantizer; returns its state (next_step, sft_done)."""
+        """Load a checkpoint into model, optimizer and KV quantizer (and, in the middle of the warm-up,
+        the warm-up's optimizer); returns its state (next_step, sft_done[, warmup_step])."""
         saved, state = load_checkpoint(checkpoint, self.model)
         saved = select_trainer_state(self.model, saved)
         self.trainer.load_state_dict(saved)
         if self.kv_quantizer is not None and "kv_quantizer" in saved:
             self.kv_quantizer.load_state_dict(saved["kv_quantizer"])
+        if "warmup" in saved:
+            self._warmup().load_state_dict(saved["warmup"])
         return state
 
-    def save(self, run_dir: Path, step: int, sft_done: bool) -> None:
-        """A checkpoint at `step`, unless the last steps were skipped as non-finite: then the last good
-        checkpoint stays the newest (a resume goes back to it)."""
-        if self.trainer.consecutive_bad:  # the same on every rank: losses and gradients are summed
+    def save(self, run_dir: Path, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
+        """A checkpoint at RL step `step`, or at warm-up step `warmup_step` in the middle of the warm-up,
+        unless the last steps were skipped as non-finite: then the last good checkpoint stays the newest
+        (a resume goes back to it)."""
+        trainer = self.warmup.trainer if warmup_step is not None and self.warmup is not None else self.trainer
+        if trainer.consecutive_bad:  # the same on every rank: losses and gradients are summed
             if self.dp.is_main:
-                print(f"[jetflow] warning: no checkpoint at step {step}: the last {self.trainer.consecutive_bad} "
+                where = f"warm-up step {warmup_step}" if warmup_step is not None else f"step {step}"
+                print(f"[jetflow] warning: no checkpoint at {where}: the last {trainer.consecutive_bad} "
                       "step(s) were skipped as non-finite; the last good checkpoint stays", file=sys.stderr)
             return
+        if sft_done:
+            self.warmup = None  # done: its optimizer state is not needed any more
         weights = checkpoint_weights(self.model)  # every rank: gathering TP shards is a collective
         trainer_state = gather_trainer_state(self.model, self.state())
+        state = {"next_step": step, "sft_done": sft_done, **({} if warmup_step is None else {"warmup_step": warmup_step})}
         if self.dp.is_main:
-            save_checkpoint(run_dir, step, self.model, trainer_state, {"next_step": step, "sft_done": sft_done},
-                            model_state=weights, hf_config=True, tokenizer=self.tokenizer)  # self-describing
+            save_checkpoint(run_dir, step, self.model, trainer_state, state, model_state=weights, hf_config=True,
+                            tokenizer=self.tokenizer, name=checkpoint_name(step, warmup_step))  # self-describing
         self.dp.barrier()
 
-    def supervised_warmup(self) -> list[dict]:
-        return supervised_warmup(self.cfg, self.model, self.task, self.encode, self.tokenizer, self.dp)
+    def _warmup(self) -> Warmup:
+        if self.warmup is None:
+            self.warmup = Warmup(self.cfg, self.model, self.task, self.encode, self.tokenizer, self.dp)
+        return self.warmup
+
+    def warmup_step(self, step: int) -> dict:
+        """Supervised warm-up step `step`; returns its metrics."""
+        return self._warmup().step(step)
 
 
 def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Path | None = None,
