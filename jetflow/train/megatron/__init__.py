@@ -16,6 +16,21 @@ What is Megatron's and what is jetflow's:
   `rope_inv_freq` (Llama-3 scaling included) and positions from the attention mask, so left padding
   behaves exactly as in `Decoder.forward_hidden`.
 
+Exact numerics (`numerics="exact"`, what `precision.numerics=auto` resolves to with train.backend=megatron):
+the trainer computes every token's row with the native exact model's functions, so its log-probs equal
+the native rollout engine's bit for bit at TP = 1, 2, 4, PP and EP:
+- every linear is `jetflow.precision.exact.exact_linear` (the canonical GEMM, bias and bf16 rounding in
+  its epilogue); a row-parallel layer computes its tree_width(K) / TP canonical groups and combines the
+  TP ranks' partials by all_gather + the same pairwise tree, in rank order (reduce.py), not an
+  all-reduce; a K that TP cannot split into whole groups is refused (checks.check_exact_tp_split);
+- attention is jetflow's batch-invariant kernel as Megatron's `core_attention` (attention.py) on rows
+  realigned so that slot = position (the native exact trainer's realignment), SiLU is `silu_exact`;
+- an MoE layer routes as the native exact block and sums a token's k expert outputs in slot order
+  whichever EP ranks computed them (moe.py).
+Megatron's unfused RoPE (`x * cos + rotate_half(x) * sin`), the residual adds and the vocab-parallel
+embedding (a sum with zeros) are the native operations already. Only the forward is exact: the backward
+is torch's (fp32 / bf16) or the recipe's FP8 dgrad / wgrad, as in the native trainer.
+
 Same bytes as the native model under FP8. Megatron fuses q/k/v into `linear_qkv` (interleaved per
 KV group) and gate/up into `linear_fc1`. Quantizing a fused weight in 128x128 blocks would mix rows of
 different HF matrices in one block, so the FP8 path quantizes each HF sub-matrix ("segment": q, k, v,
@@ -75,11 +90,15 @@ Modules (each imports only from those listed above it):
 - deps.py      INSTALL_HINT, MegatronConfigError, the lazy Megatron-Core gate, Megatron on the CPU
 - checks.py    checks of a ModelConfig against the TP layout (pure)
 - sharding.py  HF <-> Megatron names, TP shards and EP expert shards of the weights (pure tensor functions)
-- linear.py    Megatron's parallel linears with jetflow's GEMMs (Segment, per-segment FP8)
+- reduce.py    the exact row-parallel combine over TP ranks (all_gather + tree_sum)
+- linear.py    Megatron's parallel linears with jetflow's GEMMs (Segment, per-segment FP8, exact_linear)
+- attention.py the exact core attention, the FP8 K/V quantizer hooks, the slot = position row alignment
 - moe.py       Megatron's MoE layer with jetflow's router GEMM, experts and a CPU-capable dispatcher
 - parallel.py  torch.distributed and Megatron's process groups (TP, PP, DP, EP), the TP gather of logits
 - pipeline.py  the GPipe schedule over stage-to-stage send/recv, the gather over pipeline stages
-- model.py     TransformerConfig and the layer spec (jetflow's linears and RMSNorm)
+- weights.py   MegatronPolicy's HF-named weights and FP8 bytes, gathered and scattered (a mixin)
+- grads.py     MegatronPolicy's gradient norm, clipping and data-parallel reductions (a mixin)
+- model.py     TransformerConfig and the layer spec (jetflow's linears, RMSNorm and core attention)
 - policy.py    MegatronPolicy, the trainer's model
 """
 

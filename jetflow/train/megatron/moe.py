@@ -28,7 +28,16 @@ classes replace Megatron's where its code cannot run here or where jetflow's num
   makes a `torch.cuda.Stream()` in its constructor (token_dispatcher.py:445), syncs its split sizes
   on CUDA streams (token_dispatcher.py:871-899) and allocates its output on CUDA (mappings.py:442).
 
-Shapes: n this rank's tokens (T * B), N the EP group's tokens, C hidden, E experts, I expert width.
+Exact numerics (the router's `numerics == "exact"`): the router's GEMM is exact_linear and its routing
+the native exact block's (`exact_routing`: softmax_exact, top-k, tree_sum renormalization; Megatron's
+own renormalizes by a softmax over the k logits, equal only in exact arithmetic). The dispatcher then
+keeps each expert output at its token's slot (combine_preprocess: (N, K, C), zeros elsewhere; under EP
+the reduce-scatter adds only zeros to it) and sums the k slots in slot order (token_combine), as the
+native SparseMoeBlock does: Megatron's unpermute sums in expert order, and over EP ranks in rank
+order, which differ in the last bits once k >= 3.
+
+Shapes: n this rank's tokens (T * B), N the EP group's tokens, C hidden, E experts, K experts per token,
+I expert width.
 """
 
 from __future__ import annotations
