@@ -83,11 +83,13 @@ def test_pipeline_and_expert_parallel_ranks(runs):
 def test_jetflow_train_tensor_parallel_is_exactly_on_policy(tmp_path):
     """`jetflow train` under torchrun, train.backend=megatron, TP=2, unified with the FP8 KV cache: KL 0 and
     every token's log-prob equal on every step (pi_old from the update's forward, the FP8 backward between
-    steps)."""
+    steps). No supervised warm-up: the untrained model's log-probs are far from 0, where last-bit
+    differences show (after a warm-up most sampled tokens have log-prob 0.0 on both sides, and even
+    precision.numerics=fast measured KL 0 here; without it, fast measured equal_frac 0.80-0.85)."""
     from jetflow.metrics_log import read_metrics
 
     args = ["--config", "configs/tiny-tp.yaml", "train.backend=megatron", "train.tensor_parallel_size=2",
-            "precision.kv_cache_fp8=true", "train.steps=2", "train.sft_warmup_steps=2", "run.progress=false",
+            "precision.kv_cache_fp8=true", "train.steps=2", "train.sft_warmup_steps=0", "run.progress=false",
             "run.tensorboard=false", "run.num_threads=1", f"run.out_dir={tmp_path}", "run.name=tp2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([*torchrun(), "-m", "jetflow.cli", "train", *args], cwd=ROOT, env=env, capture_output=True,
