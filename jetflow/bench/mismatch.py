@@ -45,11 +45,12 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
     fingerprint = cfg.precision.recipe().fingerprint() if mode in ("mixed", "unified") else None
     max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
     eos = stop_token_ids(tokenizer, base_model, task)
-    rollout_model = None  # the native engine's model (vLLM keeps its own)
+    rollout_model = None  # the model the rollout computes with, when it is a jetflow Decoder
     if cfg.rollout.backend == "vllm":
         from jetflow.run.vllm_side import build_vllm_rollout
         rollout = build_vllm_rollout(cfg, copy_model(base_model), tokenizer, [] if ignore_eos else eos, task.stop,
                                      max_seq_len, Path(engine_dir or tempfile.mkdtemp(prefix="jetflow-vllm-")))
+        rollout_model = rollout.policy  # the exact engine's modules (None when vLLM runs its own kernels)
     else:
         rollout_model = apply_mode(copy_model(base_model), cfg, "rollout")
         attach_kv_fp8(rollout_model, cfg, "rollout")
@@ -166,7 +167,8 @@ def run(config: str | None = None, overrides: tuple[str, ...] = (), modes: tuple
         summary["kl_mixed_over_unified"] = ratio(by_mode["mixed"]["kl_k3"], by_mode["unified"]["kl_k3"])
     if "bf16" in by_mode and "unified" in by_mode:
         summary["kl_unified_over_bf16"] = ratio(by_mode["unified"]["kl_k3"], by_mode["bf16"]["kl_k3"])
-    name = name or f"mismatch-{cfg.model.path if cfg.model.path in ('tiny', 'smollm2') else 'model'}"
+    name = name or (f"mismatch-{cfg.model.path if cfg.model.path in ('tiny', 'smollm2') else 'model'}"
+                    + ("-vllm" if cfg.rollout.backend == "vllm" else ""))
     table = markdown_table([{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows],
                            ["mode", "rollout", "numerics", "kl_k3", "kl_k1", "abs_delta_mean", "abs_delta_max",
                             "equal_frac", "ratio_outside_frac", "tokens", "response_len_mean"]

