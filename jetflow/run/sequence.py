@@ -74,17 +74,17 @@ class RunSequence:
 
     def run(self) -> Path:
         cfg, placement, run_dir = self.cfg, self.placement, self.run_dir
-        checkpoint = latest_checkpoint(run_dir) if cfg.run.resume else None
-        if checkpoint is not None:
-            self.state = placement.restore(checkpoint)
-            self.saved_at = (self.state["next_step"], self.state.get("warmup_step"))
-        if placement.is_main:
-            tidy_for_resume(run_dir, self.state)
-            print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  recipe={cfg.precision.recipe().fingerprint()}  "
-                  f"{placement.describe()}", file=sys.stderr)
-            self.logger = MetricsLogger(run_dir, cfg.run.tensorboard)
         try:
-            self._stop_point("model load", "step 0")
+            checkpoint = latest_checkpoint(run_dir) if cfg.run.resume else None
+            if checkpoint is not None:
+                self.state = placement.restore(checkpoint)
+                self.saved_at = (self.state["next_step"], self.state.get("warmup_step"))
+            self._stop_point("model load", "step 0")  # (the model load is the placement's construction)
+            if placement.is_main:
+                tidy_for_resume(run_dir, self.state)
+                print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  "
+                      f"recipe={cfg.precision.recipe().fingerprint()}  {placement.describe()}", file=sys.stderr)
+                self.logger = MetricsLogger(run_dir, cfg.run.tensorboard)
             self._warmup()
             self._rl_steps()
             self._final_writes()
@@ -194,6 +194,7 @@ class RunSequence:
         if placement.is_main:  # from the final checkpoint: the same for every placement
             write_final_model(self.run_dir, latest_checkpoint(self.run_dir), self.cfg)
         self._stop_point("final writes", at)
+        self.stop.after_run = True  # no stop point is left: a signal from here on lets the run finish
         if placement.is_main:
             write_summary(self.run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
         placement.barrier()

@@ -52,7 +52,8 @@ class RunFault(RuntimeError):
 
 class StopRequests:
     """Catches the stop signals while it is entered (main thread only) and records the first.
-    `after_run`: the run has completed (its report is being written): a signal then only says so."""
+    `after_run`: the run is past its last stop point (its summary, its report): a signal then only
+    says so, and the run finishes."""
 
     def __init__(self, after_run: bool = False):
         self.signame: str | None = None
@@ -65,8 +66,8 @@ class StopRequests:
         if self.signame is None:
             self.signame = signal.Signals(signum).name
             if self.after_run:
-                print(f"[jetflow] {self.signame}: the run is complete; finishing its report (Ctrl-C again to "
-                      "stop at once)", file=sys.stderr)
+                print(f"[jetflow] {self.signame}: the run is at its end; finishing it and its report (Ctrl-C "
+                      "again to stop at once)", file=sys.stderr)
             else:
                 print(f"[jetflow] {self.signame}: stopping after this step (checkpoint, then exit {EXIT_STOPPED}); "
                       "Ctrl-C again to stop at once", file=sys.stderr)

@@ -178,6 +178,6 @@ def test_a_signal_while_the_report_is_written_finishes_it(tmp_path, monkeypatch,
             "train.steps=1", "eval.num_prompts=0"]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "SIGTERM: the run is complete; finishing its report" in err
+    assert "SIGTERM: the run is at its end; finishing it and its report" in err
     assert (tmp_path / "r" / "COMPLETE").exists() and (tmp_path / "r" / "report" / "report.md").exists()
     assert signal.getsignal(signal.SIGTERM) == handler
