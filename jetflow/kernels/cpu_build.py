@@ -1,4 +1,4 @@
-"""Builds and loads the batch-invariant CPU kernels (csrc/gemm.cpp, csrc/attention.cpp) as a small shared library.
+"""Builds and loads the batch-invariant CPU kernels (csrc/gemm.cpp, csrc/attention.cpp, csrc/quant.cpp) as a small shared library.
 
 The library is compiled once per machine and source version with the system's C++ compiler
 (`-O3 -march=native -fopenmp -ffp-contract=off`; about 2 s) into a cache directory keyed by the
@@ -30,7 +30,7 @@ import torch  # noqa: F401  (loads torch's libgomp first, which the library then
 from jetflow.errors import UserError
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "gemm.cpp", CSRC / "attention.cpp"]
+SOURCES = [CSRC / "gemm.cpp", CSRC / "attention.cpp", CSRC / "quant.cpp"]
 HEADERS = [CSRC / "simd.h"]
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17"]
 VARIANTS = {"native": ["-march=native"],
@@ -98,6 +98,8 @@ def load_library(variant: str = "native") -> ctypes.CDLL:
     lib.jf_gemm_fp8.restype = None
     lib.jf_e4m3_to_f32.argtypes = [ptr, i64, ptr]
     lib.jf_e4m3_to_f32.restype = None
+    lib.jf_quantize_1x128.argtypes = [ptr, i64, i64, i64, ctypes.c_int, f32, ptr, ptr]
+    lib.jf_quantize_1x128.restype = i64
     lib.jf_attention.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, f32]
     lib.jf_attention.restype = None
     return lib

@@ -136,6 +136,24 @@ def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant
     return out
 
 
+def quantize_1x128(x2: Tensor, scale_rule: str = "fp32", margin: int = 0,
+                   variant: str = "native") -> tuple[Tensor, Tensor, int]:
+    """x2 (M, K) fp32 -> (codes (M, K) float8_e4m3fn, scale_inv (M, ceil(K/128)) fp32, number of groups
+    holding NaN / Inf): the bytes of jetflow.precision.quant.quantize_blocks(x2, (1, 128)) in one pass
+    (csrc/quant.cpp; a group with NaN / Inf gets a NaN scale, and the caller raises)."""
+    if scale_rule not in ("fp32", "pow2"):
+        raise ValueError(f"scale_rule={scale_rule!r}: 'fp32' or 'pow2'")
+    m, k = x2.shape
+    x2 = x2.float()
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    codes = torch.empty(m, k, dtype=torch.uint8)
+    scales = torch.empty(m, -(-k // canonical.BLOCK_K), dtype=torch.float32)
+    bad = load_library(variant).jf_quantize_1x128(_ptr(x2), m, k, x2.stride(0), int(scale_rule == "pow2"),
+                                                  float(2.0**margin), _ptr(codes), _ptr(scales))
+    return codes.view(torch.float8_e4m3fn), scales, int(bad)
+
+
 def e4m3_to_float(codes: Tensor, variant: str = "native") -> Tensor:
     """The kernels' own conversion of E4M3 bytes to fp32 (for tests: it must equal torch's)."""
     codes = codes.contiguous().view(torch.uint8).reshape(-1)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from jetflow.kernels import invariant
-from jetflow.precision.fp8_function import fp8_linear
+from jetflow.precision.fp8_function import exact_fp8_product, fp8_linear
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8Recipe
 
@@ -77,7 +77,10 @@ def exact_product(x: Tensor, weight: Tensor, kind: str, *, recipe: FP8Recipe | N
     if kind == "fp8":
         if recipe is None or wq is None:
             raise ValueError(f"{name}: an exact fp8 product needs the recipe and the quantized weight")
-        return fp8_linear(x.float(), weight, None, wq, recipe, name=name, numerics="exact", groups=groups)
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return fp8_linear(x.float(), weight, None, wq, recipe, name=name, numerics="exact", groups=groups)
+        y = exact_fp8_product(x.reshape(-1, x.shape[-1]).float(), wq, recipe, name, groups)  # no autograd graph
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     raise ValueError(f"exact linear kind {kind!r}: valid kinds are {EXACT_KINDS}")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from jetflow.kernels import invariant
 from jetflow.precision.gemm import fp8_matmul
 from jetflow.precision.quant import QuantizedTensor, quantize_blocks
 from jetflow.precision.recipe import FP8Recipe
@@ -29,7 +30,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)  # (M, K)
         group, rule, margin = recipe.group_size, recipe.scale_rule, recipe.margin
-        xq = quantize_blocks(x2, (1, group), recipe.forward_format, rule, margin, f"{name}.input")
+        xq = quantize_input(x2, recipe, name, numerics)
         # exact: the canonical product in fp32 (the caller's epilogue casts it); fast: x's dtype
         out_dtype = torch.float32 if numerics == "exact" else x.dtype
         y = fp8_matmul(xq, wq, out_dtype=out_dtype, backend=backend, numerics=numerics, groups=groups)  # (M, N)
@@ -63,6 +64,25 @@ class _FP8LinearFunction(torch.autograd.Function):
             grad_b = g2.sum(0).to(ctx.weight_dtype)
         ctx.saved_x = ctx.saved_w = None
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def quantize_input(x2: torch.Tensor, recipe: FP8Recipe, name: str, numerics: str = "fast") -> QuantizedTensor:
+    """The fprop's activation quantization, 1 x group_size E4M3 groups (x2 (M, K)). Under exact
+    numerics on the CPU the fused C++ quantizer (the same bytes as quantize_blocks, one pass instead of a
+    dozen torch ops: what a decode step pays per linear); quantize_blocks itself where a group holds
+    NaN / Inf (its error, or its record under defer_nonfinite) and everywhere else."""
+    if numerics == "exact" and not x2.is_cuda and recipe.group_size == 128:
+        data, scale_inv, bad = invariant.quantize_1x128(x2, recipe.scale_rule, recipe.margin)
+        if not bad:
+            return QuantizedTensor(data, scale_inv, (1, 128))
+    return quantize_blocks(x2, (1, recipe.group_size), recipe.forward_format, recipe.scale_rule, recipe.margin,
+                           f"{name}.input")
+
+
+def exact_fp8_product(x2: torch.Tensor, wq: QuantizedTensor, recipe: FP8Recipe, name: str = "linear",
+                      groups: int | None = None) -> torch.Tensor:
+    """The exact fprop without autograd (rollout, no-grad forwards): x2 (M, K) -> (M, N) fp32."""
+    return fp8_matmul(quantize_input(x2, recipe, name, "exact"), wq, torch.float32, numerics="exact", groups=groups)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: QuantizedTensor,

@@ -136,3 +136,48 @@ def test_fp8_gemm_is_close_to_the_dequantized_product():
     ref = x.dequantize().double() @ w.dequantize().double().t()
     got = _gemm("fp8", x, w, 200)
     assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+
+
+def _quantizer_inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.arange(256, dtype=torch.uint8)
+    grid = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float().sort().values
+    mids = (grid[1:] + grid[:-1]) / 2  # ties: round to the even code
+    edge = torch.cat([grid, mids, mids * (1 + 2**-20), mids * (1 - 2**-20), torch.zeros(8), -torch.zeros(8),
+                      torch.tensor([1e-12, -1e-12, 1e-40, -3e-41])])
+    edge = edge[:edge.numel() // 128 * 128].reshape(-1, 128)
+    return [torch.randn(40, 576, generator=gen) * s for s in (1e-3, 1.0, 100.0)] + [
+        edge, torch.cat([edge, edge * 3.7], 1),  # every code, every tie, subnormals, signed zeros, a partial group
+        torch.ldexp(torch.ones(30, 256), torch.randint(-30, 30, (30, 256), generator=gen)),  # pow2 amax: exact scales
+        torch.zeros(3, 130), torch.randn(5, 200, generator=gen) * 1e-11]  # below the eps of the scale
+
+
+@pytest.mark.parametrize("rule,margin", [("fp32", 0), ("pow2", 0), ("fp32", 2), ("pow2", 1)])
+def test_fused_quantizer_equals_quantize_blocks_byte_for_byte(rule, margin):
+    for x in _quantizer_inputs():
+        ref = quantize_blocks(x, (1, 128), scale_rule=rule, margin=margin)
+        for variant in VARIANTS:
+            data, scale_inv, bad = inv.quantize_1x128(x, rule, margin, variant)
+            assert bad == 0
+            assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)), (variant, tuple(x.shape))
+            assert torch.equal(scale_inv.view(torch.int32), ref.scale_inv.view(torch.int32)), (variant, tuple(x.shape))
+
+
+def test_fused_quantizer_reports_nonfinite_groups():
+    x = torch.randn(4, 256)
+    x[1, 200], x[3, 3] = float("nan"), float("inf")
+    for variant in VARIANTS:
+        _, scale_inv, bad = inv.quantize_1x128(x, variant=variant)
+        assert bad == 2 and scale_inv.isnan().nonzero().tolist() == [[1, 1], [3, 0]]
+
+
+def test_exact_fp8_linear_refuses_nan_like_the_quantizer():
+    from jetflow.precision import FP8Recipe, NonFiniteError, PrecisionLinear, defer_nonfinite
+    layer = PrecisionLinear(256, 128, kind="fp8", recipe=FP8Recipe(), numerics="exact", name="probe")
+    x = torch.randn(3, 256)
+    x[1, 7] = float("nan")
+    with torch.no_grad(), pytest.raises(NonFiniteError, match="probe.input"):
+        layer(x)
+    with defer_nonfinite() as record:  # a collective forward goes on; the NaN flows on
+        y = layer(x)
+    assert "probe.input" in record.message and y[1].isnan().all() and y[0].isfinite().all()
