@@ -30,7 +30,7 @@ static const int64_t KB = 128;  // K block: one partial chain each (= the FP8 re
 static const int MAX_LEVELS = 4;  // tree of at most 8 groups: 4 levels of partial sums
 
 enum { WF_F32 = 0, WF_BF16 = 1, WF_E4M3 = 2 };
-enum { MODE_F32 = 0, MODE_PAIRS = 1, MODE_DP = 2 };
+enum { MODE_F32 = 0, MODE_PAIRS = 1, MODE_DP = 2, MODE_BF16 = 3 };
 
 // ---------------------------------------------------------------------------------------------
 // Conversions. Every E4M3 and bf16 value is exact in fp32, so any correct conversion gives the same
@@ -164,6 +164,32 @@ static inline void block_f32(const float* Ap, const float* B, int64_t kc, vf (*a
   }
 }
 
+// bf16 weight bits converted in registers (decode: few rows share each weight load, so a converted
+// panel buffer would cost as much as it saves)
+static inline vf v_load_bf16(const uint16_t* p) {
+#if !defined(JF_NO_SIMD) && defined(__AVX512F__)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#elif !defined(JF_NO_SIMD) && defined(__AVX2__)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#else
+  return bf16_to_f32(*p);
+#endif
+}
+
+template <int R>
+static inline void block_bf16(const float* Ap, const uint16_t* B, int64_t kc, vf (*acc)[2]) {
+  for (int64_t k = 0; k < kc; k++) {
+    __builtin_prefetch(B + (k + 24) * NR);
+    vf b0 = v_load_bf16(B + k * NR), b1 = v_load_bf16(B + k * NR + VL);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+      vf a = v_set1(Ap[k * GEMM_MR + r]);
+      acc[r][0] = v_fma(a, b0, acc[r][0]);
+      acc[r][1] = v_fma(a, b1, acc[r][1]);
+    }
+  }
+}
+
 template <int R>
 static inline void pair_step(const float* Ap, const float* B, int64_t k, vf (*acc)[2]) {
   vf b0 = v_load(B + k * NR), b1 = v_load(B + k * NR + VL);
@@ -217,7 +243,7 @@ struct Gemm {
 };
 
 template <int R>
-static void tile(const Gemm& g, int64_t rb, const void* Bp, int64_t p) {
+static void tile(const Gemm& g, int mode, int64_t rb, const void* Bp, int64_t p) {
   const int64_t m0 = rb * GEMM_MR;
   const int ncols = (int)std::min<int64_t>(NR, g.N - p * NR);
   const int64_t bpg = g.nb / g.groups;  // blocks per group
@@ -229,9 +255,11 @@ static void tile(const Gemm& g, int64_t rb, const void* Bp, int64_t p) {
       const int64_t b = grp * bpg + j, k0 = b * KB, kc = std::min(KB, g.K - k0);
       vf acc[R][2];
       for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = v_zero();
-      if (g.mode == MODE_F32) {
+      if (mode == MODE_F32) {
         block_f32<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const float*)Bp + k0 * NR, kc, acc);
-      } else if (g.mode == MODE_PAIRS) {
+      } else if (mode == MODE_BF16) {
+        block_bf16<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const uint16_t*)Bp + k0 * NR, kc, acc);
+      } else if (mode == MODE_PAIRS) {
         block_pairs<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const float*)Bp + k0 * NR, kc, acc);
       } else {
 #ifdef JF_DPBF16
@@ -241,7 +269,7 @@ static void tile(const Gemm& g, int64_t rb, const void* Bp, int64_t p) {
       }
       for (int r = 0; r < R; r++) {
         vf a0 = acc[r][0], a1 = acc[r][1];
-        if (g.mode != MODE_F32) {  // FP8: the block's scale, (sa * sw) first
+        if (mode == MODE_PAIRS || mode == MODE_DP) {  // FP8: the block's scale, (sa * sw) first
           const float s = m0 + r < g.M ? g.sa[(m0 + r) * g.sa_ld + b] * g.sw[(p * NR / KB) * g.sw_ld + b] : 0.0f;
           a0 = v_mul(a0, v_set1(s));
           a1 = v_mul(a1, v_set1(s));
@@ -268,11 +296,11 @@ static void tile(const Gemm& g, int64_t rb, const void* Bp, int64_t p) {
     for (int c = 0; c < ncols; c++) g.C[(m0 + r) * g.ldc + p * NR + c] = out[r * NR + c];
 }
 
-static void tile_rows(int R, const Gemm& g, int64_t rb, const void* Bp, int64_t p) {
+static void tile_rows(int R, const Gemm& g, int mode, int64_t rb, const void* Bp, int64_t p) {
   switch (R) {
 #define JF_CASE(n)                                              \
   case n:                                                       \
-    if (n <= GEMM_MR) tile<(n <= GEMM_MR ? n : 1)>(g, rb, Bp, p); \
+    if (n <= GEMM_MR) tile<(n <= GEMM_MR ? n : 1)>(g, mode, rb, Bp, p); \
     break;
     JF_CASE(1) JF_CASE(2) JF_CASE(3) JF_CASE(4) JF_CASE(5) JF_CASE(6) JF_CASE(7)
     JF_CASE(8) JF_CASE(9) JF_CASE(10) JF_CASE(11) JF_CASE(12) JF_CASE(13) JF_CASE(14)
@@ -304,13 +332,17 @@ static void run(const Gemm& g, const void* W, int wfmt) {
     const int64_t b0 = i * chunk, b1 = std::min(MB, b0 + chunk);
     for (int64_t p = p0; p < p1; p++) {
       const void* Bp;
+      int mode = g.mode;
       if (wfmt == WF_F32) {
         Bp = (const float*)W + p * g.K * NR;
+      } else if (wfmt == WF_BF16 && b1 - b0 <= 2) {  // few row blocks: convert in registers
+        Bp = (const uint16_t*)W + p * g.K * NR;
+        mode = MODE_BF16;
       } else if (wfmt == WF_BF16) {
         float* buf = panel_buffer(g.K * NR);
         bf16_to_f32_n((const uint16_t*)W + p * g.K * NR, buf, g.K * NR);
         Bp = buf;
-      } else if (g.mode == MODE_PAIRS) {
+      } else if (mode == MODE_PAIRS) {
         float* buf = panel_buffer(g.K * NR);
         e4m3_to_f32((const uint8_t*)W + p * g.K * NR, buf, g.K * NR);
         Bp = buf;
@@ -323,7 +355,7 @@ static void run(const Gemm& g, const void* W, int wfmt) {
         Bp = nullptr;
 #endif
       }
-      for (int64_t b = b0; b < b1; b++) tile_rows((int)std::min<int64_t>(GEMM_MR, g.M - b * GEMM_MR), g, b, Bp, p);
+      for (int64_t b = b0; b < b1; b++) tile_rows((int)std::min<int64_t>(GEMM_MR, g.M - b * GEMM_MR), g, mode, b, Bp, p);
     }
   };
   if (nchunks >= 4 * (int64_t)omp_get_max_threads()) {
