@@ -14,12 +14,14 @@ import sys
 from pathlib import Path
 from typing import Callable, Protocol
 
+import torch.distributed
+
 from jetflow.config import Config
 from jetflow.metrics_log import MetricsLogger
 from jetflow.run.files import (append_position_curve, mark_stopped, tidy_for_resume, write_final_model,
                                write_summary)
 from jetflow.run.loop import RLLoop
-from jetflow.run.stop import RunStopped, StopRequests
+from jetflow.run.stop import RunStopped, StopRequests, collective_fault
 from jetflow.train.checkpoint import latest_checkpoint
 
 
@@ -92,6 +94,11 @@ class RunSequence:
             if placement.is_main:
                 stopped.resumes_at = mark_stopped(run_dir, stopped.signame, stopped.phase, stopped.at)
             raise
+        except RuntimeError as e:  # another rank died or hung: one line, not a traceback
+            fault = collective_fault(e, torch.distributed.is_initialized())
+            if fault is None:
+                raise
+            raise fault from e
         finally:
             if self.logger is not None:
                 self.logger.close()

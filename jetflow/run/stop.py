@@ -50,6 +50,21 @@ class RunFault(RuntimeError):
     prints it as one line and exits EXIT_FAULT; the run directory resumes from its newest checkpoint."""
 
 
+COLLECTIVE_FAILURES = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out")
+
+
+def collective_fault(e: BaseException, distributed: bool) -> RunFault | None:
+    """A collective that failed because another rank died (its connection closed) or hung (the
+    process group's timeout), as a RunFault; None for any other error."""
+    text = str(e).strip()
+    if not (distributed and isinstance(e, RuntimeError) and not isinstance(e, RunFault)
+            and any(s in text for s in COLLECTIVE_FAILURES)):
+        return None
+    first = (text.splitlines() or [""])[0]
+    return RunFault(f"a collective with the other ranks failed ({first}): another rank died or hung; the checkpoints "
+                    f"are intact: {RESUME_HINT}")
+
+
 class StopRequests:
     """Catches the stop signals while it is entered (main thread only) and records the first.
     `after_run`: the run is past its last stop point (its summary, its report): a signal then only

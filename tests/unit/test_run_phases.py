@@ -181,3 +181,25 @@ def test_a_signal_while_the_report_is_written_finishes_it(tmp_path, monkeypatch,
     assert "SIGTERM: the run is at its end; finishing it and its report" in err
     assert (tmp_path / "r" / "COMPLETE").exists() and (tmp_path / "r" / "report" / "report.md").exists()
     assert signal.getsignal(signal.SIGTERM) == handler
+
+
+def test_a_collective_that_failed_with_another_rank_is_one_resumable_line(monkeypatch, capsys):
+    """Before: rank 0 of a torchrun job whose rank 1 was killed printed gloo's RuntimeError traceback."""
+    from jetflow.cli import main
+    from jetflow.run import runner
+    from jetflow.run.stop import RunFault, collective_fault
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:17795. This is typically caused by a remote worker crashing.\nmore")
+    fault = collective_fault(gloo, distributed=True)
+    assert isinstance(fault, RunFault) and "Connection closed by peer" in str(fault)
+    assert "another rank died or hung" in str(fault) and "more" not in str(fault)
+    assert collective_fault(gloo, distributed=False) is None  # one process: a bug's traceback stays
+    assert collective_fault(RuntimeError("size mismatch"), distributed=True) is None
+
+    def failed(cfg):
+        raise fault
+    monkeypatch.setattr(runner, "train", failed)
+    assert main(["train", "--config", "configs/tiny.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jetflow: error: a collective with the other ranks failed")
+    assert err.strip().endswith("the same command with run.resume=true continues it")
