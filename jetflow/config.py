@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from jetflow.errors import UserError
 from jetflow.model.model_config import MOE_TYPES
 from jetflow.precision.modes import PRECISION_MODES, PrecisionMode
-from jetflow.precision.recipe import FORMATS, SCALE_RULES, FP8Recipe
+from jetflow.precision.recipe import FAMILIES, FORMATS, SCALE_RULES, FP8Recipe
 
 
 class ConfigError(UserError, ValueError):
@@ -30,6 +30,9 @@ class ConfigError(UserError, ValueError):
 class PrecisionConfig:
     mode: str = "unified"
     """fp32 | bf16 | mixed (bf16 train, FP8 rollout) | unified (FP8 train and rollout, one recipe)."""
+    family: str = "fp8_block"
+    """The recipe: fp8_block (128x128 / 1x128 FP8) | mxfp8 (1x32 E4M3, E8M0 scales) | nvfp4 (E2M1 in 16-blocks,
+    E4M3 + fp32 scales): Transformer Engine's recipes, jetflow.precision.recipe; `mixed` rolls out in it."""
     fmt: str = "e4m3"
     """e4m3 everywhere, or hybrid (E5M2 gradients)."""
     weight_block: list[int] = field(default_factory=lambda: [128, 128])
@@ -62,8 +65,8 @@ class PrecisionConfig:
         return PrecisionMode(self.mode)
 
     def recipe(self) -> FP8Recipe:
-        return FP8Recipe(fmt=self.fmt, weight_block=tuple(self.weight_block), group_size=self.group_size,
-                         scale_rule=self.scale_rule, margin=self.margin,
+        return FP8Recipe(family=self.family, fmt=self.fmt, weight_block=tuple(self.weight_block),
+                         group_size=self.group_size, scale_rule=self.scale_rule, margin=self.margin,
                          keep_high_precision=tuple(self.keep_high_precision),
                          keep_first_layers=self.keep_first_layers, keep_last_layers=self.keep_last_layers)
 
@@ -260,6 +263,7 @@ class Config:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "precision.mode": PRECISION_MODES,
+    "precision.family": FAMILIES,
     "precision.fmt": FORMATS,
     "precision.scale_rule": SCALE_RULES,
     "precision.gemm_backend": ("auto", "scaled_mm", "emulate", "triton"),

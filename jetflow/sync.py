@@ -53,10 +53,9 @@ class WeightUpdate:
         """sha256 over every byte and scale, in name order (detects corruption in transit)."""
         h = hashlib.sha256()
         for name in sorted(self.quantized):
-            q = self.quantized[name]
             h.update(name.encode())
-            h.update(q.data.contiguous().view(torch.uint8).cpu().numpy().tobytes())
-            h.update(q.scale_inv.contiguous().cpu().numpy().tobytes())
+            for part in self.quantized[name].parts().values():  # bytes and scales (of any recipe family)
+                h.update(part.view(torch.uint8).cpu().numpy().tobytes())
         for name in sorted(self.tensors):
             t = self.tensors[name].detach().contiguous()
             h.update(name.encode())
@@ -114,8 +113,8 @@ def apply_update(model: nn.Module, update: WeightUpdate, current_version: int, f
         if unknown:
             raise KeyError(f"quantized weights for modules that are not FP8 linears here: {sorted(unknown)[:5]}")
         for name, q in update.quantized.items():
-            if not bool(torch.isfinite(q.scale_inv).all()) or bool((q.scale_inv <= 0).any()):
-                raise CorruptWeightsError(f"{name}: zero, negative or non-finite scale_inv in update v{update.version}")
+            if problem := q.scale_error():
+                raise CorruptWeightsError(f"{name}: {problem} in update v{update.version}")
     with torch.no_grad():
         for name, tensor in update.tensors.items():
             params[name].copy_(tensor)

@@ -12,6 +12,8 @@ produce a token's row with the same operations whichever engine or trainer runs 
                 bf16  x and the weight rounded to bf16 (the weight read as bf16 bytes);
                 fp8   x quantized in 1x128 groups (the recipe's activation quantizer) and the weight's
                       128x128-block E4M3 bytes `wq` (this step's bytes, or the bytes a trainer shipped);
+                      under the mxfp8 / nvfp4 recipe families the canonical fp32 GEMM on both operands'
+                      exact values, then NVFP4's tensor-scale alpha (jetflow.precision.microscaled);
     combine   optional, on the fp32 product: a row-parallel layer's shards exchange their subtrees
               and finish the tree (Megatron's tensor parallelism);
     epilogue  bias, the bf16 kind's rounding of the output, the output dtype (`linear_epilogue`).
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from jetflow.kernels import invariant
+from jetflow.precision import microscaled
 from jetflow.precision.fp8_function import exact_fp8_product, fp8_linear
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8Recipe
@@ -67,6 +70,26 @@ def exact_product(x: Tensor, weight: Tensor, kind: str, *, recipe: FP8Recipe | N
                   wq: QuantizedTensor | None = None, cache: dict | None = None, groups: int | None = None,
                   name: str = "linear") -> Tensor:
     """The canonical product of x (..., K) and weight (N, K) under `kind`: (..., N) fp32, no bias."""
+    return _combined_product(x, weight, kind, recipe, wq, cache, groups, None, name)
+
+
+def _combined_product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: dict | None,
+                      groups: int | None, combine, name: str) -> Tensor:
+    """exact_product, then `combine`; the mxfp8 / nvfp4 products apply it themselves (NVFP4's tensor-scale
+    alpha must multiply the combined sum, jetflow.precision.microscaled)."""
+    if kind == "fp8" and recipe is not None and recipe.family != "fp8_block":
+        if wq is None:
+            raise ValueError(f"{name}: an exact {recipe.family} product needs the quantized weight")
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return microscaled.microscaled_linear(x.float(), weight, None, wq, recipe, name, "exact", groups, combine)
+        y = microscaled.exact_product(x.reshape(-1, x.shape[-1]).float(), wq, recipe, name, groups, combine)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    y = _product(x, weight, kind, recipe, wq, cache, groups, name)
+    return y if combine is None else combine(y)
+
+
+def _product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: dict | None,
+             groups: int | None, name: str) -> Tensor:
     if kind == "fp32":
         return invariant.matmul(x.float(), weight, packed_weight(cache, weight, "fp32"), groups=groups)
     if kind == "bf16":
@@ -92,7 +115,5 @@ def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, r
     groups: canonical groups in this call's K range (default tree_width(K)); a row-parallel shard of
     a layer sharded T ways passes tree_width(K_full) // T and a `combine` that finishes the tree.
     combine: fn(fp32 (..., N)) -> fp32 (..., N), applied to the product before the epilogue."""
-    y = exact_product(x, weight, kind, recipe=recipe, wq=wq, cache=cache, groups=groups, name=name)
-    if combine is not None:
-        y = combine(y)
+    y = _combined_product(x, weight, kind, recipe, wq, cache, groups, combine, name)
     return linear_epilogue(y, bias, kind, x.dtype)

@@ -5,7 +5,8 @@
     wgrad  dW = dY^T @ X    dY^T: 1x128 along tokens     X^T: 1x128 along tokens (= X in 128x1)
 Gradients are E5M2 under the `hybrid` format. X is saved for backward in FP8 (its 128x1 quantization),
 never in high precision. Used by PrecisionLinear (jetflow.precision.linear), the exact linear
-(jetflow.precision.exact) and Megatron's parallel linears.
+(jetflow.precision.exact) and Megatron's parallel linears. The mxfp8 and nvfp4 recipe families run
+jetflow.precision.microscaled instead: `quantize_weight_for_recipe` and `fp8_linear` hand them over.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ from __future__ import annotations
 import torch
 
 from jetflow.kernels import invariant
+from jetflow.precision import microscaled
 from jetflow.precision.gemm import fp8_matmul
 from jetflow.precision.quant import QuantizedTensor, quantize_blocks
 from jetflow.precision.recipe import FP8Recipe
 
 
-def quantize_weight_for_recipe(weight: torch.Tensor, recipe: FP8Recipe, name: str = "weight") -> QuantizedTensor:
+def quantize_weight_for_recipe(weight: torch.Tensor, recipe: FP8Recipe, name: str = "weight"):
+    """The weight's bytes under `recipe`: a QuantizedTensor (fp8_block), an MXTensor or an NVFP4Tensor."""
+    if recipe.family != "fp8_block":
+        return microscaled.quantize_weight(weight, recipe, name)
     return quantize_blocks(weight.detach(), recipe.weight_block, recipe.forward_format, recipe.scale_rule,
                            recipe.margin, name)
 
@@ -91,6 +96,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """Functional FP8 linear with FP8 fprop, dgrad and wgrad. `wq` is `weight` quantized by the recipe.
     numerics="exact": the fprop is the canonical FP8 GEMM (`groups` canonical groups over K, see
     jetflow.kernels.canonical) and the result is fp32 (jetflow.precision.exact applies the epilogue)."""
+    if recipe.family != "fp8_block":
+        return microscaled.microscaled_linear(x, weight, bias, wq, recipe, name, numerics, groups)
     # The 128x1 copy of the input is only needed for the weight gradient of a graph being recorded.
     save_input = torch.is_grad_enabled() and weight.requires_grad
     return _FP8LinearFunction.apply(x, weight, bias, wq, recipe, backend, name, save_input, numerics, groups)

@@ -4,7 +4,8 @@
 computes in one of three ways:
   fp32  plain F.linear.
   bf16  a bf16 GEMM (see gemm.bf16_linear).
-  fp8   the recipe's FP8 GEMMs for fprop, dgrad and wgrad (jetflow.precision.fp8_function).
+  fp8   the recipe's quantized GEMMs for fprop, dgrad and wgrad (jetflow.precision.fp8_function; the
+        kind's name stays `fp8` under the mxfp8 and nvfp4 recipe families: jetflow.precision.microscaled).
 
 The quantized weight is cached per weight version (the tensor's in-place version counter, which an
 optimizer step bumps), so each weight is quantized once per optimizer step and those same bytes serve
@@ -89,7 +90,9 @@ class PrecisionLinear(nn.Linear):
         return self._cached
 
     def load_quantized(self, wq: QuantizedTensor) -> None:
-        """Use these FP8 bytes as they are (rollout side of `unified`): no requantization."""
+        """Use these bytes as they are (rollout side of `unified`): no requantization."""
+        if wq.kind != self.recipe.family:
+            raise ValueError(f"{self.name}: {wq.kind} bytes offered to a linear running the {self.recipe.family} recipe")
         if tuple(wq.shape) != (self.out_features, self.in_features):
             raise ValueError(f"{self.name}: quantized weight shape {tuple(wq.shape)} != "
                              f"{(self.out_features, self.in_features)}")

@@ -82,9 +82,24 @@ class QuantizedTensor:
     packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional cached panels of the FP8 bytes for the canonical GEMM (exact numerics: gemm.packed_fp8_weight)."""
 
+    kind = "fp8_block"
+    """The recipe family whose bytes these are (jetflow.precision.mx.MXTensor and
+    jetflow.precision.nvfp4.NVFP4Tensor carry mxfp8 / nvfp4 and the same methods)."""
+
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The raw tensors that define it (checksums)."""
+        return {"data": self.data.contiguous().view(torch.uint8), "scale_inv": self.scale_inv.contiguous()}
+
+    def scale_error(self) -> str | None:
+        """What is wrong with its scales, or None (a zero, negative or non-finite scale_inv is damage:
+        users of FP8 RL report all-zero and stale scales after a weight sync)."""
+        if not bool(torch.isfinite(self.scale_inv).all()) or bool((self.scale_inv <= 0).any()):
+            return "zero, negative or non-finite scale_inv"
+        return None
 
     @property
     def fmt(self) -> str:

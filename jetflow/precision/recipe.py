@@ -1,13 +1,26 @@
-"""The one FP8 recipe that the trainer and the rollout engine both apply.
+"""The one low-precision recipe that the trainer and the rollout engine both apply.
 
-DeepSeek-V3 style block scaling, as in Jet-RL (arXiv 2601.14243) and FP8-RL (arXiv 2601.18150):
-weights in 128x128 blocks, activations and output gradients in 1x128 groups along the contraction
-dimension, the weight-gradient GEMM's second operand in 128x1 groups. E4M3 everywhere by default;
-`hybrid` keeps gradients in E5M2. One fp32 `scale_inv` per block (value = fp8 * scale_inv),
-optionally rounded up to a power of two (UE8M0-compatible).
+A recipe family (`family`, Transformer Engine's recipe names) fixes each operand role's element
+format, block shape, scale format and rounding (`operand(role)`):
+
+  fp8_block  DeepSeek-V3 style block scaling, as in Jet-RL (arXiv 2601.14243) and FP8-RL (arXiv
+             2601.18150), TE's Float8BlockScaling: weights in 128x128 blocks, activations and output
+             gradients in 1x128 groups along the contraction dimension, the weight-gradient GEMM's
+             second operand in 128x1 groups. E4M3 everywhere by default; `hybrid` keeps gradients in
+             E5M2. One fp32 `scale_inv` per block (value = fp8 * scale_inv), optionally rounded up to
+             a power of two (UE8M0-compatible). The default, and the recipe of every earlier run.
+  mxfp8      TE's MXFP8BlockScaling (OCP MX): E4M3 values (E5M2 gradients under `hybrid`) in 1x32
+             blocks along each GEMM's contraction dimension, one E8M0 power-of-two scale per block
+             (jetflow.precision.mx).
+  nvfp4      TE's NVFP4BlockScaling: E2M1 values, 1x16 blocks with E4M3 scales under an fp32 tensor
+             scale; weights in 16x16 blocks (W and W^T share bytes), activations with one tensor scale
+             per token row (TE's row-scaled NVFP4: a row's bytes do not depend on the batch), gradients
+             stochastically rounded, a 16-point random Hadamard transform on both wgrad operands
+             (jetflow.precision.nvfp4).
 
 The recipe's `fingerprint()` is a short hash of every field that changes the bytes; trainer and
-rollout log it and refuse to pair weights made under another one.
+rollout log it and refuse to pair weights made under another one. The fp8_block family leaves
+`family` out of the hash, so its fingerprints are those of the runs made before families existed.
 """
 
 from __future__ import annotations
@@ -23,13 +36,38 @@ import torch
 
 FORMATS = ("e4m3", "hybrid")
 SCALE_RULES = ("fp32", "pow2")
+FAMILIES = ("fp8_block", "mxfp8", "nvfp4")
+ROLES = ("weight", "activation", "gradient")
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
+# family -> (weight block, activation / gradient group, fields that do not apply to it)
+_FAMILY_BLOCKS = {"mxfp8": ((1, 32), 32, ("scale_rule", "margin")),
+                  "nvfp4": ((16, 16), 16, ("fmt", "scale_rule", "margin"))}
+
+
+@dataclass(frozen=True)
+class OperandSpec:
+    """How one operand role is quantized for its GEMM (blocks run along the GEMM's contraction dim)."""
+
+    element: str
+    """e4m3 | e5m2 | e2m1."""
+    block: tuple[int, int]
+    """Scaling block of the operand as stored (rows, columns): (128, 128), (1, 128), (1, 32), (16, 16) ..."""
+    scale: str
+    """fp32 (amax / max), pow2 (fp32 rounded up to a power of two), e8m0 (a power of two in one byte), or
+    e4m3+fp32 (an E4M3 block scale under an fp32 tensor scale, NVFP4's two levels)."""
+    rounding: str = "nearest_even"
+    """nearest_even | stochastic (gradients of nvfp4, from a generator seeded by the tensor itself)."""
+    hadamard: bool = False
+    """The wgrad GEMM's operands pass a 16-point random Hadamard transform along the tokens first."""
+
 
 @dataclass(frozen=True)
 class FP8Recipe:
+    """The recipe of every low-precision linear (name kept from when FP8 was the only family)."""
+
     fmt: Literal["e4m3", "hybrid"] = "e4m3"
     """`e4m3` for every operand, or `hybrid`: E4M3 weights and activations, E5M2 gradients."""
     weight_block: tuple[int, int] = (128, 128)
@@ -49,8 +87,15 @@ class FP8Recipe:
     """The first N decoder layers stay in bf16."""
     keep_last_layers: int = 0
     """The last N decoder layers stay in bf16."""
+    family: Literal["fp8_block", "mxfp8", "nvfp4"] = "fp8_block"
+    """fp8_block | mxfp8 | nvfp4 (see the module docstring). The mxfp8 and nvfp4 families set
+    weight_block and group_size to their own blocks and refuse a non-default value of a field they do not use."""
 
     def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"FP8Recipe.family={self.family!r}: valid families are {FAMILIES}")
+        if self.family != "fp8_block":
+            self._family_blocks()
         if self.fmt not in FORMATS:
             raise ValueError(f"FP8Recipe.fmt={self.fmt!r}: valid formats are {FORMATS}")
         if self.scale_rule not in SCALE_RULES:
@@ -65,6 +110,22 @@ class FP8Recipe:
         if self.margin < 0 or self.keep_first_layers < 0 or self.keep_last_layers < 0:
             raise ValueError("FP8Recipe.margin, keep_first_layers and keep_last_layers must be >= 0")
 
+    def _family_blocks(self) -> None:
+        """mxfp8 / nvfp4: weight_block and group_size are the family's (the fp8_block defaults are
+        accepted and replaced); the fields the family does not use must keep their defaults."""
+        block, group, unused = _FAMILY_BLOCKS[self.family]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if tuple(self.weight_block) not in (tuple(defaults["weight_block"]), block):
+            raise ValueError(f"FP8Recipe.weight_block={list(self.weight_block)}: the {self.family} family's weight "
+                             f"blocks are {list(block)}")
+        if self.group_size not in (defaults["group_size"], group):
+            raise ValueError(f"FP8Recipe.group_size={self.group_size}: the {self.family} family's groups are {group}")
+        for name in unused:
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"FP8Recipe.{name}={getattr(self, name)!r} does not apply to the {self.family} family")
+        object.__setattr__(self, "weight_block", block)
+        object.__setattr__(self, "group_size", group)
+
     # Operand formats -----------------------------------------------------------------------
     @property
     def forward_format(self) -> str:
@@ -75,6 +136,21 @@ class FP8Recipe:
     def grad_format(self) -> str:
         """Format of output gradients in dgrad / wgrad."""
         return "e5m2" if self.fmt == "hybrid" else "e4m3"
+
+    def operand(self, role: str) -> OperandSpec:
+        """How `role` (weight | activation | gradient) is quantized. The activation and gradient blocks
+        run along each GEMM's contraction dim (in wgrad: the tokens)."""
+        if role not in ROLES:
+            raise ValueError(f"operand role {role!r}: valid roles are {ROLES}")
+        if self.family == "nvfp4":
+            return {"weight": OperandSpec("e2m1", (16, 16), "e4m3+fp32"),
+                    "activation": OperandSpec("e2m1", (1, 16), "e4m3+fp32"),
+                    "gradient": OperandSpec("e2m1", (1, 16), "e4m3+fp32", "stochastic", hadamard=True)}[role]
+        fmt = self.grad_format if role == "gradient" else self.forward_format
+        if self.family == "mxfp8":
+            return OperandSpec(fmt, (1, 32) if role != "weight" else self.weight_block, "e8m0")
+        block = self.weight_block if role == "weight" else (1, self.group_size)
+        return OperandSpec(fmt, block, self.scale_rule)
 
     # Which modules are quantized ------------------------------------------------------------
     def keeps_in_high_precision(self, module_name: str, layer_index: int | None = None,
@@ -91,9 +167,16 @@ class FP8Recipe:
 
     # Identity -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """Every field that applies: fp8_block without `family` (the fingerprints of earlier runs),
+        mxfp8 / nvfp4 without the fields they do not use."""
         d = dataclasses.asdict(self)
         d["weight_block"] = list(self.weight_block)
         d["keep_high_precision"] = list(self.keep_high_precision)
+        if self.family == "fp8_block":
+            del d["family"]
+        else:
+            for name in _FAMILY_BLOCKS[self.family][2]:
+                del d[name]
         return d
 
     @classmethod
@@ -115,11 +198,15 @@ class FP8Recipe:
         return hashlib.sha256(payload).hexdigest()[:12]
 
     def vllm_quantization_config(self, ignored_layers: list[str] | tuple[str, ...] = ()) -> dict:
-        """The `quantization_config` block of config.json in the vLLM / DeepSeek FP8 layout.
+        """The `quantization_config` block of config.json in the vLLM / DeepSeek FP8 layout (fp8_block;
+        the mxfp8 and nvfp4 families write ModelOpt's: jetflow.precision.export.quantization_config).
 
         ignored_layers: the linear modules the export stores in high precision (vLLM's Fp8Config reads
         them and gives those layers its unquantized method; without them it would expect FP8 bytes and
         scales for every linear it builds with the quant config, Qwen3-MoE's router among them)."""
+        if self.family != "fp8_block":
+            raise ValueError(f"the {self.family} family exports ModelOpt's layout: "
+                             "jetflow.precision.export.quantization_config")
         qc = {
             "quant_method": "fp8",
             "fmt": "e4m3",
