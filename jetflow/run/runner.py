@@ -36,6 +36,7 @@ def _train(cfg: Config, stop: StopRequests) -> Path:
     try:
         run_dir = prepare_run_dir(cfg, dp)  # checks, LOCK, config.yaml
         with place(cfg, dp, run_dir) as placement:  # the model load
+            stop.take_back()  # ray.init installs a SIGTERM handler of its own (sys.exit)
             run_sequence(cfg, placement, run_dir, stop)
         completed = True
         return run_dir

@@ -92,6 +92,12 @@ class StopRequests:
             self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
         return self
 
+    def take_back(self) -> None:
+        """Handle the signals again after a library installed its own (ray.init sets SIGTERM to exit)."""
+        if self._previous:
+            for s in SIGNALS:
+                signal.signal(s, self._handle)
+
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)

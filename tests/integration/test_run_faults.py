@@ -4,7 +4,8 @@
   same warm-up step within a step or two (not at the warm-up's end), write a checkpoint, mark the run
   STOPPED, and the same command with run.resume=true completes it.
 - Ray: a trainer worker killed in the middle of the warm-up ends the run with one line naming it (not a
-  RayActorError traceback), exit 1, and the resume continues from the warm-up's periodic checkpoint.
+  RayActorError traceback), exit 1, and the resume continues from the warm-up's periodic checkpoint;
+  a SIGTERM to the driver in the warm-up stops it after the current step (exit 75), and the run resumes.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def test_sigterm_to_torchrun_in_the_warmup_stops_every_rank_at_one_step_and_resu
     assert [r["step"] for r in read_metrics(tmp_path / "r")] == [0] and (tmp_path / "r" / "COMPLETE").exists()
 
 
-def test_a_ray_trainer_worker_killed_in_the_warmup_is_one_line_and_the_run_resumes(tmp_path, monkeypatch, capsys):
+def test_a_ray_trainer_worker_killed_or_the_driver_signalled_in_the_warmup_and_the_run_resumes(tmp_path, monkeypatch, capsys):
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
     from jetflow.cli import main
     from jetflow.run.ray_placement import RayPlacement
@@ -73,6 +74,15 @@ def test_a_ray_trainer_worker_killed_in_the_warmup_is_one_line_and_the_run_resum
     assert err.startswith("jetflow: error: a Ray trainer worker died during warm-up step 3 (")
     assert err.endswith("its checkpoints are intact: the same command with run.resume=true continues it")
     assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "warmup_000002"
+
+    def sigterm_at_step_4(self, step):  # to the driver (ray.init installs a SIGTERM handler of its own)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return warmup_step(self, step)
+
+    monkeypatch.setattr(RayPlacement, "warmup_step", sigterm_at_step_4)
+    assert main(args) == 75  # resumed at warm-up step 2, stopped after step 4
+    assert json.loads((tmp_path / "r" / "STOPPED").read_text())["stopped_at"] == "warm-up step 5"
 
     monkeypatch.undo()
     assert main(args) == 0
