@@ -112,27 +112,38 @@ def gemm(x2: Tensor, packed: Tensor, n: int, variant: str = "native", groups: in
 
 
 def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant: str = "native",
-             groups: int | None = None) -> Tensor:
+             groups: int | None = None, weight_rows_per_scale: int = 128) -> Tensor:
     """xq (M, K) E4M3 with sx (M, ceil(K/128)) @ W^T -> (M, N) fp32, W (N, K) E4M3 given as
-    `pack_weight(W)` with its 128x128 block scales sw (ceil(N/128), ceil(K/128)): each 128-K block's
-    chain over the raw FP8 values times sx * sw, then the groups and the tree (jetflow.kernels.canonical)."""
+    `pack_weight(W)` with its block scales sw: (ceil(N/128), ceil(K/128)) for 128x128 blocks, or
+    (N, ceil(K/128)) for 1x128 groups (`weight_rows_per_scale=1`: the weight-gradient GEMM's second
+    operand). Each 128-K block's chain over the raw FP8 values times sx * sw, then the groups and the
+    tree (jetflow.kernels.canonical)."""
     m, k = xq.shape
     groups = _groups(k, groups)
     nb = -(-k // canonical.BLOCK_K)
     if xq.dtype != torch.float8_e4m3fn or packed.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_gemm: E4M3 operands, got {xq.dtype} and {packed.dtype}")
-    if tuple(sx.shape) != (m, nb) or sw.shape[1] != nb or sw.shape[0] * canonical.BLOCK_K < n:
+    if weight_rows_per_scale not in (1, canonical.BLOCK_K):
+        raise ValueError(f"weight_rows_per_scale={weight_rows_per_scale}: 1 or {canonical.BLOCK_K}")
+    if tuple(sx.shape) != (m, nb) or sw.shape[1] != nb or sw.shape[0] * weight_rows_per_scale < n:
         raise ValueError(f"fp8_gemm scales: sx {tuple(sx.shape)} for x {tuple(xq.shape)}, sw {tuple(sw.shape)} for N={n}")
     if xq.is_cuda:
-        return cuda_kernels.fp8_gemm(xq, sx, packed[:n], sw, canonical.BLOCK_K, torch.float32, groups=groups)
+        return cuda_kernels.fp8_gemm(xq, sx, packed[:n], sw, weight_rows_per_scale, torch.float32, groups=groups)
     lib = load_library(variant)
     if packed.shape[1] != k or packed.shape[2] != lib.jf_panel_width() or packed.shape[0] * packed.shape[2] < n:
         raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(xq.shape)} and N={n}")
     if xq.stride(1) != 1:
         xq = xq.contiguous()
-    sx, sw = sx.float().contiguous(), sw.float().contiguous()
+    sx = sx.float().contiguous()
+    if weight_rows_per_scale == 1:  # (nb, P * NR): the scales of a panel's columns are one vector load
+        width = packed.shape[0] * packed.shape[2]
+        sw = F.pad(sw.float().t(), (0, width - sw.shape[0])).contiguous()
+        sw_ld = width
+    else:
+        sw, sw_ld = sw.float().contiguous(), nb
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.jf_gemm_fp8(_ptr(xq), m, k, xq.stride(0), _ptr(sx), nb, _ptr(packed), _ptr(sw), nb, n, _ptr(out), n, groups)
+    lib.jf_gemm_fp8(_ptr(xq), m, k, xq.stride(0), _ptr(sx), nb, _ptr(packed), _ptr(sw), sw_ld, weight_rows_per_scale,
+                    n, _ptr(out), n, groups)
     return out
 
 

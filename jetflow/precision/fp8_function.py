@@ -15,7 +15,7 @@ import torch
 
 from jetflow.kernels import invariant
 from jetflow.precision import microscaled
-from jetflow.precision.gemm import fp8_matmul
+from jetflow.precision.gemm import fp8_kernel_matmul, fp8_matmul, packed_fp8_weight_t
 from jetflow.precision.quant import QuantizedTensor, quantize_blocks
 from jetflow.precision.recipe import FP8Recipe
 
@@ -42,11 +42,11 @@ class _FP8LinearFunction(torch.autograd.Function):
         if bias is not None:
             y = y + bias.to(y.dtype)
         if save_input:
-            # Saved in FP8 for the wgrad GEMM: X quantized in 128 x 1 groups (along tokens).
-            xq_col = quantize_blocks(x2, (group, 1), recipe.forward_format, rule, margin, f"{name}.input")
-            ctx.saved_x = xq_col
+            # Saved in FP8 for the wgrad GEMM: X quantized in 128 x 1 groups (along tokens), kept as
+            # X^T (K, M) in 1 x 128 groups, the operand the wgrad GEMM reads.
+            ctx.saved_xt = quantize_rows(x2.t(), recipe, recipe.forward_format, f"{name}.input", numerics)
         ctx.saved_w = wq
-        ctx.recipe, ctx.backend, ctx.name = recipe, backend, name
+        ctx.recipe, ctx.backend, ctx.name, ctx.numerics = recipe, backend, name, numerics
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         ctx.weight_requires_grad = save_input
@@ -58,16 +58,17 @@ class _FP8LinearFunction(torch.autograd.Function):
         group, rule, margin, gfmt = recipe.group_size, recipe.scale_rule, recipe.margin, recipe.grad_format
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
         grad_x = grad_w = grad_b = None
+        numerics = ctx.numerics
         if ctx.needs_input_grad[0]:
-            gq = quantize_blocks(g2, (1, group), gfmt, rule, margin, f"{name}.grad_output")
-            grad_x = fp8_matmul(gq, ctx.saved_w.t(), out_dtype=ctx.x_dtype, backend=backend)  # (M, K)
+            gq = quantize_rows(g2, recipe, gfmt, f"{name}.grad_output", numerics)
+            grad_x = _backward_matmul(gq, ctx.saved_w.t(), ctx.x_dtype, backend, numerics, ctx.saved_w)  # (M, K)
             grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.weight_requires_grad and ctx.needs_input_grad[1]:
-            gq_col = quantize_blocks(g2, (group, 1), gfmt, rule, margin, f"{name}.grad_output")
-            grad_w = fp8_matmul(gq_col.t(), ctx.saved_x.t(), out_dtype=ctx.weight_dtype, backend=backend)  # (N, K)
+            gq_t = quantize_rows(g2.t(), recipe, gfmt, f"{name}.grad_output", numerics)  # dY^T (N, M), 1x128 along M
+            grad_w = _backward_matmul(gq_t, ctx.saved_xt, ctx.weight_dtype, backend, numerics)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.weight_dtype)
-        ctx.saved_x = ctx.saved_w = None
+        ctx.saved_xt = ctx.saved_w = None
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
@@ -82,6 +83,30 @@ def quantize_input(x2: torch.Tensor, recipe: FP8Recipe, name: str, numerics: str
             return QuantizedTensor(data, scale_inv, (1, 128))
     return quantize_blocks(x2, (1, recipe.group_size), recipe.forward_format, recipe.scale_rule, recipe.margin,
                            f"{name}.input")
+
+
+def quantize_rows(t: torch.Tensor, recipe: FP8Recipe, fmt: str, name: str, numerics: str = "fast") -> QuantizedTensor:
+    """t (R, C) in 1 x group_size groups along C (t may be a transposed view: the 128 x 1 groups of its
+    transpose). Under exact numerics on the CPU the fused quantizer for E4M3 (the same bytes)."""
+    if numerics == "exact" and fmt == "e4m3" and not t.is_cuda and recipe.group_size == 128:
+        data, scale_inv, bad = invariant.quantize_1x128(t, recipe.scale_rule, recipe.margin)
+        if not bad:
+            return QuantizedTensor(data, scale_inv, (1, 128))
+    if t.stride(0) == 1 and t.stride(1) != 1:  # a transposed view: quantize the original in group x 1
+        q = quantize_blocks(t.t(), (recipe.group_size, 1), fmt, recipe.scale_rule, recipe.margin, name)
+        return q.t()
+    return quantize_blocks(t, (1, recipe.group_size), fmt, recipe.scale_rule, recipe.margin, name)
+
+
+def _backward_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, backend: str,
+                     numerics: str, transposed_of: QuantizedTensor | None = None) -> torch.Tensor:
+    """a @ b.T for dgrad / wgrad. The backward of an exact linear on the CPU runs on the canonical FP8
+    kernels (E4M3 operands): gradients need not be exact, but the kernels that read the FP8 bytes are the
+    fastest FP8 GEMM this CPU has. Elsewhere (and for E5M2 gradients) the recipe's `backend`."""
+    if numerics == "exact" and not a.data.is_cuda and a.fmt == b.fmt == "e4m3" and a.block == (1, 128):
+        packed = packed_fp8_weight_t(transposed_of) if transposed_of is not None else None
+        return fp8_kernel_matmul(a, b, packed).to(out_dtype)
+    return fp8_matmul(a, b, out_dtype=out_dtype, backend=backend)
 
 
 def exact_fp8_product(x2: torch.Tensor, wq: QuantizedTensor, recipe: FP8Recipe, name: str = "linear",

@@ -83,12 +83,31 @@ def fp8_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = 
     return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
 
 
+def fp8_kernel_matmul(a: QuantizedTensor, b: QuantizedTensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b.T -> (M, N) fp32 on the CPU's FP8 kernels (jetflow.kernels.invariant.fp8_gemm: the FP8 bytes
+    read as they are), for E4M3 a in 1x128 groups and b in 128x128 blocks or 1x128 groups, any K (one
+    group: no tree). The backward GEMMs of exact linears (dgrad: b = W^T, `packed` its cached panels,
+    `packed_fp8_weight_t`; wgrad: b = X^T)."""
+    if packed is None:
+        packed = invariant.pack_weight(b.data)
+    rows = 128 if b.block == (128, 128) else 1
+    return invariant.fp8_gemm(a.data, a.scale_inv, packed, b.scale_inv, b.shape[0], groups=1,
+                              weight_rows_per_scale=rows)
+
+
 def packed_fp8_weight(wq: QuantizedTensor) -> torch.Tensor:
     """The canonical GEMM's panels of an FP8 weight's bytes, kept on the QuantizedTensor (one per weight
     version: PrecisionLinear caches the QuantizedTensor per version, a rollout keeps the shipped one)."""
     if wq.packed is None:
         wq.packed = invariant.pack_weight(wq.data)
     return wq.packed
+
+
+def packed_fp8_weight_t(wq: QuantizedTensor) -> torch.Tensor:
+    """The panels of W^T's bytes (the dgrad GEMM's weight), kept on W's QuantizedTensor."""
+    if wq.packed_t is None:
+        wq.packed_t = invariant.pack_weight(wq.data.t())
+    return wq.packed_t
 
 
 def _triton_blockwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:

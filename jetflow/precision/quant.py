@@ -81,6 +81,8 @@ class QuantizedTensor:
     dequantizing the same weight again for every call)."""
     packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional cached panels of the FP8 bytes for the canonical GEMM (exact numerics: gemm.packed_fp8_weight)."""
+    packed_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Optional cached panels of the transposed bytes (the dgrad GEMM of an exact linear: gemm.packed_fp8_weight_t)."""
 
     kind = "fp8_block"
     """The recipe family whose bytes these are (jetflow.precision.mx.MXTensor and
@@ -115,7 +117,7 @@ class QuantizedTensor:
     def __setstate__(self, state: dict) -> None:
         self.data = state["bytes"].view(getattr(torch, state["dtype"]))
         self.scale_inv, self.block, self.dequantized = state["scale_inv"], tuple(state["block"]), None
-        self.packed = None
+        self.packed = self.packed_t = None
 
     def t(self) -> "QuantizedTensor":
         """Transpose: the same bytes and scales, blocks transposed (exact, no requantization)."""

@@ -181,3 +181,22 @@ def test_exact_fp8_linear_refuses_nan_like_the_quantizer():
     with defer_nonfinite() as record:  # a collective forward goes on; the NaN flows on
         y = layer(x)
     assert "probe.input" in record.message and y[1].isnan().all() and y[0].isfinite().all()
+
+
+def test_exact_fp8_linear_backward_runs_the_kernels_on_the_same_fp8_operands():
+    """dgrad and wgrad of an exact FP8 linear run on the CPU's FP8 kernels: the same quantized operands as
+    the emulated backward (fast numerics), other summation order only."""
+    from jetflow.precision import FP8Recipe, PrecisionLinear
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 100, 384, generator=gen)
+    g = torch.randn(3, 100, 256, generator=gen)
+    grads = {}
+    for numerics in ("fast", "exact"):
+        layer = PrecisionLinear(384, 256, kind="fp8", recipe=FP8Recipe(), numerics=numerics)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(256, 384, generator=torch.Generator().manual_seed(9)) * 0.05)
+        xi = x.clone().requires_grad_()
+        (layer(xi) * g).sum().backward()
+        grads[numerics] = (xi.grad, layer.weight.grad)
+    for fast, exact in zip(grads["fast"], grads["exact"]):
+        assert ((exact - fast).abs().max() / fast.abs().max()).item() < 1e-5

@@ -66,9 +66,12 @@ def test_activation_is_saved_for_backward_in_fp8():
     x = torch.randn(8, 384, requires_grad=True)
     y = layer(x)
     node = y.grad_fn
-    while not hasattr(node, "saved_x"):
+    while not hasattr(node, "saved_xt"):
         node = node.next_functions[0][0]
-    assert node.saved_x.data.dtype == torch.float8_e4m3fn and node.saved_x.block == (128, 1)
+    saved = node.saved_xt  # X^T (K, M) in 1x128 groups along the tokens: X's 128x1 quantization
+    ref = quantize_blocks(x.detach(), (128, 1))
+    assert saved.data.dtype == torch.float8_e4m3fn and saved.block == (1, 128) and tuple(saved.shape) == (384, 8)
+    assert torch.equal(saved.dequantize(), ref.dequantize().t())
 
 
 def test_weight_quantized_once_per_version(monkeypatch):

@@ -234,17 +234,19 @@ struct Gemm {
   int mode;
   const void* Ap;  // packed A, (MB, K, GEMM_MR) floats or (MB, K2, GEMM_MR) dwords (DP)
   int64_t M, K, K2, N, nb, groups;
+  int64_t rows;  // rows per row block (<= GEMM_MR; `row_block_rows`)
   const float* sa;  // FP8: (M, nb) scales of A's rows, row stride sa_ld
   int64_t sa_ld;
-  const float* sw;  // FP8: (ceil(N / 128), nb) weight block scales, row stride sw_ld
-  int64_t sw_ld;
+  const float* sw;  // FP8: (ceil(N / 128), nb) weight block scales, row stride sw_ld; or, with
+  int64_t sw_ld;    // sw_rows == 1, (nb, P * NR) one scale per weight row (1x128 groups), transposed
+  int sw_rows;
   float* C;
   int64_t ldc;
 };
 
 template <int R>
 static void tile(const Gemm& g, int mode, int64_t rb, const void* Bp, int64_t p) {
-  const int64_t m0 = rb * GEMM_MR;
+  const int64_t m0 = rb * g.rows;
   const int ncols = (int)std::min<int64_t>(NR, g.N - p * NR);
   const int64_t bpg = g.nb / g.groups;  // blocks per group
   alignas(64) float level[MAX_LEVELS][R * NR];  // the tree's pending partial sums
@@ -269,10 +271,14 @@ static void tile(const Gemm& g, int mode, int64_t rb, const void* Bp, int64_t p)
       }
       for (int r = 0; r < R; r++) {
         vf a0 = acc[r][0], a1 = acc[r][1];
-        if (mode == MODE_PAIRS || mode == MODE_DP) {  // FP8: the block's scale, (sa * sw) first
+        if ((mode == MODE_PAIRS || mode == MODE_DP) && g.sw_rows != 1) {  // FP8: the block's scale, (sa * sw) first
           const float s = m0 + r < g.M ? g.sa[(m0 + r) * g.sa_ld + b] * g.sw[(p * NR / KB) * g.sw_ld + b] : 0.0f;
           a0 = v_mul(a0, v_set1(s));
           a1 = v_mul(a1, v_set1(s));
+        } else if (mode == MODE_PAIRS || mode == MODE_DP) {  // a scale per weight row (column of C)
+          const vf sa = v_set1(m0 + r < g.M ? g.sa[(m0 + r) * g.sa_ld + b] : 0.0f);
+          a0 = v_mul(a0, v_mul(sa, v_load(g.sw + b * g.sw_ld + p * NR)));
+          a1 = v_mul(a1, v_mul(sa, v_load(g.sw + b * g.sw_ld + p * NR + VL)));
         }
         float* s = sum + r * NR;
         vf s0 = j == 0 ? v_zero() : v_load(s), s1 = j == 0 ? v_zero() : v_load(s + VL);
@@ -325,7 +331,7 @@ static float* panel_buffer(int64_t floats) {
 // with few chunks (decode), (chunk, panel) pairs are the parallel tasks. One thread computes a whole
 // output element.
 static void run(const Gemm& g, const void* W, int wfmt) {
-  const int64_t P = (g.N + NR - 1) / NR, MB = (g.M + GEMM_MR - 1) / GEMM_MR;
+  const int64_t P = (g.N + NR - 1) / NR, MB = (g.M + g.rows - 1) / g.rows;
   const int64_t chunk = std::max<int64_t>(1, (512 * 1024) / (g.K * GEMM_MR * (int64_t)sizeof(float)));
   const int64_t nchunks = (MB + chunk - 1) / chunk;
   auto work = [&](int64_t i, int64_t p0, int64_t p1) {
@@ -355,7 +361,7 @@ static void run(const Gemm& g, const void* W, int wfmt) {
         Bp = nullptr;
 #endif
       }
-      for (int64_t b = b0; b < b1; b++) tile_rows((int)std::min<int64_t>(GEMM_MR, g.M - b * GEMM_MR), g, mode, b, Bp, p);
+      for (int64_t b = b0; b < b1; b++) tile_rows((int)std::min<int64_t>(g.rows, g.M - b * g.rows), g, mode, b, Bp, p);
     }
   };
   if (nchunks >= 4 * (int64_t)omp_get_max_threads()) {
@@ -386,6 +392,14 @@ extern "C" const char* jf_isa(void) {
 
 extern "C" void jf_e4m3_to_f32(const uint8_t* src, int64_t n, float* dst) { e4m3_to_f32(src, dst, n); }
 
+// Rows per row block: M split into ceil(M / GEMM_MR) blocks of equal size (16 decode rows: 2 x 8, not
+// 14 + 2), so no block runs a few rows against a whole weight panel. A row's arithmetic does not depend
+// on its block.
+static int64_t row_block_rows(int64_t M) {
+  const int64_t blocks = (M + GEMM_MR - 1) / GEMM_MR;
+  return (M + blocks - 1) / blocks;
+}
+
 static bool trivial(int64_t M, int64_t K, int64_t N, float* C, int64_t ldc) {
   if (M <= 0 || N <= 0) return true;
   if (K == 0) {
@@ -400,39 +414,41 @@ static bool trivial(int64_t M, int64_t K, int64_t N, float* C, int64_t ldc) {
 extern "C" void jf_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const void* W, int wfmt, int64_t N,
                         float* C, int64_t ldc, int64_t groups) {
   if (trivial(M, K, N, C, ldc)) return;
-  const int64_t MB = (M + GEMM_MR - 1) / GEMM_MR;
+  const int64_t RB = row_block_rows(M), MB = (M + RB - 1) / RB;
   float* Ap = jf_alloc_f32(MB * K * GEMM_MR);
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < MB; b++) {  // A packed per micro block: (K, GEMM_MR), rows past M are zeros
+  for (int64_t b = 0; b < MB; b++) {  // A packed per row block: (K, GEMM_MR), rows past the block are zeros
     float* dst = Ap + b * K * GEMM_MR;
     for (int r = 0; r < GEMM_MR; r++) {
-      const int64_t m = b * GEMM_MR + r;
-      for (int64_t k = 0; k < K; k++) dst[k * GEMM_MR + r] = m < M ? A[m * lda + k] : 0.0f;
+      const int64_t m = b * RB + r;
+      for (int64_t k = 0; k < K; k++) dst[k * GEMM_MR + r] = r < RB && m < M ? A[m * lda + k] : 0.0f;
     }
   }
   const int64_t nb = (K + KB - 1) / KB;
-  Gemm g{MODE_F32, Ap, M, K, 0, N, nb, groups, nullptr, 0, nullptr, 0, C, ldc};
+  Gemm g{MODE_F32, Ap, M, K, 0, N, nb, groups, RB, nullptr, 0, nullptr, 0, 128, C, ldc};
   run(g, W, wfmt);
   std::free(Ap);
 }
 
 // A (M, K) E4M3 codes with row stride lda and sa (M, ceil(K/128)) fp32 scales (row stride sa_ld);
-// W packed (ceil(N/NR), K, NR) E4M3 codes with sw (ceil(N/128), ceil(K/128)) (row stride sw_ld).
+// W packed (ceil(N/NR), K, NR) E4M3 codes with sw (ceil(N/128), ceil(K/128)) (row stride sw_ld) for
+// 128x128 blocks (sw_rows 128), or sw (ceil(K/128), >= P*NR) for 1x128 groups (sw_rows 1: the weight-
+// gradient GEMM's operand), the scale of weight row n in column n.
 extern "C" void jf_gemm_fp8(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const float* sa, int64_t sa_ld,
-                            const uint8_t* W, const float* sw, int64_t sw_ld, int64_t N, float* C, int64_t ldc,
-                            int64_t groups) {
+                            const uint8_t* W, const float* sw, int64_t sw_ld, int sw_rows, int64_t N, float* C,
+                            int64_t ldc, int64_t groups) {
   if (trivial(M, K, N, C, ldc)) return;
-  const int64_t MB = (M + GEMM_MR - 1) / GEMM_MR, nb = (K + KB - 1) / KB, K2 = (K + 1) / 2;
+  const int64_t RB = row_block_rows(M), MB = (M + RB - 1) / RB, nb = (K + KB - 1) / KB, K2 = (K + 1) / 2;
 #ifdef JF_DPBF16
   uint32_t* Ap = (uint32_t*)jf_alloc_f32(MB * K2 * GEMM_MR);
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < MB; b++) {  // (K2, GEMM_MR) bf16 pairs: (k = 2i) | (k = 2i + 1) << 16
     uint32_t* dst = Ap + b * K2 * GEMM_MR;
     for (int r = 0; r < GEMM_MR; r++) {
-      const int64_t m = b * GEMM_MR + r;
+      const int64_t m = b * RB + r;
       for (int64_t i = 0; i < K2; i++) {
         uint32_t lo = 0, hi = 0;
-        if (m < M) {
+        if (r < RB && m < M) {
           lo = E4M3_BF16[A[m * lda + 2 * i]];
           hi = 2 * i + 1 < K ? E4M3_BF16[A[m * lda + 2 * i + 1]] : 0;
         }
@@ -440,18 +456,18 @@ extern "C" void jf_gemm_fp8(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
       }
     }
   }
-  Gemm g{MODE_DP, Ap, M, K, K2, N, nb, groups, sa, sa_ld, sw, sw_ld, C, ldc};
+  Gemm g{MODE_DP, Ap, M, K, K2, N, nb, groups, RB, sa, sa_ld, sw, sw_ld, sw_rows, C, ldc};
 #else
   float* Ap = jf_alloc_f32(MB * K * GEMM_MR);
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < MB; b++) {
     float* dst = Ap + b * K * GEMM_MR;
     for (int r = 0; r < GEMM_MR; r++) {
-      const int64_t m = b * GEMM_MR + r;
-      for (int64_t k = 0; k < K; k++) dst[k * GEMM_MR + r] = m < M ? E4M3_F32[A[m * lda + k]] : 0.0f;
+      const int64_t m = b * RB + r;
+      for (int64_t k = 0; k < K; k++) dst[k * GEMM_MR + r] = r < RB && m < M ? E4M3_F32[A[m * lda + k]] : 0.0f;
     }
   }
-  Gemm g{MODE_PAIRS, Ap, M, K, K2, N, nb, groups, sa, sa_ld, sw, sw_ld, C, ldc};
+  Gemm g{MODE_PAIRS, Ap, M, K, K2, N, nb, groups, RB, sa, sa_ld, sw, sw_ld, sw_rows, C, ldc};
 #endif
   run(g, W, WF_E4M3);
   std::free(Ap);
