@@ -80,7 +80,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     latest = tmp_path / "killed" / "checkpoints" / "latest"
     deadline = time.time() + 600
     while time.time() < deadline and victim.poll() is None:
-        if latest.exists() and latest.read_text().strip() >= "step_000002":  # mid-run (polling may miss one)
+        name = latest.read_text().strip() if latest.exists() else ""
+        if name.startswith("step_") and name >= "step_000002":  # mid-run (polling may miss one; not warmup_)
             break
         time.sleep(0.05)
     assert victim.poll() is None, f"the run ended before it could be killed:\n{victim.stdout.read()[-3000:]}"
