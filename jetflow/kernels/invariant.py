@@ -202,7 +202,10 @@ def matmul(x: Tensor, weight: Tensor, packed: Tensor, dot: str = "fp32", groups:
     check_device(x.device)
     if dot not in ("fp32", "bf16"):
         raise ValueError(f"dot={dot!r}: 'fp32' or 'bf16'")
-    return _Matmul.apply(x, weight, packed, dot, groups)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _Matmul.apply(x, weight, packed, dot, groups)
+    y = gemm(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], groups=groups)  # no graph to record
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float) -> Tensor:
