@@ -23,7 +23,7 @@ Backward GEMMs are torch's fp32 matmuls on the dequantized operands (only the fo
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +37,13 @@ Microscaled = MXTensor | NVFP4Tensor
 
 
 def sr_generator(t: torch.Tensor, name: str) -> torch.Generator:
-    """A generator seeded by `name`, t's shape and an exact, order-free digest of t's fp32 bits."""
+    """A generator seeded by `name`, t's shape and an exact, order-free digest of t's fp32 bits (an
+    integer sum: the same on every thread count), mixed by sha256 (torch's CPU generator keeps only a
+    seed's low 32 bits)."""
     bits = t.detach().float().contiguous().view(torch.int32)
-    digest = int(bits.sum(dtype=torch.int64)) & 0xFFFFFFFFFFFF
-    seed = (zlib.crc32(f"{name}:{tuple(t.shape)}".encode()) << 32) ^ digest
-    return torch.Generator(device=t.device).manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
+    digest = int(bits.sum(dtype=torch.int64))
+    key = hashlib.sha256(f"{name}:{tuple(t.shape)}:{digest}".encode()).digest()
+    return torch.Generator(device=t.device).manual_seed(int.from_bytes(key[:8], "little") & 0x7FFFFFFFFFFFFFFF)
 
 
 def quantize_weight(w: torch.Tensor, recipe: FP8Recipe, name: str = "weight") -> Microscaled:

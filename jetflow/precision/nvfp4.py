@@ -95,7 +95,7 @@ class NVFP4Tensor:
     def parts(self) -> dict[str, torch.Tensor]:
         """The raw tensors that define it (checksums, pickling)."""
         return {"data": self.data.contiguous(), "scale": self.scale.contiguous().view(torch.uint8),
-                "tensor_scale": self.tensor_scale.contiguous()}
+                "tensor_scale": self.tensor_scale.reshape(-1).contiguous()}  # (1,) or (R,)
 
     def scale_error(self) -> str | None:
         """What is wrong with its scales, or None (a zero block scale is an all-zero block: valid)."""
@@ -111,11 +111,13 @@ class NVFP4Tensor:
         return self.data.numel() + self.scale.numel() + self.tensor_scale.numel() * 4
 
     def __getstate__(self) -> dict:
-        return {**self.parts(), "block": self.block, "cols": self.cols}
+        return {**self.parts(), "block": self.block, "cols": self.cols, "per_row": self.tensor_scale.dim() == 1}
 
     def __setstate__(self, state: dict) -> None:
         self.data, self.scale = state["data"], state["scale"].view(torch.float8_e4m3fn)
-        self.tensor_scale, self.block, self.cols = state["tensor_scale"], tuple(state["block"]), state["cols"]
+        d = state["tensor_scale"]
+        self.tensor_scale = d if state["per_row"] else d.reshape(())
+        self.block, self.cols = tuple(state["block"]), state["cols"]
         self.values = self.packed = None
 
 
