@@ -1,6 +1,7 @@
 """Models out of jetflow.
 
-`jetflow export`: an HF directory whose linear weights are FP8 blocks in the vLLM / DeepSeek layout.
+`jetflow export`: an HF directory whose linear weights are FP8 blocks in the vLLM / DeepSeek layout
+(under the mxfp8 / nvfp4 recipes: NVIDIA ModelOpt's MXFP8 / NVFP4 layout, jetflow.precision.modelopt).
 Every FP8 linear of the recipe becomes `<m>.weight` float8_e4m3fn + `<m>.weight_scale_inv` float32;
 what the recipe keeps in high precision is written in bf16; config.json gains `quantization_config`,
 whose `ignored_layers` names the linears kept in bf16 (vLLM builds those unquantized). MoE experts stay
@@ -37,6 +38,8 @@ from jetflow.precision import (
     quantized_weights,
     to_checkpoint_tensors,
 )
+from jetflow.precision.export import quantization_config
+from jetflow.precision.nvfp4 import TENSOR_SCALE_DIVISOR
 
 FINAL_MODEL_DIR = "model"
 """<run>/model/: the trained policy as a Hugging Face directory (bf16)."""
@@ -48,7 +51,8 @@ def fp8_state_dict(model: nn.Module, recipe: FP8Recipe) -> dict[str, torch.Tenso
     """The model's tensors in the FP8 checkpoint layout. `model`: a Decoder (the recipe is applied to
     it first unless its FP8 linears run it already) or a ShardedPolicy running `recipe` (a collective
     under tensor parallelism: every rank calls it)."""
-    tensors = to_checkpoint_tensors(_quantized(model, recipe))
+    quantized = _quantized(model, recipe)
+    tensors = to_checkpoint_tensors(quantized, nvfp4_input_scales(model, recipe))
     for name, tensor in hf_weights(model).items():
         if name in tensors:
             continue
@@ -71,6 +75,34 @@ def _quantized(model: nn.Module, recipe: FP8Recipe) -> dict[str, QuantizedTensor
     return quantized_weights(model)
 
 
+CALIBRATION_TOKENS = 256
+
+
+def nvfp4_input_scales(model: nn.Module, recipe: FP8Recipe) -> dict[str, float]:
+    """NVFP4's static input scale of each quantized linear, for vLLM's own W4A4 kernels (jetflow's engines
+    scale each token row themselves and never read it): the amax of the linear's input over one
+    calibration forward, the first CALIBRATION_TOKENS token ids as one sequence (a function of the
+    weights only: a resumed run exports what the uninterrupted one does), divided by 2688. A linear the
+    forward does not reach (an expert no token chose), and a sharded policy's, get 1.0."""
+    if recipe.family != "nvfp4" or isinstance(model, ShardedPolicy):
+        return {}
+    amax: dict[str, float] = {}
+
+    def record(name):
+        def hook(module, args):
+            amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().amax()))
+        return hook
+    hooks = [layer.register_forward_pre_hook(record(name)) for name, layer in fp8_linears(model).items()]
+    try:
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            model(torch.arange(min(model.config.vocab_size, CALIBRATION_TOKENS), device=device)[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: a / TENSOR_SCALE_DIVISOR for name, a in amax.items() if a > 0}
+
+
 def export_fp8(model: nn.Module, out_dir: str | Path, recipe: FP8Recipe, tokenizer_dir=None) -> Path:
     return write_fp8_dir(fp8_state_dict(model, recipe), model.config, recipe, out_dir, tokenizer_dir)
 
@@ -84,7 +116,7 @@ def write_fp8_dir(tensors: dict[str, torch.Tensor], config: ModelConfig, recipe:
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt", "jetflow_fingerprint": recipe.fingerprint()})
     hf = config.to_hf(torch.bfloat16)
-    hf["quantization_config"] = recipe.vllm_quantization_config(high_precision_linears(tensors))
+    hf["quantization_config"] = quantization_config(recipe, high_precision_linears(tensors))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     write_tokenizer(tokenizer, out)
     return out

@@ -35,6 +35,7 @@ from jetflow.model.moe import EXPERT_NAMES
 from jetflow.precision import FP8Recipe, apply_precision
 from jetflow.precision.export import (
     SCALE_SUFFIX,
+    is_scale_name,
     load_quantized_weights,
     recipe_from_quantization_config,
     split_quantized,
@@ -248,7 +249,7 @@ def load_fp8_dir(path: str | Path, config: ModelConfig, recipe: FP8Recipe, dtype
     tensors = {name: t.to(dtype) for name, t in others.items()}
     for module, q in quantized.items():
         tensors[f"{module}.weight"] = q.dequantize(dtype)  # (N, K)
-    model = _assign(d, config, {n: f for n, f in files.items() if not n.endswith(SCALE_SUFFIX)}, tensors, device)
+    model = _assign(d, config, {n: f for n, f in files.items() if not is_scale_name(n)}, tensors, device)
     apply_precision(model, "fp8", recipe, num_layers=config.num_layers)
     try:
         load_quantized_weights(model, quantized)

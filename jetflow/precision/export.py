@@ -1,9 +1,10 @@
-"""Quantized weights in the vLLM / DeepSeek FP8 checkpoint layout, and back.
+"""Quantized weights in the checkpoint layouts vLLM loads, and back.
 
-Layout: `<module>.weight` float8_e4m3fn (N, K) and `<module>.weight_scale_inv` float32
-(ceil(N/128), ceil(K/128)); config.json carries `quantization_config` (see
-FP8Recipe.vllm_quantization_config). The bytes written are the bytes the trainer computed with, and
-bytes read back are handed to the FP8 linears as they are (`load_quantized_weights`), never requantized.
+fp8_block: the vLLM / DeepSeek FP8 layout, `<module>.weight` float8_e4m3fn (N, K) and
+`<module>.weight_scale_inv` float32 (ceil(N/128), ceil(K/128)); config.json carries
+`quantization_config` (FP8Recipe.vllm_quantization_config). mxfp8 / nvfp4: NVIDIA ModelOpt's layout
+(jetflow.precision.modelopt). The bytes written are the bytes the trainer computed with, and bytes
+read back are handed to the quantized linears as they are (`load_quantized_weights`), never requantized.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from jetflow.precision import modelopt
 from jetflow.precision.linear import fp8_linears
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8_DTYPES, FP8Recipe
@@ -23,15 +25,32 @@ from jetflow.precision.recipe import FP8_DTYPES, FP8Recipe
 SCALE_SUFFIX = ".weight_scale_inv"
 
 
+def is_scale_name(name: str) -> bool:
+    """A quantization tensor beside a weight (a scale, ModelOpt's input scale), not a model parameter."""
+    return name.endswith(SCALE_SUFFIX) or name.endswith(modelopt.SUFFIXES)
+
+
+def quantization_config(recipe: FP8Recipe, ignored_layers=()) -> dict:
+    """config.json's `quantization_config` for an export under `recipe` (vLLM's block-FP8 or ModelOpt's)."""
+    if recipe.family == "fp8_block":
+        return recipe.vllm_quantization_config(ignored_layers)
+    return modelopt.quantization_config(recipe, ignored_layers)
+
+
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedTensor]:
     """{module name: this step's QuantizedTensor} for every FP8 linear (cached bytes, not recomputed)."""
     return {name: layer.quantized_weight() for name, layer in fp8_linears(model).items()}
 
 
-def to_checkpoint_tensors(quantized: dict[str, QuantizedTensor]) -> dict[str, torch.Tensor]:
-    """{module: QuantizedTensor} -> {module.weight: fp8, module.weight_scale_inv: fp32}."""
+def to_checkpoint_tensors(quantized: dict[str, QuantizedTensor],
+                          input_scales: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+    """{module: QuantizedTensor} -> {module.weight: fp8, module.weight_scale_inv: fp32}; MXFP8 / NVFP4
+    tensors in ModelOpt's names (`input_scales`: NVFP4's static input scale per module, default 1.0)."""
     out: dict[str, torch.Tensor] = {}
     for module, q in quantized.items():
+        if q.kind != "fp8_block":
+            out.update(modelopt.to_tensors(module, q, (input_scales or {}).get(module, 1.0)))
+            continue
         out[f"{module}.weight"] = q.data.contiguous()
         out[f"{module}{SCALE_SUFFIX}"] = q.scale_inv.contiguous()
     return out
@@ -39,9 +58,16 @@ def to_checkpoint_tensors(quantized: dict[str, QuantizedTensor]) -> dict[str, to
 
 def from_checkpoint_tensors(tensors: dict[str, torch.Tensor],
                             block: tuple[int, int] = (128, 128)) -> dict[str, QuantizedTensor]:
-    """Inverse of `to_checkpoint_tensors`: every `<m>.weight` that has a `<m>.weight_scale_inv`."""
+    """Inverse of `to_checkpoint_tensors`: every `<m>.weight` that has a `<m>.weight_scale_inv` (FP8
+    blocks of `block`) or a `<m>.weight_scale` (ModelOpt's MXFP8 or NVFP4)."""
     out: dict[str, QuantizedTensor] = {}
     for key, scale in tensors.items():
+        if key.endswith(".weight_scale"):
+            module = key.removesuffix(".weight_scale")
+            if f"{module}.weight" not in tensors:
+                raise KeyError(f"{key} has no matching {module}.weight")
+            out[module] = modelopt.from_tensors(module, tensors)
+            continue
         if not key.endswith(SCALE_SUFFIX):
             continue
         module = key[: -len(SCALE_SUFFIX)]
@@ -61,28 +87,38 @@ def from_checkpoint_tensors(tensors: dict[str, torch.Tensor],
 
 def split_quantized(tensors: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128)
                     ) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor]]:
-    """(quantized modules, the other tensors) of a checkpoint in the FP8 layout. A float8 tensor
-    without its scale is an error: its bytes alone do not say what values they stand for."""
+    """(quantized modules, the other tensors) of a checkpoint in the FP8 (or ModelOpt) layout. A float8
+    or uint8 tensor without its scale is an error: its bytes alone do not say what values they stand for.
+    ModelOpt's static input scales are dropped (jetflow's engines scale each token row themselves)."""
     quantized = from_checkpoint_tensors(tensors, block)
-    used = {f"{m}.weight" for m in quantized} | {f"{m}{SCALE_SUFFIX}" for m in quantized}
-    others = {k: v for k, v in tensors.items() if k not in used}
-    unscaled = sorted(k for k, v in others.items() if v.dtype in FP8_DTYPES.values())
+    used = {f"{m}.weight" for m in quantized}
+    others = {k: v for k, v in tensors.items() if k not in used and not is_scale_name(k)}
+    unscaled = sorted(k for k, v in others.items() if v.dtype in (*FP8_DTYPES.values(), torch.uint8))
     if unscaled:
         raise ValueError(f"{unscaled[0]} is float8 but has no {SCALE_SUFFIX[1:]} beside it")
     return quantized, others
 
 
 def recipe_from_quantization_config(qc: dict) -> FP8Recipe:
-    """Inverse of `FP8Recipe.vllm_quantization_config`. A block-FP8 config written by another tool
-    (no `jetflow_recipe`) gets the default recipe with its weight block."""
+    """Inverse of `quantization_config`. A block-FP8 config written by another tool (no `jetflow_recipe`)
+    gets the default recipe with its weight block; a ModelOpt MXFP8 / NVFP4 one its family's recipe."""
+    if family := modelopt.family_of(qc):
+        recipe = FP8Recipe.from_dict(qc["jetflow_recipe"]) if "jetflow_recipe" in qc else FP8Recipe(family=family)
+        if recipe.family != family:
+            raise ValueError(f"quantization_config: quant_algo {family} but jetflow_recipe has {recipe.family}")
+        return _checked_fingerprint(qc, recipe)
     if qc.get("quant_method") != "fp8" or "weight_block_size" not in qc:
         raise ValueError(f"quantization_config {json.dumps(qc)[:120]} is not block FP8 (quant_method fp8 with "
-                         "weight_block_size, as `jetflow export` writes)")
+                         "weight_block_size) nor ModelOpt MXFP8 / NVFP4, as `jetflow export` writes")
     block = tuple(int(b) for b in qc["weight_block_size"])
     recipe = FP8Recipe.from_dict(qc["jetflow_recipe"]) if "jetflow_recipe" in qc else FP8Recipe(weight_block=block)
     if recipe.weight_block != block:
         raise ValueError(f"quantization_config: weight_block_size {list(block)} but jetflow_recipe has "
                          f"{list(recipe.weight_block)}")
+    return _checked_fingerprint(qc, recipe)
+
+
+def _checked_fingerprint(qc: dict, recipe: FP8Recipe) -> FP8Recipe:
     if "jetflow_fingerprint" in qc and qc["jetflow_fingerprint"] != recipe.fingerprint():
         raise ValueError(f"quantization_config: jetflow_fingerprint {qc['jetflow_fingerprint']} is not the "
                          f"fingerprint {recipe.fingerprint()} of its jetflow_recipe (edited by hand?)")
