@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import jetflow.precision.linear as precision_linear
+import jetflow.precision.fp8_function as precision_fp8
 from jetflow.cli import main
 from jetflow.export import FINAL_FP8_DIR, FINAL_MODEL_DIR, export_fp8, write_final_model
 from jetflow.model import CheckpointError, save_hf_dir
@@ -110,13 +110,13 @@ def cli_generate(model_dir, capsys, *extra: str) -> list[str]:
 def fp8_gemm_weights(monkeypatch):
     """Every weight operand (QuantizedTensor) the FP8 GEMMs of a forward receive."""
     seen = []
-    real = precision_linear.fp8_matmul
+    real = precision_fp8.fp8_matmul
 
     def spy(a, b, *args, **kwargs):
         seen.append(b)
         return real(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(precision_linear, "fp8_matmul", spy)
+    monkeypatch.setattr(precision_fp8, "fp8_matmul", spy)
     return seen
 
 
