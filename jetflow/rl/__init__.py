@@ -11,9 +11,10 @@ from .correction import (
     apply_correction,
 )
 from .loss import AGGREGATIONS, agg_denominator, aggregate, policy_loss
-from .mismatch import mismatch_metrics, mismatch_position_curves
+from .mismatch import LOW_PROB_THRESHOLD, low_prob_metrics, mismatch_metrics, mismatch_position_curves
 
 __all__ = [
+    "LOW_PROB_THRESHOLD",
     "AGGREGATIONS",
     "CORRECTIONS",
     "NORMS",
@@ -23,6 +24,7 @@ __all__ = [
     "ais_diagnostics",
     "apply_correction",
     "group_advantages",
+    "low_prob_metrics",
     "mismatch_metrics",
     "mismatch_position_curves",
     "policy_loss",

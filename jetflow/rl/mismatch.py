@@ -20,9 +20,22 @@ are where FP8 mismatch compounds, so the late bins are the ones to watch.
 
 An empty mask (or bin) gives 0 for every metric and ``num_tokens`` 0, never NaN.
 Computed in float64 under no_grad: these are diagnostics, never part of the loss.
+
+Low-probability tokens (``low_prob_metrics``): a sampled token whose rollout probability (of the
+distribution it was sampled from, temperature applied) is below ``LOW_PROB_THRESHOLD`` = 0.1.
+The rollout/trainer gap of a token's log-prob shrinks with its probability (about (1 - p) times the
+logit error), so the mismatch sits in the tail, and the reports of RL collapse under a mismatch
+("When Speed Kills Stability", Liu, Li et al. 2025; "Taming the Tail", arXiv 2512.23087) trace the
+exploding gradients to sampled low-probability tokens. Keys:
+
+    policy/low_prob_frac       share of response tokens with p_rollout < LOW_PROB_THRESHOLD
+    mismatch/kl_k3/low_prob    mean k3 over those tokens (0 when there are none)
+    mismatch/kl_k3/high_prob   mean k3 over the other response tokens (0 when there are none)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -30,6 +43,8 @@ from torch import Tensor
 # exp() of a log-ratio beyond +-20 would dominate every mean anyway; clamping keeps r^2 finite.
 _MAX_LOG_RATIO = 20.0
 _OUTSIDE_LO, _OUTSIDE_HI = 0.5, 2.0
+LOW_PROB_THRESHOLD = 0.1
+"""A sampled token is a low-probability one when its rollout probability is below this."""
 
 
 def _stats(delta: Tensor) -> dict[str, float]:
@@ -104,4 +119,32 @@ def mismatch_position_curves(
         "kl_k3": (k3 * m).sum(dim=0) / denom,
         "abs_delta": (delta.abs() * m).sum(dim=0) / denom,
         "count": count,
+    }
+
+
+@torch.no_grad()
+def low_prob_metrics(rollout_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor,
+                     threshold: float = LOW_PROB_THRESHOLD) -> dict[str, float]:
+    """The share of sampled low-probability tokens and the mismatch on them (module docstring).
+
+    Args:
+        rollout_logprobs: (B, T) log pi_rollout of the sampled tokens (the sampling distribution).
+        trainer_logprobs: (B, T) log pi_train of the same tokens.
+        mask: (B, T) float or bool, 1 on response tokens.
+        threshold: probability below which a sampled token counts as low-probability, in (0, 1].
+    """
+    if not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+    valid = mask > 0  # (B, T)
+    rollout = rollout_logprobs.double()
+    low = valid & (rollout < math.log(threshold))  # (B, T)
+    high = valid & ~low
+    delta = torch.where(valid, trainer_logprobs.double() - rollout, torch.zeros_like(rollout))
+    d = delta.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    k3 = torch.exp(d) - 1.0 - d  # (B, T)
+    n, n_low, n_high = int(valid.sum()), int(low.sum()), int(high.sum())
+    return {
+        "policy/low_prob_frac": n_low / n if n else 0.0,
+        "mismatch/kl_k3/low_prob": float(k3[low].sum()) / n_low if n_low else 0.0,
+        "mismatch/kl_k3/high_prob": float(k3[high].sum()) / n_high if n_high else 0.0,
     }

@@ -15,7 +15,7 @@ import torch
 
 from jetflow.config import Config
 from jetflow.distributed import SINGLE, DataParallel
-from jetflow.rl import apply_correction, group_advantages, mismatch_metrics
+from jetflow.rl import apply_correction, group_advantages, low_prob_metrics, mismatch_metrics
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience, pack_experience
 from jetflow.rollout.types import RolloutEngineSide
@@ -152,6 +152,8 @@ class RLLoop:
         if self.kv_quantizer is not None:
             self.kv_quantizer.calibrating = False
         metrics.update(mismatch_metrics(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask))
+        # the share of sampled tokens the rollout gave p < 0.1, and the mismatch on them and on the rest
+        metrics.update(low_prob_metrics(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask))
         correction = apply_correction(self.correction, exp.rollout_logprobs, exp.old_logprobs, exp.response_mask,
                                       **cfg.algo.correction_params)
         exp.is_weights = correction.weights

@@ -112,6 +112,9 @@ def test_one_step_hands_weights_then_samples_then_trains_on_the_trainers_logprob
     assert m["mismatch/kl_k3"] == pytest.approx(math.exp(-0.5) - 1 + 0.5)
     assert m["mismatch/equal_frac"] == 0.0
     assert m["policy/rollout_log_ppl"] == pytest.approx(1.0)
+    # every token at rollout p = e^-1 = 0.37: none below 0.1; all 0.5 nats apart
+    assert m["policy/low_prob_frac"] == 0.0 and m["mismatch/kl_k3/low_prob"] == 0.0
+    assert m["mismatch/kl_k3/high_prob"] == pytest.approx(math.exp(-0.5) - 1 + 0.5)
     assert m["sync/bytes"] == 12.0 and m["time/step"] >= m["time/rollout"] >= 0
 
 

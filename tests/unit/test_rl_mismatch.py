@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from jetflow.rl.mismatch import mismatch_metrics, mismatch_position_curves
+from jetflow.rl.mismatch import LOW_PROB_THRESHOLD, low_prob_metrics, mismatch_metrics, mismatch_position_curves
 
 F64 = torch.float64
 LN = math.log
@@ -86,3 +86,33 @@ def test_position_curves_by_hand():
     torch.testing.assert_close(c["abs_delta"], abs_delta)
     k3 = torch.tensor([(0.5 - LN(1.5)) / 2, 2 - LN(3), 0.25 - 1 + LN(4), 0.0], dtype=F64)
     torch.testing.assert_close(c["kl_k3"], k3)
+
+
+def test_low_prob_tokens_by_hand():
+    # ROLLOUT's response tokens: p = e^-0.5 = 0.61, e^-2 = 0.135, e^-1 = 0.37 (row 0), e^-1.3 = 0.27
+    # (row 1): none below 0.1. A threshold of 0.3 takes e^-2 (r = 3) and e^-1.3 (r = 1.5): half of them.
+    m = low_prob_metrics(ROLLOUT, TRAINER, MASK, threshold=0.3)
+    assert m["policy/low_prob_frac"] == 0.5
+    assert m["mismatch/kl_k3/low_prob"] == pytest.approx(((3 - 1 - LN(3)) + (1.5 - 1 - LN(1.5))) / 2)  # 0.3420
+    # the other two: r = 1 (k3 0) and r = 0.25 (k3 0.25 - 1 + ln 4)
+    assert m["mismatch/kl_k3/high_prob"] == pytest.approx((0.25 - 1 + LN(4)) / 2)  # 0.3181
+    assert low_prob_metrics(ROLLOUT, TRAINER, MASK) == {  # the default 0.1: no low-probability token here
+        "policy/low_prob_frac": 0.0, "mismatch/kl_k3/low_prob": 0.0,
+        "mismatch/kl_k3/high_prob": pytest.approx(mismatch_metrics(ROLLOUT, TRAINER, MASK)["mismatch/kl_k3"])}
+
+
+def test_low_prob_default_threshold_and_padding():
+    assert LOW_PROB_THRESHOLD == 0.1
+    # p = 0.05, 0.099, 0.1, 0.5 sampled; the padded position's -inf is never counted or used
+    rollout = torch.tensor([[LN(0.05), LN(0.099), LN(0.1), LN(0.5), -math.inf]], dtype=F64)
+    trainer = torch.tensor([[LN(0.1), LN(0.099), LN(0.1), LN(0.5), 0.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    m = low_prob_metrics(rollout, trainer, mask)
+    assert m["policy/low_prob_frac"] == 0.5  # 0.05 and 0.099 (0.1 itself is not below the threshold)
+    # r = 2 on the first token, 1 on the second: k3 = (2 - 1 - ln 2 + 0) / 2
+    assert m["mismatch/kl_k3/low_prob"] == pytest.approx((1 - LN(2)) / 2)
+    assert m["mismatch/kl_k3/high_prob"] == 0.0
+    empty = low_prob_metrics(rollout, trainer, torch.zeros(1, 5))
+    assert empty == {"policy/low_prob_frac": 0.0, "mismatch/kl_k3/low_prob": 0.0, "mismatch/kl_k3/high_prob": 0.0}
+    with pytest.raises(ValueError):
+        low_prob_metrics(rollout, trainer, mask, threshold=0.0)
