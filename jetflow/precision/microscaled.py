@@ -95,6 +95,9 @@ def product(aq: Microscaled, bq: Microscaled, numerics: str = "fast", groups: in
     """aq (M, K) @ bq (N, K)^T -> (M, N) fp32: the exact values' product (exact: the canonical GEMM on
     `packed`, bq's panels), `combine` (a row-parallel shard's TP tree), then NVFP4's alpha = d_a * d_b
     (per row of aq when aq has row scales)."""
+    if numerics == "exact" and aq.data.is_cuda:
+        invariant.check_device(aq.data.device)
+        return _cuda_product(aq, bq, groups, combine)
     a = values(aq)
     if numerics == "exact":
         invariant.check_device(a.device)
@@ -103,10 +106,29 @@ def product(aq: Microscaled, bq: Microscaled, numerics: str = "fast", groups: in
         y = a @ values(bq).t()
     if combine is not None:
         y = combine(y)
+    return _times_alpha(y, aq, bq)
+
+
+def _times_alpha(y: torch.Tensor, aq: Microscaled, bq: Microscaled) -> torch.Tensor:
+    """NVFP4: y * fp32(d_a * d_b) (per row of aq when it has row scales); MXFP8: y."""
     if isinstance(aq, NVFP4Tensor):
         alpha = aq.tensor_scale * bq.tensor_scale  # () or (M,), fp32: one rounding
         y = y * (alpha[:, None] if alpha.dim() else alpha)
     return y
+
+
+def _cuda_product(aq: Microscaled, bq: Microscaled, groups: int | None, combine) -> torch.Tensor:
+    """The exact product on CUDA: jetflow's Triton GEMM on the codes and scales (jetflow.kernels.triton.
+    microscaled), the same structure; NVFP4's alpha in the kernel, or after `combine` when there is one."""
+    from jetflow.kernels.triton import microscaled as kernels
+
+    if isinstance(aq, MXTensor):
+        y = kernels.mx_gemm(aq.data, aq.scale, bq.data, bq.scale, groups=groups)
+        return y if combine is None else combine(y)
+    ones = torch.ones((), device=aq.data.device)
+    da, db = (aq.tensor_scale, bq.tensor_scale) if combine is None else (ones, ones)
+    y = kernels.nvfp4_gemm(aq.data, aq.scale, da, bq.data, bq.scale, db, aq.shape[1], bq.block[0], groups=groups)
+    return y if combine is None else _times_alpha(combine(y), aq, bq)
 
 
 def exact_product(x2: torch.Tensor, wq: Microscaled, recipe: FP8Recipe, name: str = "linear",

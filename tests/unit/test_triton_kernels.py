@@ -249,6 +249,42 @@ def test_rms_norm_within_bound_and_row_invariant(interp):
     assert ((r["y_bf16_in"] - ref_bf16).abs() <= 2.0**-8 * ref_bf16.abs() + 1e-6).all()
 
 
+def _restore(cls, state):
+    """A quantized operand (jetflow.precision.mx.MXTensor / nvfp4.NVFP4Tensor) from its pickled state."""
+    q = cls.__new__(cls)
+    q.__setstate__(state)
+    return q
+
+
+@pytest.mark.parametrize("k", [320, 512])
+def test_microscaled_gemms_equal_their_reference_bitwise(interp, k):
+    """The mxfp8 / nvfp4 GEMMs (in-kernel dequantization to exact bf16 values, tensor-core dot, the
+    canonical groups and tree, NVFP4's alpha) equal jetflow.kernels.triton.microscaled_reference on the
+    operands' exact values bit for bit (fp32 and bf16 out), at K = 320 (a partial K block, 40 weight rows:
+    a partial tile of 16x16 NVFP4 weight tiles) and K = 512 (4 groups; 1 group too); a row computed
+    alone equals the row among 20; and the product is within fp32 summation of the fp64 one."""
+    from jetflow.kernels.triton.microscaled_reference import microscaled_gemm as ref
+    from jetflow.precision.mx import MXTensor
+    from jetflow.precision.nvfp4 import NVFP4Tensor
+
+    r = interp("microscaled_gemm")
+    mx = r[f"mx_{k}"]
+    a, b = _restore(MXTensor, mx["a"]), _restore(MXTensor, mx["b"])
+    expected = ref(a.dequantize(), b.dequantize())
+    assert torch.equal(mx["fp32"], expected) and torch.equal(mx["row3"][0], mx["fp32"][3])
+    assert torch.equal(mx["bf16"].view(torch.int16), expected.bfloat16().view(torch.int16))
+    nv = r[f"nv_{k}"]
+    a, b = _restore(NVFP4Tensor, nv["a"]), _restore(NVFP4Tensor, nv["b"])
+    expected = ref(a.block_values(), b.block_values(), da=a.tensor_scale, db=b.tensor_scale)
+    assert torch.equal(nv["fp32"], expected) and torch.equal(nv["row3"][0], nv["fp32"][3])
+    exact = (a.block_values().double() @ b.block_values().double().t()) * (a.tensor_scale * b.tensor_scale).double()[:, None]
+    bound = (k + 2) * 2.0**-24 * (a.block_values().double().abs() @ b.block_values().double().abs().t()) * \
+        (a.tensor_scale * b.tensor_scale).double()[:, None]
+    assert bool(((nv["fp32"].double() - exact).abs() <= bound).all())
+    if k == 512:
+        assert torch.equal(nv["one_group"], ref(a.block_values(), b.block_values(), 1, a.tensor_scale, b.tensor_scale))
+
+
 # -- sm_90 compile check ------------------------------------------------------------------------
 def _specs():
     from jetflow.kernels.triton.compile_check import SPECS
@@ -265,3 +301,21 @@ def test_kernel_compiles_for_sm90(spec):
     for needle in spec.expect:
         assert needle in ptx, f"{spec.name}: no {needle} in the sm_90 PTX"
     assert "div.full.f32" not in ptx  # every division IEEE (Triton's `/` would be div.full)
+
+
+def _sm100_specs():
+    from jetflow.kernels.triton.compile_check import SM100_SPECS
+    return SM100_SPECS
+
+
+@pytest.mark.parametrize("spec", _sm100_specs(), ids=lambda s: s.name)
+def test_block_scaled_kernel_compiles_for_sm100(spec):
+    """The mxfp8 / nvfp4 GEMM's native variant (tl.dot_scaled on the codes and scales) compiles for
+    Blackwell to its block-scaled MMA (tcgen05 kind::mxf8f6f4 / kind::mxf4nvf4), not to a trap."""
+    from jetflow.kernels.triton.compile_check import BLACKWELL, compile_sm90
+
+    compiled = compile_sm90(spec, BLACKWELL)
+    ptx = compiled.asm["ptx"]
+    assert len(compiled.asm["cubin"]) > 0 and ".target sm_100" in ptx and "trap;" not in ptx
+    for needle in spec.expect:
+        assert needle in ptx, f"{spec.name}: no {needle} in the sm_100 PTX"

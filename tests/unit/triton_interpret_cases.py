@@ -302,6 +302,33 @@ def rms_norm():
     return out
 
 
+@case
+def microscaled_gemm():
+    """The mxfp8 / nvfp4 GEMMs (jetflow.kernels.triton.microscaled): K = 320 (a partial K block; 40 rows of
+    N: a partial tile of 16x16 weight tiles) and K = 512 (4 canonical groups), a row alone."""
+    from jetflow.kernels.triton import microscaled as tms
+    from jetflow.precision.mx import quantize_mx
+    from jetflow.precision.nvfp4 import quantize_nvfp4
+
+    gen = torch.Generator().manual_seed(13)
+    out = {}
+    for k in (320, 512):
+        x = torch.randn(20, k, generator=gen) * torch.logspace(-3, 2, 20)[:, None]
+        w = torch.randn(40, k, generator=gen) * 0.05
+        xm, wm = quantize_mx(x), quantize_mx(w)
+        xn, wn = quantize_nvfp4(x, per_row=True), quantize_nvfp4(w, (16, 16))
+        out[f"mx_{k}"] = {"a": xm.__getstate__(), "b": wm.__getstate__(),
+                          "fp32": tms.mx_gemm(xm.data, xm.scale, wm.data, wm.scale),
+                          "bf16": tms.mx_gemm(xm.data, xm.scale, wm.data, wm.scale, torch.bfloat16),
+                          "row3": tms.mx_gemm(xm.data[3:4], xm.scale[3:4], wm.data, wm.scale)}
+        args = (wn.data, wn.scale, wn.tensor_scale, k, 16)
+        out[f"nv_{k}"] = {"a": xn.__getstate__(), "b": wn.__getstate__(),
+                          "fp32": tms.nvfp4_gemm(xn.data, xn.scale, xn.tensor_scale, *args),
+                          "row3": tms.nvfp4_gemm(xn.data[3:4], xn.scale[3:4], xn.tensor_scale[3:4], *args)}
+    out["nv_512"]["one_group"] = tms.nvfp4_gemm(xn.data, xn.scale, xn.tensor_scale, *args, groups=1)
+    return out
+
+
 def main(out_dir: str, names: list[str]) -> None:
     patch_interpreter_dot()
     out = Path(out_dir)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jetflow.kernels.triton import attn, gemm, quant, rmsnorm
+from jetflow.kernels.triton import attn, gemm, microscaled, quant, rmsnorm
 
 HOPPER = ("cuda", 90, 32)  # backend, compute capability, warp size
+BLACKWELL = ("cuda", 100, 32)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,24 @@ def _quant(x: str, pow2: bool) -> Spec:
                 4, 3, expect=("div.rn.f32",))
 
 
+def _microscaled(nvfp4: bool, native: bool, out: str = "fp32", groups: int = 8) -> Spec:
+    """The mxfp8 / nvfp4 GEMM: dequantizing to bf16 tensor cores (sm_90: wgmma) or, native, the
+    block-scaled MMA of tl.dot_scaled (sm_100)."""
+    cfg = gemm.fp8_config(4096, 4096)
+    codes, scales = ("u8", "fp8e4nv") if nvfp4 else ("fp8e4nv", "u8")
+    fmt = "nvfp4" if nvfp4 else "mxfp8"
+    return Spec(f"{fmt}_gemm_{'dot_scaled' if native else 'dequantized'}_{out}_out_{groups}_groups",
+                microscaled._microscaled_gemm_kernel,
+                {"a_ptr": codes, "sa_ptr": scales, "da_ptr": "fp32", "b_ptr": codes, "sb_ptr": scales,
+                 "db_ptr": "fp32", "c_ptr": out},
+                {"NVFP4": nvfp4, "NATIVE": native, "B_ROWS_PER_SCALE": 16 if nvfp4 else 1, "ROW_DA": nvfp4,
+                 "OUT_BF16": out == "bf16", "BLOCK_M": cfg.block_m,
+                 "BLOCK_N": microscaled.native_block_n(groups) if native else cfg.block_n, "GROUP_M": cfg.group_m,
+                 "GROUPS": groups}, cfg.num_warps, 2,
+                expect=(f"tcgen05.mma.cta_group::1.kind::{'mxf4nvf4' if nvfp4 else 'mxf8f6f4'}.block_scale",)
+                if native else ("wgmma",))
+
+
 def _rms_norm(x: str, out: str) -> Spec:
     return Spec(f"rms_norm_{x}_in_{out}_out", rmsnorm._rms_norm_kernel, {"x_ptr": x, "w_ptr": "fp32", "y_ptr": out},
                 {"BLOCK_C": 4096, "X_BF16": x == "bf16", "OUT_BF16": out == "bf16"}, 4, 1, floats=("eps",))
@@ -92,15 +111,20 @@ SPECS: list[Spec] = [
     _attention("bf16", "bf16", False), _attention("fp32", "fp32", False), _attention("bf16", "fp8e4nv", True),
     _attention("fp32", "fp8e4nv", True),
     _rms_norm("fp32", "fp32"), _rms_norm("bf16", "fp32"),
+    _microscaled(False, False), _microscaled(True, False), _microscaled(True, False, "bf16", groups=1),
 ]
 
+SM100_SPECS: list[Spec] = [_microscaled(False, True), _microscaled(True, True), _microscaled(True, True, groups=1)]
+"""Blackwell's block-scaled MMA (tl.dot_scaled on MXFP8 / NVFP4 codes and scales), compiled for sm_100."""
 
-def compile_sm90(spec: Spec):
-    """triton.compile for sm_90; returns the compiled kernel (its .asm holds ptx and cubin)."""
+
+def compile_sm90(spec: Spec, target: tuple = HOPPER):
+    """triton.compile for sm_90 (or `target`, e.g. BLACKWELL); returns the compiled kernel (its .asm
+    holds ptx and cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     src = ASTSource(fn=spec.kernel, signature=signature(spec), constexprs=dict(spec.constexprs))
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, "enable_fp_fusion": False}
-    return triton.compile(src, target=GPUTarget(*HOPPER), options=options)
+    return triton.compile(src, target=GPUTarget(*target), options=options)
