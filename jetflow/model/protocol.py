@@ -3,7 +3,8 @@
 `TrainablePolicy` is every trainer model: jetflow's `Decoder`, or a model that holds a Decoder's
 weights in another layout (the Megatron backend's `MegatronPolicy`). `ShardedPolicy` is the second
 kind: its weights are not its `state_dict` (other names, tensor-parallel shards), so it gives them
-HF-named and gathered, and owns the operations that span its shards. Code that needs the weights asks
+HF-named and gathered, and owns the operations that span its shards (gradient norm and reductions,
+the optimizer state of each part, collective forwards, the FP8 K/V quantizer's reduction). Code asks
 `isinstance(model, ShardedPolicy)` instead of probing for methods.
 """
 
@@ -50,6 +51,29 @@ class ShardedPolicy(TrainablePolicy, Protocol):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor: ...
     """Clip by the global gradient norm over all shards; returns that norm."""
 
+    def reduce_data_parallel_grads(self, dp: Any) -> None: ...
+    """Sum the gradients over the data-parallel ranks `dp` (jetflow.distributed.DataParallel), each
+    parameter over the group that holds it (an expert's: its expert-data-parallel group)."""
+
+    mp_size: int
+    """Ranks that hold one copy of the model between them (tensor x pipeline parallel)."""
+    state_size: int
+    """Ranks whose trainer state differs (model parts, expert-parallel ranks): a checkpoint holds one
+    optimizer state per rank of `state_group`."""
+    state_rank: int
+    state_group: Any
+
+    @property
+    def collective_forward(self) -> bool: ...
+    """A forward is a collective of ranks holding different data (expert parallelism): every rank must
+    run every micro-batch, one without response tokens included."""
+
+    def load_balancing_loss(self) -> torch.Tensor | None: ...
+    """The router load-balancing loss of the last forward (None for a dense model)."""
+
+    def attach_kv_quantizer(self, quantizer: Any) -> Any: ...
+    """Apply the FP8 K/V quantizer in its own attention; returns the quantizer the run drives."""
+
 
 def hf_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A policy's HF-named weights: a sharded policy's gathered ones, else its state_dict."""
@@ -58,3 +82,13 @@ def hf_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def tensor_parallel_size(model: torch.nn.Module) -> int:
     return model.tp_size if isinstance(model, ShardedPolicy) else 1
+
+
+def model_parallel_size(model: torch.nn.Module) -> int:
+    """Ranks that hold one model between them: TP x PP for a sharded policy, else 1."""
+    return model.mp_size if isinstance(model, ShardedPolicy) else 1
+
+
+def state_parts(model: torch.nn.Module) -> int:
+    """Ranks with different trainer state: a sharded policy's `state_size`, else 1."""
+    return model.state_size if isinstance(model, ShardedPolicy) else 1

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from jetflow.config import Config, ConfigError, resolve_numerics
-from jetflow.model.protocol import hf_weights
+from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.model import CharTokenizer, CheckpointError, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
@@ -184,7 +184,7 @@ def attach_kv_fp8(model: Decoder, cfg: Config, side: str) -> KVQuantizer | None:
         return None
     apply = side == "rollout" or cfg.precision.precision_mode.trainer_kind == "fp8"
     quantizer = KVQuantizer(model.config.num_layers, margin=cfg.precision.margin, apply=apply)
-    if hasattr(model, "attach_kv_quantizer"):  # a MegatronPolicy: its own attention modules, its own quantizer
+    if isinstance(model, ShardedPolicy):  # a MegatronPolicy: its own attention modules, its own quantizer
         return model.attach_kv_quantizer(quantizer)
     attach_kv_quantizer(model, quantizer)
     return quantizer

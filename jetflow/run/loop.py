@@ -1,9 +1,10 @@
 """One RL step, backend-agnostic: sync -> rollout -> rewards -> advantages -> old log-probs ->
 mismatch metrics -> rollout correction -> policy update.
 
-The loop talks to three things: a `policy` side (the trainer and its model), a `rollout` side (an
-engine that generates with the weights it was last handed) and a task. It checks at every hand-off
-that the rollout ran the weight version the trainer is at.
+The loop talks to three things: a trainer (`jetflow.train.protocol.PolicyTrainer`: the Trainer in this
+process, or Ray trainer workers), a rollout side (`jetflow.rollout.types.RolloutEngineSide`: an engine
+that generates with the weights it was last handed) and a task. It checks at every hand-off that the
+rollout ran the weight version the trainer is at.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jetflow.rl.experience import Experience, pack_experience
 from jetflow.rollout.types import RolloutEngineSide
 from jetflow.sync import StaleWeightsError
 from jetflow.tasks import Problem, Task
+from jetflow.train.protocol import KVCalibration, PolicyTrainer
 
 
 def resolve_correction(cfg: Config) -> str:
@@ -30,7 +32,7 @@ def resolve_correction(cfg: Config) -> str:
     return "token_tis" if cfg.precision.precision_mode.off_policy_by_design else "none"
 
 
-def observe_kv_amax(logprobs_fn: Callable[[Experience], torch.Tensor], quantizer, prompts: list[list[int]],
+def observe_kv_amax(logprobs_fn: Callable[[Experience], torch.Tensor], quantizer: KVCalibration, prompts: list[list[int]],
                     pad_id: int, device) -> None:
     """Let an FP8 KV quantizer observe K/V amax over a trainer forward of `prompts` (each prompt's
     last token stands in as the response); `quantizer.recalibrate()` then turns it into scales."""
@@ -50,9 +52,9 @@ def request_seed(run_seed: int, step: int, index: int) -> int:
 
 
 class RLLoop:
-    def __init__(self, cfg: Config, trainer, rollout: RolloutEngineSide, task: Task,
+    def __init__(self, cfg: Config, trainer: PolicyTrainer, rollout: RolloutEngineSide, task: Task,
                  encode_prompt: Callable[[Problem], list[int]], pad_id: int, fingerprint: str | None,
-                 kv_quantizer=None, dp: DataParallel = SINGLE):
+                 kv_quantizer: KVCalibration | None = None, dp: DataParallel = SINGLE):
         self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task
         self.dp = dp  # data-parallel ranks: each runs its share of the step's prompt groups
         self.encode_prompt, self.pad_id, self.fingerprint = encode_prompt, pad_id, fingerprint

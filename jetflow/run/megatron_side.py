@@ -4,9 +4,9 @@
 the precision mode (`train.backend=native`), or a `jetflow.train.megatron.MegatronPolicy` holding the
 Decoder's weights (`train.backend=megatron`). The policy has the Decoder's trainer interface
 (`forward_hidden`, `lm_head`, `parameters`, `config`, `num_params`), so the same Trainer, loss,
-micro-batching and RL loop run unchanged; what differs goes through duck-typed hooks:
-  - gradient clipping: `MegatronPolicy.clip_grad_norm_` (the global norm over the TP group), used by
-    `Trainer` when the model has one;
+micro-batching and RL loop run unchanged; what differs goes through the `ShardedPolicy` protocol
+(jetflow.model.protocol), which the Trainer, sync and checkpoints ask for by isinstance:
+  - gradient clipping: `MegatronPolicy.clip_grad_norm_` (the global norm over the TP group);
   - weight sync: `hf_state_dict()` (HF names, TP shards gathered) and `quantized_weights()` (the FP8
     bytes of its linears, per HF module) used by `jetflow.sync.build_update`;
   - checkpoints and the rollout side's copy: HF-named weights (`hf_state_dict` / `load_hf_state_dict`),
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from jetflow.config import Config, ConfigError, resolve_numerics
 from jetflow.model import Decoder
-from jetflow.model.protocol import tensor_parallel_size
+from jetflow.model.protocol import model_parallel_size, state_parts
 from jetflow.run.build import apply_mode, embedding_grid
 
 
@@ -62,11 +62,6 @@ def build_trainer_model(cfg: Config, decoder: Decoder):
     return apply_mode(decoder, cfg, "trainer")
 
 
-def model_parallel_size(model) -> int:
-    """Ranks that hold one model between them: TP x PP for a MegatronPolicy, else its TP size (1)."""
-    return getattr(model, "mp_size", tensor_parallel_size(model))
-
-
 def model_data_parallel(model, dp):
     """The data-parallel view for a model-parallel MegatronPolicy: the ranks of one TP x PP group hold the
     same data and different parts of the model, so losses and gradients are summed over Megatron's
@@ -75,12 +70,6 @@ def model_data_parallel(model, dp):
         return dp
     from jetflow.train.megatron.parallel import data_parallel_group
     return dp.within(*data_parallel_group())
-
-
-def state_parts(model) -> int:
-    """Ranks with different trainer state: TP x PP for a MegatronPolicy, EP x PP under expert parallelism
-    (each EP rank's experts have their own optimizer moments), 1 for any other model."""
-    return getattr(model, "state_size", 1)
 
 
 def gather_trainer_state(model, state: dict) -> dict | None:

@@ -195,9 +195,9 @@ class RemoteUpdate:
 
 
 class TrainerGroup:
-    """The loop's `trainer`: splits each batch row-wise over the data-parallel ranks (whole GRPO groups
-    each). `dp_ranks[i]` is worker i's data-parallel rank: the workers of one model-parallel group
-    (Megatron) share a rank and get the same rows."""
+    """The loop's trainer (a jetflow.train.protocol.PolicyTrainer): splits each batch row-wise over the
+    data-parallel ranks (whole GRPO groups each). `dp_ranks[i]` is worker i's data-parallel rank: the
+    workers of one model-parallel group (Megatron) share a rank and get the same rows."""
 
     def __init__(self, ray, workers: list, cfg: Config, dp_ranks: list[int]):
         self.ray, self.workers, self.cfg, self.dp_ranks = ray, workers, cfg, dp_ranks
@@ -249,9 +249,10 @@ class TrainerGroup:
 
 
 class RemoteKVQuantizer:
-    """The loop's `kv_quantizer` under Ray: the trainer workers' FP8 KV quantizers, driven together.
-    Each worker observes K/V amax in its own forwards; `recalibrate` max-reduces it over the workers'
-    data-parallel group and every worker sets the same scales (worker 0's are returned)."""
+    """The loop's `kv_quantizer` under Ray (a jetflow.train.protocol.KVCalibration): the trainer workers'
+    FP8 KV quantizers, driven together. Each worker observes K/V amax in its own forwards; `recalibrate`
+    max-reduces it over the workers' data-parallel group and every worker sets the same scales (worker
+    0's are returned)."""
 
     def __init__(self, ray, workers: list):
         self.ray, self.workers = ray, workers

@@ -84,7 +84,7 @@ def collective_forward(model: nn.Module) -> bool:
     """True for a model whose forward is a collective of ranks holding different data (Megatron with
     expert parallelism: the token dispatch over the expert-parallel group): every rank then runs every
     micro-batch, one without response tokens included (with loss weight 0), or the others would wait."""
-    return bool(getattr(model, "collective_forward", False))
+    return isinstance(model, ShardedPolicy) and model.collective_forward
 
 
 def _stage_inputs(micro: list[Experience]) -> list[tuple[Tensor, Tensor]]:
@@ -92,6 +92,10 @@ def _stage_inputs(micro: list[Experience]) -> list[tuple[Tensor, Tensor]]:
 
 
 class Trainer:
+    """The policy's optimizer side in this process: what the RL loop calls (jetflow.train.protocol.
+    PolicyTrainer) on a `TrainablePolicy`; a `ShardedPolicy` (Megatron) owns the operations that span
+    its shards (gradient reductions and norm, collective forwards, its router loss)."""
+
     def __init__(self, model: nn.Module, train: TrainConfig, algo: AlgoConfig, total_steps: int | None = None,
                  dp: DataParallel = SINGLE):
         self.model, self.cfg, self.algo = model, train, algo
@@ -247,8 +251,8 @@ class Trainer:
                                     clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
                                     is_weights=is_weights)
         if self.algo.router_aux_loss_coef:  # MoE: the router load-balancing loss of this forward
-            own = getattr(self.model, "load_balancing_loss", None)  # a model whose routers are not SparseMoeBlocks
-            aux = own() if own is not None else model_load_balancing_loss(self.model)
+            sharded = isinstance(self.model, ShardedPolicy)  # its routers are not SparseMoeBlocks
+            aux = self.model.load_balancing_loss() if sharded else model_load_balancing_loss(self.model)
             if aux is not None:
                 loss = loss + self.algo.router_aux_loss_coef * aux
                 metrics["loss/router_aux"] = float(aux.detach())
@@ -326,9 +330,8 @@ class Trainer:
     def _apply_gradients(self, loss_value: float, metrics: dict[str, float], t0: float,
                          sft: bool = False) -> dict[str, float]:
         # Each rank holds its share of the global-batch loss and gradient: sum both over ranks.
-        reduce = getattr(self.model, "reduce_data_parallel_grads", None)  # Megatron: experts over their own group
-        if reduce is not None:
-            reduce(self.dp)
+        if isinstance(self.model, ShardedPolicy):  # each parameter over its own group (experts: theirs)
+            self.model.reduce_data_parallel_grads(self.dp)
         else:
             self.dp.all_reduce_grads(self.params)
         summed = self.dp.sum_dict({**metrics, "_loss": loss_value})
