@@ -60,10 +60,6 @@ class KVCache:
         c = model_config
         return cls(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, dtype, device, k_transposed)
 
-    def check_room(self, t: int) -> None:
-        """Raise if `t` more tokens after `length` do not fit."""
-        self.check_end(self.length + t)
-
     def check_end(self, end: int) -> None:
         """Raise if slots up to `end` (exclusive) do not fit."""
         if end > self.max_len:
@@ -115,10 +111,6 @@ class KVCache:
         """Mark slots up to `end` as holding data (called once per forward, after every layer wrote)."""
         self.check_end(end)
         self.length = max(self.length, end)
-
-    def advance(self, t: int) -> None:
-        """Mark `t` more slots as filled."""
-        self.advance_to(self.length + t)
 
     def reset(self) -> None:
         """Forget all slots (the memory is kept and overwritten by the next forward)."""

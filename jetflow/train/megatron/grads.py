@@ -1,6 +1,6 @@
 """MegatronPolicy's gradients: the global norm over the model-parallel group (every expert counted once,
-in the one-process order), clipping by it, and the data-parallel reductions (experts over the
-expert-data-parallel group)."""
+in the one-process order), clipping by it, and the data-parallel reduction: a sum, as the native
+trainer's (experts over the expert-data-parallel group)."""
 
 from __future__ import annotations
 
@@ -95,21 +95,6 @@ class PolicyGrads:
                 if p.grad is not None:
                     p.grad.mul_(coef)
         return norm
-
-    def allreduce_data_parallel_grads(self) -> None:
-        """Average gradients over Megatron's data-parallel group (when world > tp), an expert's over the
-        expert-data-parallel group; call after backward."""
-        from megatron.core import parallel_state as ps
-
-        for group, params in ((ps.get_data_parallel_group(), self._dense_params()),
-                              (expert_data_parallel_group()[0], self._expert_params())):
-            world = dist.get_world_size(group)
-            if world == 1:
-                continue
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=group)
-                    p.grad.div_(world)
 
     def _expert_params(self) -> list[nn.Parameter]:
         return [p for n, p in self.gpt.named_parameters() if is_expert_param(n)]
