@@ -43,6 +43,21 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
     return f
 
 
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: the matrices of the linears decay by `weight_decay`; norms and biases
+    (1-D) and the embedding (with an lm_head tied to it, on any pipeline stage) do not, as in nanoGPT and
+    torchtitan. Empty groups are left out."""
+    tied = model.config.tie_word_embeddings
+
+    def decays(name: str, p: nn.Parameter) -> bool:
+        return p.ndim >= 2 and "embed" not in name and not (tied and ("lm_head" in name or "output_layer" in name))
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": weight_decay, "decay": True},
+              {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0, "decay": False}]
+    return [g for g in groups if g["params"]]
+
+
 def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.0,
                       with_entropy: bool = False, hidden: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """log pi(a_t | s_t) of the response tokens under `model`: (B, R), fp32; with `with_entropy`,
@@ -101,8 +116,8 @@ class Trainer:
         self.model, self.cfg, self.algo = model, train, algo
         self.dp = dp  # data-parallel ranks: each holds part of the batch (jetflow.distributed)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, betas=tuple(train.betas),
-                                           weight_decay=train.weight_decay)
+        self.optimizer = torch.optim.AdamW(weight_decay_groups(model, train.weight_decay), lr=train.lr,
+                                           betas=tuple(train.betas))
         total = total_steps if total_steps is not None else train.steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(train.warmup_steps, total, train.min_lr_ratio))
@@ -375,13 +390,31 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         """Restore optimizer moments, schedule position and counters. The hyperparameters are this
         trainer's config (the same as the checkpoint's unless a resume allowed them to change)."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        if len(optimizer["param_groups"]) == 1 < len(self.optimizer.param_groups):
+            optimizer = self._regrouped(optimizer)  # saved before the weight-decay groups
+        self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scheduler.base_lrs = [self.cfg.lr for _ in self.optimizer.param_groups]
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group in self.optimizer.param_groups:
             group.update(lr=self.cfg.lr * factor, initial_lr=self.cfg.lr, betas=tuple(self.cfg.betas),
-                         weight_decay=self.cfg.weight_decay)
+                         weight_decay=self.cfg.weight_decay if group["decay"] else 0.0)
         self.version = state["version"]
         self.skipped_steps = state["skipped_steps"]
         self.consecutive_bad = state["consecutive_bad"]
+
+    def _regrouped(self, saved: dict) -> dict:
+        """An optimizer state saved with one parameter group (every parameter, in `self.params` order),
+        laid out in this optimizer's groups: each parameter keeps its moments."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        state, groups, j = {}, [], 0
+        for group in self.optimizer.param_groups:
+            ids = []
+            for p in group["params"]:
+                if index[id(p)] in saved["state"]:
+                    state[j] = saved["state"][index[id(p)]]
+                ids.append(j)
+                j += 1
+            groups.append({**saved["param_groups"][0], "params": ids, "decay": group["decay"]})
+        return {"state": state, "param_groups": groups}

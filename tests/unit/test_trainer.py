@@ -160,3 +160,44 @@ def test_on_policy_step_refuses_a_batch_wide_correction():
     cfg = load_config(None, [])
     with pytest.raises(ValueError, match="ais"):
         Trainer(tiny_model(), cfg.train, cfg.algo).train_step_on_policy(batch(), 1.0, "ais")
+
+
+def test_weight_decay_leaves_norms_biases_and_embeddings_alone():
+    """With zero gradients AdamW's update is the decay alone: the linears' matrices shrink by exactly
+    (1 - lr * weight_decay), the embedding, the norms and the biases stay as they were."""
+    cfg = load_config(None, ["train.weight_decay=0.1", "train.lr=0.01"])
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=16, tie_word_embeddings=True, qkv_bias=True))
+    trainer = Trainer(model, cfg.train, cfg.algo)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    kept = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    decayed = [n for n, p in model.named_parameters() if torch.equal(p, before[n] * (1 - 0.01 * 0.1))]
+    assert sorted(kept + decayed) == sorted(before)
+    assert "model.embed_tokens.weight" in kept and "model.norm.weight" in kept
+    assert "model.layers.0.self_attn.q_proj.bias" in kept and "model.layers.0.input_layernorm.weight" in kept
+    assert "model.layers.0.self_attn.q_proj.weight" in decayed and "model.layers.1.mlp.down_proj.weight" in decayed
+
+
+def test_an_optimizer_state_of_one_parameter_group_loads_into_the_decay_groups():
+    """Checkpoints written before the weight-decay groups hold one AdamW group: each parameter keeps its
+    moments, and the next step is the step that optimizer would have taken."""
+    cfg = load_config(None, ["train.weight_decay=0.0"])
+    model, exp = tiny_model(), batch()
+    exp.old_logprobs = response_logprobs(model, exp).detach()
+    one_group = torch.optim.AdamW([p for p in model.parameters()], lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                  weight_decay=0.0)
+    old = Trainer(model, cfg.train, cfg.algo)
+    old.optimizer, old.scheduler = one_group, torch.optim.lr_scheduler.LambdaLR(one_group, lambda s: 1.0)
+    old.train_step(exp)
+    state = old.state_dict()
+    assert len(state["optimizer"]["param_groups"]) == 1
+    fresh = Trainer(model, cfg.train, cfg.algo)
+    assert len(fresh.optimizer.param_groups) == 2
+    fresh.load_state_dict(state)
+    for p in model.parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh.optimizer.state[p][key], one_group.state[p][key])
