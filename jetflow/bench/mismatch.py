@@ -25,7 +25,7 @@ from jetflow.bench.common import markdown_table, write_results
 from jetflow.config import Config, load_config, resolve_numerics
 from jetflow.run.loop import observe_kv_amax, request_seed
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
-                                       prompt_encoder, stop_token_ids)
+                               prompt_encoder, run_fingerprint, stop_token_ids)
 from jetflow.rollout.native import NativeRollout
 from jetflow.rl import mismatch_metrics, mismatch_position_curves
 from jetflow.rl.experience import Experience, pack_experience
@@ -42,7 +42,7 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
     (exp with exp.rollout_logprobs (B, R), trainer log-probs (B, R), timings)."""
     mode = cfg.precision.mode
     trainer_model = apply_mode(copy_model(base_model), cfg, "trainer")
-    fingerprint = cfg.precision.recipe().fingerprint() if mode in ("mixed", "unified") else None
+    fingerprint = run_fingerprint(cfg)
     max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
     eos = stop_token_ids(tokenizer, base_model, task)
     rollout_model = None  # the model the rollout computes with, when it is a jetflow Decoder

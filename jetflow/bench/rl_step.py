@@ -26,37 +26,18 @@ import torch
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config
 from jetflow.config import Config
+from jetflow.run.build import prompt_encoder, prompt_text, smollm2_dir
 from jetflow.run.loop import RLLoop
-from jetflow.run.build import (apply_mode, build_policy, build_task, copy_model, prompt_encoder,
-                                       smollm2_dir, stop_token_ids)
-from jetflow.rollout.native import NativeRollout
-from jetflow.tasks import Problem, Task
-from jetflow.train.trainer import Trainer
+from jetflow.run.sides import TrainerSide
+from jetflow.tasks import Task
 
 JETFLOW_MODES = ("fp32", "unified")
 
 
 def build_loop(cfg: Config) -> tuple[RLLoop, Task, object]:
-    """The RL loop of `jetflow train` (jetflow.run.runner.train) without a run directory."""
-    task = build_task(cfg)
-    model, tokenizer = build_policy(cfg, task)
-    encode = prompt_encoder(cfg, tokenizer, task)
-    apply_mode(model, cfg, "trainer")
-    fingerprint = cfg.precision.recipe().fingerprint() if cfg.precision.mode in ("mixed", "unified") else None
-    trainer = Trainer(model, cfg.train, cfg.algo)
-    rollout_model = apply_mode(copy_model(model), cfg, "rollout")
-    max_prompt = max(len(encode(p)) for p in task.problems(0, 64, cfg.run.seed))
-    rollout = NativeRollout(rollout_model, cfg, tokenizer, stop_token_ids(tokenizer, model, task), task.stop,
-                            max_seq_len=2 * max_prompt + cfg.rollout.max_new_tokens + 16, fingerprint=fingerprint)
-    return RLLoop(cfg, trainer, rollout, task, encode, tokenizer.pad_token_id, fingerprint), task, tokenizer
-
-
-def prompt_text(cfg: Config, tokenizer, task: Task, problem: Problem) -> str:
-    """The exact string jetflow's prompt encoder tokenizes (chat-templated where it applies one)."""
-    if cfg.model.chat_template and task.chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}],
-                                             add_generation_prompt=True)
-    return problem.prompt
+    """The RL loop of `jetflow train` (jetflow.run.local) without a run directory."""
+    side = TrainerSide(cfg)
+    return side.rl_loop(), side.task, side.tokenizer
 
 
 def hf_model_dir(cfg: Config) -> Path | None:

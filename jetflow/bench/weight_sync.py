@@ -27,7 +27,7 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config
-from jetflow.run.build import apply_mode, build_policy, build_task, copy_model
+from jetflow.run.build import apply_mode, build_policy, build_task, copy_model, run_fingerprint
 from jetflow.precision import quantized_weights
 from jetflow.sync import WeightUpdate, apply_update, build_update
 
@@ -58,7 +58,7 @@ def measure_mode(cfg, base, reps: int) -> dict:
     mode = cfg.precision.mode
     trainer_model = apply_mode(copy_model(base), cfg, "trainer")
     rollout_model = apply_mode(copy_model(base), cfg, "rollout")
-    fingerprint = cfg.precision.recipe().fingerprint() if mode in ("mixed", "unified") else None
+    fingerprint = run_fingerprint(cfg)
     times: dict[str, list[float]] = {"build_s": [], "apply_s": [], "rollout_quantize_s": [], "total_s": []}
     rollout_version = -1
     for version in range(reps + 1):

@@ -169,3 +169,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer | CharTokenizer:
     if (p / "tokenizer.json").is_file():
         return Tokenizer(p)
     raise FileNotFoundError(f"no tokenizer in {p}: expected {p / 'tokenizer.json'} or {p / CHAR_TOKENIZER_FILE}")
+
+
+def render_prompt(tokenizer: Tokenizer | CharTokenizer, prompt: str, chat: bool) -> str:
+    """The text a prompt is tokenized from: with `chat` and a tokenizer that has a chat template, the
+    prompt as one user message in it (with the generation prompt), else the prompt itself. The one
+    place that decides; training, the benches and `jetflow generate` go through it."""
+    if chat and tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return prompt

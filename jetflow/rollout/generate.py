@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from jetflow.model.tokenizer import render_prompt
 from jetflow.rollout.engine import RolloutEngine, SamplingParams
 
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -40,10 +41,7 @@ def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64,
     if precision != "fp32":
         apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None)
     tok = load_tokenizer(model_path)
-    texts = list(prompts)
-    if chat and getattr(tok, "chat_template", None):
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in texts]
-    ids = [tok.encode(t) for t in texts]
+    ids = [tok.encode(render_prompt(tok, p, chat)) for p in prompts]
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     engine = RolloutEngine(model, _eos_ids(model, tok), pad, max_batch=min(len(ids), 32),
                            max_seq_len=max(map(len, ids)) + max_new_tokens, device=dev, tokenizer=tok)

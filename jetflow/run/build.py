@@ -13,6 +13,7 @@ import torch.nn as nn
 from jetflow.config import Config, ConfigError, resolve_numerics
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.model import CharTokenizer, CheckpointError, Decoder, ModelConfig, load_hf_dir, load_tokenizer
+from jetflow.model.tokenizer import render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
 from jetflow.tasks import Problem, Task, make_task
@@ -153,16 +154,14 @@ def apply_mode(model: Decoder, cfg: Config, side: str) -> Decoder:
                            num_layers=model.config.num_layers, numerics=numerics)
 
 
-def prompt_encoder(cfg: Config, tokenizer, task: Task) -> Callable[[Problem], list[int]]:
-    use_chat = cfg.model.chat_template and task.chat and getattr(tokenizer, "chat_template", None)
+def prompt_text(cfg: Config, tokenizer, task: Task, problem: Problem) -> str:
+    """The text of a problem's prompt as the run tokenizes it (chat-templated where model.chat_template,
+    the task and the tokenizer all have it)."""
+    return render_prompt(tokenizer, problem.prompt, cfg.model.chat_template and task.chat)
 
-    def encode(problem: Problem) -> list[int]:
-        if use_chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}],
-                                                 add_generation_prompt=True)
-            return tokenizer.encode(text)
-        return tokenizer.encode(problem.prompt)
-    return encode
+
+def prompt_encoder(cfg: Config, tokenizer, task: Task) -> Callable[[Problem], list[int]]:
+    return lambda problem: tokenizer.encode(prompt_text(cfg, tokenizer, task, problem))
 
 
 def stop_token_ids(tokenizer, model: Decoder, task: Task) -> list[int]:

@@ -8,9 +8,8 @@ from pathlib import Path
 
 from jetflow.config import Config
 from jetflow.distributed import DataParallel
-from jetflow.run.build import run_fingerprint
 from jetflow.run.loop import RLLoop
-from jetflow.run.sides import TrainerSide, build_rollout_side
+from jetflow.run.sides import TrainerSide
 
 
 class LocalPlacement:
@@ -40,10 +39,7 @@ class LocalPlacement:
         self.side.save(self.run_dir, step, sft_done, warmup_step)
 
     def build_loop(self) -> RLLoop:
-        side, cfg = self.side, self.cfg
-        rollout = build_rollout_side(cfg, side, self.run_dir, self.dp)
-        return RLLoop(cfg, side.trainer, rollout, side.task, side.encode, side.tokenizer.pad_token_id,
-                      run_fingerprint(cfg), side.kv_quantizer, self.dp)
+        return self.side.rl_loop(self.run_dir)
 
     def step_metrics(self, metrics: dict) -> dict:
         return metrics

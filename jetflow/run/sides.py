@@ -16,6 +16,7 @@ from jetflow.rollout.native import NativeRollout
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder,
                                run_fingerprint, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
+from jetflow.run.loop import RLLoop
 from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
                                        select_trainer_state)
 from jetflow.run.vllm_side import build_vllm_rollout
@@ -90,6 +91,13 @@ class TrainerSide:
     def warmup_step(self, step: int) -> dict:
         """Supervised warm-up step `step`; returns its metrics."""
         return self._warmup().step(step)
+
+    def rl_loop(self, run_dir: Path | None = None) -> RLLoop:
+        """The RL loop of this process: this side's trainer and a rollout engine beside it (a vLLM engine
+        starts from a checkpoint in `run_dir`)."""
+        rollout = build_rollout_side(self.cfg, self, run_dir, self.dp)
+        return RLLoop(self.cfg, self.trainer, rollout, self.task, self.encode, self.tokenizer.pad_token_id,
+                      run_fingerprint(self.cfg), self.kv_quantizer, self.dp)
 
 
 def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Path | None = None,
