@@ -120,7 +120,8 @@ def describe(policy: Decoder) -> str:
         recipe = next(m.recipe for m in linears.values() if m.kind == "fp8")
         others = ", ".join(dict.fromkeys(re.sub(r"layers\.\d+\.", "layers.*.", n)  # one entry per role
                                          for n, m in linears.items() if m.kind != "fp8"))
-        what = (f"W8A8 FP8 with jetflow's kernels ({fp8} FP8 linears: {recipe.weight_block[0]}x{recipe.weight_block[1]} "
+        name = {"fp8_block": "W8A8 FP8", "mxfp8": "MXFP8", "nvfp4": "NVFP4"}[recipe.family]
+        what = (f"{name} with jetflow's kernels ({fp8} {name} linears: {recipe.weight_block[0]}x{recipe.weight_block[1]} "
                 f"weight blocks, 1x{recipe.group_size} activation groups; bf16: {others or 'none'})")
     else:
         what = f"{'/'.join(sorted(kinds))} linears with jetflow's kernels"
