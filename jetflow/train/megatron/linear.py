@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from jetflow.precision import FP8Recipe, QuantizedTensor, bf16_linear, fp8_linear, quantize_blocks, resolve_backend
+from jetflow.precision import FP8Recipe, QuantizedTensor, bf16_linear, fp8_linear, resolve_backend
+from jetflow.precision.fp8_function import quantize_weight_for_recipe
 
 from .reduce import tp_tree_combine
 
@@ -179,8 +180,7 @@ class _JetflowLinearMixin:
             for seg in self.segments:
                 if seg.kind != "fp8":
                     continue
-                q = quantize_blocks(_segment_rows(weight.detach(), seg), r.weight_block, r.forward_format,
-                                    r.scale_rule, r.margin, f"{seg.name}.weight")
+                q = quantize_weight_for_recipe(_segment_rows(weight.detach(), seg), r, f"{seg.name}.weight")
                 self._wq[seg.name] = q.with_dequantized_cache() if emulate else q
             self._wq_key = key
         return self._wq
