@@ -4,8 +4,8 @@ Registered over CPU_ATTN (plugin.register), the backend CpuPlatform always picks
 not exact every method falls through to vLLM's CPU attention.
 
 Per query the kernel attends key slots 0..position of its own sequence in one fixed order, so a row
-computes the same bits whether it comes from a prefill, a chunked prefill, a prefix-cache hit or a
-decode step, and whatever else shares the batch (the native engine and the trainer call the same
+computes the same bits whether it comes from a prefill, a chunked prefill or a decode step, and
+whatever else shares the batch (the native engine and the trainer call the same
 kernel). K/V written into the cache first pass the policy's FP8 KV quantizer when it has one
 (jetflow.precision.kv, the function the native Attention calls; the values stay in the cache's fp32
 on the E4M3 grid, as in the native engine's cache).
