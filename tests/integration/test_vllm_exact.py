@@ -227,3 +227,15 @@ def test_moe_rollout_logprobs_equal_trainer_bit_for_bit(family):
     task = build_task(cfg)
     model, tok = build_policy(cfg, task)
     assert_exact(cfg, model, tok, task, mixed_length_prompts(tok, 8, 3, 30), new_tokens=96)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("mode", ["bf16", "unified"])
+def test_smollm2_vllm_rollout_logprobs_equal_trainer_bit_for_bit(smollm2_dir, mode):
+    """SmolLM2-135M on countdown, 16 prompts of spread lengths x 96 tokens (results/vllm-exact.md)."""
+    from test_exact_on_policy import smollm2_countdown
+
+    cfg, model, tok, task, prompts = smollm2_countdown(smollm2_dir, mode, False)
+    cfg.rollout.backend = "vllm"
+    assert_exact(cfg, model, tok, task, prompts, new_tokens=96)
