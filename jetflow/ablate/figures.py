@@ -1,8 +1,8 @@
 """An ablation's figures: one panel per setting, one line per variant, seeds pooled.
 
 A cell's grid labels decide where it is drawn (jetflow.ablate.grid names the axes):
-- the line (variant): its precision mode and rollout correction (`precision.mode`, `algo.correction`);
-  a grid without them draws the first axis that is not the seed;
+- the line (variant): its precision mode, recipe family and rollout correction (`precision.mode`,
+  `precision.family`, `algo.correction`); a grid without them draws the first axis that is not the seed;
 - the panel: every other axis except the seed (e.g. the response length);
 - `run.seed`: pooled. A line is the mean over seeds per step, smoothed (the raw mean faint beneath),
   with a band from the lowest to the highest seed.
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from jetflow.ablate.grid import Ablation, Cell
 
 SEED_AXIS = "run.seed"
-LINE_AXES = ("precision.mode", "algo.correction")
+LINE_AXES = ("precision.mode", "precision.family", "algo.correction")
 
 
 @dataclass
@@ -184,9 +184,24 @@ FIGURES = {  # file -> (title, y label, x label, series, log_y, smoothed, ylim)
 }
 
 
+# Drawn only when some cell logged the metric (runs made before it existed have none).
+EXTRA_FIGURES = {
+    "grad_norm.png": ("gradient norm before clipping", "train/grad_norm (log axis)", "RL step",
+                      metric_series("train/grad_norm"), True, True, None),
+    "low_prob.png": ("share of sampled tokens with rollout p < 0.1", "policy/low_prob_frac", "RL step",
+                     metric_series("policy/low_prob_frac"), False, True, None),
+    "response_length.png": ("response length", "tokens", "RL step", metric_series("response/length_mean"),
+                            False, True, None),
+}
+
+
 def draw_all(ab: "Ablation") -> dict[str, str]:
     """Every figure of the ablation into its out_dir; returns {name: file}."""
     placed = place_cells(ab)
-    for file, (title, ylabel, xlabel, series, log_y, smoothed, ylim) in FIGURES.items():
+    figures = dict(FIGURES)
+    for file, spec in EXTRA_FIGURES.items():
+        if any(spec[3](p.run_dir) for p in placed):
+            figures[file] = spec
+    for file, (title, ylabel, xlabel, series, log_y, smoothed, ylim) in figures.items():
         draw(ab.out_dir / file, f"{ab.name}: {title}", ylabel, xlabel, placed, series, log_y, smoothed, ylim)
-    return {file.removesuffix(".png"): file for file in FIGURES}
+    return {file.removesuffix(".png"): file for file in figures}

@@ -19,13 +19,16 @@ The ablation file (configs/ablations/precision.yaml is the full example, with co
       run.seed: [0, 1]
     extra:                           # optional cells outside the grid: {id: ..., key: value, ...}
       - {id: mixed-seqtis, precision.mode: mixed, algo.correction: seq_tis}
+    compare:                         # optional: variant pairs [a, b] whose difference of means a - b
+      - [mixed-none, bf16]           # (with its standard error over the seeds) the report tabulates in
+                                     # every setting (jetflow.ablate.report)
 
 A cell's id joins one label per axis (`mixed-token_mis-len64-seed0`): the value itself for
 precision.mode and algo.correction, `len<N>` for rollout.max_new_tokens, `seed<N>` for run.seed,
 `<last key part><value>` otherwise, the `id` of a linked value, or an axis' own `label: "lr{}"`.
 
-Every cell's config is resolved and validated (load_config, the task's parameters, the wired
-backends) before anything runs, so a typo fails at once and names the cell.
+Every cell's config is resolved and goes through the pre-run pass (jetflow.run.validate) before
+anything runs, so a typo fails at once and names the cell.
 """
 
 from __future__ import annotations
@@ -40,8 +43,6 @@ from typing import Any
 import yaml
 
 from jetflow.config import Config, ConfigError, load_config
-from jetflow.config import config_changes
-from jetflow.run.files import CONFIG_FILE
 from jetflow.run.validate import validate_run
 
 RUNS = "runs"
@@ -69,6 +70,8 @@ class Ablation:
     cells: list[Cell]
     out_dir: Path
     grid: dict[str, Any] = field(default_factory=dict)
+    compare: list[tuple[str, str]] = field(default_factory=list)
+    """Variant pairs (a, b): the report's difference of means a - b per setting."""
 
     def run_dir(self, cell: Cell) -> Path:
         return self.out_dir / RUNS / cell.id
@@ -180,7 +183,7 @@ def load_ablation(path: str | Path, out_dir: str | Path | None = None) -> Ablati
     if not path.is_file():
         raise ConfigError(f"ablation file not found: {path}")
     spec = yaml.safe_load(path.read_text()) or {}
-    known = {"name", "base_config", "overrides", "grid", "extra", "out_dir"}
+    known = {"name", "base_config", "overrides", "grid", "extra", "out_dir", "compare"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown}; valid keys: {sorted(known)}")
@@ -191,8 +194,29 @@ def load_ablation(path: str | Path, out_dir: str | Path | None = None) -> Ablati
     base = spec.get("base_config")
     base_path = _resolve_path(base, path) if base else None
     out = Path(out_dir or spec.get("out_dir") or Path("results") / name)
-    return Ablation(name=name, source=path, base_config=base_path, overrides=[str(o) for o in overrides],
-                    cells=expand_grid(spec.get("grid"), spec.get("extra")), out_dir=out, grid=spec.get("grid") or {})
+    ab = Ablation(name=name, source=path, base_config=base_path, overrides=[str(o) for o in overrides],
+                  cells=expand_grid(spec.get("grid"), spec.get("extra")), out_dir=out, grid=spec.get("grid") or {})
+    ab.compare = _parse_compare(spec.get("compare"), ab, path)
+    return ab
+
+
+def _parse_compare(spec: Any, ab: Ablation, path: Path) -> list[tuple[str, str]]:
+    """`compare: [[a, b], ...]`: pairs of variant names (the figures' lines) that the ablation has."""
+    if spec is None:
+        return []
+    from jetflow.ablate.figures import place_cells
+    variants = list(dict.fromkeys(p.line for p in place_cells(ab)))
+    if not isinstance(spec, list):
+        raise ConfigError(f"{path}: compare must be a list of [variant, variant] pairs; variants: {variants}")
+    pairs = []
+    for pair in spec:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, str) for v in pair)):
+            raise ConfigError(f"{path}: compare entry {pair!r} is not a [variant, variant] pair")
+        unknown = [v for v in pair if v not in variants]
+        if unknown:
+            raise ConfigError(f"{path}: compare names {unknown}, not variants of this ablation; variants: {variants}")
+        pairs.append((pair[0], pair[1]))
+    return pairs
 
 
 def cell_config(ab: Ablation, cell: Cell, resume: bool = False) -> Config:
@@ -200,23 +224,16 @@ def cell_config(ab: Ablation, cell: Cell, resume: bool = False) -> Config:
     return load_config(ab.base_config, [*ab.overrides, *cell.overrides, *extra])
 
 
-def validate(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
-    """Resolve every cell's config; raise ConfigError naming the first bad cell."""
+def resolve_cells(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
+    """Every cell's config, through the pre-run pass (a cell whose run directory exists resumes it, with
+    the same config); raise ConfigError naming the first bad cell."""
     configs = {}
     for cell in cells:
-        run_dir = ab.run_dir(cell)
         try:
-            cfg = cell_config(ab, cell, resume=run_dir.exists())
+            cfg = cell_config(ab, cell, resume=ab.run_dir(cell).exists())
             validate_run(cfg)
         except ConfigError as e:
             raise ConfigError(f"cell {cell.id!r} ({' '.join(cell.overrides)}): {e}") from None
-        saved = run_dir / CONFIG_FILE
-        if saved.exists():
-            changed = config_changes(load_config(saved), cfg)
-            if changed:
-                raise ConfigError(f"cell {cell.id!r}: {run_dir} holds a run made with a different config "
-                                  f"({', '.join(changed)}); delete that directory to rerun the cell, or use "
-                                  "another --out-dir")
         configs[cell.id] = cfg
     return configs
 

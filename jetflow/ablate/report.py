@@ -15,6 +15,15 @@ beside the rollout's own log-perplexity (`policy/rollout_log_ppl`) of the last 3
 mean seconds per step of each phase; tokens/s = mean of `throughput/tokens_per_s` (prompt + response
 tokens through the whole step) and `throughput/rollout_tokens_per_s` (generated tokens / rollout time).
 
+With `compare: [[a, b], ...]` in the ablation file, summary.md also gets, per setting, every variant's
+mean and seed spread (sample standard deviation, lowest and highest seed) of the final held-out pass@1
+(last evaluation), of its mean over the run's evaluations after the first (the curve), and of the
+final reward, and for each pair the difference of means a - b with its standard error,
+sqrt(s_a^2 / n_a + s_b^2 / n_b) (Welch), and the same difference over the seeds both variants ran
+(paired: the mean of the per-seed differences, SE = their standard deviation / sqrt(n)). A seed of
+two variants starts from the same initial weights and samples with the same random numbers; under
+one trainer precision (bf16 and mixed) the warm-up is the same too.
+
 The position plot reads each run's `mismatch_positions.jsonl` (one row per RL step: mean k3 per
 response index and the token count there, written by jetflow.run.files) and pools all steps,
 weighting each index by its token count. Cells without that file are left out of that plot.
@@ -42,6 +51,7 @@ COLUMNS = {  # summary.json key -> summary.md column
     "reward_best": "best reward", "kl_k3_mean": "KL k3 mean", "kl_k3_max": "KL k3 max",
     "equal_frac_mean": "equal", "entropy_first": "entropy first", "entropy_final": "entropy last",
     "heldout_pass1_start": "held-out start", "heldout_pass1_end": "held-out end",
+    "heldout_pass1_mean": "held-out mean", "low_prob_frac_mean": "low-prob share", "grad_norm_max": "grad norm max",
     "rollout_log_ppl_final": "rollout log-ppl last", "response_length_mean": "resp len", "time_rollout": "rollout s", "time_old_logprobs": "old logp s",
     "time_train": "train s", "time_sync": "sync s", "tokens_per_s": "tok/s", "rollout_tokens_per_s": "rollout tok/s",
 }
@@ -68,10 +78,14 @@ def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str])
         "accuracy_final": _mean(col("reward/accuracy")[-3:]),
         "heldout_pass1_start": evals[0].get("eval/pass@1") if evals else None,
         "heldout_pass1_end": evals[-1].get("eval/pass@1") if evals else None,
+        "heldout_pass1_mean": _mean([r.get("eval/pass@1") for r in evals[1:]]),
         "kl_k3_mean": _mean(kl), "kl_k3_max": max(kl) if kl else None,
         "equal_frac_mean": _mean(col("mismatch/equal_frac")),
         "entropy_first": _mean(col("policy/entropy")[:3]), "entropy_final": _mean(col("policy/entropy")[-3:]),
         "rollout_log_ppl_final": _mean(col("policy/rollout_log_ppl")[-3:]),
+        "low_prob_frac_mean": _mean(col("policy/low_prob_frac")),
+        "grad_norm_mean": _mean(col("train/grad_norm")),
+        "grad_norm_max": max((v for v in col("train/grad_norm") if v is not None), default=None),
         "response_length_mean": _mean(col("response/length_mean")),
         "response_length_max": max((v for v in col("response/length_max") if v is not None), default=None),
         "truncated_frac": _mean(col("response/truncated_frac")),
@@ -121,6 +135,122 @@ def variant_rows(placed: list, by_cell: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def seed_stats(values: list[float]) -> dict[str, float | None]:
+    """n, mean, sample standard deviation (ddof 1; None below 2 values), min and max."""
+    n = len(values)
+    mean = sum(values) / n if n else None
+    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 if n > 1 else None
+    return {"n": n, "mean": mean, "sd": sd, "min": min(values) if n else None, "max": max(values) if n else None}
+
+
+def difference(a: dict[int, float], b: dict[int, float]) -> dict[str, float | None]:
+    """Difference of means a - b of two variants' per-seed values ({seed: value}): Welch's standard
+    error over all seeds of each, and the paired difference over the seeds both have."""
+    sa, sb = seed_stats(list(a.values())), seed_stats(list(b.values()))
+    out: dict[str, float | None] = {"n_a": sa["n"], "n_b": sb["n"], "diff": None, "se": None,
+                                    "paired_n": 0, "paired_diff": None, "paired_se": None}
+    if sa["n"] and sb["n"]:
+        out["diff"] = sa["mean"] - sb["mean"]
+        if sa["sd"] is not None and sb["sd"] is not None:
+            out["se"] = (sa["sd"] ** 2 / sa["n"] + sb["sd"] ** 2 / sb["n"]) ** 0.5
+    common = sorted(set(a) & set(b))
+    if common:
+        d = seed_stats([a[s] - b[s] for s in common])
+        out.update(paired_n=d["n"], paired_diff=d["mean"],
+                   paired_se=d["sd"] / d["n"] ** 0.5 if d["sd"] is not None else None)
+    return out
+
+
+ARM_METRICS = {  # summary.json key -> what summary.md calls it
+    "heldout_pass1_end": "final held-out pass@1",
+    "heldout_pass1_mean": "held-out pass@1, mean of the curve",
+    "reward_final": "final reward",
+}
+
+
+def _per_seed(placed: list, by_cell: dict[str, dict], panel: str, line: str, key: str) -> dict[int, float]:
+    out = {}
+    for p in placed:
+        row = by_cell[p.cell.id]
+        if (p.panel, p.line) == (panel, line) and row["steps"] and row.get(key) is not None:
+            out[int(p.cell.settings.get("run.seed", 0))] = row[key]
+    return out
+
+
+def _pm(st: dict) -> str:
+    if st["mean"] is None:
+        return ""
+    sd = f" ± {st['sd']:.3f}" if st["sd"] is not None else ""
+    rng = f" ({st['min']:.3g} .. {st['max']:.3g})" if st["n"] > 1 else ""
+    return f"{st['mean']:.3f}{sd}{rng}"
+
+
+def arm_rows(placed: list, by_cell: dict[str, dict]) -> list[dict]:
+    """Per (setting, variant): mean, seed spread and range of each ARM_METRICS value, with the
+    variant's mean mismatch, entropy, low-probability share and gradient norm."""
+    rows = []
+    for panel, line in dict.fromkeys((p.panel, p.line) for p in placed):
+        cells = [by_cell[p.cell.id] for p in placed if (p.panel, p.line) == (panel, line) and by_cell[p.cell.id]["steps"]]
+        if not cells:
+            continue
+        row = {"setting": panel, "variant": line, "seeds": len(cells)}
+        for key in ARM_METRICS:
+            row[key] = seed_stats(list(_per_seed(placed, by_cell, panel, line, key).values()))
+        for key in ("kl_k3_mean", "entropy_final", "low_prob_frac_mean", "grad_norm_mean", "grad_norm_max"):
+            row[key] = _mean([c.get(key) for c in cells])
+        rows.append(row)
+    return rows
+
+
+def comparison_rows(placed: list, by_cell: dict[str, dict], pairs: list[tuple[str, str]]) -> list[dict]:
+    """Per setting, pair (a, b) and ARM_METRICS value: `difference` of the two variants' seeds."""
+    rows = []
+    for panel in dict.fromkeys(p.panel for p in placed):
+        for a, b in pairs:
+            for key in ARM_METRICS:
+                va, vb = (_per_seed(placed, by_cell, panel, v, key) for v in (a, b))
+                if va and vb:
+                    rows.append({"setting": panel, "a": a, "b": b, "metric": key, **difference(va, vb)})
+    return rows
+
+
+def _se(diff: float | None, se: float | None) -> str:
+    if diff is None:
+        return ""
+    return f"{diff:+.3f} ± {se:.3f}" if se is not None else f"{diff:+.3f}"
+
+
+def comparison_markdown(arms: list[dict], comparisons: list[dict]) -> list[str]:
+    arm_table = [{"setting": r["setting"], "variant": r["variant"], "seeds": r["seeds"],
+                  **{label: _pm(r[key]) for key, label in ARM_METRICS.items()},
+                  "KL k3 mean": _g(r["kl_k3_mean"]), "entropy last": _g(r["entropy_final"]),
+                  "low-prob share": _g(r["low_prob_frac_mean"]), "grad norm mean / max":
+                  f"{_g(r['grad_norm_mean'])} / {_g(r['grad_norm_max'])}" if r["grad_norm_mean"] is not None else ""}
+                 for r in arms]
+    cmp_table = [{"setting": r["setting"], "a - b": f"{r['a']} - {r['b']}", "metric": ARM_METRICS[r["metric"]],
+                  "seeds a / b": f"{r['n_a']} / {r['n_b']}", "difference ± SE": _se(r["diff"], r["se"]),
+                  "paired (seeds)": (f"{_se(r['paired_diff'], r['paired_se'])} ({r['paired_n']})"
+                                     if r["paired_n"] else "")}
+                 for r in comparisons]
+    return [
+        "## Arms: mean and seed spread", "",
+        markdown_table(arm_table, list(arm_table[0]) if arm_table else ["setting"]), "",
+        "Per setting and variant, over its seeds: mean ± sample standard deviation (lowest .. highest seed). "
+        "Final held-out pass@1: greedy pass@1 on the held-out split at the last evaluation; mean of the curve: "
+        "its mean over every evaluation after the first (before any RL step); final reward: mean `reward/mean` "
+        "of the last 3 RL steps. KL k3 mean, entropy last, low-prob share (`policy/low_prob_frac`, sampled tokens "
+        "with rollout p < 0.1) and gradient norm (`train/grad_norm`, before clipping; mean over steps / "
+        "largest step): means over the seeds.", "",
+        "## Differences of means", "",
+        markdown_table(cmp_table, list(cmp_table[0]) if cmp_table else ["setting"]), "",
+        "a - b: difference of the two variants' means ± its standard error sqrt(s_a^2/n_a + s_b^2/n_b) "
+        "(s: the sample standard deviation over seeds). Paired: the mean of the per-seed differences over the "
+        "seeds both ran ± their standard deviation / sqrt(n) (a seed fixes the initial weights and the sampling "
+        "random numbers of every variant). A difference within about two standard errors of 0 is not evidence "
+        "of an effect.", "",
+    ]
+
+
 def is_ablation_dir(path: Path) -> bool:
     """An `jetflow ablate` output directory: its summary.json names the ablation file."""
     try:
@@ -158,7 +288,10 @@ def write_report(ab: "Ablation", command: str) -> Path:
         all_metrics += [{"cell": cell.id, **r} for r in read_jsonl(run_dir / METRICS_FILE)]
     placed = place_cells(ab)
     plots = draw_all(ab)
-    variants = variant_rows(placed, {r["cell"]: r for r in rows})
+    by_cell = {r["cell"]: r for r in rows}
+    variants = variant_rows(placed, by_cell)
+    arms = arm_rows(placed, by_cell) if ab.compare else []
+    comparisons = comparison_rows(placed, by_cell, ab.compare) if ab.compare else []
 
     _atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in all_metrics))
     generated = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -167,6 +300,8 @@ def write_report(ab: "Ablation", command: str) -> Path:
         "base_config": str(ab.base_config) if ab.base_config else None, "overrides": ab.overrides,
         "grid": ab.grid, "out_dir": str(out), "generated": generated, "cells": rows, "plots": plots,
     }
+    if ab.compare:
+        summary.update(compare=[list(p) for p in ab.compare], arms=arms, comparisons=comparisons)
     _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     counts: dict[str, int] = {}
@@ -198,8 +333,12 @@ def write_report(ab: "Ablation", command: str) -> Path:
         "resp len: mean generated tokens. Times: mean seconds per step (rollout, trainer old log-probs, "
         "train, weight sync). tok/s: prompt + response tokens per step second; rollout tok/s: generated "
         "tokens per rollout second. held-out start / end: greedy pass@1 on the held-out split at the first "
-        "and last evaluation (empty: the run had no evaluation). Per-step rows of every cell: `metrics.jsonl`.", "",
+        "and last evaluation (empty: the run had no evaluation); held-out mean: its mean over the evaluations "
+        "after the first. low-prob share: mean `policy/low_prob_frac` (sampled tokens with rollout p < 0.1); "
+        "grad norm max: the largest `train/grad_norm` (before clipping). Per-step rows of every cell: `metrics.jsonl`.", "",
     ]
+    if ab.compare:
+        md += comparison_markdown(arms, comparisons)
     if failed:
         md += ["Failed cells (details in `runs/<cell>/error.txt`):", *failed, ""]
     md += ["## Figures", "",
@@ -211,6 +350,8 @@ def write_report(ab: "Ablation", command: str) -> Path:
            "Log axes leave out exact zeros (a step with no mismatch at all); a panel names the variants that "
            "were exactly 0 throughout.", "",
            "![mismatch by position](mismatch_position.png)", ""]
+    md += [f"![{name.replace('_', ' ')}]({file})\n" for name, file in plots.items()
+           if file not in ("reward.png", "heldout.png", "entropy.png", "mismatch_kl.png", "mismatch_position.png")]
     if no_pos:
         md += [f"No per-position data (`{POSITIONS_FILE}`) for: {', '.join(no_pos)}.", ""]
     md += ["## Cell overrides", "", markdown_table([{"cell": r["cell"], "overrides": "`" + " ".join(r["overrides"]) + "`"}

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jetflow.ablate import expand_grid, format_value, load_ablation, run_ablation, select, validate
+from jetflow.ablate import expand_grid, format_value, load_ablation, resolve_cells, run_ablation, select
 from jetflow.cli import main
 from jetflow.config import ConfigError
 
@@ -119,16 +119,16 @@ def test_a_run_dir_made_with_another_config_is_refused(tmp_path):
     path = write(tmp_path, {"name": "x", "base_config": str(ROOT / "configs/tiny.yaml"),
                             "grid": {"precision.mode": ["bf16"]}})
     ab = load_ablation(path, tmp_path / "out")
-    (cfg,) = validate(ab, ab.cells).values()
+    (cfg,) = resolve_cells(ab, ab.cells).values()
     run_dir = ab.run_dir(ab.cells[0])
     run_dir.mkdir(parents=True)
     cfg.run.progress = False  # session settings may differ
     save_config(cfg, run_dir / "config.yaml")
-    validate(ab, ab.cells)
+    resolve_cells(ab, ab.cells)
     cfg.train.lr = 1.0
     save_config(cfg, run_dir / "config.yaml")
-    with pytest.raises(ConfigError, match=r"cell 'bf16'.*different config \(train.lr\)"):
-        validate(ab, ab.cells)
+    with pytest.raises(ConfigError, match=r"cell 'bf16'.*started with another config \(train.lr differ"):
+        resolve_cells(ab, ab.cells)
 
 
 def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
@@ -222,3 +222,87 @@ def test_seed_pooling_and_smoothing_by_hand():
     assert pooled([{0: 1.0, 1: 2.0}, {0: 3.0}]) == ([0, 1], [2.0, 2.0], [1.0, 2.0], [3.0, 2.0])
     # debiased EMA, weight 0.5: 1; (0.25 + 1.5) / 0.75; a missing point stays missing
     assert smooth([1.0, None, 3.0], weight=0.5) == pytest.approx([1.0, None, 1.75 / 0.75])
+
+
+def test_difference_of_means_and_its_standard_errors_by_hand():
+    from jetflow.ablate.report import difference, seed_stats
+
+    st = seed_stats([0.2, 0.4, 0.6])
+    assert st["n"] == 3 and st["mean"] == pytest.approx(0.4) and st["sd"] == pytest.approx(0.2)
+    assert (st["min"], st["max"]) == (0.2, 0.6)
+    assert seed_stats([0.5])["sd"] is None and seed_stats([])["mean"] is None
+    # a: 0.2, 0.4, 0.6 (mean 0.4, s 0.2); b: 0.1, 0.1, 0.4, 0.6 (mean 0.3, s^2 = 0.18 / 3 = 0.06)
+    d = difference({0: 0.2, 1: 0.4, 2: 0.6}, {0: 0.1, 1: 0.1, 2: 0.4, 3: 0.6})
+    assert d["diff"] == pytest.approx(0.1)
+    assert d["se"] == pytest.approx((0.04 / 3 + 0.06 / 4) ** 0.5)  # 0.1683
+    # paired over seeds 0, 1, 2: differences 0.1, 0.3, 0.2 -> mean 0.2, s 0.1, SE 0.1 / sqrt(3)
+    assert d["paired_n"] == 3 and d["paired_diff"] == pytest.approx(0.2)
+    assert d["paired_se"] == pytest.approx(0.1 / 3 ** 0.5)
+    one = difference({0: 0.5}, {1: 0.25})  # one seed each, none shared: a difference, no SE, no pairs
+    assert one["diff"] == 0.25 and one["se"] is None and one["paired_n"] == 0 and one["paired_diff"] is None
+
+
+def test_compare_pairs_are_checked_against_the_variants(tmp_path):
+    grid = {"precision.mode": ["bf16", "mixed"],
+            "precision.family": {"values": [{"id": "fp8", "precision.family": "fp8_block"},
+                                            {"id": "nvfp4", "precision.family": "nvfp4"}],
+                                 "only_when": {"precision.mode": "mixed"}},
+            "run.seed": [0, 1]}
+    ok = load_ablation(write(tmp_path, {"name": "c", "grid": grid, "compare": [["mixed-nvfp4", "bf16"]]}))
+    assert ok.compare == [("mixed-nvfp4", "bf16")]
+    from jetflow.ablate.figures import place_cells
+    assert list(dict.fromkeys(p.line for p in place_cells(ok))) == ["bf16", "mixed-fp8", "mixed-nvfp4"]  # family: a line axis
+    with pytest.raises(ConfigError, match=r"not variants of this ablation; variants: \['bf16', 'mixed-fp8'"):
+        load_ablation(write(tmp_path, {"name": "c", "grid": grid, "compare": [["mixed", "bf16"]]}))
+    with pytest.raises(ConfigError, match="not a \\[variant, variant\\] pair"):
+        load_ablation(write(tmp_path, {"name": "c", "grid": grid, "compare": [["bf16"]]}))
+
+
+def test_compare_tables_in_the_report(tmp_path, monkeypatch):
+    """train() is faked: each cell logs a held-out curve whose values follow from its mode and seed."""
+    import json
+
+    import jetflow.run.runner as runner
+    from jetflow.run.files import COMPLETE
+
+    final = {("bf16", 0): 0.5, ("bf16", 1): 0.7, ("bf16", 2): 0.6, ("mixed", 0): 0.4, ("mixed", 1): 0.5,
+             ("mixed", 2): 0.6}
+
+    def fake_train(cfg):
+        run_dir = Path(cfg.run.out_dir) / cfg.run.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        end = final[(cfg.precision.mode, cfg.run.seed)]
+        rows = [{"step": s, "phase": "rl", "reward/mean": end, "train/grad_norm": 1.0 + s,
+                 "policy/low_prob_frac": 0.1} for s in range(4)]
+        rows += [{"step": s, "phase": "eval", "eval/pass@1": p} for s, p in ((0, 0.9), (2, end - 0.2), (4, end))]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / COMPLETE).write_text("done\n")
+        return run_dir
+
+    monkeypatch.setattr(runner, "train", fake_train)
+    path = write(tmp_path, {"name": "c", "base_config": str(ROOT / "configs/tiny.yaml"),
+                            "grid": {"precision.mode": ["bf16", "mixed"],
+                                     "algo.correction": {"values": ["none"], "only_when": {"precision.mode": "mixed"}},
+                                     "run.seed": [0, 1, 2]},
+                            "compare": [["mixed-none", "bf16"]]})
+    out = tmp_path / "out"
+    assert run_ablation(path, out_dir=out, command="test", log=lambda s: None) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    arms = {a["variant"]: a for a in summary["arms"]}
+    assert arms["bf16"]["heldout_pass1_end"]["mean"] == pytest.approx(0.6)
+    assert arms["bf16"]["heldout_pass1_end"]["sd"] == pytest.approx(0.1)
+    # the curve after the first evaluation: (end - 0.2 + end) / 2 = end - 0.1 -> bf16 mean 0.5
+    assert arms["bf16"]["heldout_pass1_mean"]["mean"] == pytest.approx(0.5)
+    assert arms["bf16"]["grad_norm_max"] == 4.0 and arms["bf16"]["grad_norm_mean"] == 2.5
+    cmp = {r["metric"]: r for r in summary["comparisons"]}
+    end = cmp["heldout_pass1_end"]
+    # mixed 0.4, 0.5, 0.6 (mean 0.5, s 0.1) - bf16 0.5, 0.7, 0.6 (mean 0.6, s 0.1): -0.1 ± sqrt(0.02 / 3)
+    assert end["diff"] == pytest.approx(-0.1) and end["se"] == pytest.approx((0.02 / 3) ** 0.5)
+    # per seed: -0.1, -0.2, 0 -> mean -0.1, s 0.1
+    assert end["paired_diff"] == pytest.approx(-0.1) and end["paired_se"] == pytest.approx(0.1 / 3 ** 0.5)
+    md = (out / "summary.md").read_text()
+    assert "| all cells | bf16 | 3 | 0.600 ± 0.100 (0.5 .. 0.7) |" in md
+    assert "| all cells | mixed-none - bf16 | final held-out pass@1 | 3 / 3 | -0.100 ± 0.082 | -0.100 ± 0.058 (3) |" in md
+    assert (out / "grad_norm.png").read_bytes().startswith(b"\x89PNG") and (out / "low_prob.png").exists()
+    assert not (out / "response_length.png").exists()  # no cell logged response/length_mean: not drawn
+    assert "![grad norm](grad_norm.png)" in md
