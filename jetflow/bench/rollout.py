@@ -101,6 +101,34 @@ def _vllm_importable(notes: list[str]) -> bool:
     return True
 
 
+def memory_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Bytes per second read by torch's sum over a `mib` MiB fp32 tensor (best of `reps`)."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(reps))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_bytes_per_decode_step(model) -> int:
+    """Bytes of weights an exact decode step reads: every linear's weight in the format its exact kernel
+    reads (fp32: 4 per value, bf16: 2, FP8: 1 plus its block scales), lm_head included."""
+    from jetflow.precision import PrecisionLinear
+    per_value = {"fp32": 4, "bf16": 2}
+    total = 0
+    for m in model.modules():
+        if isinstance(m, PrecisionLinear):
+            n = m.weight.numel()
+            total += n + 4 * -(-m.out_features // 128) * -(-m.in_features // 128) if m.kind == "fp8" \
+                else per_value[m.kind] * n
+    return total
+
+
 def _jetflow_runner(model_path: str, precision: str, batch: int, prompt_len: int, new_tokens: int, device,
                     compile: bool = False, pack_linears: bool = True, numerics: str = "fast"):
     from jetflow.model import load, load_tokenizer
@@ -226,13 +254,14 @@ def _vllm(model_path: str, prompts: list[list[int]], new_tokens: int, reps: int,
 def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: int = 128,
         precisions=("fp32", "bf16", "fp8"), compare_hf: bool = True, compare_vllm: bool = True, reps: int = 3,
         device: str | None = None, out_dir: str = "results/bench", vllm_python: str | None = None,
-        compiled_precisions=(), exact_precisions=("fp32",), vllm_executions=VLLM_EXECUTIONS) -> dict:
+        compiled_precisions=(), exact_precisions=("fp32", "bf16", "fp8"), vllm_executions=VLLM_EXECUTIONS) -> dict:
     """Run the benchmark and write results/bench/rollout-<cpu|gpu>.{json,md}. `compiled_precisions`
     adds rows with the engine's torch.compile'd decode step (compiled during the warm-up),
     `exact_precisions` rows with exact numerics. vLLM: in this process (`vllm_executions`), or, with
     `vllm_python`, fp32 in a subprocess of that Python (not interleaved)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     load_before = os.getloadavg()
+    bandwidth = memory_bandwidth() if dev.type == "cpu" else None
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     notes: list[str] = []
     rows = []
@@ -279,6 +308,10 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
                            # CUDA: this runner's own peak allocation (memory_stats() would report the last run's)
                            peak_memory_mib=(max(s[2] for s in samples[name]) if dev.type == "cuda"
                                             else mem["peak_memory_bytes"]) / 2**20)
+                if name.endswith(" exact") and bandwidth:
+                    step_bytes = weight_bytes_per_decode_step(obj.model)
+                    row.update(weight_mib_per_step=step_bytes / 2**20,
+                               memory_limit_tokens_per_s=batch * bandwidth / step_bytes)
             elif name.startswith("vllm"):
                 row["execution"] = obj.description
             else:
@@ -296,7 +329,7 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
                              "new_tokens": new_tokens, "seconds": med, "tokens_per_s": batch * new_tokens / med,
                              "tokens_per_s_all": [round(batch * new_tokens / t, 1) for t in times]})
     for batch in batch_sizes:
-        for key, prefix in (("vs_hf", "hf"), ("vs_vllm_fp32", "vllm fp32")):
+        for key, prefix in (("vs_hf", "hf"), ("vs_vllm_fp32", "vllm fp32"), ("vs_fp32_exact", "jetflow fp32 exact")):
             ref = next((r for r in rows if r["batch"] == batch and r["system"].startswith(prefix)), None)
             for r in rows:
                 if r["batch"] == batch and ref is not None:
@@ -313,13 +346,20 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
                             "model": str(model_path)},
                "rows": rows, "notes": notes,
                "loadavg_1m": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
+               "memory_bandwidth_gb_s": None if bandwidth is None else round(bandwidth / 1e9, 1),
                "openmp_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}}
-    cols = ["system", "batch", "tokens_per_s", "vs_hf", "vs_vllm_fp32", "seconds", "prefill_s", "decode_ms_per_step",
-            "kv_cache_mib", "model_mib", "peak_memory_mib", "peak_rss_delta_mib"]
+    cols = ["system", "batch", "tokens_per_s", "vs_hf", "vs_vllm_fp32", "vs_fp32_exact", "seconds", "prefill_s",
+            "decode_ms_per_step", "weight_mib_per_step", "memory_limit_tokens_per_s", "kv_cache_mib", "model_mib",
+            "peak_memory_mib", "peak_rss_delta_mib"]
     md = (f"Generation throughput: batch x {prompt_len} prompt tokens + exactly {new_tokens} new tokens, sampling at "
           f"temperature 1, median of {reps} interleaved runs; tokens/s = new tokens / wall time of the whole call "
-          f"(prefill included). bf16 / fp8 on the CPU are emulated in fp32 (the recipe's overhead, not FP8 "
-          f"hardware). Machine load average (1 min) before / after: {load_before[0]:.1f} / "
+          f"(prefill included). `jetflow <kind>` rows run torch's kernels (fast numerics: bf16 / fp8 emulated in "
+          f"fp32); `jetflow <kind> exact` rows run what users run (exact numerics: jetflow's kernels read fp32 / bf16 / "
+          f"FP8 weight bytes). vs_fp32_exact: over `jetflow fp32 exact`. The physical limit of an exact row: "
+          f"weight_mib_per_step (the bytes its linears and lm_head read per decode step) against the memory bandwidth "
+          f"measured here ({'-' if bandwidth is None else f'{bandwidth / 1e9:.1f}'} GB/s, a {torch.get_num_threads()}-"
+          f"thread sum over 512 MiB): memory_limit_tokens_per_s = batch x bandwidth / weight bytes (decode only; "
+          f"attention's KV reads and prefill not counted). Machine load average (1 min) before / after: {load_before[0]:.1f} / "
           f"{payload['loadavg_1m']['after']:.1f} on {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. vLLM runs in this process, interleaved with the "
           f"others (`vllm exact <kind>`: jetflow's plugin; with vllm_python: after the others, in its own process, "
@@ -343,7 +383,7 @@ if __name__ == "__main__":
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp8"])
     ap.add_argument("--compiled", nargs="*", default=[], help="precisions to also run with the compiled decode step")
-    ap.add_argument("--exact", nargs="*", default=["fp32"], help="precisions to also run with exact numerics")
+    ap.add_argument("--exact", nargs="*", default=["fp32", "bf16", "fp8"], help="precisions to also run with exact numerics")
     ap.add_argument("--vllm", nargs="*", default=list(VLLM_EXECUTIONS),
                     help="vLLM executions in this process: fp32, bf16 (vLLM's kernels), 'exact <fp32|bf16|fp8>' (plugin)")
     ap.add_argument("--reps", type=int, default=3)
