@@ -37,7 +37,7 @@ MODES = ("fp32", "bf16", "mixed", "unified")
 def payload_breakdown(update: WeightUpdate) -> dict:
     """Bytes of an update by category; fp8_data + scales + other == total."""
     fp8 = sum(q.data.numel() * q.data.element_size() for q in update.quantized.values())
-    scales = sum(q.scale_inv.numel() * q.scale_inv.element_size() for q in update.quantized.values())
+    scales = sum(q.nbytes() for q in update.quantized.values()) - fp8  # block scales (+ NVFP4's tensor scales)
     by_dtype: dict[str, int] = defaultdict(int)
     for t in update.tensors.values():
         by_dtype[str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
