@@ -7,7 +7,7 @@
     jetflow launch slurm --config FILE --nodes N [--nproc-per-node K] [--kind torchrun|ray] [--dry-run]
     jetflow report RUN_DIR|ABLATION_DIR ...         a run's table and plots (<run>/report/), or redraw an ablation's
     jetflow convert --out DIR                       SmolLM2-135M-Instruct GGUF -> HF directory
-    jetflow export --model DIR --out DIR            HF directory with FP8 block weights (vLLM layout)
+    jetflow export --model DIR --out DIR            FP8 block weights (vLLM layout) of an HF dir, a run or a checkpoint
     jetflow generate --model DIR "prompt" ...
 
 Commands that take a config accept `--config FILE` and any number of `key=value` overrides.
@@ -99,32 +99,35 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from jetflow.config import load_config
+    from jetflow.errors import UsageError
     from jetflow.export import export_fp8
-    from jetflow.model import load_hf_dir
-    from jetflow.config import ConfigError
+    from jetflow.run.sources import CHECKPOINT, resolve_model_dir
+    from jetflow.run.validate import check_config
     cfg = load_config(args.config, args.overrides)
-    if Path(args.out).resolve() == Path(args.model).resolve():
-        raise ConfigError(f"jetflow export: --out {args.out} is the source model's directory; the export would "
-                          "overwrite its weights: choose another --out")
+    check_config(cfg)
+    source = resolve_model_dir(args.model)  # what `jetflow generate --model` takes; else one CheckpointError line
     out_dir = Path(args.out)
+    if out_dir.resolve() in (Path(args.model).resolve(), source.weights_dir.resolve()):
+        raise UsageError(f"jetflow export: --out {args.out} is the source model's directory; the export would "
+                         "overwrite its weights: choose another --out")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not args.overwrite:
-        raise ConfigError(f"jetflow export: --out {args.out} is not empty; the export would replace its "
-                          "config.json and weights: choose an empty or new directory, or pass --overwrite")
-    model = load_hf_dir(args.model)
-    out = export_fp8(model, args.out, cfg.precision.recipe(), tokenizer_dir=args.model)
+        raise UsageError(f"jetflow export: --out {args.out} is not empty; the export would replace its "
+                         "config.json and weights: choose an empty or new directory, or pass --overwrite")
+    tokenizer = source.tokenizer() if source.kind == CHECKPOINT else source.weights_dir  # a directory: what it has
+    out = export_fp8(source.load(), args.out, cfg.precision.recipe(), tokenizer_dir=tokenizer)
     print(f"exported FP8 ({cfg.precision.recipe().fingerprint()}) -> {out}")
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from jetflow.config import ConfigError
+    from jetflow.errors import UsageError
     from jetflow.run.sources import load_model, load_model_tokenizer, resolve_model_dir
     from jetflow.rollout.generate import generate_main
     source = resolve_model_dir(args.model)  # a directory of no known kind: one CheckpointError line
     precision = args.precision or ("fp8" if source.quantized else "fp32")  # default: as stored
     if source.quantized and precision == "fp32":
-        raise ConfigError(f"--precision fp32: {args.model} is an FP8 export; it runs its FP8 weights (--precision "
-                          "fp8, the default) or their bf16 rounding (--precision bf16)")
+        raise UsageError(f"--precision fp32: {args.model} is an FP8 export; it runs its FP8 weights (--precision "
+                         "fp8, the default) or their bf16 rounding (--precision bf16)")
     # generate_main applies `precision` on top of what jetflow.model.load returns. An export comes back
     # running its exported FP8 bytes already; applying fp8 again would requantize them: apply nothing.
     on_top = "fp32" if source.quantized and precision == "fp8" else precision
@@ -204,8 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--out", required=True)
     convert.set_defaults(func=_cmd_convert)
 
-    export = sub.add_parser("export", help="HF dir -> HF dir with FP8 block weights (vLLM / DeepSeek layout)")
-    export.add_argument("--model", required=True)
+    export = sub.add_parser("export", help="a model -> HF dir with FP8 block weights (vLLM / DeepSeek layout)")
+    export.add_argument("--model", required=True, help="what `jetflow generate --model` takes: a Hugging Face "
+                        "directory, a run checkpoint (<run>/checkpoints/step_NNNNNN) or a run directory (its model/, "
+                        "else its newest checkpoint)")
     export.add_argument("--out", required=True)
     export.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     export.add_argument("--config", default=None, help="YAML whose precision section gives the recipe")

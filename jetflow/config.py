@@ -1,8 +1,10 @@
 """Configuration: one dataclass per component, YAML files, and `key=value` overrides (omegaconf).
 
 `load_config("configs/tiny.yaml", ["precision.mode=mixed", "train.steps=5"])` starts from the
-dataclass defaults below, merges the YAML, then the overrides. An unknown key or a bad value is an
-error that names it and lists what is valid. `save_config` writes the resolved config beside a run.
+dataclass defaults below, merges the YAML, then the overrides. The schema is typed: an unknown key, a
+value of the wrong type, or a choice outside a field's `Literal` is an error that names the key and
+lists what is valid. Ranges and combinations of values are checked by the one pre-run pass,
+jetflow.run.validate. `save_config` writes the resolved config beside a run.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -28,18 +30,18 @@ class ConfigError(UserError, ValueError):
 
 @dataclass
 class PrecisionConfig:
-    mode: str = "unified"
+    mode: Literal[PRECISION_MODES] = "unified"
     """fp32 | bf16 | mixed (bf16 train, FP8 rollout) | unified (FP8 train and rollout, one recipe)."""
-    family: str = "fp8_block"
+    family: Literal[FAMILIES] = "fp8_block"
     """The recipe: fp8_block (128x128 / 1x128 FP8) | mxfp8 (1x32 E4M3, E8M0 scales) | nvfp4 (E2M1 in 16-blocks,
     E4M3 + fp32 scales): Transformer Engine's recipes, jetflow.precision.recipe; `mixed` rolls out in it."""
-    fmt: str = "e4m3"
+    fmt: Literal[FORMATS] = "e4m3"
     """e4m3 everywhere, or hybrid (E5M2 gradients)."""
     weight_block: list[int] = field(default_factory=lambda: [128, 128])
     """Weight scaling block (out, in)."""
     group_size: int = 128
     """Activation / gradient group along the contraction dim."""
-    scale_rule: str = "fp32"
+    scale_rule: Literal[SCALE_RULES] = "fp32"
     """fp32 scale_inv = amax / 448, or pow2 (rounded up to a power of two)."""
     margin: int = 0
     """Extra headroom in powers of two."""
@@ -50,11 +52,11 @@ class PrecisionConfig:
     """First N decoder layers stay in bf16."""
     keep_last_layers: int = 0
     """Last N decoder layers stay in bf16."""
-    gemm_backend: str = "auto"
-    """auto (Hopper torch._scaled_mm when available, else emulation) | scaled_mm | emulate."""
+    gemm_backend: Literal["auto", "scaled_mm", "emulate", "triton"] = "auto"
+    """auto (Hopper torch._scaled_mm when available, else emulation) | scaled_mm | emulate | triton."""
     kv_cache_fp8: bool = False
     """FP8 (E4M3) KV cache in the rollout engine, per-layer scales recalibrated each step."""
-    numerics: str = "auto"
+    numerics: Literal["auto", "exact", "fast"] = "auto"
     """exact | fast | auto. exact: the rollout engine and the trainer compute every token with the
     batch-invariant kernels (jetflow.kernels), so their log-probs agree bit for bit (CPU; the native
     engine, or vLLM through jetflow's plugin; the native trainer). fast: torch's / vLLM's kernels (BLAS,
@@ -83,7 +85,7 @@ class TinyModelConfig:
     num_experts: int = 0
     """0: a dense Llama-style model. > 0: a mixture-of-experts model (see `moe_family`) with this many
     experts in every layer."""
-    moe_family: str = "qwen3_moe"
+    moe_family: Literal[MOE_TYPES] = "qwen3_moe"
     """MoE: `qwen3_moe` (q/k norms, renormalized top-k) or `mixtral` (its names: block_sparse_moe, w1/w2/w3)."""
     experts_per_token: int = 2
     """MoE: experts each token is routed to (top-k)."""
@@ -92,11 +94,13 @@ class TinyModelConfig:
 
 
 @dataclass
-class ModelConfig:
+class PolicyConfig:
+    """The `model:` section: which policy model the run trains, its master dtype and device, and how
+    prompts are rendered (the architecture itself is jetflow.model.ModelConfig)."""
     path: str = "smollm2"
     """A local Hugging Face directory, `smollm2` (SmolLM2-135M-Instruct converted on first use), or
     `tiny` (built from scratch with a character tokenizer, see `tiny`)."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     """Master weight dtype: float32 (the CPU default) or bfloat16."""
     device: str = "cpu"
     """cpu | cuda | cuda:N."""
@@ -109,7 +113,7 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "native"
+    backend: Literal["native", "vllm"] = "native"
     """native | vllm."""
     group_size: int = 4
     """Samples per prompt (GRPO group)."""
@@ -130,7 +134,7 @@ class RolloutConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"
+    name: Literal["arithmetic", "countdown", "math"] = "arithmetic"
     """arithmetic | countdown | math."""
     params: dict[str, Any] = field(default_factory=dict)
     """Task knobs, e.g. {digits: 1, num_operands: 2} or {path: data.jsonl} for math."""
@@ -140,7 +144,7 @@ class TaskConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation: greedy decoding on problems training never sees (jetflow.run.evaluate)."""
+    """Held-out evaluation: greedy decoding on problems training never sees (jetflow.run.loop.RLLoop.evaluate)."""
     num_prompts: int = 32
     """Held-out problems per evaluation (0: no evaluation and no held-out split)."""
     every: int = 5
@@ -151,24 +155,25 @@ class EvalConfig:
 
 @dataclass
 class AlgoConfig:
-    adv_norm: str = "mean_std"
+    adv_norm: Literal["mean_std", "mean", "none"] = "mean_std"
     """GRPO advantage normalisation: mean_std | mean | none."""
     clip_low: float = 0.2
     clip_high: float = 0.28
     """Asymmetric PPO clipping (clip-higher)."""
-    loss_agg: str = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum."""
     kl_coef: float = 0.0
     """KL penalty to the initial (reference) policy. Must be 0 for now: the loss has the term
     (jetflow.rl.loss.policy_loss) but `jetflow train` keeps no reference policy yet."""
-    correction: str = "auto"
+    correction: Literal["auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "ais"] = "auto"
     """Rollout correction: auto (none for bf16 / unified, token_tis for mixed) | none | token_tis |
     token_mis | seq_tis | seq_mis | ais."""
-    correction_params: dict[str, Any] = field(default_factory=dict)
-    """Parameters of the correction, e.g. {C: 2.0} or {lo: 0.5, hi: 2.0}."""
+    correction_params: dict[str, float] = field(default_factory=dict)
+    """The correction's parameters (jetflow.rl.correction.PARAMETERS): {cap: 2.0} for token_tis / seq_tis,
+    {lo: 0.5, hi: 2.0} for token_mis / seq_mis, {cap, kl_scale, chi2_scale, ess_power} for ais."""
     ppo_epochs: int = 1
     """Optimizer passes over each rollout batch."""
-    old_logprobs: str = "auto"
+    old_logprobs: Literal["auto", "recompute"] = "auto"
     """Where pi_old comes from. auto: with ppo_epochs = 1 and a row-local correction (all but ais), the
     training forward's own detached log-probs (no extra forward); otherwise, and with `recompute`,
     a separate no-grad forward before the update."""
@@ -185,7 +190,7 @@ class AlgoConfig:
 
 @dataclass
 class TrainConfig:
-    backend: str = "native"
+    backend: Literal["native", "megatron"] = "native"
     """native | megatron."""
     tensor_parallel_size: int = 1
     """Megatron backend: tensor-parallel ranks (under torchrun or as Ray trainer workers)."""
@@ -197,13 +202,15 @@ class TrainConfig:
     trainer workers), each holding
     num_experts / EP experts; they are data-parallel ranks (own prompts), so the process count must be a
     multiple of EP x pipeline_parallel_size."""
-    fp8_backend: str = "jetflow"
+    fp8_backend: Literal["jetflow", "te"] = "jetflow"
     """jetflow (this recipe's own GEMMs) | te (Transformer Engine Float8BlockScaling)."""
     steps: int = 12
     """RL steps."""
     prompts_per_step: int = 6
     lr: float = 2e-5
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay of the linears' matrices (norms, biases and the embedding are
+    never decayed)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
@@ -237,7 +244,7 @@ class RunConfig:
     tensorboard: bool = True
     num_threads: int = 0
     """torch CPU threads (0: torch's default)."""
-    orchestrator: str = "local"
+    orchestrator: Literal["local", "ray"] = "local"
     """local (this process, or one per rank under torchrun) | ray (rollout engines and trainer workers as
     Ray actors; weights travel through the object store)."""
     ray_address: str = ""
@@ -251,7 +258,7 @@ class RunConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: PolicyConfig = field(default_factory=PolicyConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -261,100 +268,13 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "precision.mode": PRECISION_MODES,
-    "precision.family": FAMILIES,
-    "precision.fmt": FORMATS,
-    "precision.scale_rule": SCALE_RULES,
-    "precision.gemm_backend": ("auto", "scaled_mm", "emulate", "triton"),
-    "precision.numerics": ("auto", "exact", "fast"),
-    "model.dtype": ("float32", "bfloat16"),
-    "model.tiny.moe_family": MOE_TYPES,
-    "rollout.backend": ("native", "vllm"),
-    "task.name": ("arithmetic", "countdown", "math"),
-    "algo.adv_norm": ("mean_std", "mean", "none"),
-    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
-    "algo.correction": ("auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "ais"),
-    "algo.old_logprobs": ("auto", "recompute"),
-    "train.backend": ("native", "megatron"),
-    "train.fp8_backend": ("jetflow", "te"),
-    "run.orchestrator": ("local", "ray"),
-}
-
-POSITIVE: tuple[str, ...] = (
-    "rollout.group_size", "rollout.max_new_tokens", "rollout.max_batch", "train.prompts_per_step",
-    "train.micro_batch_size", "precision.group_size", "train.sft_batch_size", "algo.ppo_epochs",
-    "rollout.num_engines", "train.num_workers")
-
-
 def _valid_keys(node: Any) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else []
 
 
-def _get(cfg: Config, dotted: str) -> Any:
-    obj: Any = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def validate(cfg: Config) -> Config:
-    """Check choices and ranges; raise ConfigError naming the key and the valid values."""
-    for key, choices in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
-    for key in POSITIVE:
-        if _get(cfg, key) < 1:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1")
-    if not 0.0 < cfg.rollout.temperature or not 0.0 < cfg.rollout.top_p <= 1.0:
-        raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
-    if cfg.train.steps < 0 or cfg.train.sft_warmup_steps < 0:
-        raise ConfigError("train.steps and train.sft_warmup_steps must be >= 0")
-    if cfg.train.steps == 0 and cfg.train.sft_warmup_steps == 0:
-        raise ConfigError("train.steps=0 and train.sft_warmup_steps=0: the run would do nothing")
-    if cfg.train.lr <= 0 or cfg.algo.clip_low < 0 or cfg.algo.clip_high < 0:
-        raise ConfigError("train.lr must be > 0 and algo.clip_low / clip_high >= 0")
-    _check_ranges(cfg)
-    try:
-        cfg.precision.recipe()
-    except ValueError as e:
-        raise ConfigError(f"precision: {e}") from None
-    if cfg.precision.numerics == "exact" and _exact_blocker(cfg):
-        raise ConfigError(f"precision.numerics=exact: {_exact_blocker(cfg)}; use precision.numerics=fast (or auto)")
-    return cfg
-
-
-def _check_ranges(cfg: Config) -> None:
-    """The numeric ranges outside which a run would silently do something else than asked."""
-    t, a, r = cfg.train, cfg.algo, cfg.rollout
-    checks = [
-        ("train.grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0 turns clipping off)"),
-        ("train.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
-        ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
-        ("train.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0"),
-        ("train.sft_lr", t.sft_lr, t.sft_lr > 0, "> 0"),
-        ("train.betas", t.betas, len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "two values in [0, 1)"),
-        ("train.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 0, ">= 0 (0: only at the end)"),
-        ("train.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 0, ">= 0"),
-        ("rollout.top_k", r.top_k, r.top_k >= 0, ">= 0 (0 turns top-k off)"),
-        ("eval.num_prompts", cfg.eval.num_prompts, cfg.eval.num_prompts >= 0, ">= 0 (0 turns evaluation off)"),
-        ("eval.every", cfg.eval.every, cfg.eval.every >= 0, ">= 0 (0: before the first and after the last step only)"),
-        ("eval.held_out", cfg.eval.held_out, 0 < cfg.eval.held_out < 1 or cfg.eval.num_prompts == 0,
-         "in (0, 1) when eval.num_prompts > 0"),
-        ("rollout.group_size", r.group_size, r.group_size >= 2,
-         ">= 2: GRPO's advantage is a reward minus its group's mean, so one sample per prompt learns nothing"),
-        ("algo.router_aux_loss_coef", a.router_aux_loss_coef, a.router_aux_loss_coef >= 0, ">= 0 (0 turns it off)"),
-        ("algo.kl_coef", a.kl_coef, a.kl_coef == 0,
-         "0: a KL penalty needs a reference policy, which `jetflow train` does not keep yet"),
-    ]
-    for key, value, ok, valid in checks:
-        if not ok:
-            raise ConfigError(f"{key}={value!r} is out of range; it must be {valid}")
-
-
-def _exact_blocker(cfg: Config) -> str | None:
-    """Why exact numerics cannot run with this config, or None."""
+def exact_blocker(cfg: Config) -> str | None:
+    """Why exact numerics cannot run with this config, or None (what `auto` resolves by; asking for
+    `exact` anyway is refused by jetflow.run.validate)."""
     if cfg.model.device.startswith("cuda"):
         from jetflow.kernels.triton import available
         if not available():
@@ -385,7 +305,15 @@ def resolve_numerics(cfg: Config) -> str:
         return cfg.precision.numerics
     if cfg.model.device.startswith("cuda"):
         return "fast"  # the Triton kernels are unmeasured on a GPU yet: exact on CUDA is asked for by name
-    return "fast" if _exact_blocker(cfg) else "exact"
+    return "fast" if exact_blocker(cfg) else "exact"
+
+
+def resolve_correction(cfg: Config) -> str:
+    """algo.correction with `auto` resolved: the modes whose rollout policy differs by construction
+    (mixed) get token TIS, the others none."""
+    if cfg.algo.correction != "auto":
+        return cfg.algo.correction
+    return "token_tis" if cfg.precision.precision_mode.off_policy_by_design else "none"
 
 
 def _explain(e: OmegaConfBaseException) -> ConfigError:
@@ -396,10 +324,21 @@ def _explain(e: OmegaConfBaseException) -> ConfigError:
         parts = str(key).split(".")
         for part in parts[:-1]:
             parent = getattr(parent, part, None)
+        choices = _choices(parent, parts[-1])
+        if choices and "expected one of" in msg:
+            return ConfigError(f"{key}={getattr(e, 'value', None)!r} is not valid; choose one of {list(choices)}")
         valid = _valid_keys(parent)
         hint = f"; valid keys here: {valid}" if valid and parts[-1] not in valid else ""
         return ConfigError(f"config key {key!r}: {msg}{hint}")
     return ConfigError(f"config: {msg}")
+
+
+def _choices(section: Any, name: str) -> tuple | None:
+    """The values a `Literal` field of a config section takes, else None."""
+    if not dataclasses.is_dataclass(section):
+        return None
+    hint = get_type_hints(type(section)).get(name)
+    return get_args(hint) if getattr(hint, "__origin__", None) is Literal else None
 
 
 # free-form mappings: `key={...}` replaces the mapping (a dotted sub-key, `task.params.digits=2`, merges)
@@ -407,7 +346,8 @@ REPLACED_BY_OVERRIDE = ("task.params", "algo.correction_params")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- `key=value` overrides, in order; validated."""
+    """Defaults <- YAML file <- `key=value` overrides, in order; typed (the values' ranges and
+    combinations are jetflow.run.validate's)."""
     base = OmegaConf.structured(Config)
     try:
         if path is not None:
@@ -433,7 +373,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise _explain(e) from None
     except yaml.YAMLError as e:  # a syntax error in the file
         raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    return validate(cfg)
+    return cfg
 
 
 def to_dict(cfg: Config) -> dict:
@@ -461,17 +401,3 @@ def config_changes(saved: Config, cfg: Config) -> list[str]:
             return [k for key in sorted(set(a) | set(b)) for k in diff(a.get(key), b.get(key), f"{prefix}{key}.")]
         return [] if a == b else [prefix.rstrip(".")]
     return diff(comparable(saved), comparable(cfg))
-
-
-def check_resumed_config(cfg: Config, path: str | Path) -> None:
-    """On resume (run.resume=true, the run's config file `path` exists) the run must go on with the
-    config it was started with: a difference not listed in run.allow_changes is refused by name."""
-    path = Path(path)
-    if not (cfg.run.resume and path.exists()):
-        return
-    changed = [k for k in config_changes(load_config(path), cfg) if k not in cfg.run.allow_changes]
-    if changed:
-        raise ConfigError(f"run.resume=true: {path.parent} was started with another config "
-                          f"({', '.join(changed)} differ from its {path.name}); resume with the same values, "
-                          f"allow the change with run.allow_changes=[{','.join(changed)}], or choose another "
-                          "run.name")

@@ -8,5 +8,9 @@ class UserError(Exception):
     """Something the user can fix; its message says what and how."""
 
 
+class UsageError(UserError, ValueError):
+    """A command's own argument (not a config key) is invalid: `jetflow launch --nodes 0`."""
+
+
 class MissingDependencyError(UserError, ImportError):
     """An optional package is not installed; the message gives the install command."""

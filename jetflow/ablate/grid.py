@@ -27,8 +27,8 @@ A cell's id joins one label per axis (`mixed-token_mis-len64-seed0`): the value 
 precision.mode and algo.correction, `len<N>` for rollout.max_new_tokens, `seed<N>` for run.seed,
 `<last key part><value>` otherwise, the `id` of a linked value, or an axis' own `label: "lr{}"`.
 
-Every cell's config is resolved and validated (load_config, the task's parameters, the wired
-backends) before anything runs, so a typo fails at once and names the cell.
+Every cell's config is resolved and goes through the pre-run pass (jetflow.run.validate) before
+anything runs, so a typo fails at once and names the cell.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ from typing import Any
 import yaml
 
 from jetflow.config import Config, ConfigError, load_config
-from jetflow.config import config_changes
-from jetflow.run.files import CONFIG_FILE
 from jetflow.run.validate import validate_run
 
 RUNS = "runs"
@@ -226,23 +224,16 @@ def cell_config(ab: Ablation, cell: Cell, resume: bool = False) -> Config:
     return load_config(ab.base_config, [*ab.overrides, *cell.overrides, *extra])
 
 
-def validate(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
-    """Resolve every cell's config; raise ConfigError naming the first bad cell."""
+def resolve_cells(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
+    """Every cell's config, through the pre-run pass (a cell whose run directory exists resumes it, with
+    the same config); raise ConfigError naming the first bad cell."""
     configs = {}
     for cell in cells:
-        run_dir = ab.run_dir(cell)
         try:
-            cfg = cell_config(ab, cell, resume=run_dir.exists())
+            cfg = cell_config(ab, cell, resume=ab.run_dir(cell).exists())
             validate_run(cfg)
         except ConfigError as e:
             raise ConfigError(f"cell {cell.id!r} ({' '.join(cell.overrides)}): {e}") from None
-        saved = run_dir / CONFIG_FILE
-        if saved.exists():
-            changed = config_changes(load_config(saved), cfg)
-            if changed:
-                raise ConfigError(f"cell {cell.id!r}: {run_dir} holds a run made with a different config "
-                                  f"({', '.join(changed)}); delete that directory to rerun the cell, or use "
-                                  "another --out-dir")
         configs[cell.id] = cfg
     return configs
 

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from jetflow.ablate.grid import load_ablation, select, validate
+from jetflow.ablate.grid import load_ablation, resolve_cells, select
 from jetflow.ablate.report import write_report
 from jetflow.run.files import ERROR_FILE, run_status
 from jetflow.run.stop import RunStopped
@@ -36,7 +36,7 @@ def run_ablation(path: str | Path, out_dir: str | Path | None = None, only: list
     Returns 0, or 1 if a cell failed. A dry run prints the cells and their overrides and runs nothing."""
     ab = load_ablation(path, out_dir)
     cells = select(ab.cells, only)
-    configs = validate(ab, cells)
+    configs = resolve_cells(ab, cells)
     if dry_run:
         base = ab.base_config or "(defaults)"
         print(f"ablation {ab.name}: {len(cells)} of {len(ab.cells)} cells, base {base}, out_dir {ab.out_dir}")

@@ -1,17 +1,19 @@
-"""SLURM launch: render a batch script from launch/slurm/<kind>.sbatch and submit it with sbatch.
+"""SLURM launch: render a batch script from templates/<kind>.sbatch and submit it with sbatch.
 
     jetflow launch slurm --config configs/tiny.yaml --nodes 2 --nproc-per-node 4 --gpus-per-node 4 --dry-run
     jetflow launch slurm --config configs/tiny.yaml --kind ray --nodes 4 train.steps=50
 
 Both templates stop a run before the time limit with a checkpoint, requeue the job and resume it
-(`--signal=B:USR1@stop_signal_s`, launch/slurm/requeue.sh).
+(`--signal=B:USR1@stop_signal_s`, templates/requeue.sh).
 
-Kinds: `torchrun` (one SLURM task per node runs launch/torchrun.sh, i.e. torchrun for that node's
+Kinds: `torchrun` (one SLURM task per node runs templates/torchrun.sh, i.e. torchrun for that node's
 processes) and `ray` (a Ray head on the first node, workers on the others, then `jetflow train ...
-run.orchestrator=ray` as the driver). The run config and its overrides are validated with
-`load_config` before anything is rendered or written, so a bad key fails here and not in the queue.
-`submit` writes the script to <run.out_dir>/<run.name>/launch/<kind>.sbatch (the job's output goes
-beside it, <kind>-<jobid>.out) and runs `sbatch` on it.
+run.orchestrator=ray` as the driver). The templates are package data: the script names them where
+this jetflow is installed, and runs the Python that rendered it. The run config and its overrides go
+through the pre-run checks of the config (jetflow.run.validate.check_config) before anything is
+rendered or written, so a bad key or value fails here and not in the queue. `submit` writes the script
+to <run.out_dir>/<run.name>/launch/<kind>.sbatch (the job's output goes beside it, <kind>-<jobid>.out)
+and runs `sbatch` on it.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import shlex
 import shutil
 import string
 import subprocess
+import sys
 from pathlib import Path
 
-from jetflow.config import Config, ConfigError, load_config
-from jetflow.errors import UserError
+from jetflow.config import Config, load_config
+from jetflow.errors import UsageError, UserError
+from jetflow.run.validate import check_config
 
-REPO = Path(__file__).resolve().parents[1]
-TEMPLATES = REPO / "launch" / "slurm"
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 KINDS = ("torchrun", "ray")
 # `#SBATCH` lines with one of these placeholders are dropped when the option is not given (None / 0)
 OPTIONAL = ("gpus_per_node", "partition", "time")
@@ -52,14 +55,11 @@ class SlurmTemplate(string.Template):
 
 def template_path(kind: str) -> Path:
     if kind not in KINDS:
-        raise ConfigError(f"launch kind {kind!r} is not valid; choose one of {list(KINDS)}")
-    path = TEMPLATES / f"{kind}.sbatch"
-    if not path.is_file():
-        raise FileNotFoundError(f"SLURM template not found: {path} (launch/ ships with the repository)")
-    return path
+        raise UsageError(f"launch kind {kind!r} is not valid; choose one of {list(KINDS)}")
+    return TEMPLATES / f"{kind}.sbatch"
 
 
-def launch_dir(cfg: Config, workdir: str | Path = REPO) -> Path:
+def launch_dir(cfg: Config, workdir: str | Path = ".") -> Path:
     """<run.out_dir>/<run.name>/launch (a relative run.out_dir is under the job's working directory)."""
     return Path(workdir).resolve() / cfg.run.out_dir / cfg.run.name / "launch"
 
@@ -67,21 +67,22 @@ def launch_dir(cfg: Config, workdir: str | Path = REPO) -> Path:
 def render_slurm(kind: str, cfg_path: str | Path, overrides: list[str] | tuple[str, ...] = (), nodes: int = 1,
                  nproc_per_node: int = 1, *, cpus_per_task: int | None = None, gpus_per_node: int = 0,
                  partition: str | None = None, time: str | None = None, job_name: str | None = None,
-                 stop_signal_s: int = STOP_SIGNAL_S, workdir: str | Path = REPO) -> str:
+                 stop_signal_s: int = STOP_SIGNAL_S, workdir: str | Path = ".") -> str:
     """The batch script for `jetflow train --config cfg_path *overrides` on `nodes` nodes.
 
     cpus_per_task (the one task per node) defaults to nproc_per_node; workdir (the job's working
-    directory: launch/ and .venv/ are found there, a relative run.out_dir is under it) to the repository.
-    stop_signal_s: SIGUSR1 that many seconds before the time limit; the run checkpoints at its next step
-    boundary, and the job requeues itself and resumes (launch/slurm/requeue.sh).
+    directory: a relative run.out_dir is under it) to the current directory. stop_signal_s: SIGUSR1 that
+    many seconds before the time limit; the run checkpoints at its next step boundary, and the job
+    requeues itself and resumes (templates/requeue.sh).
     """
-    cfg = load_config(cfg_path, overrides)  # a bad key or value fails here, before anything is written
+    cfg = load_config(cfg_path, overrides)
+    check_config(cfg)  # a bad key or value fails here, before anything is written
     for name, value in (("nodes", nodes), ("nproc_per_node", nproc_per_node), ("cpus_per_task", cpus_per_task),
                         ("stop_signal_s", stop_signal_s)):
         if value is not None and value < 1:
-            raise ConfigError(f"launch: {name}={value} must be >= 1")
+            raise UsageError(f"launch: {name}={value} must be >= 1")
     if gpus_per_node < 0:
-        raise ConfigError(f"launch: gpus_per_node={gpus_per_node} must be >= 0")
+        raise UsageError(f"launch: gpus_per_node={gpus_per_node} must be >= 0")
     workdir = Path(workdir).resolve()
     out = launch_dir(cfg, workdir)
     values = {
@@ -98,10 +99,12 @@ def render_slurm(kind: str, cfg_path: str | Path, overrides: list[str] | tuple[s
         "overrides": shlex.join(overrides),
         "run_dir": shlex.quote(str(out.parent)),
         "stop_signal_s": stop_signal_s,
+        "templates": shlex.quote(str(TEMPLATES)),
+        "python": shlex.quote(sys.executable),
     }
     for key in ("job_name", "partition", "time", "workdir", "output"):  # #SBATCH values are not shell-quoted
         if values[key] is not None and re.search(r"\s", str(values[key])):
-            raise ConfigError(f"launch: {key}={str(values[key])!r} must not contain whitespace")
+            raise UsageError(f"launch: {key}={str(values[key])!r} must not contain whitespace")
     text = template_path(kind).read_text()
     lines = [line for line in text.splitlines(keepends=True) if TEMPLATE_ONLY not in line
              and not any(values[k] is None and f"${{{k}}}" in line for k in OPTIONAL)]
@@ -116,7 +119,7 @@ def submit(kind: str, cfg_path: str | Path, overrides: list[str] | tuple[str, ..
     if exe is None:
         raise FileNotFoundError(f"{sbatch!r} not found on PATH: submit from a SLURM login node, or use --dry-run "
                                 "to print the script")
-    path = launch_dir(load_config(cfg_path, overrides), options.get("workdir", REPO)) / f"{kind}.sbatch"
+    path = launch_dir(load_config(cfg_path, overrides), options.get("workdir", ".")) / f"{kind}.sbatch"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
     done = subprocess.run([exe, "--parsable", str(path)], capture_output=True, text=True)

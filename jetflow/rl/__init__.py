@@ -9,6 +9,7 @@ from .correction import (
     CorrectionResult,
     ais_diagnostics,
     apply_correction,
+    correction_parameters,
 )
 from .loss import AGGREGATIONS, agg_denominator, aggregate, policy_loss
 from .mismatch import LOW_PROB_THRESHOLD, low_prob_metrics, mismatch_metrics, mismatch_position_curves
@@ -23,6 +24,7 @@ __all__ = [
     "aggregate",
     "ais_diagnostics",
     "apply_correction",
+    "correction_parameters",
     "group_advantages",
     "low_prob_metrics",
     "mismatch_metrics",

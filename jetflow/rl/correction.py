@@ -63,8 +63,8 @@ against the measured ``mismatch/kl_k3`` of the bf16 / mixed / unified runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -105,14 +105,57 @@ def _weight_metrics(weights: Tensor, mask: Tensor) -> dict[str, float]:
     }
 
 
-def _check_cap(cap: float) -> None:
-    if not cap > 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
+# The parameters of each correction, typed: `correction_parameters` reads them from a mapping (the
+# config's algo.correction_params) and refuses a key the correction does not take, by name.
+
+@dataclass(frozen=True)
+class NoParameters:
+    """`none` takes no parameters."""
+
+    def check(self) -> None:
+        pass
 
 
-def _check_bounds(lo: float, hi: float) -> None:
-    if not 0 <= lo < hi:
-        raise ValueError(f"need 0 <= lo < hi, got lo={lo}, hi={hi}")
+@dataclass(frozen=True)
+class TruncationParameters:
+    """`token_tis`, `seq_tis`: weights truncated at `cap`."""
+    cap: float = 2.0
+    """The largest weight a token (or a sequence) keeps: min(w, cap); > 0."""
+
+    def check(self) -> None:
+        if not self.cap > 0:
+            raise ValueError(f"cap={self.cap} must be > 0")
+
+
+@dataclass(frozen=True)
+class MaskParameters:
+    """`token_mis`, `seq_mis`: tokens (sequences) whose ratio leaves [lo, hi] get weight 0."""
+    lo: float = 0.5
+    hi: float = 2.0
+    """The kept ratios: 0 <= lo < hi."""
+
+    def check(self) -> None:
+        if not 0 <= self.lo < self.hi:
+            raise ValueError(f"lo={self.lo}, hi={self.hi}: need 0 <= lo < hi")
+
+
+@dataclass(frozen=True)
+class AISParameters:
+    """`ais`: see the module docstring."""
+    cap: float = 2.0
+    """Truncation of the importance weights it mixes in; > 0."""
+    kl_scale: float = 0.01
+    """The KL (k3) at which the severity term reaches 1/e; > 0."""
+    chi2_scale: float = 0.05
+    """The chi-square at which the variance term reaches 1/e; > 0."""
+    ess_power: float = 1.0
+    """Exponent of the ESS cap on trusting the uncorrected gradient; >= 0."""
+
+    def check(self) -> None:
+        TruncationParameters(self.cap).check()
+        if self.kl_scale <= 0 or self.chi2_scale <= 0 or self.ess_power < 0:
+            raise ValueError(f"kl_scale={self.kl_scale}, chi2_scale={self.chi2_scale}, ess_power={self.ess_power}: "
+                             "need kl_scale > 0, chi2_scale > 0, ess_power >= 0")
 
 
 def no_correction(rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> CorrectionResult:
@@ -123,7 +166,7 @@ def no_correction(rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) 
 def token_tis(
     rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *, cap: float = 2.0
 ) -> CorrectionResult:
-    _check_cap(cap)
+    TruncationParameters(cap).check()
     ratio = torch.exp(_token_log_ratio(rollout_logprobs, old_logprobs, mask))  # (B, T)
     weights = ratio.clamp(max=cap)  # (B, T)
     m = mask.to(weights.dtype)
@@ -140,7 +183,7 @@ def token_mis(
     lo: float = 0.5,
     hi: float = 2.0,
 ) -> CorrectionResult:
-    _check_bounds(lo, hi)
+    MaskParameters(lo, hi).check()
     ratio = torch.exp(_token_log_ratio(rollout_logprobs, old_logprobs, mask))  # (B, T)
     keep = (ratio >= lo) & (ratio <= hi)  # (B, T)
     weights = torch.where(keep, ratio, torch.zeros_like(ratio))  # (B, T)
@@ -167,7 +210,7 @@ def _seq_metrics(weights: Tensor, mask: Tensor, flagged: Tensor, name: str) -> d
 def seq_tis(
     rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *, cap: float = 2.0
 ) -> CorrectionResult:
-    _check_cap(cap)
+    TruncationParameters(cap).check()
     log_seq = _seq_log_ratio(rollout_logprobs, old_logprobs, mask)  # (B,)
     seq_w = torch.exp(log_seq.clamp(max=math.log(cap)))  # (B,) min(ratio, cap), no overflow
     weights = seq_w[:, None].expand_as(old_logprobs).contiguous()  # (B, T)
@@ -183,7 +226,7 @@ def seq_mis(
     lo: float = 0.5,
     hi: float = 2.0,
 ) -> CorrectionResult:
-    _check_bounds(lo, hi)
+    MaskParameters(lo, hi).check()
     log_seq = _seq_log_ratio(rollout_logprobs, old_logprobs, mask)  # (B,)
     log_lo = math.log(lo) if lo > 0 else -math.inf
     keep = (log_seq >= log_lo) & (log_seq <= math.log(hi))  # (B,)
@@ -229,9 +272,7 @@ def ais(
 ) -> CorrectionResult:
     """Adaptive IS (our formulation, see module docstring): 1 - lam of the uncorrected weight 1
     plus lam of the truncated weight min(w, cap), with one lam per batch."""
-    _check_cap(cap)
-    if kl_scale <= 0 or chi2_scale <= 0 or ess_power < 0:
-        raise ValueError("need kl_scale > 0, chi2_scale > 0, ess_power >= 0")
+    AISParameters(cap, kl_scale, chi2_scale, ess_power).check()
     ess, kl, chi2 = ais_diagnostics(rollout_logprobs, old_logprobs, mask)
     agree = math.exp(-(kl / kl_scale + chi2 / chi2_scale)) * ess**ess_power
     lam = 1.0 - agree
@@ -260,6 +301,38 @@ CORRECTIONS: dict[str, Callable[..., CorrectionResult]] = {
 }
 
 
+PARAMETERS: dict[str, type] = {
+    "none": NoParameters,
+    "token_tis": TruncationParameters,
+    "token_mis": MaskParameters,
+    "seq_tis": TruncationParameters,
+    "seq_mis": MaskParameters,
+    "ais": AISParameters,
+}
+"""Each correction's parameters (the keyword arguments of its function)."""
+
+
+def correction_parameters(name: str, given: Mapping[str, float]):
+    """Correction `name`'s typed parameters from `given` (missing keys take their defaults). ValueError
+    naming the key for a key the correction does not take (with the ones it does) or a value out of
+    range."""
+    kind = PARAMETERS.get(name)
+    if kind is None:
+        raise ValueError(f"unknown rollout correction {name!r}; valid: {', '.join(CORRECTIONS)}")
+    valid = {f.name: f.default for f in fields(kind)}
+    unknown = [k for k in given if k not in valid]
+    if unknown:
+        takes = ", ".join(f"{k} (default {v})" for k, v in valid.items()) if valid else "none, it takes no parameters"
+        raise ValueError(f"{', '.join(map(str, unknown))} {'is not a parameter' if len(unknown) == 1 else 'are not parameters'} "
+                         f"of {name}; valid keys: {takes}")
+    params = kind(**{k: float(v) for k, v in given.items()})
+    try:
+        params.check()
+    except ValueError as e:
+        raise ValueError(f"{e} ({name})") from None
+    return params
+
+
 ROW_LOCAL = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
 """Corrections whose weights for a sequence depend on that sequence alone (`ais` needs the batch)."""
 
@@ -274,13 +347,9 @@ def apply_correction(
         rollout_logprobs: (B, T) log pi_rollout of the sampled tokens.
         old_logprobs: (B, T) log pi_old, the trainer's logprobs under the rollout weights.
         mask: (B, T) float or bool, 1 on response tokens.
-        **params: the mode's keyword parameters (``cap``; ``lo``, ``hi``; AIS scales).
+        **params: the mode's parameters (``PARAMETERS``: ``cap``; ``lo``, ``hi``; AIS scales), checked by
+            ``correction_parameters``.
     """
-    try:
-        fn = CORRECTIONS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown rollout correction {name!r}; valid: {', '.join(CORRECTIONS)}"
-        ) from None
-    result = fn(rollout_logprobs.detach(), old_logprobs.detach(), mask, **params)
+    checked = correction_parameters(name, params)
+    result = CORRECTIONS[name](rollout_logprobs.detach(), old_logprobs.detach(), mask, **vars(checked))
     return CorrectionResult(result.weights.detach(), result.metrics)

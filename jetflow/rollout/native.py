@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from jetflow.config import Config, ConfigError
+from jetflow.config import Config
 from jetflow.model import Decoder
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.types import Rollouts
@@ -19,9 +19,6 @@ class NativeRollout:
     def __init__(self, model: Decoder, cfg: Config, tokenizer, eos_token_ids: list[int], stop: tuple[str, ...],
                  max_seq_len: int, fingerprint: str | None):
         self.model, self.fingerprint = model, fingerprint
-        if cfg.algo.routing_replay and not model.config.is_moe:
-            raise ConfigError(f"algo.routing_replay=true: the model ({model.config.model_type}) has no "
-                              "mixture-of-experts layers to replay; set algo.routing_replay=false")
         self.engine = RolloutEngine(model, eos_token_ids=eos_token_ids, pad_token_id=tokenizer.pad_token_id,
                                     max_batch=cfg.rollout.max_batch, max_seq_len=max_seq_len,
                                     device=cfg.model.device, tokenizer=tokenizer,

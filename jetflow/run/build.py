@@ -13,6 +13,7 @@ import torch.nn as nn
 from jetflow.config import Config, ConfigError, resolve_numerics
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.model import CharTokenizer, CheckpointError, Decoder, ModelConfig, load_hf_dir, load_tokenizer
+from jetflow.model.checkpoint import load_config as load_model_config
 from jetflow.model.tokenizer import render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
@@ -20,18 +21,14 @@ from jetflow.tasks import Problem, Task, make_task
 
 
 def build_task(cfg: Config) -> Task:
+    """The run's task (its held-out split set aside when evaluating). Bad task.params raise the task's
+    own TypeError / ValueError: jetflow.run.validate turns them into a ConfigError before a run."""
     params = dict(cfg.task.params)
     if cfg.model.path == "tiny" and cfg.task.name == "arithmetic":
         params.setdefault("style", "plain")
-    try:
-        task = make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
-        if cfg.eval.num_prompts:
-            task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
-    except (TypeError, ValueError) as e:
-        hint = ""
-        if "unknown option" in str(e):  # often the base config's params, kept when task.name was overridden
-            hint = "; task.params={...} replaces the config's params (task.params.KEY=VALUE adds to them)"
-        raise ConfigError(f"task.params: {e}{hint}") from None
+    task = make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
+    if cfg.eval.num_prompts:
+        task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
     return task
 
 
@@ -57,41 +54,60 @@ def _init_small(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
-def build_tiny(cfg: Config, task: Task) -> tuple[Decoder, CharTokenizer]:
+def tiny_tokenizer(cfg: Config) -> CharTokenizer:
+    """The tiny model's character tokenizer (the arithmetic task's plain alphabet)."""
     if cfg.task.name != "arithmetic":
         raise ConfigError("model.path=tiny is built for task.name=arithmetic (plain style, character tokens)")
     from jetflow.tasks.arithmetic import PLAIN_ALPHABET
-    tok = CharTokenizer(PLAIN_ALPHABET)
+    return CharTokenizer(PLAIN_ALPHABET)
+
+
+def tiny_model_config(cfg: Config, tok: CharTokenizer) -> ModelConfig:
+    """The architecture of `model.path=tiny` (model.tiny's sizes, a Llama or an MoE family)."""
     t = cfg.model.tiny
     moe = dict(model_type=t.moe_family, qk_norm=t.moe_family == "qwen3_moe", num_experts=t.num_experts,
                num_experts_per_tok=t.experts_per_token, moe_intermediate_size=t.expert_size,
                norm_topk_prob=True) if t.num_experts else dict(model_type="llama")
     # Mixtral has one intermediate size, its experts'
     inter = t.expert_size if t.num_experts and t.moe_family == "mixtral" else t.intermediate_size
-    mc = ModelConfig(vocab_size=tok.vocab_size, hidden_size=t.hidden_size,
-                     intermediate_size=inter, num_layers=t.num_layers, num_heads=t.num_heads,
-                     num_kv_heads=t.num_kv_heads, head_dim=t.hidden_size // t.num_heads,
-                     max_position_embeddings=t.max_position, tie_word_embeddings=True,
-                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                     **moe)
+    return ModelConfig(vocab_size=tok.vocab_size, hidden_size=t.hidden_size,
+                       intermediate_size=inter, num_layers=t.num_layers, num_heads=t.num_heads,
+                       num_kv_heads=t.num_kv_heads, head_dim=t.hidden_size // t.num_heads,
+                       max_position_embeddings=t.max_position, tie_word_embeddings=True,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       **moe)
+
+
+def build_tiny(cfg: Config) -> tuple[Decoder, CharTokenizer]:
+    """The tiny model, initialized from run.seed, and its tokenizer."""
+    tok = tiny_tokenizer(cfg)
     torch.manual_seed(cfg.run.seed)
-    model = Decoder(mc)
+    model = Decoder(tiny_model_config(cfg, tok))
     model.apply(_init_small)
     return model, tok
 
 
+def model_dir(cfg: Config) -> Path:
+    """The Hugging Face directory model.path names (`smollm2`: converted on first use); not `tiny`."""
+    return smollm2_dir(cfg.model.cache_dir) if cfg.model.path == "smollm2" else Path(cfg.model.path)
+
+
+def model_architecture(cfg: Config) -> ModelConfig:
+    """The architecture of the model the run builds, read without loading a weight (a checkpoint's
+    config.json, or the tiny model's sizes)."""
+    if cfg.model.path == "tiny":
+        return tiny_model_config(cfg, tiny_tokenizer(cfg))
+    return load_model_config(model_dir(cfg))
+
+
 def build_policy(cfg: Config, task: Task):
-    """(model in fp32/bf16 master dtype on cfg.model.device, tokenizer)."""
+    """(model in fp32/bf16 master dtype on cfg.model.device, tokenizer). (`task` is not read: the
+    model follows from the config alone.)"""
     dtype = getattr(torch, cfg.model.dtype)
-    path = cfg.model.path
-    if path == "tiny":
-        model, tok = build_tiny(cfg, task)
+    if cfg.model.path == "tiny":
+        model, tok = build_tiny(cfg)
         return model.to(device=cfg.model.device, dtype=dtype), tok
-    if path == "smollm2":
-        path = smollm2_dir(cfg.model.cache_dir)
-    if not Path(path).is_dir():
-        raise ConfigError(f"model.path={cfg.model.path!r}: not a directory (use a local Hugging Face directory, "
-                          "`smollm2` or `tiny`)")
+    path = model_dir(cfg)
     model = load_hf_dir(path, dtype=dtype, device=cfg.model.device)
     tokenizer = load_tokenizer(path)
     check_loaded_policy(model, tokenizer, path)
@@ -113,12 +129,15 @@ def check_loaded_policy(model: Decoder, tokenizer, path: str | Path) -> None:
                               f"{vocab}: the tokenizer belongs to another model")
 
 
-def build_tokenizer(cfg: Config, task: Task):
+def build_tokenizer(cfg: Config):
     """The run's tokenizer alone (what a driver that holds no model needs)."""
-    if cfg.model.path == "tiny":
-        return build_tiny(cfg, task)[1]
-    path = smollm2_dir(cfg.model.cache_dir) if cfg.model.path == "smollm2" else Path(cfg.model.path)
-    return load_tokenizer(path)
+    return tiny_tokenizer(cfg) if cfg.model.path == "tiny" else load_tokenizer(model_dir(cfg))
+
+
+def longest_prompt(cfg: Config, tokenizer, task: Task) -> int:
+    """Tokens of the longest of the task's first 64 prompts, as the run encodes them."""
+    encode = prompt_encoder(cfg, tokenizer, task)
+    return max(len(encode(p)) for p in task.problems(0, 64, cfg.run.seed))
 
 
 def copy_model(model: Decoder) -> Decoder:

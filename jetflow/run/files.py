@@ -29,8 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from jetflow.config import Config, ConfigError, check_resumed_config, load_config, save_config, to_dict
+from jetflow.config import Config, save_config, to_dict
 from jetflow.distributed import SINGLE, DataParallel
+from jetflow.errors import UserError
 from jetflow.metrics_log import METRIC_KEYS, METRICS_FILE, read_metrics, set_aside_bad_lines, warn, write_jsonl
 from jetflow.train.checkpoint import CHECKPOINTS_DIR
 
@@ -64,42 +65,35 @@ def run_status(run_dir: Path) -> str:
     return "partial" if run_dir.exists() else "pending"
 
 
+class RunDirectoryInUse(UserError, RuntimeError):
+    """Another live run holds the run directory's LOCK."""
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """A run was started in `run_dir` (what run.resume=true continues)."""
+    return any((run_dir / name).exists() for name in (COMPLETE, CHECKPOINTS_DIR, METRICS_FILE))
+
+
 def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
-    """Every rank checks the directory; rank 0 alone writes to it (the others wait for it)."""
+    """Rank 0 takes the directory's LOCK and writes config.yaml (the others wait for it). What the
+    directory holds was checked by the pre-run pass (jetflow.run.validate.check_run_dir)."""
     run_dir = run_dir_of(cfg)
-    if run_dir.exists() and not cfg.run.resume:
-        if any((run_dir / name).exists() for name in (COMPLETE, CHECKPOINTS_DIR, METRICS_FILE)):
-            raise ConfigError(f"run directory {run_dir} already holds a run; pass run.resume=true to continue it, "
-                              "or choose another run.name")
-    check_saved_config_readable(cfg, run_dir / CONFIG_FILE)
-    check_resumed_config(cfg, run_dir / CONFIG_FILE)  # on resume: a changed config is refused by name
     dp.barrier()  # no rank may see rank 0's fresh files before it checked
     refused = None
     if dp.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
             take_run_lock(run_dir)
-        except ConfigError as e:
+        except RunDirectoryInUse as e:
             refused = e
     if dp.sum(float(refused is not None)):  # every rank learns it: none may wait for rank 0 in vain
-        raise refused or ConfigError(f"run directory {run_dir} is in use by another run (see rank 0's error)")
+        raise refused or RunDirectoryInUse(f"run directory {run_dir} is in use by another run (see rank 0's error)")
     if dp.is_main:
         (run_dir / COMPLETE).unlink(missing_ok=True)
         (run_dir / STOPPED).unlink(missing_ok=True)
         save_config(cfg, run_dir / CONFIG_FILE)
     dp.barrier()
     return run_dir
-
-
-def check_saved_config_readable(cfg: Config, path: Path) -> None:
-    """On resume, the run's config.yaml must load, or the resume cannot check it is the same run."""
-    if not (cfg.run.resume and path.exists()):
-        return
-    try:
-        load_config(path)
-    except ConfigError as e:
-        raise ConfigError(f"run.resume=true: {path} is damaged ({e}); restore it, or delete it to resume with the "
-                          "config given here (then nothing checks that it is the run's)") from None
 
 
 def describe_position(state: dict) -> str:
@@ -150,7 +144,7 @@ def take_run_lock(run_dir: Path) -> None:
                       file=sys.stderr)
                 path.unlink(missing_ok=True)
                 continue
-            raise ConfigError(f"run directory {run_dir} is in use by pid {owner.get('pid')} on {owner.get('host')} "
+            raise RunDirectoryInUse(f"run directory {run_dir} is in use by pid {owner.get('pid')} on {owner.get('host')} "
                               f"(its {LOCK_FILE}); wait for that run to end, choose another run.name, or, if that "
                               f"process is gone, delete {path}") from None
         with os.fdopen(fd, "w") as f:
@@ -213,11 +207,13 @@ def append_position_curve(run_dir: Path, step: int, exp) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def write_final_model(run_dir: Path, checkpoint: Path, cfg: Config) -> None:
-    """<run>/model (and <run>/model-fp8 under unified) from the final checkpoint (self-describing)."""
-    from jetflow.export import write_final_model as write
+def write_model_dirs(run_dir: Path, checkpoint: Path, cfg: Config) -> None:
+    """<run>/model (and <run>/model-fp8 under unified) from the final checkpoint (self-describing),
+    by jetflow.export.write_final_model."""
+    from jetflow.export import write_final_model
     from jetflow.model import load_hf_dir, load_tokenizer
-    write(run_dir, load_hf_dir(checkpoint), load_tokenizer(checkpoint), cfg.precision.mode, cfg.precision.recipe())
+    write_final_model(run_dir, load_hf_dir(checkpoint), load_tokenizer(checkpoint), cfg.precision.mode,
+                      cfg.precision.recipe())
 
 
 def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_parallel_size: int = 1) -> dict:

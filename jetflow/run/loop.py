@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from jetflow.config import Config
+from jetflow.config import Config, resolve_correction
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import apply_correction, group_advantages, low_prob_metrics, mismatch_metrics
 from jetflow.rl.correction import ROW_LOCAL
@@ -23,13 +23,6 @@ from jetflow.rollout.types import RolloutEngineSide
 from jetflow.sync import StaleWeightsError
 from jetflow.tasks import Problem, Task
 from jetflow.train.protocol import KVCalibration, PolicyTrainer
-
-
-def resolve_correction(cfg: Config) -> str:
-    """`auto`: the modes whose rollout policy differs by construction (mixed) get token TIS."""
-    if cfg.algo.correction != "auto":
-        return cfg.algo.correction
-    return "token_tis" if cfg.precision.precision_mode.off_policy_by_design else "none"
 
 
 def observe_kv_amax(logprobs_fn: Callable[[Experience], torch.Tensor], quantizer: KVCalibration, prompts: list[list[int]],

@@ -29,8 +29,8 @@ and the policy sums expert gradients over Megatron's expert-data-parallel group 
 from __future__ import annotations
 
 
-from jetflow.config import Config, ConfigError, resolve_numerics
-from jetflow.model import Decoder
+from jetflow.config import Config, resolve_numerics
+from jetflow.model import CheckpointError, Decoder
 from jetflow.model.protocol import model_parallel_size, state_parts
 from jetflow.run.build import apply_mode, embedding_grid
 
@@ -40,17 +40,14 @@ def build_megatron_policy(cfg: Config, decoder: Decoder):
     """A MegatronPolicy with `decoder`'s config and weights, its linears under the precision mode and its
     forward under the run's numerics (exact: the native engine's functions, so the rollout's log-probs
     equal the trainer's bit for bit at any TP / PP / EP layout the checks accept)."""
-    from jetflow.train.megatron import MegatronConfigError, MegatronPolicy
+    from jetflow.train.megatron import MegatronPolicy
 
-    kind = cfg.precision.precision_mode.trainer_kind
-    try:
-        policy = MegatronPolicy.from_decoder(
-            decoder, kind=kind, recipe=cfg.precision.recipe(),
-            gemm_backend=cfg.precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
-            pipeline_parallel_size=cfg.train.pipeline_parallel_size,
-            expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=resolve_numerics(cfg))
-    except MegatronConfigError as e:
-        raise ConfigError(f"train.backend=megatron: {e}") from None
+    kind = cfg.precision.precision_mode.trainer_kind  # the layout was checked against the model (jetflow.run.validate)
+    policy = MegatronPolicy.from_decoder(
+        decoder, kind=kind, recipe=cfg.precision.recipe(),
+        gemm_backend=cfg.precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
+        pipeline_parallel_size=cfg.train.pipeline_parallel_size,
+        expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=resolve_numerics(cfg))
     policy.embed_grid = embedding_grid(kind)
     return policy
 
@@ -90,7 +87,7 @@ def select_trainer_state(model, saved: dict) -> dict:
         return saved
     states = saved["tp_states"]
     if len(states) != state_parts(model):
-        raise ConfigError(f"checkpoint holds optimizer state for {len(states)} model parts, this run has "
+        raise CheckpointError(f"checkpoint holds optimizer state for {len(states)} model parts, this run has "
                           f"{state_parts(model)} (train.tensor_parallel_size x pipeline_parallel_size x "
                           "expert_parallel_size)")
     return states[model.state_rank]

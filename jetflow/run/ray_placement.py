@@ -419,7 +419,7 @@ class RayPlacement:
     def build_loop(self) -> RLLoop:
         cfg = self.cfg
         task = build_task(cfg)
-        tokenizer = build_tokenizer(cfg, task)
+        tokenizer = build_tokenizer(cfg)
         kv_quantizer = RemoteKVQuantizer(self.ray, self.workers) if cfg.precision.kv_cache_fp8 else None
         return RLLoop(cfg, self.trainer, self.rollout, task, prompt_encoder(cfg, tokenizer, task),
                       tokenizer.pad_token_id, run_fingerprint(cfg), kv_quantizer)

@@ -18,8 +18,7 @@ import torch.distributed
 
 from jetflow.config import Config
 from jetflow.metrics_log import MetricsLogger
-from jetflow.run.files import (append_position_curve, mark_stopped, tidy_for_resume, write_final_model,
-                               write_summary)
+from jetflow.run.files import append_position_curve, mark_stopped, tidy_for_resume, write_model_dirs, write_summary
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RunStopped, StopRequests, collective_fault
 from jetflow.train.checkpoint import latest_checkpoint
@@ -199,7 +198,7 @@ class RunSequence:
         self._save(steps, sft_done)
         self._stop_point("final writes", at)
         if placement.is_main:  # from the final checkpoint: the same for every placement
-            write_final_model(self.run_dir, latest_checkpoint(self.run_dir), self.cfg)
+            write_model_dirs(self.run_dir, latest_checkpoint(self.run_dir), self.cfg)
         self._stop_point("final writes", at)
         self.stop.after_run = True  # no stop point is left: a signal from here on lets the run finish
         if placement.is_main:

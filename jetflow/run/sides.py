@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config, ConfigError
+from jetflow.config import Config
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rollout.native import NativeRollout
-from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder,
-                               run_fingerprint, stop_token_ids)
+from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, longest_prompt,
+                               prompt_encoder, run_fingerprint, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.loop import RLLoop
 from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
@@ -106,18 +106,12 @@ def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Pa
     model; alone (a Ray rollout actor) it builds its own, whose weights the first sync replaces.
     A vLLM engine starts from a checkpoint written to `engine_dir` (default: in the run directory)."""
     if side is not None:
-        task, tokenizer, encode, source = side.task, side.tokenizer, side.encode, side.model
+        task, tokenizer, source = side.task, side.tokenizer, side.model
     else:
         task = build_task(cfg)
         source, tokenizer = build_policy(cfg, task)
-        encode = prompt_encoder(cfg, tokenizer, task)
     fingerprint = run_fingerprint(cfg)
-    max_prompt = max(len(encode(p)) for p in task.problems(0, 64, cfg.run.seed))
-    positions = source.config.max_position_embeddings
-    if max_prompt + cfg.rollout.max_new_tokens > positions:
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with prompts of up to {max_prompt} "
-                          f"tokens, responses would pass the model's {positions} positions; lower it")
-    max_seq_len = 2 * max_prompt + cfg.rollout.max_new_tokens + 16
+    max_seq_len = 2 * longest_prompt(cfg, tokenizer, task) + cfg.rollout.max_new_tokens + 16
     eos = stop_token_ids(tokenizer, source, task)
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
         engine_dir = engine_dir or run_engine_dir(run_dir, "local", dp.global_rank)

@@ -23,22 +23,14 @@ from pathlib import Path
 
 import torch
 
-from jetflow.model.checkpoint import (
-    CONFIG_FILE,
-    SINGLE_FILE,
-    CheckpointError,
-    load_config,
-    load_hf_dir,
-    load_weights,
-    read_json,
-)
 from jetflow.config import load_config as load_run_config
+from jetflow.model.checkpoint import CONFIG_FILE, SINGLE_FILE, CheckpointError, load_hf_dir, load_weights, read_json
 from jetflow.export import FINAL_MODEL_DIR
 from jetflow.model import with_precision
 from jetflow.model.decoder import Decoder, ModelConfig
 from jetflow.model.tokenizer import CHAR_TOKENIZER_FILE
 from jetflow.model.tokenizer import load_tokenizer as load_tokenizer_files
-from jetflow.run.build import build_task, build_tiny, build_tokenizer, smollm2_dir
+from jetflow.run.build import build_tokenizer, model_architecture
 from jetflow.run.files import CONFIG_FILE as RUN_CONFIG
 from jetflow.train.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
 
@@ -136,26 +128,13 @@ def _has_tokenizer(d: Path) -> bool:
 
 # The model and tokenizer a run was built with, from its config.yaml (jetflow.run.build's recipe) --------
 
-
-def _run_config(run_dir: Path):
-
-    cfg = load_run_config(run_dir / RUN_CONFIG)
-    return cfg, build_task(cfg)
-
-
 def run_model_config(run_dir: Path) -> ModelConfig:
     """The ModelConfig of the model a run trains (model.path: tiny, smollm2 or an HF directory)."""
-
-    cfg, task = _run_config(run_dir)
-    if cfg.model.path == "tiny":
-        return build_tiny(cfg, task)[0].config  # a 0.4M-parameter model: built, its config kept
-    return load_config(smollm2_dir(cfg.model.cache_dir) if cfg.model.path == "smollm2" else cfg.model.path)
+    return model_architecture(load_run_config(run_dir / RUN_CONFIG))
 
 
 def run_tokenizer(run_dir: Path):
-
-    cfg, task = _run_config(run_dir)
-    return build_tokenizer(cfg, task)
+    return build_tokenizer(load_run_config(run_dir / RUN_CONFIG))
 
 
 def load_model(path: str | Path, precision=None, dtype: torch.dtype = torch.float32,

@@ -1,8 +1,19 @@
-"""The checks a run passes before anything is built: one pass over the whole config, beside the
-per-key choices and ranges that jetflow.config.validate checks when the config is loaded.
+"""The one pre-run pass: every check of a run's config, before anything is built or loaded.
 
-What is checked here needs more than the config: the process count (torchrun's WORLD_SIZE or the Ray
-workers), which optional backends are installed, which combinations the backends support.
+The schema (jetflow.config) types every key: an unknown key, a value of the wrong type or a choice
+outside a field's `Literal` fails when the config is loaded. Every other check is here, once, and
+refuses with one line (ConfigError) that names the key and what is valid:
+
+    check_config(cfg)          what the config alone decides: each value's range (RANGES), the
+                               correction's typed parameters, the combinations the backends run
+    validate_run(cfg, n)       check_config, then what needs more than the config: the device, the
+                               trainer's process count, the optional packages, the run directory
+                               (a resume continues the same config), the task's parameters, and the
+                               model the run will build, read without loading a weight (its architecture
+                               against the parallel layout, its positions against prompt + response)
+
+`jetflow train` runs validate_run first; `jetflow ablate` runs it for every cell before the first;
+`jetflow launch` and the benches run check_config.
 """
 
 from __future__ import annotations
@@ -10,62 +21,155 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from jetflow.config import Config, ConfigError, resolve_numerics
-from jetflow.run.build import build_task
+from jetflow.config import Config, ConfigError, config_changes, exact_blocker, load_config, resolve_correction
+from jetflow.config import resolve_numerics
+from jetflow.run.build import build_task, build_tokenizer, longest_prompt, model_architecture
+from jetflow.run.files import CONFIG_FILE, holds_a_run, run_dir_of
+
+# key, valid(value), what is valid: each a range outside which a run would fail late or silently do
+# something else than asked
+RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("train.steps", lambda v: v >= 0, ">= 0"),
+    ("train.sft_warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("train.prompts_per_step", lambda v: v >= 1, ">= 1"),
+    ("train.micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("train.sft_batch_size", lambda v: v >= 1, ">= 1"),
+    ("train.num_workers", lambda v: v >= 1, ">= 1"),
+    ("train.tensor_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("train.pipeline_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("train.expert_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("train.lr", lambda v: v > 0, "> 0"),
+    ("train.sft_lr", lambda v: v > 0, "> 0"),
+    ("train.grad_clip", lambda v: v >= 0, ">= 0 (0 turns clipping off)"),
+    ("train.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("train.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("train.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("train.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
+    ("train.checkpoint_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    ("train.max_bad_steps", lambda v: v >= 0, ">= 0"),
+    ("rollout.group_size", lambda v: v >= 2,
+     ">= 2: GRPO's advantage is a reward minus its group's mean, so one sample per prompt learns nothing"),
+    ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("rollout.max_batch", lambda v: v >= 1, ">= 1"),
+    ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
+    ("rollout.temperature", lambda v: v > 0, "> 0"),
+    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.top_k", lambda v: v >= 0, ">= 0 (0 turns top-k off)"),
+    ("rollout.vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("precision.group_size", lambda v: v >= 1, ">= 1"),
+    ("algo.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("algo.clip_low", lambda v: 0 <= v < 1, "in [0, 1) (the ratio is clipped below at 1 - clip_low)"),
+    ("algo.clip_high", lambda v: v >= 0, ">= 0"),
+    ("algo.router_aux_loss_coef", lambda v: v >= 0, ">= 0 (0 turns it off)"),
+    ("algo.kl_coef", lambda v: v == 0,
+     "0: a KL penalty needs a reference policy, which `jetflow train` does not keep yet"),
+    ("eval.num_prompts", lambda v: v >= 0, ">= 0 (0 turns evaluation off)"),
+    ("eval.every", lambda v: v >= 0, ">= 0 (0: before the first and after the last step only)"),
+    ("run.num_threads", lambda v: v >= 0, ">= 0 (0: torch's default)"),
+    ("run.ray_num_cpus", lambda v: v >= 0, ">= 0 (0: all cores)"),
+    ("run.name", lambda v: v not in ("", ".", "..") and "/" not in v and "\\" not in v,
+     "one directory name (the run goes to run.out_dir/run.name; put the path in run.out_dir)"),
+]
+TINY_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position")
 
 
 def validate_run(cfg: Config, processes: int | None = None) -> None:
-    """Refuse backend choices `jetflow train` cannot run, instead of silently running something else.
-    `processes`: the trainer's process count (default: Ray's train.num_workers, else WORLD_SIZE)."""
+    """Refuse what `jetflow train` cannot run as asked, before anything is built. `processes`: the
+    trainer's process count (default: Ray's train.num_workers, else torchrun's WORLD_SIZE)."""
     if processes is None:
         processes = cfg.train.num_workers if cfg.run.orchestrator == "ray" else int(os.environ.get("WORLD_SIZE", "1"))
+    check_config(cfg)
     check_device(cfg)
-    check_values(cfg)
-    check_megatron(cfg, world=processes)
-    check_batch_split(cfg, processes)
-    check_vllm(cfg)
-    check_routing_replay(cfg)
-    check_wired(cfg)
-    task = build_task(cfg)  # the task's parameters are checked by the task itself (a ConfigError naming them)
-    if cfg.eval.num_prompts and not task.held_out_problems(1):
-        raise ConfigError(f"eval.held_out={cfg.eval.held_out}: no prompt of task {cfg.task.name!r} falls in the "
-                          "held-out split; raise eval.held_out, or set eval.num_prompts=0")
+    check_processes(cfg, processes)
+    check_packages(cfg)
+    check_run_dir(cfg)
+    task = check_task(cfg)
+    check_model(cfg, task)
 
 
-def check_device(cfg: Config) -> None:
-    if cfg.model.device.startswith("cuda") and not torch.cuda.is_available():
-        why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
-        raise ConfigError(f"model.device={cfg.model.device}: {why}; use model.device=cpu")
+# The config alone --------------------------------------------------------------------------------------
+
+def check_config(cfg: Config) -> None:
+    """Every check the config alone decides."""
+    check_ranges(cfg)
+    check_correction_params(cfg)
+    check_combinations(cfg)
 
 
-def check_values(cfg: Config) -> None:
-    """Values that jetflow.config.validate leaves through and that failed later with a traceback, ran
-    something else than asked, or wrote outside run.out_dir."""
-    tiny, r, util = cfg.model.tiny, cfg.run, cfg.rollout.vllm_gpu_memory_utilization
+def _value(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _refuse(key: str, value: Any, valid: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r} is out of range; it must be {valid}")
+
+
+def check_ranges(cfg: Config) -> None:
+    for key, ok, valid in RANGES:
+        if not ok(value := _value(cfg, key)):
+            raise _refuse(key, value, valid)
+    if cfg.eval.num_prompts and not 0 < cfg.eval.held_out < 1:
+        raise _refuse("eval.held_out", cfg.eval.held_out, "in (0, 1) when eval.num_prompts > 0")
     if cfg.model.path == "tiny":
-        sizes = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position")
-        if bad := [f"model.tiny.{k}={getattr(tiny, k)}" for k in sizes if getattr(tiny, k) < 1]:
-            raise ConfigError(" and ".join(bad) + " must be >= 1")
+        tiny = cfg.model.tiny
+        for size in TINY_SIZES:
+            if getattr(tiny, size) < 1:
+                raise _refuse(f"model.tiny.{size}", getattr(tiny, size), ">= 1")
         if tiny.num_heads % tiny.num_kv_heads or tiny.hidden_size % tiny.num_heads:
             raise ConfigError(f"model.tiny.num_heads={tiny.num_heads} must be a multiple of num_kv_heads="
                               f"{tiny.num_kv_heads} and divide hidden_size={tiny.hidden_size}")
-    checks = [
-        ("algo.clip_low", cfg.algo.clip_low, cfg.algo.clip_low < 1, "< 1 (the ratio is clipped below at 1 - clip_low)"),
-        ("rollout.vllm_gpu_memory_utilization", util, 0 < util <= 1, "in (0, 1]"),
-        ("run.num_threads", r.num_threads, r.num_threads >= 0, ">= 0 (0: torch's default)"),
-        ("run.ray_num_cpus", r.ray_num_cpus, r.ray_num_cpus >= 0, ">= 0 (0: all cores)"),
-        ("run.name", r.name, r.name not in ("", ".", "..") and "/" not in r.name and "\\" not in r.name,
-         "one directory name (the run goes to run.out_dir/run.name; put the path in run.out_dir)"),
-    ]
-    for key, value, ok, valid in checks:
-        if not ok:
-            raise ConfigError(f"{key}={value!r} is out of range; it must be {valid}")
-    if unknown := [k for k in r.allow_changes if not _is_key(k)]:
+    try:
+        cfg.precision.recipe()  # the recipe checks its own fields (blocks, margins, layer counts)
+    except ValueError as e:
+        raise ConfigError(f"precision: {e}") from None
+
+
+def check_correction_params(cfg: Config) -> None:
+    """algo.correction_params: the parameters of the correction the run applies (algo.correction, `auto`
+    resolved), each in range; a key it does not take is refused by name, with the ones it takes."""
+    from jetflow.rl import correction_parameters
+    name = resolve_correction(cfg)
+    try:
+        correction_parameters(name, cfg.algo.correction_params)
+    except ValueError as e:
+        auto = f"; algo.correction=auto is {name} under precision.mode={cfg.precision.mode}"
+        raise ConfigError(f"algo.correction_params: {e}{auto if cfg.algo.correction == 'auto' else ''}") from None
+
+
+def check_combinations(cfg: Config) -> None:
+    """Values that are valid alone and not together."""
+    t, a = cfg.train, cfg.algo
+    if t.steps == 0 and t.sft_warmup_steps == 0:
+        raise ConfigError("train.steps=0 and train.sft_warmup_steps=0: the run would do nothing")
+    if cfg.precision.numerics == "exact" and (why := exact_blocker(cfg)):
+        raise ConfigError(f"precision.numerics=exact: {why}; use precision.numerics=fast (or auto)")
+    if t.backend != "megatron":
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            if getattr(t, key) != 1:
+                kind = "expert" if key == "expert_parallel_size" else "model"
+                raise ConfigError(f"train.{key}={getattr(t, key)}: {kind} parallelism needs train.backend=megatron")
+    if a.routing_replay:
+        for key, value in (("rollout.backend", cfg.rollout.backend), ("train.backend", t.backend)):
+            if value != "native":
+                raise ConfigError(f"algo.routing_replay=true with {key}={value}: routing replay runs with the native "
+                                  f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
+    if cfg.rollout.backend == "vllm" and cfg.precision.kv_cache_fp8 and resolve_numerics(cfg) != "exact":
+        raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm needs precision.numerics=exact (or "
+                          "auto): only jetflow's plugin loads the per-step FP8 KV scales")
+    if t.fp8_backend != "jetflow":  # Transformer Engine cannot be installed on the CPU machines
+        raise ConfigError(f"train.fp8_backend={t.fp8_backend!r}: `jetflow train` runs train.fp8_backend='jetflow' "
+                          f"today; the {t.fp8_backend} backend is available as the library component jetflow.train.te "
+                          "but is not wired into the training loop yet")
+    if unknown := [k for k in cfg.run.allow_changes if not _is_key(k)]:
         raise ConfigError(f"run.allow_changes: {', '.join(unknown)} is not a config key (e.g. train.steps)")
-    check_correction_params(cfg)
 
 
 def _is_key(dotted: str) -> bool:
@@ -77,36 +181,30 @@ def _is_key(dotted: str) -> bool:
     return True
 
 
-def check_correction_params(cfg: Config) -> None:
-    """algo.correction_params must be the correction's own parameters, in range: tried once on one token."""
-    from jetflow.rl import apply_correction
-    from jetflow.run.loop import resolve_correction
-    name, params = resolve_correction(cfg), cfg.algo.correction_params
-    zero, one = torch.zeros(1, 1), torch.ones(1, 1)
-    try:
-        apply_correction(name, zero, zero, one, **params)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"algo.correction_params={dict(params)} for correction {name}: {e}") from None
+# What needs more than the config -------------------------------------------------------------------------
+
+def check_device(cfg: Config) -> None:
+    if cfg.model.device.startswith("cuda") and not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(f"model.device={cfg.model.device}: {why}; use model.device=cpu")
 
 
-def check_wired(cfg: Config) -> None:
-    """Transformer Engine is a library component (jetflow.train.te), not wired into the training loop
-    (it cannot be installed on the CPU machines)."""
-    wired = {"train.fp8_backend": ("jetflow", "jetflow.train.te")}
-    for key, (supported, component) in wired.items():
-        section, field = key.split(".")
-        value = getattr(getattr(cfg, section), field)
-        if value != supported:
-            raise ConfigError(f"{key}={value!r}: `jetflow train` runs {key}={supported!r} today; the {value} "
-                              f"backend is available as the library component {component} but is not wired "
-                              "into the training loop yet")
-
-
-def check_batch_split(cfg: Config, processes: int) -> None:
-    """Each step's prompts and each SFT batch split evenly over the data-parallel ranks: the trainer
-    processes (torchrun ranks or Ray trainer workers), divided by the model-parallel size (tensor x pipeline
-    parallel) under Megatron."""
+def check_processes(cfg: Config, processes: int) -> None:
+    """The trainer's processes (torchrun ranks or Ray trainer workers) hold whole Megatron layouts (TP x
+    PP x EP ranks), and each step's prompts and each SFT batch split evenly over their data-parallel
+    ranks (the processes / (TP x PP) under Megatron)."""
     t = cfg.train
+    if t.backend == "megatron":
+        sizes = {"tensor_parallel_size": t.tensor_parallel_size, "pipeline_parallel_size": t.pipeline_parallel_size,
+                 "expert_parallel_size": t.expert_parallel_size}
+        layout = t.tensor_parallel_size * t.pipeline_parallel_size * t.expert_parallel_size
+        if processes % layout:
+            parts = [f"{k}={v}" for k, v in sizes.items() if v != 1] or ["tensor_parallel_size=1"]
+            what = "train." + " x ".join(parts) + (f" = {layout}" if len(parts) > 1 else "")
+            raise ConfigError(f"{what} needs a multiple of that many processes, this run has {processes}: launch with "
+                              f"`torchrun --nproc_per_node {layout} -m jetflow.cli train ...` (or the launch "
+                              "templates' torchrun.sh), or under run.orchestrator=ray set train.num_workers to a "
+                              "multiple of it")
     mp = t.tensor_parallel_size * t.pipeline_parallel_size if t.backend == "megatron" else 1
     dp = max(processes // mp, 1)
     if t.prompts_per_step % dp or t.sft_batch_size % dp:
@@ -115,72 +213,87 @@ def check_batch_split(cfg: Config, processes: int) -> None:
                           f"(tensor_parallel_size x pipeline_parallel_size = {mp}))")
 
 
-def check_megatron(cfg: Config, world: int | None = None) -> None:
-    """Refuse parallel layouts and options the Megatron backend does not run, before anything is built.
-    `world`: the trainer's process count (default: torchrun's WORLD_SIZE)."""
-    t = cfg.train
-    if t.expert_parallel_size != 1 and t.backend != "megatron":
-        raise ConfigError(f"train.expert_parallel_size={t.expert_parallel_size}: expert parallelism needs "
-                          "train.backend=megatron")
-    sizes = {"tensor_parallel_size": t.tensor_parallel_size, "pipeline_parallel_size": t.pipeline_parallel_size,
-             "expert_parallel_size": t.expert_parallel_size}
-    if bad := [f"train.{k}={v}" for k, v in sizes.items() if v < 1]:
-        raise ConfigError(" and ".join(bad) + " must be >= 1")
-    if t.backend != "megatron":
-        if t.tensor_parallel_size != 1 or t.pipeline_parallel_size != 1:
-            raise ConfigError(f"train.tensor_parallel_size={t.tensor_parallel_size} / pipeline_parallel_size="
-                              f"{t.pipeline_parallel_size}: model parallelism needs train.backend=megatron")
-        return
-    world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    mp = t.tensor_parallel_size * t.pipeline_parallel_size * t.expert_parallel_size  # distinct ranks of one layout
-    if world % mp:
-        parts = [f"{k}={v}" for k, v in sizes.items() if v != 1] or ["tensor_parallel_size=1"]
-        what = "train." + " x ".join(parts) + (f" = {mp}" if len(parts) > 1 else "")
-        raise ConfigError(f"{what} needs a multiple of that many processes, this run has {world}: launch with "
-                          f"`torchrun --nproc_per_node {mp} -m jetflow.cli train ...` (or launch/torchrun.sh), or under "
-                          f"run.orchestrator=ray set train.num_workers to a multiple of it")
-    check_expert_parallel(cfg)
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+def check_packages(cfg: Config) -> None:
+    """The optional backends the config names are installed (found, not imported)."""
+    if cfg.train.backend == "megatron" and (importlib.util.find_spec("megatron") is None
+                                            or importlib.util.find_spec("megatron.core") is None):
         from jetflow.train.megatron import INSTALL_HINT
         raise ConfigError(f"train.backend=megatron needs Megatron-Core, which is not installed: {INSTALL_HINT}")
-
-
-def check_expert_parallel(cfg: Config) -> None:
-    """Expert parallelism (Megatron backend): EP ranks are data-parallel ranks of one pipeline stage, each
-    holding num_experts / EP experts of a mixture-of-experts model (checked here for `model.path=tiny`;
-    a checkpoint's config is checked when the policy is built)."""
-    t, tiny = cfg.train, cfg.model.tiny
-    ep, pp = t.expert_parallel_size, t.pipeline_parallel_size
-    if cfg.model.path == "tiny":
-        if ep > 1 and not tiny.num_experts:
-            raise ConfigError(f"train.expert_parallel_size={ep} needs a mixture-of-experts model: set "
-                              "model.tiny.num_experts, or train.expert_parallel_size=1")
-        if tiny.num_experts and tiny.num_experts % ep:
-            raise ConfigError(f"model.tiny.num_experts={tiny.num_experts} is not a multiple of "
-                              f"train.expert_parallel_size={ep}: each expert-parallel rank holds as many experts")
-        if tiny.num_experts and pp > 1 and cfg.algo.router_aux_loss_coef:
-            raise ConfigError(f"algo.router_aux_loss_coef={cfg.algo.router_aux_loss_coef} with train.backend=megatron "
-                              f"and pipeline_parallel_size={pp}: the router load-balancing loss is computed on one "
-                              "stage only; set algo.router_aux_loss_coef=0 or pipeline_parallel_size=1")
-
-
-def check_routing_replay(cfg: Config) -> None:
-    """Routing replay records the expert choices in jetflow's rollout engine and replays them in its Decoder."""
-    if not cfg.algo.routing_replay:
-        return
-    for key, value in (("rollout.backend", cfg.rollout.backend), ("train.backend", cfg.train.backend)):
-        if value != "native":
-            raise ConfigError(f"algo.routing_replay=true with {key}={value}: routing replay runs with the native "
-                              f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
-
-
-def check_vllm(cfg: Config) -> None:
-    """Refuse what the vLLM rollout side does not run, before anything is built (imports nothing heavy)."""
-    if cfg.rollout.backend != "vllm":
-        return
-    if cfg.precision.kv_cache_fp8 and resolve_numerics(cfg) != "exact":
-        raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm needs precision.numerics=exact (or "
-                          "auto): only jetflow's plugin loads the per-step FP8 KV scales")
-    if importlib.util.find_spec("vllm") is None:
+    if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         from jetflow.rollout.vllm import INSTALL_HINT
         raise ConfigError(f"rollout.backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}")
+
+
+def check_run_dir(cfg: Config) -> None:
+    """A run directory that holds a run is continued (run.resume=true), and a resume continues the config
+    the run was started with: its config.yaml must load, and a difference that run.allow_changes does not
+    list is refused by name."""
+    run_dir = run_dir_of(cfg)
+    saved = run_dir / CONFIG_FILE
+    if not cfg.run.resume:
+        if run_dir.exists() and holds_a_run(run_dir):
+            raise ConfigError(f"run directory {run_dir} already holds a run; pass run.resume=true to continue it, "
+                              "or choose another run.name")
+        return
+    if not saved.exists():
+        return
+    try:
+        started = load_config(saved)
+    except ConfigError as e:
+        raise ConfigError(f"run.resume=true: {saved} is damaged ({e}); restore it, or delete it to resume with the "
+                          "config given here (then nothing checks that it is the run's)") from None
+    changed = [k for k in config_changes(started, cfg) if k not in cfg.run.allow_changes]
+    if changed:
+        raise ConfigError(f"run.resume=true: {run_dir} was started with another config ({', '.join(changed)} differ "
+                          f"from its {saved.name}); resume with the same values, allow the change with "
+                          f"run.allow_changes=[{','.join(changed)}], or choose another run.name")
+
+
+def check_task(cfg: Config):
+    """The task's parameters (checked by the task itself) and its held-out split; returns the task."""
+    try:
+        task = build_task(cfg)
+    except (TypeError, ValueError) as e:
+        hint = ""
+        if "unknown option" in str(e):  # often the base config's params, kept when task.name was overridden
+            hint = "; task.params={...} replaces the config's params (task.params.KEY=VALUE adds to them)"
+        raise ConfigError(f"task.params: {e}{hint}") from None
+    if cfg.eval.num_prompts and not task.held_out_problems(1):
+        raise ConfigError(f"eval.held_out={cfg.eval.held_out}: no prompt of task {cfg.task.name!r} falls in the "
+                          "held-out split; raise eval.held_out, or set eval.num_prompts=0")
+    return task
+
+
+def check_model(cfg: Config, task) -> None:
+    """The model the run will build, read without loading a weight (`smollm2` is converted on first use):
+    its positions hold the longest prompt and a whole response, routing replay has experts to replay, and
+    Megatron's layout can split it (jetflow.train.megatron.checks)."""
+    path = cfg.model.path
+    if path not in ("tiny", "smollm2") and not Path(path).is_dir():
+        raise ConfigError(f"model.path={path!r}: not a directory (use a local Hugging Face directory, `smollm2` or "
+                          "`tiny`)")
+    arch = model_architecture(cfg)
+    longest = longest_prompt(cfg, build_tokenizer(cfg), task)
+    if longest + cfg.rollout.max_new_tokens > arch.max_position_embeddings:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with prompts of up to {longest} "
+                          f"tokens, responses would pass the model's {arch.max_position_embeddings} positions; lower it")
+    if cfg.algo.routing_replay and not arch.is_moe:
+        raise ConfigError(f"algo.routing_replay=true: the model ({arch.model_type}) has no mixture-of-experts layers "
+                          "to replay; set algo.routing_replay=false")
+    if cfg.train.backend == "megatron":
+        check_megatron_model(cfg, arch)
+
+
+def check_megatron_model(cfg: Config, arch) -> None:
+    from jetflow.train.megatron.checks import MegatronConfigError, check_layout
+
+    t = cfg.train
+    if arch.is_moe and t.pipeline_parallel_size > 1 and cfg.algo.router_aux_loss_coef:
+        raise ConfigError(f"algo.router_aux_loss_coef={cfg.algo.router_aux_loss_coef} with train.backend=megatron "
+                          f"and pipeline_parallel_size={t.pipeline_parallel_size}: the router load-balancing loss is "
+                          "computed on one stage only; set algo.router_aux_loss_coef=0 or pipeline_parallel_size=1")
+    try:
+        check_layout(arch, t.tensor_parallel_size, t.pipeline_parallel_size, t.expert_parallel_size,
+                     cfg.precision.precision_mode.trainer_kind, cfg.precision.recipe(), resolve_numerics(cfg))
+    except MegatronConfigError as e:
+        raise ConfigError(f"train.backend=megatron: {e}") from None

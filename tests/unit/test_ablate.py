@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jetflow.ablate import expand_grid, format_value, load_ablation, run_ablation, select, validate
+from jetflow.ablate import expand_grid, format_value, load_ablation, resolve_cells, run_ablation, select
 from jetflow.cli import main
 from jetflow.config import ConfigError
 
@@ -119,16 +119,16 @@ def test_a_run_dir_made_with_another_config_is_refused(tmp_path):
     path = write(tmp_path, {"name": "x", "base_config": str(ROOT / "configs/tiny.yaml"),
                             "grid": {"precision.mode": ["bf16"]}})
     ab = load_ablation(path, tmp_path / "out")
-    (cfg,) = validate(ab, ab.cells).values()
+    (cfg,) = resolve_cells(ab, ab.cells).values()
     run_dir = ab.run_dir(ab.cells[0])
     run_dir.mkdir(parents=True)
     cfg.run.progress = False  # session settings may differ
     save_config(cfg, run_dir / "config.yaml")
-    validate(ab, ab.cells)
+    resolve_cells(ab, ab.cells)
     cfg.train.lr = 1.0
     save_config(cfg, run_dir / "config.yaml")
-    with pytest.raises(ConfigError, match=r"cell 'bf16'.*different config \(train.lr\)"):
-        validate(ab, ab.cells)
+    with pytest.raises(ConfigError, match=r"cell 'bf16'.*started with another config \(train.lr differ"):
+        resolve_cells(ab, ab.cells)
 
 
 def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""SLURM launch scripts: rendering from launch/slurm/*.sbatch, shell validity (bash -n, shellcheck) of
+"""SLURM launch scripts: rendering from jetflow/launch/templates/*.sbatch (package data), shell validity (bash -n, shellcheck) of
 the raw templates and the rendered scripts, `jetflow launch slurm --dry-run`, and submit with a stand-in
 sbatch. The real SLURM run is tests/integration/test_slurm.py."""
 
@@ -6,18 +6,20 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from jetflow.cli import main
 from jetflow.config import ConfigError
+from jetflow.errors import UsageError
 from jetflow.launch import TEMPLATES, render_slurm, submit
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 OVERRIDES = ["train.steps=2", "run.name=r1", "task.params={digits: 1, num_operands: 2}"]
-SCRIPTS = [TEMPLATES / "torchrun.sbatch", TEMPLATES / "ray.sbatch", TEMPLATES / "requeue.sh", ROOT / "launch" / "torchrun.sh",
+SCRIPTS = [TEMPLATES / "torchrun.sbatch", TEMPLATES / "ray.sbatch", TEMPLATES / "requeue.sh", TEMPLATES / "torchrun.sh",
            ROOT / "scripts" / "slurm_up.sh", ROOT / "scripts" / "slurm_down.sh"]
 PLACEHOLDER = re.compile(r"\$\{[a-z_][a-z0-9_]*\}")
 
@@ -52,18 +54,21 @@ def test_torchrun_placeholders_filled_and_options_reflected():
                  f"#SBATCH --output={ROOT}/runs/r1/launch/torchrun-%j.out",
                  f"CONFIG={TINY}", "export NPROC_PER_NODE=4"):
         assert line in text.splitlines(), line
-    assert "launch/torchrun.sh --config" in text and 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    assert 'bash "$TEMPLATES/torchrun.sh" --config' in text and 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    assert f"TEMPLATES={TEMPLATES}  # jetflow's launch templates, where jetflow is installed" in text.splitlines()
+    assert f"export JETFLOW_PYTHON={sys.executable}  # the Python that rendered this script (jetflow installed in it)" \
+        in text.splitlines()
 
 
 @pytest.mark.parametrize("kind", ["torchrun", "ray"])
 def test_templates_stop_before_the_time_limit_and_requeue(kind):
     lines = render_slurm(kind, TINY, OVERRIDES, 1, 1, time="04:00:00", stop_signal_s=900).splitlines()
     for line in ("#SBATCH --signal=B:USR1@900", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                 f"RUN_DIR={ROOT}/runs/r1", "source launch/slurm/requeue.sh"):
+                 f"RUN_DIR={ROOT}/runs/r1", 'source "$TEMPLATES/requeue.sh"'):
         assert line in lines, line
     assert any(x.startswith('run_requeueable "$RUN_DIR" ') for x in lines)
     assert ("export JETFLOW_STOP_TIMEOUT_S=900" in lines) == (kind == "torchrun")  # torchrun's wait for its workers
-    with pytest.raises(ConfigError, match="stop_signal_s"):
+    with pytest.raises(UsageError, match="stop_signal_s"):
         render_slurm(kind, TINY, [], 1, 1, stop_signal_s=0)
 
 
@@ -147,18 +152,20 @@ def test_overrides_reach_bash_intact(rendered):
     assert got == OVERRIDES
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(overrides=["train.bogus=1"]), "bogus"),
-    (dict(overrides=["precision.mode=fp4"]), "precision.mode"),
-    (dict(kind="slurmrun"), "launch kind"),
-    (dict(nodes=0), "nodes"),
-    (dict(gpus_per_node=-1), "gpus_per_node"),
-    (dict(job_name="two words"), "whitespace"),
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(overrides=["train.bogus=1"]), ConfigError, "bogus"),
+    (dict(overrides=["precision.mode=fp4"]), ConfigError, "precision.mode"),
+    (dict(overrides=["rollout.group_size=1"]), ConfigError, "rollout.group_size=1 is out of range"),  # the pass's
+    (dict(kind="slurmrun"), UsageError, "launch kind"),
+    (dict(nodes=0), UsageError, "nodes"),
+    (dict(gpus_per_node=-1), UsageError, "gpus_per_node"),
+    (dict(job_name="two words"), UsageError, "whitespace"),
 ])
-def test_bad_input_is_a_config_error(bad, match):
+def test_bad_input_is_refused_in_one_line(bad, error, match):
+    """A bad config key or value (the pre-run checks of the config) or a bad launch option."""
     args = dict(kind="torchrun", cfg_path=TINY, overrides=[], nodes=1)
     args.update(bad)
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(error, match=match):
         render_slurm(**args)
 
 

@@ -143,6 +143,7 @@ def test_auto_numerics_with_megatron(config, overrides, numerics):
 
 
 def test_exact_asked_where_tensor_parallelism_cannot_split_is_refused():
+    from jetflow.run.validate import check_config
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 cannot split a row-parallel K of 128"):
-        load_config(ROOT / "configs/tiny.yaml", ["train.backend=megatron", "train.tensor_parallel_size=2",
-                                                 "precision.numerics=exact"])
+        check_config(load_config(ROOT / "configs/tiny.yaml", ["train.backend=megatron", "train.tensor_parallel_size=2",
+                                                              "precision.numerics=exact"]))

@@ -160,27 +160,31 @@ def test_trainer_trains_the_moe_policy_like_native():
     assert max(abs(a - b) for a, b in zip(losses["native"], losses["megatron"])) <= 1e-5
 
 
-def test_expert_parallel_config_is_validated():
+def test_expert_parallel_config_is_validated(tmp_path):
+    """The pre-run pass: the process count against TP x PP x EP, the sizes, and the layout against the
+    tiny MoE model's architecture (jetflow.train.megatron.checks, before any weight exists)."""
     from jetflow.config import ConfigError, load_config
-    from jetflow.run.validate import check_megatron
+    from jetflow.run.validate import validate_run
 
     def cfg(*overrides):
-        return load_config("configs/tiny-moe.yaml", ["train.backend=megatron", *overrides])
+        return load_config("configs/tiny-moe.yaml", ["train.backend=megatron", f"run.out_dir={tmp_path}", *overrides])
 
-    if HAVE_MEGATRON:
-        check_megatron(cfg("train.expert_parallel_size=2"), world=2)
     with pytest.raises(ConfigError, match="needs a multiple of that many processes"):
-        check_megatron(cfg("train.expert_parallel_size=2"), world=3)
+        validate_run(cfg("train.expert_parallel_size=2"), processes=3)
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 x expert_parallel_size=2 = 4 needs a multiple.*"
                                           r"this run has 2: launch with `torchrun --nproc_per_node 4"):
-        check_megatron(cfg("train.expert_parallel_size=2", "train.pipeline_parallel_size=2"), world=2)
-    with pytest.raises(ConfigError, match=r"^train.expert_parallel_size=0 must be >= 1$"):
-        check_megatron(cfg("train.expert_parallel_size=0"), world=1)
-    with pytest.raises(ConfigError, match="model.tiny.num_experts=4 is not a multiple of train.expert_parallel_size=3"):
-        check_megatron(cfg("train.expert_parallel_size=3"), world=3)
+        validate_run(cfg("train.expert_parallel_size=2", "train.pipeline_parallel_size=2"), processes=2)
+    with pytest.raises(ConfigError, match=r"^train.expert_parallel_size=0 is out of range; it must be >= 1$"):
+        validate_run(cfg("train.expert_parallel_size=0"), processes=1)
     with pytest.raises(ConfigError, match="expert parallelism needs train.backend=megatron"):
-        check_megatron(load_config("configs/tiny-moe.yaml", ["train.expert_parallel_size=2"]), world=2)
+        validate_run(load_config("configs/tiny-moe.yaml", ["train.expert_parallel_size=2"]), processes=2)
+    if not HAVE_MEGATRON:
+        return
+    validate_run(cfg("train.expert_parallel_size=2"), processes=2)
+    with pytest.raises(ConfigError, match="num_experts=4 is not a multiple of expert_parallel_size=3"):
+        validate_run(cfg("train.expert_parallel_size=3", "train.prompts_per_step=3", "train.sft_batch_size=3"),
+                     processes=3)
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
-        check_megatron(cfg("train.expert_parallel_size=2", "model.tiny.num_experts=0"), world=2)
+        validate_run(cfg("train.expert_parallel_size=2", "model.tiny.num_experts=0"), processes=2)
     with pytest.raises(ConfigError, match="router load-balancing loss is computed on one stage"):
-        check_megatron(cfg("train.pipeline_parallel_size=2"), world=2)
+        validate_run(cfg("train.pipeline_parallel_size=2"), processes=2)

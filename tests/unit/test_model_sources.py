@@ -258,15 +258,29 @@ def test_generate_from_a_run_and_from_its_checkpoint(run_dir, tmp_path, capsys):
     assert not torch.equal(load_model(run / "checkpoints" / "step_000000")(IDS), model(IDS))  # the newest, not any
 
     from jetflow.config import load_config
-    from jetflow.run.build import build_task, build_tiny
+    from jetflow.run.build import build_tiny
     cfg = load_config(run / "config.yaml")
-    reference, tok = build_tiny(cfg, build_task(cfg))
+    reference, tok = build_tiny(cfg)
     reference.load_state_dict(stored, strict=False)
     reference.tie_weights()
     expected = greedy(reference.eval(), tok)
     assert model.config == reference.config
     assert cli_generate(run, capsys) == expected
     assert cli_generate(newest, capsys) == expected
+
+
+def test_export_takes_what_generate_takes(run_dir, tmp_path):
+    """`jetflow export --model` a run directory or one of its checkpoints (before: a run directory was
+    refused): the FP8 export of the model the run resolves to, with its run's tokenizer."""
+    run = older_run(run_dir, tmp_path)
+    newest = run / "checkpoints" / "step_000002"
+    export_fp8(load_model(run), tmp_path / "api", FP8Recipe(), tokenizer_dir=load_model_tokenizer(run))
+    for source, out in ((run, tmp_path / "from-run"), (newest, tmp_path / "from-checkpoint")):
+        assert main(["export", "--model", str(source), "--out", str(out)]) == 0
+        for name in ("config.json", "char_tokenizer.json"):
+            assert (out / name).read_bytes() == (tmp_path / "api" / name).read_bytes(), (source, name)
+        assert_same_safetensors(out / "model.safetensors", tmp_path / "api" / "model.safetensors")
+    assert main(["export", "--model", str(run), "--out", str(newest)]) == 2  # its own weights: refused
 
 
 def test_a_self_describing_checkpoint_loads_without_its_run(run_dir, tmp_path, capsys):

@@ -141,7 +141,7 @@ def test_a_stop_request_during_an_evaluation_is_answered_after_it(tmp_path, monk
 
 def test_a_stop_during_the_final_writes_leaves_a_run_that_finishes_on_resume(tmp_path, monkeypatch, whole):
     from jetflow.run import sequence
-    stop, marked, run_dir = stop_and_resume(tmp_path, monkeypatch, sequence, "write_final_model", call=0)
+    stop, marked, run_dir = stop_and_resume(tmp_path, monkeypatch, sequence, "write_model_dirs", call=0)
     assert (stop.phase, stop.resumes_at) == ("final writes", "step 3")
     assert "during the final writes (after step 3)" in str(stop)
     assert "model" in stop.files and "summary.json" not in stop.files  # stopped after the model, before the summary

@@ -156,7 +156,8 @@ def test_a_run_directory_has_one_owner_and_a_dead_owners_lock_is_taken_over(tmp_
     import socket
     import subprocess
 
-    from jetflow.config import ConfigError, load_config
+    from jetflow.config import load_config
+    from jetflow.run.files import RunDirectoryInUse
     from jetflow.run.runner import train
 
     base = ["train.sft_warmup_steps=0", "train.prompts_per_step=2", "rollout.group_size=2", "train.steps=1",
@@ -166,7 +167,7 @@ def test_a_run_directory_has_one_owner_and_a_dead_owners_lock_is_taken_over(tmp_
     lock = run_dir / "LOCK"
     live = os.getppid()  # alive for the whole test, and not this process
     lock.write_text(json.dumps({"pid": live, "host": socket.gethostname()}))
-    with pytest.raises(ConfigError, match=rf"run directory {run_dir} is in use by pid {live} on"):
+    with pytest.raises(RunDirectoryInUse, match=rf"run directory {run_dir} is in use by pid {live} on"):
         train(load_config("configs/tiny.yaml", base))
     assert not (run_dir / "metrics.jsonl").exists()
 
@@ -281,9 +282,9 @@ def test_a_mapping_override_replaces_the_free_form_params():
     assert cfg.task.params == {"path": "data.jsonl"}
     assert load_config("configs/tiny.yaml", ["task.params.digits=2"]).task.params["style"] == "plain"  # merges
     from jetflow.config import ConfigError
-    from jetflow.run.build import build_task
+    from jetflow.run.validate import check_task
     with pytest.raises(ConfigError, match=r"unknown option\(s\) digits.*task.params=\{\.\.\.\} replaces"):
-        build_task(load_config("configs/tiny.yaml", ["task.name=countdown"]))
+        check_task(load_config("configs/tiny.yaml", ["task.name=countdown"]))
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by the jetflow SLURM templates (launch/slurm/*.sbatch), not run on its own.
+# Sourced by the jetflow SLURM templates (jetflow/launch/templates/*.sbatch), not run on its own.
 #
 #   run_requeueable RUN_DIR COMMAND...
 #

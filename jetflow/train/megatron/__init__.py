@@ -88,7 +88,7 @@ Shapes: B batch, T tokens, C hidden, V vocab, G KV groups, D head dim, I interme
 
 Modules (each imports only from those listed above it):
 - deps.py      INSTALL_HINT, MegatronConfigError, the lazy Megatron-Core gate, Megatron on the CPU
-- checks.py    checks of a ModelConfig against the TP layout (pure)
+- checks.py    checks of a ModelConfig against the TP x PP x EP layout (pure; also run by the pre-run pass)
 - sharding.py  HF <-> Megatron names, TP shards and EP expert shards of the weights (pure tensor functions)
 - reduce.py    the exact row-parallel combine over TP ranks (all_gather + tree_sum)
 - linear.py    Megatron's parallel linears with jetflow's GEMMs (Segment, per-segment FP8, exact_linear)
@@ -102,7 +102,7 @@ Modules (each imports only from those listed above it):
 - policy.py    MegatronPolicy, the trainer's model
 """
 
-from .checks import check_fp8_tp_alignment, check_supported, padded_vocab_size, segment_kind
+from .checks import check_fp8_tp_alignment, check_layout, check_supported, padded_vocab_size, segment_kind
 from .deps import INSTALL_HINT, MegatronConfigError, patch_megatron_for_cpu
 from .linear import Segment
 from .model import MegatronRMSNorm
@@ -113,6 +113,6 @@ from .sharding import hf_to_megatron, is_expert_param, megatron_to_hf, tensor_pa
 
 __all__ = [
     "INSTALL_HINT", "MegatronConfigError", "MegatronPolicy", "MegatronRMSNorm", "Segment", "check_fp8_tp_alignment",
-    "check_supported", "hf_to_megatron", "initialize_parallel", "is_expert_param", "megatron_to_hf", "moe", "padded_vocab_size",
+    "check_layout", "check_supported", "hf_to_megatron", "initialize_parallel", "is_expert_param", "megatron_to_hf", "moe", "padded_vocab_size",
     "patch_megatron_for_cpu", "segment_kind", "tensor_parallel_dims",
 ]

@@ -1,4 +1,10 @@
-"""Checks of the model against the parallel layout (pure: no Megatron needed)."""
+"""Checks of the model against the parallel layout (pure: no Megatron needed).
+
+`check_layout` runs them all: MegatronPolicy calls it when it is built, and `jetflow train`'s pre-run
+pass (jetflow.run.validate) calls it on the architecture of the model the run will build, before any
+weight loads. The sizes themselves (>= 1, the process count a multiple of TP x PP x EP) are config
+values: the pass checks those.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,16 @@ from jetflow.model.decoder import ModelConfig
 from jetflow.precision import FP8Recipe
 
 from .deps import MegatronConfigError
+
+
+def check_layout(config: ModelConfig, tp: int, pp: int, ep: int, kind: str, recipe: FP8Recipe | None,
+                 numerics: str) -> None:
+    """Raise MegatronConfigError naming what of `config` the layout (TP x PP x EP) cannot build under the
+    GEMM kind, recipe and numerics."""
+    check_supported(config, tp, pp, ep)
+    check_fp8_tp_alignment(config, tp, recipe, kind)
+    check_exact_tp_split(config, tp, numerics)
+    check_router_precision(config, kind, recipe)
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -27,8 +43,6 @@ def check_supported(config: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) 
                                   "adds a q/k/v bias")
     if c.num_heads % c.num_kv_heads:
         raise MegatronConfigError(f"num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
-    if tp < 1:
-        raise MegatronConfigError(f"tensor_parallel_size={tp} must be >= 1")
     if c.num_kv_heads % tp:
         raise MegatronConfigError(
             f"num_kv_heads={c.num_kv_heads} is not a multiple of tensor_parallel_size={tp}: each rank must hold "
@@ -36,16 +50,12 @@ def check_supported(config: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) 
     if c.intermediate_size % tp:
         raise MegatronConfigError(f"intermediate_size={c.intermediate_size} is not a multiple of "
                                   f"tensor_parallel_size={tp}")
-    if pp < 1:
-        raise MegatronConfigError(f"pipeline_parallel_size={pp} must be >= 1")
     if c.num_layers % pp:
         raise MegatronConfigError(f"num_layers={c.num_layers} is not a multiple of pipeline_parallel_size={pp}: "
                                   "each pipeline stage holds the same number of layers")
 
 
 def _check_moe(c: ModelConfig, tp: int, ep: int) -> None:
-    if ep < 1:
-        raise MegatronConfigError(f"expert_parallel_size={ep} must be >= 1")
     if not c.is_moe:
         if ep > 1:
             raise MegatronConfigError(f"expert_parallel_size={ep} needs a mixture-of-experts model; {c.model_type} is "
@@ -136,3 +146,15 @@ def check_exact_tp_split(config: ModelConfig, tp: int, numerics: str = "exact") 
                 f"128-wide blocks (tree_width({in_f}) = {groups}), which tensor_parallel_size {tp} cannot split "
                 f"into whole groups per rank, so TP={tp} would not give TP=1's bits under precision.numerics=exact; "
                 f"use a tensor_parallel_size dividing {groups}, or precision.numerics=fast")
+
+
+def check_router_precision(config: ModelConfig, kind: str, recipe: FP8Recipe | None) -> None:
+    """The Megatron backend runs MoE routers in bf16 or fp32: the FP8 recipe must keep them."""
+    if not config.is_moe:
+        return
+    for i in range(config.num_layers):
+        gate = f"model.layers.{i}.{config.moe_attr}.gate"
+        if config.is_moe_layer(i) and segment_kind(kind, recipe, gate, i, config.num_layers) == "fp8":
+            raise MegatronConfigError(f"{gate}: the FP8 recipe does not keep the MoE router in high precision; the "
+                                      "Megatron backend runs routers in bf16 or fp32: add '*.mlp.gate' / "
+                                      "'*.block_sparse_moe.gate' to recipe.keep_high_precision")

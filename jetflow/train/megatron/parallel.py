@@ -42,11 +42,7 @@ def initialize_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: i
             raise MegatronConfigError(f"Megatron parallel state already initialized with (tp, pp, ep) = {have}, "
                                       f"not {want}")
         return
-    world = dist.get_world_size()
-    layout = tensor_parallel_size * pipeline_parallel_size * expert_parallel_size  # distinct ranks of one layout
-    if world % layout:
-        raise MegatronConfigError(f"world size {world} is not a multiple of tp * pp * ep = {tensor_parallel_size} * "
-                                  f"{pipeline_parallel_size} * {expert_parallel_size} = {layout}")
+    # (the world size is a multiple of tp * pp * ep: jetflow.run.validate checks it before a run)
     ps.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size,
                                  expert_model_parallel_size=expert_parallel_size)
 

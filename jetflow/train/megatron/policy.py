@@ -13,8 +13,8 @@ from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
 from jetflow.precision import FP8Recipe
 
 from .attention import ModelParallelKVQuantizer, align_rows, core_attention_modules, unalign_rows
-from .checks import check_exact_tp_split, check_fp8_tp_alignment, check_supported, padded_vocab_size, segment_kind
-from .deps import MegatronConfigError, _seed_cpu_rng_tracker, patch_megatron_for_cpu
+from .checks import check_layout, padded_vocab_size, segment_kind
+from .deps import _seed_cpu_rng_tracker, patch_megatron_for_cpu
 from .grads import PolicyGrads
 from .linear import Segment, _linear_classes
 from .model import _block_spec, _transformer_config
@@ -62,9 +62,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         if kind == "fp8" and recipe is None:
             raise ValueError("MegatronPolicy kind='fp8' needs an FP8Recipe")
         tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
-        check_supported(config, tp, pp, ep)
-        check_fp8_tp_alignment(config, tp, recipe, kind)
-        check_exact_tp_split(config, tp, numerics)
+        check_layout(config, tp, pp, ep, kind, recipe, numerics)
         device = torch.device(device)
         initialize_parallel(tp, pp, device, ep)
         from megatron.core import parallel_state as ps
@@ -196,11 +194,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         c, inter = self.config, self.config.moe_intermediate_size
         b = f"model.layers.{i}.{c.moe_attr}."
         moe.router.kind = segment_kind(self.kind, self.recipe, b + "gate", i, c.num_layers)
-        moe.router.numerics, moe.router.norm_topk_prob = self.numerics, c.norm_topk_prob
-        if moe.router.kind == "fp8":
-            raise MegatronConfigError(f"{b}gate: the FP8 recipe does not keep the MoE router in high precision; the "
-                                      "Megatron backend runs routers in bf16 or fp32: add '*.mlp.gate' / "
-                                      "'*.block_sparse_moe.gate' to recipe.keep_high_precision")
+        moe.router.numerics, moe.router.norm_topk_prob = self.numerics, c.norm_topk_prob  # bf16 or fp32 (checks.py)
         gate, up, down = EXPERT_NAMES[c.model_type]
         for j, expert in enumerate(moe.experts.local_experts):
             x = f"{b}experts.{self._expert_offset() + j}."
