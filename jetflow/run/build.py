@@ -163,14 +163,13 @@ def embedding_grid(kind: str) -> torch.dtype | None:
 
 def apply_mode(model: Decoder, cfg: Config, side: str) -> Decoder:
     """The precision mode's linears (and numerics) for one side, in place."""
-    mode = cfg.precision.precision_mode
+    mode, recipe, numerics = cfg.precision.precision_mode, cfg.precision.recipe(), resolve_numerics(cfg)
     kind = mode.trainer_kind if side == "trainer" else mode.rollout_kind
-    numerics = resolve_numerics(cfg)
     model.embed_grid = embedding_grid(kind)
     if isinstance(model, Decoder):
         model.numerics = numerics
-    return apply_precision(model, kind, cfg.precision.recipe(), cfg.precision.gemm_backend,
-                           num_layers=model.config.num_layers, numerics=numerics)
+    return apply_precision(model, kind, recipe, cfg.precision.gemm_backend, num_layers=model.config.num_layers,
+                           numerics=numerics)
 
 
 def prompt_text(cfg: Config, tokenizer, task: Task, problem: Problem) -> str:

@@ -83,22 +83,27 @@ def validate_run(cfg: Config, processes: int | None = None) -> None:
     trainer's process count (default: Ray's train.num_workers, else torchrun's WORLD_SIZE)."""
     if processes is None:
         processes = cfg.train.num_workers if cfg.run.orchestrator == "ray" else int(os.environ.get("WORLD_SIZE", "1"))
-    check_config(cfg)
+    numerics = check_config(cfg)
     check_device(cfg)
     check_processes(cfg, processes)
     check_packages(cfg)
     check_run_dir(cfg)
-    task = check_task(cfg)
-    check_model(cfg, task)
+    check_task_and_model(cfg, numerics)
 
 
 # The config alone --------------------------------------------------------------------------------------
 
-def check_config(cfg: Config) -> None:
-    """Every check the config alone decides."""
+def check_config(cfg: Config) -> str:
+    """Every check the config alone decides; returns precision.numerics resolved."""
+    try:
+        cfg.precision.recipe()  # the recipe checks its own fields (blocks, margins, layer counts)
+    except ValueError as e:
+        raise ConfigError(f"precision: {e}") from None
+    correction, numerics, blocker = resolve_correction(cfg), resolve_numerics(cfg), exact_blocker(cfg)
     check_ranges(cfg)
-    check_correction_params(cfg)
-    check_combinations(cfg)
+    check_correction_params(cfg, correction)
+    check_combinations(cfg, numerics, blocker)
+    return numerics
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -126,17 +131,12 @@ def check_ranges(cfg: Config) -> None:
         if tiny.num_heads % tiny.num_kv_heads or tiny.hidden_size % tiny.num_heads:
             raise ConfigError(f"model.tiny.num_heads={tiny.num_heads} must be a multiple of num_kv_heads="
                               f"{tiny.num_kv_heads} and divide hidden_size={tiny.hidden_size}")
-    try:
-        cfg.precision.recipe()  # the recipe checks its own fields (blocks, margins, layer counts)
-    except ValueError as e:
-        raise ConfigError(f"precision: {e}") from None
 
 
-def check_correction_params(cfg: Config) -> None:
-    """algo.correction_params: the parameters of the correction the run applies (algo.correction, `auto`
-    resolved), each in range; a key it does not take is refused by name, with the ones it takes."""
+def check_correction_params(cfg: Config, name: str) -> None:
+    """algo.correction_params: the parameters of correction `name` (algo.correction, `auto` resolved),
+    each in range; a key it does not take is refused by name, with the ones it takes."""
     from jetflow.rl import correction_parameters
-    name = resolve_correction(cfg)
     try:
         correction_parameters(name, cfg.algo.correction_params)
     except ValueError as e:
@@ -144,13 +144,14 @@ def check_correction_params(cfg: Config) -> None:
         raise ConfigError(f"algo.correction_params: {e}{auto if cfg.algo.correction == 'auto' else ''}") from None
 
 
-def check_combinations(cfg: Config) -> None:
-    """Values that are valid alone and not together."""
+def check_combinations(cfg: Config, numerics: str, exact_blocked_by: str | None) -> None:
+    """Values that are valid alone and not together (`numerics`: precision.numerics resolved;
+    `exact_blocked_by`: why exact numerics cannot run, or None)."""
     t, a = cfg.train, cfg.algo
     if t.steps == 0 and t.sft_warmup_steps == 0:
         raise ConfigError("train.steps=0 and train.sft_warmup_steps=0: the run would do nothing")
-    if cfg.precision.numerics == "exact" and (why := exact_blocker(cfg)):
-        raise ConfigError(f"precision.numerics=exact: {why}; use precision.numerics=fast (or auto)")
+    if cfg.precision.numerics == "exact" and exact_blocked_by:
+        raise ConfigError(f"precision.numerics=exact: {exact_blocked_by}; use precision.numerics=fast (or auto)")
     if t.backend != "megatron":
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(t, key) != 1:
@@ -161,7 +162,7 @@ def check_combinations(cfg: Config) -> None:
             if value != "native":
                 raise ConfigError(f"algo.routing_replay=true with {key}={value}: routing replay runs with the native "
                                   f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
-    if cfg.rollout.backend == "vllm" and cfg.precision.kv_cache_fp8 and resolve_numerics(cfg) != "exact":
+    if cfg.rollout.backend == "vllm" and cfg.precision.kv_cache_fp8 and numerics != "exact":
         raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm needs precision.numerics=exact (or "
                           "auto): only jetflow's plugin loads the per-step FP8 KV scales")
     if t.fp8_backend != "jetflow":  # Transformer Engine cannot be installed on the CPU machines
@@ -229,9 +230,9 @@ def check_run_dir(cfg: Config) -> None:
     the run was started with: its config.yaml must load, and a difference that run.allow_changes does not
     list is refused by name."""
     run_dir = run_dir_of(cfg)
-    saved = run_dir / CONFIG_FILE
+    held, saved = holds_a_run(run_dir), run_dir / CONFIG_FILE
     if not cfg.run.resume:
-        if run_dir.exists() and holds_a_run(run_dir):
+        if held:
             raise ConfigError(f"run directory {run_dir} already holds a run; pass run.resume=true to continue it, "
                               "or choose another run.name")
         return
@@ -249,8 +250,15 @@ def check_run_dir(cfg: Config) -> None:
                           f"run.allow_changes=[{','.join(changed)}], or choose another run.name")
 
 
-def check_task(cfg: Config):
-    """The task's parameters (checked by the task itself) and its held-out split; returns the task."""
+def check_task_and_model(cfg: Config, numerics: str) -> None:
+    """The task's parameters (checked by the task itself) and its held-out split, then the model the run
+    will build, read without loading a weight (`smollm2` is converted on first use): its positions hold
+    the longest prompt and a whole response, routing replay has experts to replay, and Megatron's layout
+    can split it under `numerics` (jetflow.train.megatron.checks)."""
+    path = cfg.model.path
+    if path not in ("tiny", "smollm2") and not Path(path).is_dir():
+        raise ConfigError(f"model.path={path!r}: not a directory (use a local Hugging Face directory, `smollm2` or "
+                          "`tiny`)")
     try:
         task = build_task(cfg)
     except (TypeError, ValueError) as e:
@@ -261,19 +269,7 @@ def check_task(cfg: Config):
     if cfg.eval.num_prompts and not task.held_out_problems(1):
         raise ConfigError(f"eval.held_out={cfg.eval.held_out}: no prompt of task {cfg.task.name!r} falls in the "
                           "held-out split; raise eval.held_out, or set eval.num_prompts=0")
-    return task
-
-
-def check_model(cfg: Config, task) -> None:
-    """The model the run will build, read without loading a weight (`smollm2` is converted on first use):
-    its positions hold the longest prompt and a whole response, routing replay has experts to replay, and
-    Megatron's layout can split it (jetflow.train.megatron.checks)."""
-    path = cfg.model.path
-    if path not in ("tiny", "smollm2") and not Path(path).is_dir():
-        raise ConfigError(f"model.path={path!r}: not a directory (use a local Hugging Face directory, `smollm2` or "
-                          "`tiny`)")
-    arch = model_architecture(cfg)
-    longest = longest_prompt(cfg, build_tokenizer(cfg), task)
+    arch, longest = model_architecture(cfg), longest_prompt(cfg, build_tokenizer(cfg), task)
     if longest + cfg.rollout.max_new_tokens > arch.max_position_embeddings:
         raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with prompts of up to {longest} "
                           f"tokens, responses would pass the model's {arch.max_position_embeddings} positions; lower it")
@@ -281,10 +277,10 @@ def check_model(cfg: Config, task) -> None:
         raise ConfigError(f"algo.routing_replay=true: the model ({arch.model_type}) has no mixture-of-experts layers "
                           "to replay; set algo.routing_replay=false")
     if cfg.train.backend == "megatron":
-        check_megatron_model(cfg, arch)
+        check_megatron_model(cfg, arch, numerics)
 
 
-def check_megatron_model(cfg: Config, arch) -> None:
+def check_megatron_model(cfg: Config, arch, numerics: str) -> None:
     from jetflow.train.megatron.checks import MegatronConfigError, check_layout
 
     t = cfg.train
@@ -294,6 +290,6 @@ def check_megatron_model(cfg: Config, arch) -> None:
                           "computed on one stage only; set algo.router_aux_loss_coef=0 or pipeline_parallel_size=1")
     try:
         check_layout(arch, t.tensor_parallel_size, t.pipeline_parallel_size, t.expert_parallel_size,
-                     cfg.precision.precision_mode.trainer_kind, cfg.precision.recipe(), resolve_numerics(cfg))
+                     cfg.precision.precision_mode.trainer_kind, cfg.precision.recipe(), numerics)
     except MegatronConfigError as e:
         raise ConfigError(f"train.backend=megatron: {e}") from None

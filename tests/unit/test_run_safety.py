@@ -282,9 +282,9 @@ def test_a_mapping_override_replaces_the_free_form_params():
     assert cfg.task.params == {"path": "data.jsonl"}
     assert load_config("configs/tiny.yaml", ["task.params.digits=2"]).task.params["style"] == "plain"  # merges
     from jetflow.config import ConfigError
-    from jetflow.run.validate import check_task
+    from jetflow.run.validate import check_task_and_model
     with pytest.raises(ConfigError, match=r"unknown option\(s\) digits.*task.params=\{\.\.\.\} replaces"):
-        check_task(load_config("configs/tiny.yaml", ["task.name=countdown"]))
+        check_task_and_model(load_config("configs/tiny.yaml", ["task.name=countdown"]), "exact")
 
 
 @pytest.mark.parametrize("overrides, message", [
