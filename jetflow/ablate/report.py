@@ -2,10 +2,12 @@
 
 <out_dir>/summary.md     one row per cell, the exact command and the machine, the plots
 <out_dir>/summary.json   the same numbers, plus each cell's overrides and the environment
-<out_dir>/metrics.jsonl  every cell's metric rows (SFT and RL phases), each with a `cell` field
+<out_dir>/metrics.jsonl  every cell's metric rows (SFT and RL phases), each with a `cell` field: a merge of
+                         runs/<cell>/metrics.jsonl, redrawn with the report, so not kept in git
 <out_dir>/reward.png, heldout.png, entropy.png, mismatch_kl.png, mismatch_position.png
                          (jetflow.ablate.figures: one panel per setting, one line per variant)
-<out_dir>/.gitignore     keeps the runs' checkpoints out of git (the rest of runs/ is small)
+<out_dir>/.gitignore     keeps the runs' checkpoints and the merged metrics.jsonl out of git (runs/ holds
+                         the rows once; the rest of it is small)
 
 Per cell: final reward = mean `reward/mean` over the last 3 RL steps, best = its maximum; mismatch KL
 = `mismatch/kl_k3` (KL(rollout || trainer) on the sampled tokens) mean and max over steps; equal =
@@ -279,7 +281,7 @@ def write_report(ab: "Ablation", command: str) -> Path:
     # results/ is committed; the runs' checkpoints (megabytes each, kept for resuming and for looking
     # at the final policies) are not
     if not (out / ".gitignore").exists():
-        (out / ".gitignore").write_text("runs/*/checkpoints/\n")
+        (out / ".gitignore").write_text("runs/*/checkpoints/\nmetrics.jsonl\n")
     env = environment()
     rows, all_metrics = [], []
     for cell in ab.cells:
