@@ -171,3 +171,19 @@ class Attention(nn.Module):
                 enable_gqa=self.num_kv_heads != self.num_heads)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)  # (B, T, C)
+
+
+def align_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact numerics on padded rows: slot = position. attention_mask (B, T) bool with one contiguous run
+    of real tokens per row (left-padded prompt, right-padded response) -> (shift, back), both (B, T):
+    aligned column j holds original column shift[b, j] (each row's real tokens start at slot 0, as in
+    the rollout engine's cache); original column j holds aligned column back[b, j]."""
+    B, T = attention_mask.shape
+    cols = torch.arange(T, device=attention_mask.device)
+    start = attention_mask.long().argmax(-1)  # (B,) first real token
+    count = attention_mask.sum(-1)  # (B,)
+    run = (cols[None] >= start[:, None]) & (cols[None] < (start + count)[:, None])
+    if not torch.equal(run, attention_mask):
+        raise ValueError("exact numerics need each row's real tokens to be one contiguous run "
+                         "(left-padded prompt, right-padded response)")
+    return (start[:, None] + cols[None]) % T, (cols[None] - start[:, None]) % T

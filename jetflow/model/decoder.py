@@ -30,6 +30,7 @@ from jetflow.kernels import invariant
 from jetflow.model.attention import (  # noqa: F401  (re-exported: jetflow.model.decoder.apply_rope, ...)
     Attention,
     AttentionPlan,
+    align_rows,
     apply_rope,
     attention_plan,
     rope_inv_freq,
@@ -214,21 +215,12 @@ class Decoder(nn.Module):
                          routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Exact numerics on padded rows: shift each row so its real tokens start at slot 0 (slot =
         position, as in the rollout engine's cache), run, and shift the hidden states back."""
-        B, T = input_ids.shape
-        cols = torch.arange(T, device=input_ids.device)
-        start = attention_mask.long().argmax(-1)  # (B,) first real token
-        count = attention_mask.sum(-1)  # (B,)
-        run = (cols[None] >= start[:, None]) & (cols[None] < (start + count)[:, None])
-        if not torch.equal(run, attention_mask):
-            raise ValueError("exact numerics need each row's real tokens to be one contiguous run "
-                             "(left-padded prompt, right-padded response)")
-        shift = (start[:, None] + cols[None]) % T  # (B, T): aligned column j holds original column shift[b, j]
+        shift, back = align_rows(attention_mask)  # (B, T) each
         if routed_experts is not None:  # (B, T, L, K): the same shift
             routed_experts = routed_experts.to(shift.device).gather(
                 1, shift[:, :, None, None].expand(-1, -1, *routed_experts.shape[2:]))
         hidden = self.forward_hidden(input_ids.gather(1, shift), routed_experts=routed_experts)  # (B, T, C)
         self.last_token_mask = attention_mask.gather(1, shift)  # (B, T), in the aligned order the layers saw
-        back = (cols[None] - start[:, None]) % T  # (B, T)
         return hidden.gather(1, back[..., None].expand(-1, -1, hidden.shape[-1]))
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None) -> KVCache:

@@ -12,9 +12,10 @@ applies it, and the row alignment that exact attention needs.
   Attention applies it; `ModelParallelKVQuantizer` max-reduces its amax over the model-parallel group
   (a layer's K/V is seen by the TP rank holding those heads, on the pipeline stage holding the layer),
   so every rank sets, and ships, the scales one process would.
-- `align_rows` / `unalign_rows`: the exact kernel attends key slots 0..position of its own row, so a
-  left-padded row is shifted to start at slot 0 (slot = position, as in the rollout engine's cache) and
-  its hidden states shifted back afterwards: `Decoder._forward_aligned`'s realignment. After it every
+- `unalign_rows` (after jetflow.model.attention.align_rows): the exact kernel attends key slots
+  0..position of its own row, so a left-padded row is shifted to start at slot 0 (slot = position, as in
+  the rollout engine's cache) and its hidden states shifted back afterwards: `Decoder._forward_aligned`'s
+  realignment, the same function. After it every
   row's token t sits at slot t and position t, so the kernel's positions are arange(T) in every row.
 
 Shapes: T tokens, B batch, H local query heads, H_kv local KV heads, D head dim, C hidden.
@@ -113,21 +114,6 @@ def fast_core_attention() -> type:
 def core_attention_modules(gpt) -> list[nn.Module]:
     """The core attention modules of a GPTModel stage, in layer order."""
     return [layer.self_attention.core_attention for layer in gpt.decoder.layers]
-
-
-def align_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_mask (B, T) bool with one contiguous run of real tokens per row -> (shift, back), both
-    (B, T): aligned column j holds original column shift[b, j]; original column j holds aligned column
-    back[b, j]. The same shift as `Decoder._forward_aligned` (the native exact trainer)."""
-    B, T = attention_mask.shape
-    cols = torch.arange(T, device=attention_mask.device)
-    start = attention_mask.long().argmax(-1)  # (B,) first real token
-    count = attention_mask.sum(-1)  # (B,)
-    run = (cols[None] >= start[:, None]) & (cols[None] < (start + count)[:, None])
-    if not torch.equal(run, attention_mask):
-        raise ValueError("exact numerics need each row's real tokens to be one contiguous run "
-                         "(left-padded prompt, right-padded response)")
-    return (start[:, None] + cols[None]) % T, (cols[None] - start[:, None]) % T
 
 
 def unalign_rows(hidden: torch.Tensor, back: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from jetflow.model.attention import align_rows
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
 from jetflow.precision import FP8Recipe
 
-from .attention import ModelParallelKVQuantizer, align_rows, core_attention_modules, unalign_rows
+from .attention import ModelParallelKVQuantizer, core_attention_modules, unalign_rows
 from .checks import check_layout, padded_vocab_size, segment_kind
 from .deps import _seed_cpu_rng_tracker, patch_megatron_for_cpu
 from .grads import PolicyGrads
@@ -309,8 +310,8 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
                              position_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
         """`_stage_forward` under exact numerics (`Decoder.forward_hidden`'s exact path): the batch-invariant
         attention attends slots 0..position of a row, so padded rows are shifted to start at slot 0
-        (attention.align_rows; every stage shifts alike, the first embeds the shifted tokens, the last
-        shifts its output back) and every row's positions are arange(T)."""
+        (jetflow.model.attention.align_rows; every stage shifts alike, the first embeds the shifted tokens,
+        the last shifts its output back) and every row's positions are arange(T)."""
         B, T = input_ids.shape
         device = input_ids.device
         arange = torch.arange(T, device=device).expand(B, T)
