@@ -56,6 +56,14 @@ def test_vllm_rollout_logprobs_equal_trainer_bit_for_bit(mode, kv_fp8):
     assert_exact(cfg, model, tok, task, mixed_length_prompts(tok, 16, 3, 60), new_tokens=512)
 
 
+def test_vllm_rollout_logprobs_at_temperature_0_7_equal_trainer():
+    """vLLM divides the logits by a per-request temperature tensor before its log_softmax; the trainer
+    divides by the float: the same bits (unified, 16 x 64)."""
+    cfg, model, tok, task = tiny("unified", False)
+    cfg.rollout.temperature = 0.7
+    assert_exact(cfg, model, tok, task, mixed_length_prompts(tok, 16, 3, 60), new_tokens=64)
+
+
 def exact_rollout(model, cfg, tok, tmp_path: Path, **kw) -> VLLMRollout:
     """An exact engine on the rollout side's policy of `model` under cfg's mode, with the trainer's
     update loaded (version 0); the policy is `rollout.policy`."""
