@@ -82,11 +82,11 @@ class ExactRotary:
             raise UnservedError(f"exact vLLM plugin: cannot serve a partial ({self.rotary_dim} of {self.head_size}) "
                                 "or interleaved rotary embedding")
         n = positions.numel()
-        key_ = (positions.data_ptr(), n, query.dtype)  # every layer of a step rotates the same positions
-        if key_ not in step.rope:
+        tables = (positions.data_ptr(), n, query.dtype)  # every layer of a step rotates the same positions
+        if tables not in step.rope:
             cos, sin = rope_tables(positions.reshape(n), step.policy.rope_inv_freq, query.dtype)  # (N, D) each
-            step.rope[key_] = cos[:, None], sin[:, None]  # (N, 1, D)
-        cos, sin = step.rope[key_]
+            step.rope[tables] = cos[:, None], sin[:, None]  # (N, 1, D)
+        cos, sin = step.rope[tables]
         query = apply_rope(query.view(n, -1, self.head_size), cos, sin).view(query.shape)  # over (N, H, D)
         if key is not None:
             key = apply_rope(key.view(n, -1, self.head_size), cos, sin).view(key.shape)
