@@ -130,16 +130,20 @@ def test_unwired_backends_are_refused_not_ignored(tmp_path, override):
 
 def test_held_out_evaluation_before_during_after_and_across_a_resume(tmp_path):
     """eval.every=2 over 6 steps: held-out rows at steps 0, 2, 4, 6. A run of 3 steps resumed to 6
-    redoes nothing it kept and drops its after-the-last evaluation at 3: its rows are the whole run's."""
+    redoes nothing it kept and drops its after-the-last evaluation at 3: its rows are the whole run's.
+    (A constant learning rate: the cosine schedule depends on train.steps, so a 3-step run would take
+    other steps than a 6-step one, and the evaluations could differ.)"""
     def eval_rows(run_dir):
         return [{k: v for k, v in r.items() if k != "time/eval"} for r in read_metrics(run_dir, phase="eval")]
 
-    whole = train(tiny_cfg(tmp_path, "run.name=whole", "train.steps=6", "eval.every=2", "eval.num_prompts=8"))
+    constant_lr = "train.min_lr_ratio=1.0"
+    whole = train(tiny_cfg(tmp_path, "run.name=whole", "train.steps=6", "eval.every=2", "eval.num_prompts=8",
+                           constant_lr))
     rows = eval_rows(whole)
     assert [r["step"] for r in rows] == [0, 2, 4, 6]
     assert all(r["eval/num_prompts"] == 8 and 0 <= r["eval/pass@1"] <= 1 for r in rows)
 
-    part = ["run.name=part", "eval.every=2", "eval.num_prompts=8"]
+    part = ["run.name=part", "eval.every=2", "eval.num_prompts=8", constant_lr]
     train(tiny_cfg(tmp_path, *part, "train.steps=3"))
     assert [r["step"] for r in eval_rows(tmp_path / "part")] == [0, 2, 3]
     train(tiny_cfg(tmp_path, *part, "train.steps=6", "run.resume=true", "run.allow_changes=[train.steps]"))
