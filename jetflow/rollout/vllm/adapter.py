@@ -223,16 +223,16 @@ class VLLMRollout:
         exact attention reads a sequence's keys where they lie; jetflow.rollout.vllm.attention), which
         leaves prefix caching nothing to share: it is turned off."""
         import_vllm()
-        from jetflow.rollout.vllm import plugin
+        from jetflow.rollout.vllm import policies
 
         if policy is None:
             raise ValueError("execution='exact' computes with a jetflow policy: pass policy=")
         if dtype != "float32" or not enforce_eager:
             raise ValueError(f"execution='exact' runs float32 activations in eager mode (got dtype={dtype!r}, "
                              f"enforce_eager={enforce_eager}): vLLM's torch.compile would change the arithmetic")
-        self.token = plugin.serve(policy)
+        self.token = policies.serve(policy)
         return dict(load_format="dummy", block_size=-(-max_model_len // 32) * 32, enable_prefix_caching=False,
-                    hf_overrides={"quantization_config": {"quant_method": plugin.QUANT_METHOD, "policy": self.token}})
+                    hf_overrides={"quantization_config": {"quant_method": policies.QUANT_METHOD, "policy": self.token}})
 
     def _start_engine(self, engine_args: dict):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine (and its model) in this process
@@ -363,8 +363,8 @@ class VLLMRollout:
         """Shut the engine down (its memory is released once nothing refers to it)."""
         llm, self.llm = getattr(self, "llm", None), None
         if getattr(self, "token", None) is not None:
-            from jetflow.rollout.vllm import plugin
-            plugin.release(self.token)
+            from jetflow.rollout.vllm import policies
+            policies.release(self.token)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
         if llm is not None or getattr(self, "starting", False):

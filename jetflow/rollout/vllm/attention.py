@@ -31,7 +31,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from jetflow.kernels import invariant
-from jetflow.rollout.vllm.plugin import UnservedError, exact_policy, layer_index
+from jetflow.rollout.vllm.policies import UnservedError, exact_policy, layer_index
 
 
 @dataclass
@@ -199,3 +199,18 @@ class ExactAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls():
         return ExactMetadataBuilder
+
+
+def running_metadata():
+    """The attention plan (attention.ExactMetadata) of the exact engine whose forward runs now, or None
+    (another engine, or a warm-up run without attention metadata). For ops that vLLM shares between
+    engines (the rotary embedding is cached by its parameters): they ask at each call."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):  # micro-batched runs: one dict per micro-batch
+        metadata = metadata[0] if metadata else None
+    first = next(iter(metadata.values()), None) if isinstance(metadata, dict) else None
+    return first if isinstance(first, ExactMetadata) else None

@@ -17,7 +17,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
 from jetflow.model.moe import SparseMoeBlock
-from jetflow.rollout.vllm.plugin import UnservedError, exact_policy
+from jetflow.rollout.vllm.policies import UnservedError, exact_policy
 
 
 class ExactMoEMethod(FusedMoEMethodBase):

@@ -24,7 +24,8 @@ from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3Rotary
 
 from jetflow.model.attention import apply_rope, rope_tables
 from jetflow.model.layers import silu_exact
-from jetflow.rollout.vllm.plugin import UnservedError, exact_policy, running_metadata
+from jetflow.rollout.vllm.attention import running_metadata
+from jetflow.rollout.vllm.policies import UnservedError, exact_policy
 
 
 class ExactRMSNorm(RMSNorm):

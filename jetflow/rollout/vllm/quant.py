@@ -25,7 +25,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 
 from jetflow.precision import PrecisionLinear
 from jetflow.rollout.vllm.moe import ExactMoEMethod
-from jetflow.rollout.vllm.plugin import QUANT_METHOD, UnservedError, policy_for
+from jetflow.rollout.vllm.policies import QUANT_METHOD, UnservedError, policy_for
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """vLLM's fused layers -> the HF sub-matrices they stack, in vLLM's order."""
@@ -39,7 +39,7 @@ def hf_names(prefix: str) -> list[str]:
 
 class ExactConfig(QuantizationConfig):
     """Selected by `quantization_config = {"quant_method": QUANT_METHOD, "policy": token}` (the
-    adapter passes it as an hf_override); `token` names the policy (jetflow.rollout.vllm.plugin.serve)."""
+    adapter passes it as an hf_override); `token` names the policy (jetflow.rollout.vllm.policies.serve)."""
 
     def __init__(self, token: str):
         super().__init__()

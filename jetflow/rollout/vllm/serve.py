@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 
 from jetflow.model import Decoder
-from jetflow.rollout.vllm.plugin import UnservedError, policy_for
+from jetflow.rollout.vllm.policies import UnservedError, policy_for
 
 SERVED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
