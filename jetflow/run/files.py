@@ -27,7 +27,9 @@ import os
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from jetflow.config import Config, save_config, to_dict
 from jetflow.distributed import SINGLE, DataParallel
@@ -74,9 +76,11 @@ def holds_a_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in (COMPLETE, CHECKPOINTS_DIR, METRICS_FILE))
 
 
-def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
-    """Rank 0 takes the directory's LOCK and writes config.yaml (the others wait for it). What the
-    directory holds was checked by the pre-run pass (jetflow.run.validate.check_run_dir)."""
+@contextmanager
+def run_directory(cfg: Config, dp: DataParallel = SINGLE) -> Iterator[Path]:
+    """The run directory, held while the run is in it: rank 0 takes its LOCK and writes config.yaml
+    (the others wait for it); leaving releases the LOCK. What the directory holds was checked by the
+    pre-run pass (jetflow.run.validate.check_run_dir)."""
     run_dir = run_dir_of(cfg)
     dp.barrier()  # no rank may see rank 0's fresh files before it checked
     refused = None
@@ -86,14 +90,17 @@ def prepare_run_dir(cfg: Config, dp: DataParallel = SINGLE) -> Path:
             take_run_lock(run_dir)
         except RunDirectoryInUse as e:
             refused = e
+        else:
+            (run_dir / COMPLETE).unlink(missing_ok=True)
+            (run_dir / STOPPED).unlink(missing_ok=True)
+            save_config(cfg, run_dir / CONFIG_FILE)
     if dp.sum(float(refused is not None)):  # every rank learns it: none may wait for rank 0 in vain
         raise refused or RunDirectoryInUse(f"run directory {run_dir} is in use by another run (see rank 0's error)")
-    if dp.is_main:
-        (run_dir / COMPLETE).unlink(missing_ok=True)
-        (run_dir / STOPPED).unlink(missing_ok=True)
-        save_config(cfg, run_dir / CONFIG_FILE)
     dp.barrier()
-    return run_dir
+    try:
+        yield run_dir
+    finally:
+        release_run_lock(run_dir)
 
 
 def describe_position(state: dict) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from jetflow.config import Config
 from jetflow.distributed import SINGLE, DataParallel, init_from_env, shutdown
-from jetflow.run.files import prepare_run_dir, release_run_lock
+from jetflow.run.files import run_directory
 from jetflow.run.sequence import Placement, run_sequence
 from jetflow.run.stop import StopRequests
 from jetflow.run.validate import validate_run
@@ -32,17 +32,14 @@ def _train(cfg: Config, stop: StopRequests) -> Path:
         torch.set_num_threads(cfg.run.num_threads)
     on_ray = cfg.run.orchestrator == "ray"
     dp = SINGLE if on_ray else init_from_env(cfg.model.device)  # Ray: the driver is one process
-    completed, run_dir = False, None
+    completed = False
     try:
-        run_dir = prepare_run_dir(cfg, dp)  # checks, LOCK, config.yaml
-        with place(cfg, dp, run_dir) as placement:  # the model load
+        with run_directory(cfg, dp) as run_dir, place(cfg, dp, run_dir) as placement:  # LOCK, config.yaml; model load
             stop.take_back()  # ray.init installs a SIGTERM handler of its own (sys.exit)
             run_sequence(cfg, placement, run_dir, stop)
         completed = True
         return run_dir
     finally:
-        if run_dir is not None:
-            release_run_lock(run_dir)
         if not on_ray:
             shutdown(dp, completed)
 
