@@ -299,21 +299,35 @@ def _megatron_unsplit_k(cfg: Config) -> int | None:
     return next((k for k in (tiny.hidden_size, tiny.intermediate_size) if tree_width(k) % tp), None)
 
 
-def resolve_numerics(cfg: Config) -> str:
-    """precision.numerics with `auto` resolved: exact wherever it can run, else fast."""
-    if cfg.precision.numerics != "auto":
-        return cfg.precision.numerics
-    if cfg.model.device.startswith("cuda"):
-        return "fast"  # the Triton kernels are unmeasured on a GPU yet: exact on CUDA is asked for by name
-    return "fast" if exact_blocker(cfg) else "exact"
-
-
 def resolve_correction(cfg: Config) -> str:
     """algo.correction with `auto` resolved: the modes whose rollout policy differs by construction
     (mixed) get token TIS, the others none."""
     if cfg.algo.correction != "auto":
         return cfg.algo.correction
     return "token_tis" if cfg.precision.precision_mode.off_policy_by_design else "none"
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What a config's values imply, worked out once (`derive`) by the pre-run pass
+    (jetflow.run.validate) and handed down with the config to the builders that need it."""
+    recipe: FP8Recipe
+    """The precision section's recipe."""
+    correction: str
+    """algo.correction with `auto` resolved (resolve_correction)."""
+    numerics: str
+    """precision.numerics with `auto` resolved: exact wherever it can run, else fast."""
+    exact_blocker: str | None
+    """Why exact numerics cannot run with this config, or None (exact_blocker)."""
+
+
+def derive(cfg: Config) -> Derived:
+    """The config's derived values; a recipe field out of range raises the recipe's ValueError."""
+    recipe, correction, blocker = cfg.precision.recipe(), resolve_correction(cfg), exact_blocker(cfg)
+    numerics = cfg.precision.numerics
+    if numerics == "auto":  # on CUDA exact is asked for by name: the Triton kernels are unmeasured on a GPU yet
+        numerics = "fast" if blocker or cfg.model.device.startswith("cuda") else "exact"
+    return Derived(recipe, correction, numerics, blocker)
 
 
 def _explain(e: OmegaConfBaseException) -> ConfigError:

@@ -23,6 +23,7 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
+from jetflow.config import derive
 from jetflow.run.build import apply_mode, build_policy, build_task, copy_model
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.train.trainer import Trainer
@@ -56,7 +57,7 @@ def main() -> None:
     for mode, numerics in variants:
         cfg = configs[mode, numerics] = copy.deepcopy(base_cfg)
         cfg.precision.mode, cfg.precision.numerics = mode, numerics
-        rollout_model = apply_mode(copy_model(base), cfg, "rollout")
+        rollout_model = apply_mode(copy_model(base), cfg, derive(cfg), "rollout")
         engines[mode, numerics] = RolloutEngine(rollout_model, eos_token_ids=[], pad_token_id=tok.pad_token_id,
                                                 max_batch=args.batch, max_seq_len=args.prompt_len + args.new_tokens + 1)
 
@@ -64,7 +65,7 @@ def main() -> None:
         """Mean of `--train-steps` timed steps of a fresh trainer after two warm-up steps (weights packed
         or quantized, Adam state allocated, the allocator settled); built per measurement, since four
         trainers with Adam state do not fit in 24 GiB."""
-        model = apply_mode(copy_model(base), configs[v], "trainer")
+        model = apply_mode(copy_model(base), configs[v], derive(configs[v]), "trainer")
         for p in model.parameters():
             p.requires_grad_(True)
         t = Trainer(model, configs[v].train, configs[v].algo)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from jetflow.bench.common import markdown_table, write_results
-from jetflow.config import Config, load_config, resolve_numerics
+from jetflow.config import Config, derive, load_config
 from jetflow.run.loop import observe_kv_amax, request_seed
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
                                prompt_encoder, run_fingerprint, stop_token_ids)
@@ -40,19 +40,20 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
                     ignore_eos: bool = False, engine_dir: str | None = None) -> tuple[Experience, torch.Tensor, dict]:
     """Rollout and trainer log-probs of the same sampled tokens under cfg's precision mode:
     (exp with exp.rollout_logprobs (B, R), trainer log-probs (B, R), timings)."""
-    mode = cfg.precision.mode
-    trainer_model = apply_mode(copy_model(base_model), cfg, "trainer")
+    mode, derived = cfg.precision.mode, derive(cfg)
+    trainer_model = apply_mode(copy_model(base_model), cfg, derived, "trainer")
     fingerprint = run_fingerprint(cfg)
     max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
     eos = stop_token_ids(tokenizer, base_model, task)
     rollout_model = None  # the model the rollout computes with, when it is a jetflow Decoder
     if cfg.rollout.backend == "vllm":
         from jetflow.run.vllm_side import build_vllm_rollout
-        rollout = build_vllm_rollout(cfg, copy_model(base_model), tokenizer, [] if ignore_eos else eos, task.stop,
-                                     max_seq_len, Path(engine_dir or tempfile.mkdtemp(prefix="jetflow-vllm-")))
+        engine_dir = Path(engine_dir or tempfile.mkdtemp(prefix="jetflow-vllm-"))
+        rollout = build_vllm_rollout(cfg, derived, copy_model(base_model), tokenizer, [] if ignore_eos else eos,
+                                     task.stop, max_seq_len, engine_dir)
         rollout_model = rollout.policy  # the exact engine's modules (None when vLLM runs its own kernels)
     else:
-        rollout_model = apply_mode(copy_model(base_model), cfg, "rollout")
+        rollout_model = apply_mode(copy_model(base_model), cfg, derived, "rollout")
         attach_kv_fp8(rollout_model, cfg, "rollout")
         rollout = NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len, fingerprint)
         if ignore_eos:
@@ -118,7 +119,7 @@ def measure_mode(cfg: Config, base_model, tokenizer, task, prompts: list[list[in
     return {
         "mode": cfg.precision.mode,
         "rollout": cfg.rollout.backend,
-        "numerics": resolve_numerics(cfg),
+        "numerics": derive(cfg).numerics,
         "kl_k3": metrics["mismatch/kl_k3"],
         "kl_k1": metrics["mismatch/kl_k1"],
         "abs_delta_mean": metrics["mismatch/abs_delta_mean"],

@@ -24,6 +24,7 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
+from jetflow.config import derive
 from jetflow.run.build import apply_mode, build_policy, build_task, copy_model
 from jetflow.precision import PrecisionMode
 from jetflow.rl.experience import Experience
@@ -40,7 +41,7 @@ def build_trainers(cfg, modes: tuple[str, ...]) -> tuple[dict[str, Trainer], int
     for mode in modes:
         mode_cfg = copy.deepcopy(cfg)
         mode_cfg.precision.mode = mode
-        model = apply_mode(copy_model(base), mode_cfg, "trainer")
+        model = apply_mode(copy_model(base), mode_cfg, derive(mode_cfg), "trainer")
         for p in model.parameters():
             p.requires_grad_(True)  # copy_model makes rollout-side copies, frozen
         trainers[mode] = Trainer(model, mode_cfg.train, mode_cfg.algo)

@@ -27,6 +27,7 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config
+from jetflow.config import derive
 from jetflow.run.build import apply_mode, build_policy, build_task, copy_model, run_fingerprint
 from jetflow.precision import quantized_weights
 from jetflow.sync import WeightUpdate, apply_update, build_update
@@ -55,9 +56,9 @@ def simulate_optimizer_step(model: torch.nn.Module) -> None:
 
 def measure_mode(cfg, base, reps: int) -> dict:
     """Median seconds of build / apply / rollout-side quantization over `reps` syncs after one warm-up."""
-    mode = cfg.precision.mode
-    trainer_model = apply_mode(copy_model(base), cfg, "trainer")
-    rollout_model = apply_mode(copy_model(base), cfg, "rollout")
+    mode, derived = cfg.precision.mode, derive(cfg)
+    trainer_model = apply_mode(copy_model(base), cfg, derived, "trainer")
+    rollout_model = apply_mode(copy_model(base), cfg, derived, "rollout")
     fingerprint = run_fingerprint(cfg)
     times: dict[str, list[float]] = {"build_s": [], "apply_s": [], "rollout_quantize_s": [], "total_s": []}
     rollout_version = -1

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from jetflow.config import Config, ConfigError, resolve_numerics
+from jetflow.config import Config, ConfigError, Derived
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.model import CharTokenizer, CheckpointError, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.model.checkpoint import load_config as load_model_config
@@ -161,15 +161,15 @@ def embedding_grid(kind: str) -> torch.dtype | None:
     return None if kind == "fp32" else torch.bfloat16
 
 
-def apply_mode(model: Decoder, cfg: Config, side: str) -> Decoder:
-    """The precision mode's linears (and numerics) for one side, in place."""
-    mode, recipe, numerics = cfg.precision.precision_mode, cfg.precision.recipe(), resolve_numerics(cfg)
+def apply_mode(model: Decoder, cfg: Config, derived: Derived, side: str) -> Decoder:
+    """The precision mode's linears (and the run's numerics) for one side, in place."""
+    mode = cfg.precision.precision_mode
     kind = mode.trainer_kind if side == "trainer" else mode.rollout_kind
     model.embed_grid = embedding_grid(kind)
     if isinstance(model, Decoder):
-        model.numerics = numerics
-    return apply_precision(model, kind, recipe, cfg.precision.gemm_backend, num_layers=model.config.num_layers,
-                           numerics=numerics)
+        model.numerics = derived.numerics
+    return apply_precision(model, kind, derived.recipe, cfg.precision.gemm_backend,
+                           num_layers=model.config.num_layers, numerics=derived.numerics)
 
 
 def prompt_text(cfg: Config, tokenizer, task: Task, problem: Problem) -> str:

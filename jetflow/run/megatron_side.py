@@ -1,8 +1,8 @@
 """The trainer model of a local run on Megatron-Core (`train.backend=megatron`).
 
-`build_trainer_model(cfg, decoder)` returns what jetflow's `Trainer` trains: the native Decoder under
-the precision mode (`train.backend=native`), or a `jetflow.train.megatron.MegatronPolicy` holding the
-Decoder's weights (`train.backend=megatron`). The policy has the Decoder's trainer interface
+`build_trainer_model(cfg, derived, decoder)` returns what jetflow's `Trainer` trains: the native Decoder
+under the precision mode (`train.backend=native`), or a `jetflow.train.megatron.MegatronPolicy` holding
+the Decoder's weights (`train.backend=megatron`). The policy has the Decoder's trainer interface
 (`forward_hidden`, `lm_head`, `parameters`, `config`, `num_params`), so the same Trainer, loss,
 micro-batching and RL loop run unchanged; what differs goes through the `ShardedPolicy` protocol
 (jetflow.model.protocol), which the Trainer, sync and checkpoints ask for by isinstance:
@@ -29,14 +29,14 @@ and the policy sums expert gradients over Megatron's expert-data-parallel group 
 from __future__ import annotations
 
 
-from jetflow.config import Config, resolve_numerics
+from jetflow.config import Config, Derived
 from jetflow.model import CheckpointError, Decoder
 from jetflow.model.protocol import model_parallel_size, state_parts
 from jetflow.run.build import apply_mode, embedding_grid
 
 
 
-def build_megatron_policy(cfg: Config, decoder: Decoder):
+def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder):
     """A MegatronPolicy with `decoder`'s config and weights, its linears under the precision mode and its
     forward under the run's numerics (exact: the native engine's functions, so the rollout's log-probs
     equal the trainer's bit for bit at any TP / PP / EP layout the checks accept)."""
@@ -44,19 +44,19 @@ def build_megatron_policy(cfg: Config, decoder: Decoder):
 
     kind = cfg.precision.precision_mode.trainer_kind  # the layout was checked against the model (jetflow.run.validate)
     policy = MegatronPolicy.from_decoder(
-        decoder, kind=kind, recipe=cfg.precision.recipe(),
+        decoder, kind=kind, recipe=derived.recipe,
         gemm_backend=cfg.precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
         pipeline_parallel_size=cfg.train.pipeline_parallel_size,
-        expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=resolve_numerics(cfg))
+        expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=derived.numerics)
     policy.embed_grid = embedding_grid(kind)
     return policy
 
 
-def build_trainer_model(cfg: Config, decoder: Decoder):
+def build_trainer_model(cfg: Config, derived: Derived, decoder: Decoder):
     """What the Trainer trains: `decoder` under the precision mode, or a MegatronPolicy of it."""
     if cfg.train.backend == "megatron":
-        return build_megatron_policy(cfg, decoder)
-    return apply_mode(decoder, cfg, "trainer")
+        return build_megatron_policy(cfg, derived, decoder)
+    return apply_mode(decoder, cfg, derived, "trainer")
 
 
 def model_data_parallel(model, dp):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config, to_dict
+from jetflow.config import Config, Derived, to_dict
 from jetflow.distributed import free_port
 from jetflow.errors import MissingDependencyError
 from jetflow.rl.experience import Experience
@@ -61,10 +61,10 @@ def _load_cfg(cfg_dict: dict) -> Config:
 class RolloutWorker:
     """One rollout engine replica: jetflow's native engine over its own model copy."""
 
-    def __init__(self, cfg_dict: dict, num_threads: int, engine_dir: str):
+    def __init__(self, cfg_dict: dict, derived: Derived, num_threads: int, engine_dir: str):
         torch.set_num_threads(num_threads)
         from jetflow.run.sides import build_rollout_side
-        self.rollout = build_rollout_side(_load_cfg(cfg_dict), engine_dir=Path(engine_dir))
+        self.rollout = build_rollout_side(_load_cfg(cfg_dict), derived, engine_dir=Path(engine_dir))
 
     def load_weights(self, update: WeightUpdate) -> int:
         self.rollout.load_weights(update)  # verifies version, fingerprint, checksum, scales
@@ -84,9 +84,9 @@ class TrainerWorker:
     constructor, then `setup` with the address rank 0 listens on (`rendezvous_address`, asked of rank 0
     on whatever node Ray placed it)."""
 
-    def __init__(self, cfg_dict: dict, rank: int, world_size: int, num_threads: int = 1):
+    def __init__(self, cfg_dict: dict, derived: Derived, rank: int, world_size: int, num_threads: int = 1):
         torch.set_num_threads(num_threads)
-        self.cfg_dict, self.rank, self.world_size = cfg_dict, rank, world_size
+        self.cfg_dict, self.derived, self.rank, self.world_size = cfg_dict, derived, rank, world_size
 
     def rendezvous_address(self) -> tuple[str, int]:
         return import_ray().util.get_node_ip_address(), free_port()
@@ -98,7 +98,7 @@ class TrainerWorker:
         from jetflow.run.sides import TrainerSide
         cfg = _load_cfg(self.cfg_dict)
         self.dp = init_from_env(cfg.model.device) if self.world_size > 1 else SINGLE
-        self.side = TrainerSide(cfg, self.dp)
+        self.side = TrainerSide(cfg, self.derived, self.dp)
 
     def warmup_step(self, step: int) -> dict:
         return self.side.warmup_step(step)
@@ -360,7 +360,7 @@ class RayPlacement:
     is_main = True
     barrier = staticmethod(lambda: None)  # the workers meet at their own barriers (in `save`)
 
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, derived: Derived, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
         self.ray = ray = import_ray()
         self.started_here = not ray.is_initialized()
@@ -377,10 +377,10 @@ class RayPlacement:
         rollout_cls, trainer_cls = _actor_classes(ray, gpus)
         cfg_dict = to_dict(cfg)
         threads = max(1, cfg.run.num_threads or 1)
-        self.workers = workers = [trainer_cls.remote(cfg_dict, r, w, threads) for r in range(w)]
+        self.workers = workers = [trainer_cls.remote(cfg_dict, derived, r, w, threads) for r in range(w)]
         master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
         ray.get([wk.setup.remote(master_addr, master_port) for wk in workers])
-        self.engines = [rollout_cls.remote(cfg_dict, threads, str(engine_dir(run_dir, "ray", i)))
+        self.engines = [rollout_cls.remote(cfg_dict, derived, threads, str(engine_dir(run_dir, "ray", i)))
                         for i in range(cfg.rollout.num_engines)]
         infos = ray.get([wk.info.remote() for wk in workers])
         self.trainer = TrainerGroup(ray, workers, cfg, [i["dp_rank"] for i in infos])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config
+from jetflow.config import Config, Derived
 from jetflow.distributed import SINGLE, DataParallel, init_from_env, shutdown
 from jetflow.run.files import run_directory
 from jetflow.run.sequence import Placement, run_sequence
@@ -27,14 +27,15 @@ def train(cfg: Config) -> Path:
 
 
 def _train(cfg: Config, stop: StopRequests) -> Path:
-    validate_run(cfg)
+    derived = validate_run(cfg)  # the config's derived values (recipe, numerics, ...), handed down from here
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     on_ray = cfg.run.orchestrator == "ray"
     dp = SINGLE if on_ray else init_from_env(cfg.model.device)  # Ray: the driver is one process
     completed = False
     try:
-        with run_directory(cfg, dp) as run_dir, place(cfg, dp, run_dir) as placement:  # LOCK, config.yaml; model load
+        # the directory's LOCK and config.yaml, then the model load
+        with run_directory(cfg, dp) as run_dir, place(cfg, derived, dp, run_dir) as placement:
             stop.take_back()  # ray.init installs a SIGTERM handler of its own (sys.exit)
             run_sequence(cfg, placement, run_dir, stop)
         completed = True
@@ -44,9 +45,9 @@ def _train(cfg: Config, stop: StopRequests) -> Path:
             shutdown(dp, completed)
 
 
-def place(cfg: Config, dp: DataParallel, run_dir: Path) -> Placement:
+def place(cfg: Config, derived: Derived, dp: DataParallel, run_dir: Path) -> Placement:
     if cfg.run.orchestrator == "ray":
         from jetflow.run.ray_placement import RayPlacement
-        return RayPlacement(cfg, run_dir)
+        return RayPlacement(cfg, derived, run_dir)
     from jetflow.run.local import LocalPlacement
-    return LocalPlacement(cfg, dp, run_dir)
+    return LocalPlacement(cfg, derived, dp, run_dir)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config
+from jetflow.config import Config, Derived
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rollout.native import NativeRollout
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, longest_prompt,
@@ -29,14 +29,14 @@ class TrainerSide:
     """The trainer half of a run: task, tokenizer, policy model under the precision mode, optimizer,
     optional FP8 KV quantizer. One per process (or per data-parallel rank / Ray trainer worker)."""
 
-    def __init__(self, cfg: Config, dp: DataParallel = SINGLE):
+    def __init__(self, cfg: Config, derived: Derived, dp: DataParallel = SINGLE):
         torch.manual_seed(cfg.run.seed)  # the run's RNG streams start here, wherever the side is placed
         random.seed(cfg.run.seed)
-        self.cfg = cfg
+        self.cfg, self.derived = cfg, derived
         self.task = build_task(cfg)
         model, self.tokenizer = build_policy(cfg, self.task)
         self.encode = prompt_encoder(cfg, self.tokenizer, self.task)
-        self.model = build_trainer_model(cfg, model)  # the Decoder under the precision mode, or a MegatronPolicy of it
+        self.model = build_trainer_model(cfg, derived, model)  # the Decoder under the mode, or a MegatronPolicy of it
         self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
         self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp)
         self.kv_quantizer = attach_kv_fp8(self.model, cfg, "trainer")
@@ -95,13 +95,13 @@ class TrainerSide:
     def rl_loop(self, run_dir: Path | None = None) -> RLLoop:
         """The RL loop of this process: this side's trainer and a rollout engine beside it (a vLLM engine
         starts from a checkpoint in `run_dir`)."""
-        rollout = build_rollout_side(self.cfg, self, run_dir, self.dp)
+        rollout = build_rollout_side(self.cfg, self.derived, self, run_dir, self.dp)
         return RLLoop(self.cfg, self.trainer, rollout, self.task, self.encode, self.tokenizer.pad_token_id,
                       run_fingerprint(self.cfg), self.kv_quantizer, self.dp)
 
 
-def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Path | None = None,
-                       dp: DataParallel = SINGLE, engine_dir: Path | None = None):
+def build_rollout_side(cfg: Config, derived: Derived, side: TrainerSide | None = None,
+                       run_dir: Path | None = None, dp: DataParallel = SINGLE, engine_dir: Path | None = None):
     """The rollout engine of a run. Beside a trainer (`side`) it starts from a copy of the trainer's
     model; alone (a Ray rollout actor) it builds its own, whose weights the first sync replaces.
     A vLLM engine starts from a checkpoint written to `engine_dir` (default: in the run directory)."""
@@ -115,8 +115,8 @@ def build_rollout_side(cfg: Config, side: TrainerSide | None = None, run_dir: Pa
     eos = stop_token_ids(tokenizer, source, task)
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
         engine_dir = engine_dir or run_engine_dir(run_dir, "local", dp.global_rank)
-        return build_vllm_rollout(cfg, copy_model(source), tokenizer, eos, task.stop, max_seq_len, engine_dir)
-    rollout_model = apply_mode(copy_model(source), cfg, "rollout")
+        return build_vllm_rollout(cfg, derived, copy_model(source), tokenizer, eos, task.stop, max_seq_len, engine_dir)
+    rollout_model = apply_mode(copy_model(source), cfg, derived, "rollout")
     attach_kv_fp8(rollout_model, cfg, "rollout")
     return NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,
                          fingerprint=fingerprint)

@@ -5,7 +5,8 @@ outside a field's `Literal` fails when the config is loaded. Every other check i
 refuses with one line (ConfigError) that names the key and what is valid:
 
     check_config(cfg)          what the config alone decides: each value's range (RANGES), the
-                               correction's typed parameters, the combinations the backends run
+                               correction's typed parameters, the combinations the backends run;
+                               returns the config's derived values (jetflow.config.Derived)
     validate_run(cfg, n)       check_config, then what needs more than the config: the device, the
                                trainer's process count, the optional packages, the run directory
                                (a resume continues the same config), the task's parameters, and the
@@ -26,8 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from jetflow.config import Config, ConfigError, config_changes, exact_blocker, load_config, resolve_correction
-from jetflow.config import resolve_numerics
+from jetflow.config import Config, ConfigError, Derived, config_changes, derive, load_config
 from jetflow.run.build import build_task, build_tokenizer, longest_prompt, model_architecture
 from jetflow.run.files import CONFIG_FILE, holds_a_run, run_dir_of
 
@@ -78,32 +78,33 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
 TINY_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position")
 
 
-def validate_run(cfg: Config, processes: int | None = None) -> None:
-    """Refuse what `jetflow train` cannot run as asked, before anything is built. `processes`: the
-    trainer's process count (default: Ray's train.num_workers, else torchrun's WORLD_SIZE)."""
+def validate_run(cfg: Config, processes: int | None = None) -> Derived:
+    """Refuse what `jetflow train` cannot run as asked, before anything is built; returns the config's
+    derived values, which the run's builders take from here. `processes`: the trainer's process count
+    (default: Ray's train.num_workers, else torchrun's WORLD_SIZE)."""
     if processes is None:
         processes = cfg.train.num_workers if cfg.run.orchestrator == "ray" else int(os.environ.get("WORLD_SIZE", "1"))
-    numerics = check_config(cfg)
+    derived = check_config(cfg)
     check_device(cfg)
     check_processes(cfg, processes)
     check_packages(cfg)
     check_run_dir(cfg)
-    check_task_and_model(cfg, numerics)
+    check_task_and_model(cfg, derived)
+    return derived
 
 
 # The config alone --------------------------------------------------------------------------------------
 
-def check_config(cfg: Config) -> str:
-    """Every check the config alone decides; returns precision.numerics resolved."""
+def check_config(cfg: Config) -> Derived:
+    """Every check the config alone decides; returns the config's derived values."""
     try:
-        cfg.precision.recipe()  # the recipe checks its own fields (blocks, margins, layer counts)
+        derived = derive(cfg)  # the recipe checks its own fields (blocks, margins, layer counts)
     except ValueError as e:
         raise ConfigError(f"precision: {e}") from None
-    correction, numerics, blocker = resolve_correction(cfg), resolve_numerics(cfg), exact_blocker(cfg)
     check_ranges(cfg)
-    check_correction_params(cfg, correction)
-    check_combinations(cfg, numerics, blocker)
-    return numerics
+    check_correction_params(cfg, derived.correction)
+    check_combinations(cfg, derived)
+    return derived
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -144,14 +145,14 @@ def check_correction_params(cfg: Config, name: str) -> None:
         raise ConfigError(f"algo.correction_params: {e}{auto if cfg.algo.correction == 'auto' else ''}") from None
 
 
-def check_combinations(cfg: Config, numerics: str, exact_blocked_by: str | None) -> None:
-    """Values that are valid alone and not together (`numerics`: precision.numerics resolved;
-    `exact_blocked_by`: why exact numerics cannot run, or None)."""
+def check_combinations(cfg: Config, derived: Derived) -> None:
+    """Values that are valid alone and not together (`derived`: precision.numerics resolved, and why
+    exact numerics cannot run)."""
     t, a = cfg.train, cfg.algo
     if t.steps == 0 and t.sft_warmup_steps == 0:
         raise ConfigError("train.steps=0 and train.sft_warmup_steps=0: the run would do nothing")
-    if cfg.precision.numerics == "exact" and exact_blocked_by:
-        raise ConfigError(f"precision.numerics=exact: {exact_blocked_by}; use precision.numerics=fast (or auto)")
+    if cfg.precision.numerics == "exact" and derived.exact_blocker:
+        raise ConfigError(f"precision.numerics=exact: {derived.exact_blocker}; use precision.numerics=fast (or auto)")
     if t.backend != "megatron":
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(t, key) != 1:
@@ -162,7 +163,7 @@ def check_combinations(cfg: Config, numerics: str, exact_blocked_by: str | None)
             if value != "native":
                 raise ConfigError(f"algo.routing_replay=true with {key}={value}: routing replay runs with the native "
                                   f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
-    if cfg.rollout.backend == "vllm" and cfg.precision.kv_cache_fp8 and numerics != "exact":
+    if cfg.rollout.backend == "vllm" and cfg.precision.kv_cache_fp8 and derived.numerics != "exact":
         raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm needs precision.numerics=exact (or "
                           "auto): only jetflow's plugin loads the per-step FP8 KV scales")
     if t.fp8_backend != "jetflow":  # Transformer Engine cannot be installed on the CPU machines
@@ -250,11 +251,11 @@ def check_run_dir(cfg: Config) -> None:
                           f"run.allow_changes=[{','.join(changed)}], or choose another run.name")
 
 
-def check_task_and_model(cfg: Config, numerics: str) -> None:
+def check_task_and_model(cfg: Config, derived: Derived) -> None:
     """The task's parameters (checked by the task itself) and its held-out split, then the model the run
     will build, read without loading a weight (`smollm2` is converted on first use): its positions hold
     the longest prompt and a whole response, routing replay has experts to replay, and Megatron's layout
-    can split it under `numerics` (jetflow.train.megatron.checks)."""
+    can split it under the run's numerics and recipe (jetflow.train.megatron.checks)."""
     path = cfg.model.path
     if path not in ("tiny", "smollm2") and not Path(path).is_dir():
         raise ConfigError(f"model.path={path!r}: not a directory (use a local Hugging Face directory, `smollm2` or "
@@ -277,10 +278,10 @@ def check_task_and_model(cfg: Config, numerics: str) -> None:
         raise ConfigError(f"algo.routing_replay=true: the model ({arch.model_type}) has no mixture-of-experts layers "
                           "to replay; set algo.routing_replay=false")
     if cfg.train.backend == "megatron":
-        check_megatron_model(cfg, arch, numerics)
+        check_megatron_model(cfg, arch, derived)
 
 
-def check_megatron_model(cfg: Config, arch, numerics: str) -> None:
+def check_megatron_model(cfg: Config, arch, derived: Derived) -> None:
     from jetflow.train.megatron.checks import MegatronConfigError, check_layout
 
     t = cfg.train
@@ -290,6 +291,6 @@ def check_megatron_model(cfg: Config, arch, numerics: str) -> None:
                           "computed on one stage only; set algo.router_aux_loss_coef=0 or pipeline_parallel_size=1")
     try:
         check_layout(arch, t.tensor_parallel_size, t.pipeline_parallel_size, t.expert_parallel_size,
-                     cfg.precision.precision_mode.trainer_kind, cfg.precision.recipe(), numerics)
+                     cfg.precision.precision_mode.trainer_kind, derived.recipe, derived.numerics)
     except MegatronConfigError as e:
         raise ConfigError(f"train.backend=megatron: {e}") from None

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config, ConfigError, resolve_numerics
+from jetflow.config import Config, ConfigError, Derived
 from jetflow.model import CharTokenizer, Decoder, save_hf_dir
 from jetflow.model.checkpoint import write_config
 from jetflow.run.build import apply_mode, attach_kv_fp8
@@ -45,9 +45,9 @@ KV_CACHE_MIN_BYTES = 64 << 20
 
 
 
-def choose_execution(cfg: Config, model_config) -> str:
+def choose_execution(cfg: Config, derived: Derived, model_config) -> str:
     """The engine's execution for the precision mode on this machine (see the module docstring)."""
-    if resolve_numerics(cfg) == "exact":
+    if derived.numerics == "exact":
         return "exact"
     mode = cfg.precision.mode
     if mode in ("fp32", "bf16"):
@@ -55,7 +55,7 @@ def choose_execution(cfg: Config, model_config) -> str:
     if torch.cuda.is_available() and cfg.model.device.startswith("cuda"):
         from jetflow.rollout.vllm import unfusable_projections
         hf = model_config.to_hf(torch.bfloat16)
-        if not unfusable_projections(hf, cfg.precision.recipe().weight_block[0]):
+        if not unfusable_projections(hf, derived.recipe.weight_block[0]):
             return "fp8"
     return "fp8_weights_dequantized"
 
@@ -94,8 +94,8 @@ def write_engine_checkpoint(model: Decoder, tokenizer, out_dir: Path, execution:
     return out_dir
 
 
-def build_vllm_rollout(cfg: Config, model: Decoder, tokenizer, eos_token_ids: list[int], stop: tuple[str, ...],
-                       max_seq_len: int, engine_dir: Path):
+def build_vllm_rollout(cfg: Config, derived: Derived, model: Decoder, tokenizer, eos_token_ids: list[int],
+                       stop: tuple[str, ...], max_seq_len: int, engine_dir: Path):
     """A started VLLMRollout holding `model`'s weights (a plain Decoder: a copy of the trainer's), started
     from a checkpoint written to `engine_dir` (replaced if it exists)."""
     from jetflow.rollout.vllm import VLLMRollout, import_vllm
@@ -104,11 +104,11 @@ def build_vllm_rollout(cfg: Config, model: Decoder, tokenizer, eos_token_ids: li
         import_vllm()
     except ImportError as e:
         raise ConfigError(f"rollout.backend=vllm: {e}") from None
-    execution = choose_execution(cfg, model.config)
-    recipe = cfg.precision.recipe()
+    execution = choose_execution(cfg, derived, model.config)
+    recipe = derived.recipe
     policy = None
     if execution == "exact":  # the native rollout's model: the plugin computes every token with its modules
-        policy = apply_mode(model, cfg, "rollout")
+        policy = apply_mode(model, cfg, derived, "rollout")
         attach_kv_fp8(policy, cfg, "rollout")
     # vLLM's fp8 method runs bf16 activations (it refuses float32); fp8 on the CPU is dequantized weights
     dtype = "bfloat16" if execution in ("bf16", "fp8") else "float32"

@@ -31,7 +31,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a source tree without installing
 
-from jetflow.config import load_config, resolve_numerics  # noqa: E402
+from jetflow.config import derive, load_config  # noqa: E402
 from jetflow.distributed import DataParallel  # noqa: E402
 from jetflow.rl.experience import pack_experience  # noqa: E402
 from jetflow.rollout.native import NativeRollout  # noqa: E402
@@ -68,16 +68,17 @@ def run_case(config: str, case: str, tp: int, pp: int, ep: int, prompts_per_rank
         f"precision.mode={mode}", f"precision.kv_cache_fp8={str(kv).lower()}", "train.backend=megatron",
         f"train.tensor_parallel_size={tp}", f"train.pipeline_parallel_size={pp}", f"train.expert_parallel_size={ep}",
         f"rollout.max_new_tokens={NEW_TOKENS}", *overrides])
+    derived = derive(cfg)
     task = build_task(cfg)
     decoder, tok = build_policy(cfg, task)
     random_weights(decoder)
-    policy = build_trainer_model(cfg, copy.deepcopy(decoder))
+    policy = build_trainer_model(cfg, derived, copy.deepcopy(decoder))
     world = dist.get_world_size()
     dp = model_data_parallel(policy, DataParallel(rank=dist.get_rank(), world_size=world, global_rank=dist.get_rank()))
     trainer = Trainer(policy, cfg.train, cfg.algo, dp=dp)
     kv_quantizer = attach_kv_fp8(policy, cfg, "trainer")
 
-    rollout_model = apply_mode(copy_model(policy), cfg, "rollout")
+    rollout_model = apply_mode(copy_model(policy), cfg, derived, "rollout")
     attach_kv_fp8(rollout_model, cfg, "rollout")
     prompts = mixed_prompts(task, prompt_encoder(cfg, tok, task), prompts_per_rank, dp.rank * prompts_per_rank)
     fingerprint = run_fingerprint(cfg)
@@ -95,7 +96,7 @@ def run_case(config: str, case: str, tp: int, pp: int, ep: int, prompts_per_rank
     trainer_lp = trainer.compute_logprobs(exp, cfg.rollout.temperature)  # (B, R)
     mask = exp.response_mask > 0
     a, b = exp.rollout_logprobs[mask], trainer_lp[mask]
-    return {"case": case, "numerics": resolve_numerics(cfg), "tp": tp, "pp": pp, "ep": ep, "dp": dp.world_size,
+    return {"case": case, "numerics": derived.numerics, "tp": tp, "pp": pp, "ep": ep, "dp": dp.world_size,
             "equal": torch.equal(a, b), "tokens": int(mask.sum()), "max_abs_diff": float((a - b).abs().max()),
             "trainer_logprobs": trainer_lp, "input_ids": exp.input_ids, "rows": (dp.rank, dp.world_size),
             "kv_scales": scales}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from jetflow.bench.mismatch import paired_logprobs
-from jetflow.config import load_config
+from jetflow.config import derive, load_config
 from jetflow.run.loop import request_seed
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder,
                                run_fingerprint)
@@ -88,8 +88,9 @@ def test_tiny_fast_numerics_are_not_exact():
 def generate_alone_and_batched(cfg, model, tok, prompts, new_tokens: int, pick: list[int]):
     """Tokens and log-probs of each picked prompt generated inside the whole batch and alone (one seed
     per request, as vLLM's per-request seed)."""
-    trainer = apply_mode(copy_model(model), cfg, "trainer")
-    rollout_model = apply_mode(copy_model(model), cfg, "rollout")
+    derived = derive(cfg)
+    trainer = apply_mode(copy_model(model), cfg, derived, "trainer")
+    rollout_model = apply_mode(copy_model(model), cfg, derived, "rollout")
     kv = attach_kv_fp8(rollout_model, cfg, "rollout")
     scales = None if kv is None else {"k_scale": torch.full((model.config.num_layers,), 0.05),
                                       "v_scale": torch.full((model.config.num_layers,), 0.05)}

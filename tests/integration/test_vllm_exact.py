@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetflow.config import load_config
+from jetflow.config import derive, load_config
 from jetflow.model import load_hf_dir
 from jetflow.precision import FP8Recipe, RecipeMismatchError
 from jetflow.rollout import RolloutEngine, SamplingParams
@@ -69,13 +69,13 @@ def exact_rollout(model, cfg, tok, tmp_path: Path, **kw) -> VLLMRollout:
     update loaded (version 0); the policy is `rollout.policy`."""
     from jetflow.run.vllm_side import write_engine_checkpoint
 
-    policy = apply_mode(copy_model(model), cfg, "rollout")
+    policy = apply_mode(copy_model(model), cfg, derive(cfg), "rollout")
     attach_kv_fp8(policy, cfg, "rollout")
     path = write_engine_checkpoint(policy, tok, tmp_path, "exact", None)
     kw = {**dict(max_new_tokens=64, temperature=1.0, eos_token_ids=[], max_model_len=160, max_batch=16,
                  kv_cache_bytes=KV_BYTES), **kw}
     rollout = VLLMRollout(path, execution="exact", policy=policy, recipe=cfg.precision.recipe(), **kw)
-    trainer = apply_mode(copy_model(model), cfg, "trainer")
+    trainer = apply_mode(copy_model(model), cfg, derive(cfg), "trainer")
     scales = None if not cfg.precision.kv_cache_fp8 else {"k_scale": torch.full((model.config.num_layers,), 0.05),
                                                           "v_scale": torch.full((model.config.num_layers,), 0.05)}
     rollout.load_weights(build_update(trainer, cfg.precision.mode, 0, run_fingerprint(cfg), kv_scales=scales))
@@ -157,7 +157,7 @@ def test_greedy_logprobs_equal_the_native_engine_also_after_updates(mode, tmp_pa
     cfg, model, tok, _ = tiny(mode, False)
     prompts = mixed_length_prompts(tok, 6, 3, 40, seed=2)
     rollout = exact_rollout(model, cfg, tok, tmp_path, temperature=0.0)
-    trainer = apply_mode(copy_model(model), cfg, "trainer")
+    trainer = apply_mode(copy_model(model), cfg, derive(cfg), "trainer")
     try:
         for version in (1, 2):
             out = rollout.generate(prompts, seeds=list(range(len(prompts))), greedy=True)
@@ -209,11 +209,11 @@ def test_what_the_plugin_cannot_serve_is_refused_before_the_run_starts(tmp_path)
     from jetflow.run.vllm_side import write_engine_checkpoint
 
     cfg, model, tok, _ = tiny("unified", False)
-    fast = apply_mode(copy_model(model), load_config(str(ROOT / "configs/tiny.yaml"), ["precision.numerics=fast"]),
-                      "rollout")
+    fast_cfg = load_config(str(ROOT / "configs/tiny.yaml"), ["precision.numerics=fast"])
+    fast = apply_mode(copy_model(model), fast_cfg, derive(fast_cfg), "rollout")
     with pytest.raises(UnservedError, match="numerics='fast'"):
         VLLMRollout(tmp_path, execution="exact", policy=fast)
-    policy = apply_mode(copy_model(model), cfg, "rollout")
+    policy = apply_mode(copy_model(model), cfg, derive(cfg), "rollout")
     policy.config.model_type = "gemma"
     with pytest.raises(UnservedError, match="model_type 'gemma'"):
         VLLMRollout(tmp_path, execution="exact", policy=policy)

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from jetflow.config import ConfigError, load_config, resolve_numerics
+from jetflow.config import ConfigError, derive, load_config
 from jetflow.model import ModelConfig
 from jetflow.precision import FP8Recipe, apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
@@ -139,7 +139,7 @@ def test_row_parallel_k_that_cannot_split_is_refused_naming_the_layer():
     ("tiny.yaml", ["train.backend=megatron", "train.tensor_parallel_size=2"], "fast"),  # o_proj K = 128
 ])
 def test_auto_numerics_with_megatron(config, overrides, numerics):
-    assert resolve_numerics(load_config(ROOT / "configs" / config, overrides)) == numerics
+    assert derive(load_config(ROOT / "configs" / config, overrides)).numerics == numerics
 
 
 def test_exact_asked_where_tensor_parallelism_cannot_split_is_refused():

@@ -302,12 +302,12 @@ def test_a_self_describing_checkpoint_loads_without_its_run(run_dir, tmp_path, c
 def test_final_model_is_an_hf_directory_and_its_fp8_export(run_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from jetflow.config import load_config
+    from jetflow.config import derive, load_config
     from jetflow.run.sides import TrainerSide
 
     run = older_run(run_dir, tmp_path)
     cfg = load_config(run / "config.yaml")
-    side = TrainerSide(cfg)  # as the run holds it at its end: the trained weights under unified FP8
+    side = TrainerSide(cfg, derive(cfg))  # as the run holds it at its end: the trained weights under unified FP8
     side.restore(latest_checkpoint(run))
     final = write_final_model(run, side.model, side.tokenizer, cfg.precision.mode, cfg.precision.recipe())
     assert final == run / FINAL_MODEL_DIR and not list(run.glob(".tmp-*"))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from jetflow.config import load_config
+from jetflow.config import derive, load_config
 from jetflow.model import Decoder, ModelConfig
 from jetflow.run.build import apply_mode, copy_model
 from jetflow.precision import RecipeMismatchError, fp8_linears
@@ -15,8 +15,8 @@ def tiny_pair(mode):
     torch.manual_seed(0)
     model = Decoder(ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                                 num_kv_heads=2, head_dim=32, tie_word_embeddings=True))
-    rollout = apply_mode(copy_model(model), cfg, "rollout")
-    apply_mode(model, cfg, "trainer")
+    rollout = apply_mode(copy_model(model), cfg, derive(cfg), "rollout")
+    apply_mode(model, cfg, derive(cfg), "trainer")
     return cfg, model, rollout
 
 
