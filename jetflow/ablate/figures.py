@@ -3,7 +3,9 @@
 A cell's grid labels decide where it is drawn (jetflow.ablate.grid names the axes):
 - the line (variant): its precision mode, recipe family and rollout correction (`precision.mode`,
   `precision.family`, `algo.correction`); a grid without them draws the first axis that is not the seed;
-- the panel: every other axis except the seed (e.g. the response length);
+- the panel: every other axis except the seed (e.g. the response length); a cell that a conditional
+  panel axis skipped (`only_when`) is drawn in every panel of that axis (e.g. bf16 beside each recipe
+  family of mixed and unified);
 - `run.seed`: pooled. A line is the mean over seeds per step, smoothed (the raw mean faint beneath),
   with a band from the lowest to the highest seed.
 Colours follow the precision mode in every figure (jetflow.plots.MODE_COLORS); several variants of one
@@ -66,16 +68,27 @@ def place_cells(ab: "Ablation") -> list[Placed]:
     axes = [a for a in ab.grid if a != SEED_AXIS]
     line_axes = [a for a in axes if a in LINE_AXES] or axes[:1]
     panel_axes = [a for a in axes if a not in line_axes]
-    placed = []
+    grid_ids = _grid_ids(ab)
+    rows = []
     for cell in ab.cells:
         labels = _axis_labels(ab, cell)
         line = "-".join(labels[a] for a in line_axes if a in labels)
-        if not line or cell.id not in _grid_ids(ab):  # an extra cell: its own line, named by its id
+        if not line or cell.id not in grid_ids:  # an extra cell: its own line, named by its id
             line = cell.id.replace(f"-seed{cell.settings.get(SEED_AXIS)}", "")  # less its seed and panel
             line = "-".join(part for part in line.split("-") if part not in {labels.get(a) for a in panel_axes})
-        panel = "-".join(labels[a] for a in panel_axes if a in labels) or "all cells"
+        rows.append((cell, tuple(labels.get(a) for a in panel_axes), line))
+    # A grid cell that a conditional panel axis skipped (`only_when`; e.g. bf16 under a recipe-family
+    # axis of mixed and unified) is drawn in every panel that agrees with the panel labels it has.
+    full = list(dict.fromkeys(key for cell, key, _ in rows if cell.id in grid_ids and None not in key))
+    placed = []
+    for cell, key, line in rows:
+        keys = [key]
+        if cell.id in grid_ids and None in key and full:
+            keys = [k for k in full if all(own is None or own == k_i for own, k_i in zip(key, k))] or keys
         run_dir = ab.run_dir(cell)
-        placed.append(Placed(cell, run_dir, line, panel, _mode(run_dir, cell)))
+        for k in keys:
+            panel = "-".join(label for label in k if label is not None) or "all cells"
+            placed.append(Placed(cell, run_dir, line, panel, _mode(run_dir, cell)))
     return placed
 
 

@@ -306,3 +306,22 @@ def test_compare_tables_in_the_report(tmp_path, monkeypatch):
     assert (out / "grad_norm.png").read_bytes().startswith(b"\x89PNG") and (out / "low_prob.png").exists()
     assert not (out / "response_length.png").exists()  # no cell logged response/length_mean: not drawn
     assert "![grad norm](grad_norm.png)" in md
+
+
+def test_a_cell_a_conditional_panel_axis_skipped_is_drawn_in_every_panel(tmp_path):
+    """configs/ablations/learning.yaml: the recipe family is a panel axis of mixed and unified only; bf16
+    (no family) is drawn beside each, and compared within each."""
+    from jetflow.ablate.figures import place_cells
+
+    ab = load_ablation(ROOT / "configs/ablations/learning.yaml", out_dir=tmp_path)
+    placed = place_cells(ab)
+    assert len(ab.cells) == 5 * 9 and len(placed) == 5 * 10  # bf16 twice per seed
+    assert list(dict.fromkeys(p.panel for p in placed)) == ["fp8", "nvfp4"]
+    assert list(dict.fromkeys(p.line for p in placed)) == ["bf16", "mixed-none", "mixed-token_tis", "mixed-ais",
+                                                           "unified"]
+    assert {p.panel for p in placed if p.cell.id == "seed3-bf16"} == {"fp8", "nvfp4"}
+    assert [p.panel for p in placed if p.cell.id == "seed3-unified-nvfp4"] == ["nvfp4"]
+    assert ab.compare[0] == ("mixed-none", "bf16")
+    # an axis that skips nothing keeps one panel per cell (the precision study)
+    precision = load_ablation(ROOT / "configs/ablations/precision.yaml", out_dir=tmp_path)
+    assert len(place_cells(precision)) == len(precision.cells)
