@@ -39,6 +39,8 @@ class Placed:
     line: str
     panel: str
     mode: str | None
+    panel_key: tuple = ()
+    """The panel's label on each panel axis, in grid order."""
 
 
 def _axis_labels(ab: "Ablation", cell: "Cell") -> dict[str, str]:
@@ -88,8 +90,17 @@ def place_cells(ab: "Ablation") -> list[Placed]:
         run_dir = ab.run_dir(cell)
         for k in keys:
             panel = "-".join(label for label in k if label is not None) or "all cells"
-            placed.append(Placed(cell, run_dir, line, panel, _mode(run_dir, cell)))
+            placed.append(Placed(cell, run_dir, line, panel, _mode(run_dir, cell), k))
     return placed
+
+
+def panel_columns(placed: list[Placed], default: int = 3) -> int:
+    """Columns of a figure: with two or more panel axes, one column per label of the last (a row per
+    combination of the others, e.g. a setting per row and its recipe families side by side)."""
+    keys = list(dict.fromkeys(p.panel_key for p in placed))
+    if keys and len(keys[0]) >= 2:
+        return max(1, len({k[-1] for k in keys}))
+    return default
 
 
 def _grid_ids(ab: "Ablation") -> set[str]:
@@ -147,7 +158,7 @@ def draw(path: Path, title: str, ylabel: str, xlabel: str, placed: list[Placed],
     """One panel per setting, one pooled line per variant (see the module docstring)."""
     panels = list(dict.fromkeys(p.panel for p in placed))
     styles = _styles(placed)
-    fig, axes = plots.figure(len(panels))
+    fig, axes = plots.figure(len(panels), max_cols=panel_columns(placed))
     seeds = max((sum(1 for q in placed if q.panel == p.panel and q.line == p.line) for p in placed), default=1)
     for ax, panel in zip(axes, panels):
         zero, drawn, counts = [], False, set()

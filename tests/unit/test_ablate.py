@@ -315,13 +315,17 @@ def test_a_cell_a_conditional_panel_axis_skipped_is_drawn_in_every_panel(tmp_pat
 
     ab = load_ablation(ROOT / "configs/ablations/learning.yaml", out_dir=tmp_path)
     placed = place_cells(ab)
-    assert len(ab.cells) == 5 * 9 and len(placed) == 5 * 10  # bf16 twice per seed
-    assert list(dict.fromkeys(p.panel for p in placed)) == ["fp8", "nvfp4"]
+    assert len(ab.cells) == 8 * 3 * 9 and len(placed) == 8 * 3 * 10  # bf16 twice per seed and setting
+    assert list(dict.fromkeys(p.panel for p in placed)) == [f"{s}-{r}" for s in ("sum3-T0.5", "sum3-T0.5-wu20", "sum2-T1")
+                                                            for r in ("fp8", "nvfp4")]
     assert list(dict.fromkeys(p.line for p in placed)) == ["bf16", "mixed-none", "mixed-token_tis", "mixed-ais",
                                                            "unified"]
-    assert {p.panel for p in placed if p.cell.id == "seed3-bf16"} == {"fp8", "nvfp4"}
-    assert [p.panel for p in placed if p.cell.id == "seed3-unified-nvfp4"] == ["nvfp4"]
+    assert {p.panel for p in placed if p.cell.id == "seed3-sum2-T1-bf16"} == {"sum2-T1-fp8", "sum2-T1-nvfp4"}
+    assert [p.panel for p in placed if p.cell.id == "seed3-sum2-T1-unified-nvfp4"] == ["sum2-T1-nvfp4"]
     assert ab.compare[0] == ("mixed-none", "bf16")
+    from jetflow.ablate.figures import panel_columns
+    assert panel_columns(placed) == 2  # a setting per row, its two recipe families side by side
+    assert panel_columns(place_cells(load_ablation(ROOT / "configs/ablations/precision.yaml", out_dir=tmp_path))) == 3
     # an axis that skips nothing keeps one panel per cell (the precision study)
     precision = load_ablation(ROOT / "configs/ablations/precision.yaml", out_dir=tmp_path)
     assert len(place_cells(precision)) == len(precision.cells)
