@@ -1,6 +1,7 @@
 """An ablation's figures: one panel per setting, one line per variant, seeds pooled.
 
-A cell's grid labels decide where it is drawn (jetflow.ablate.grid names the axes):
+A cell's grid labels decide where it is drawn (jetflow.ablate.grid names the axes; its place_cells
+applies these rules):
 - the line (variant): its precision mode, recipe family and rollout correction (`precision.mode`,
   `precision.family`, `algo.correction`); a grid without them draws the first axis that is not the seed;
 - the panel: every other axis except the seed (e.g. the response length); a cell that a conditional
@@ -14,84 +15,13 @@ mode (mixed with each correction) share its colour and differ in line style.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
-
-import yaml
+from typing import Callable
 
 from jetflow import plots
+from jetflow.ablate.grid import Ablation, Placed, place_cells
 from jetflow.metrics_log import METRICS_FILE, read_jsonl
-from jetflow.run.files import CONFIG_FILE
 from jetflow.run.report import position_curve
-
-if TYPE_CHECKING:
-    from jetflow.ablate.grid import Ablation, Cell
-
-SEED_AXIS = "run.seed"
-LINE_AXES = ("precision.mode", "precision.family", "algo.correction")
-
-
-@dataclass
-class Placed:
-    cell: "Cell"
-    run_dir: Path
-    line: str
-    panel: str
-    mode: str | None
-    panel_key: tuple = ()
-    """The panel's label on each panel axis, in grid order."""
-
-
-def _axis_labels(ab: "Ablation", cell: "Cell") -> dict[str, str]:
-    """axis name -> the label of the value this cell took on it (axes the cell skipped are absent)."""
-    from jetflow.ablate.grid import _parse_axis, format_value
-
-    labels = {}
-    for name, spec in ab.grid.items():
-        for label, settings in _parse_axis(name, spec)[0]:
-            if all(k in cell.settings and format_value(cell.settings[k]) == format_value(v)
-                   for k, v in settings.items()):
-                labels[name] = label
-                break
-    return labels
-
-
-def _mode(run_dir: Path, cell: "Cell") -> str | None:
-    if "precision.mode" in cell.settings:
-        return str(cell.settings["precision.mode"])
-    cfg_file = run_dir / CONFIG_FILE
-    if cfg_file.exists():
-        return ((yaml.safe_load(cfg_file.read_text()) or {}).get("precision") or {}).get("mode")
-    return None
-
-
-def place_cells(ab: "Ablation") -> list[Placed]:
-    axes = [a for a in ab.grid if a != SEED_AXIS]
-    line_axes = [a for a in axes if a in LINE_AXES] or axes[:1]
-    panel_axes = [a for a in axes if a not in line_axes]
-    grid_ids = _grid_ids(ab)
-    rows = []
-    for cell in ab.cells:
-        labels = _axis_labels(ab, cell)
-        line = "-".join(labels[a] for a in line_axes if a in labels)
-        if not line or cell.id not in grid_ids:  # an extra cell: its own line, named by its id
-            line = cell.id.replace(f"-seed{cell.settings.get(SEED_AXIS)}", "")  # less its seed and panel
-            line = "-".join(part for part in line.split("-") if part not in {labels.get(a) for a in panel_axes})
-        rows.append((cell, tuple(labels.get(a) for a in panel_axes), line))
-    # A grid cell that a conditional panel axis skipped (`only_when`; e.g. bf16 under a recipe-family
-    # axis of mixed and unified) is drawn in every panel that agrees with the panel labels it has.
-    full = list(dict.fromkeys(key for cell, key, _ in rows if cell.id in grid_ids and None not in key))
-    placed = []
-    for cell, key, line in rows:
-        keys = [key]
-        if cell.id in grid_ids and None in key and full:
-            keys = [k for k in full if all(own is None or own == k_i for own, k_i in zip(key, k))] or keys
-        run_dir = ab.run_dir(cell)
-        for k in keys:
-            panel = "-".join(label for label in k if label is not None) or "all cells"
-            placed.append(Placed(cell, run_dir, line, panel, _mode(run_dir, cell), k))
-    return placed
 
 
 def panel_columns(placed: list[Placed], default: int = 3) -> int:
@@ -101,11 +31,6 @@ def panel_columns(placed: list[Placed], default: int = 3) -> int:
     if keys and len(keys[0]) >= 2:
         return max(1, len({k[-1] for k in keys}))
     return default
-
-
-def _grid_ids(ab: "Ablation") -> set[str]:
-    from jetflow.ablate.grid import expand_grid
-    return {c.id for c in expand_grid(ab.grid)} if ab.grid else set()
 
 
 def _styles(placed: list[Placed]) -> dict[str, tuple[str, object]]:
@@ -219,7 +144,7 @@ EXTRA_FIGURES = {
 }
 
 
-def draw_all(ab: "Ablation") -> dict[str, str]:
+def draw_all(ab: Ablation) -> dict[str, str]:
     """Every figure of the ablation into its out_dir; returns {name: file}."""
     placed = place_cells(ab)
     figures = dict(FIGURES)

@@ -29,6 +29,9 @@ precision.mode and algo.correction, `len<N>` for rollout.max_new_tokens, `seed<N
 
 Every cell's config is resolved and goes through the pre-run pass (jetflow.run.validate) before
 anything runs, so a typo fails at once and names the cell.
+
+place_cells gives each cell its variant and its setting: the line and the panel it is drawn in
+(jetflow.ablate.figures states the rules), and the variant names that `compare` pairs.
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ from typing import Any
 import yaml
 
 from jetflow.config import Config, ConfigError, load_config
+from jetflow.run.files import CONFIG_FILE
 from jetflow.run.validate import validate_run
 
 RUNS = "runs"
+SEED_AXIS = "run.seed"
+LINE_AXES = ("precision.mode", "precision.family", "algo.correction")
 # Axis labels: "{}" is the value. Other keys get "<last key part><value>".
 LABELS = {"precision.mode": "{}", "algo.correction": "{}", "rollout.max_new_tokens": "len{}", "run.seed": "seed{}"}
 
@@ -204,7 +210,6 @@ def _parse_compare(spec: Any, ab: Ablation, path: Path) -> list[tuple[str, str]]
     """`compare: [[a, b], ...]`: pairs of variant names (the figures' lines) that the ablation has."""
     if spec is None:
         return []
-    from jetflow.ablate.figures import place_cells
     variants = list(dict.fromkeys(p.line for p in place_cells(ab)))
     if not isinstance(spec, list):
         raise ConfigError(f"{path}: compare must be a list of [variant, variant] pairs; variants: {variants}")
@@ -246,3 +251,72 @@ def select(cells: list[Cell], only: list[str] | None) -> list[Cell]:
     if unmatched:
         raise ConfigError(f"--only {unmatched} matches no cell; cells: {[c.id for c in cells]}")
     return [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in only)]
+
+
+# Where each cell is drawn and compared: its variant (line) and setting (panel).
+
+@dataclass
+class Placed:
+    """One cell where it is drawn: its variant (`line`) in one setting (`panel`)."""
+    cell: Cell
+    run_dir: Path
+    line: str
+    panel: str
+    mode: str | None
+    panel_key: tuple = ()
+    """The panel's label on each panel axis, in grid order."""
+
+
+def _axis_labels(ab: Ablation, cell: Cell) -> dict[str, str]:
+    """axis name -> the label of the value this cell took on it (axes the cell skipped are absent)."""
+    labels = {}
+    for name, spec in ab.grid.items():
+        for label, settings in _parse_axis(name, spec)[0]:
+            if all(k in cell.settings and format_value(cell.settings[k]) == format_value(v)
+                   for k, v in settings.items()):
+                labels[name] = label
+                break
+    return labels
+
+
+def _mode(run_dir: Path, cell: Cell) -> str | None:
+    if "precision.mode" in cell.settings:
+        return str(cell.settings["precision.mode"])
+    cfg_file = run_dir / CONFIG_FILE
+    if cfg_file.exists():
+        return ((yaml.safe_load(cfg_file.read_text()) or {}).get("precision") or {}).get("mode")
+    return None
+
+
+def place_cells(ab: Ablation) -> list[Placed]:
+    """Where each cell is drawn and compared: its variant (the figures' line; `compare` names these) and
+    its setting (the panel). See jetflow.ablate.figures for the rules."""
+    axes = [a for a in ab.grid if a != SEED_AXIS]
+    line_axes = [a for a in axes if a in LINE_AXES] or axes[:1]
+    panel_axes = [a for a in axes if a not in line_axes]
+    grid_ids = _grid_ids(ab)
+    rows = []
+    for cell in ab.cells:
+        labels = _axis_labels(ab, cell)
+        line = "-".join(labels[a] for a in line_axes if a in labels)
+        if not line or cell.id not in grid_ids:  # an extra cell: its own line, named by its id
+            line = cell.id.replace(f"-seed{cell.settings.get(SEED_AXIS)}", "")  # less its seed and panel
+            line = "-".join(part for part in line.split("-") if part not in {labels.get(a) for a in panel_axes})
+        rows.append((cell, tuple(labels.get(a) for a in panel_axes), line))
+    # A grid cell that a conditional panel axis skipped (`only_when`; e.g. bf16 under a recipe-family
+    # axis of mixed and unified) is drawn in every panel that agrees with the panel labels it has.
+    full = list(dict.fromkeys(key for cell, key, _ in rows if cell.id in grid_ids and None not in key))
+    placed = []
+    for cell, key, line in rows:
+        keys = [key]
+        if cell.id in grid_ids and None in key and full:
+            keys = [k for k in full if all(own is None or own == k_i for own, k_i in zip(key, k))] or keys
+        run_dir = ab.run_dir(cell)
+        for k in keys:
+            panel = "-".join(label for label in k if label is not None) or "all cells"
+            placed.append(Placed(cell, run_dir, line, panel, _mode(run_dir, cell), k))
+    return placed
+
+
+def _grid_ids(ab: Ablation) -> set[str]:
+    return {c.id for c in expand_grid(ab.grid)} if ab.grid else set()

@@ -37,15 +37,13 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from jetflow.ablate.figures import draw_all, place_cells
+from jetflow.ablate.figures import draw_all
+from jetflow.ablate.grid import Ablation, load_ablation, place_cells
 from jetflow.bench.common import environment, markdown_table
 from jetflow.metrics_log import METRICS_FILE, read_jsonl
 from jetflow.run.files import ERROR_FILE, POSITIONS_FILE, run_status
-
-if TYPE_CHECKING:
-    from jetflow.ablate.grid import Ablation
 
 TIME_KEYS = ("time/rollout", "time/old_logprobs", "time/train", "time/sync")
 COLUMNS = {  # summary.json key -> summary.md column
@@ -264,7 +262,6 @@ def is_ablation_dir(path: Path) -> bool:
 def redraw_report(out_dir: Path) -> Path:
     """Rewrite an ablation's report from its runs, keeping the command that made them
     (`jetflow report results/precision`)."""
-    from jetflow.ablate.grid import load_ablation
     summary = json.loads((out_dir / "summary.json").read_text())
     return write_report(load_ablation(summary["ablation_file"], out_dir), summary["command"])
 
@@ -274,7 +271,7 @@ def _fmt_env(env: dict) -> str:
             f"python {env['python']}, torch {env['torch']}, CUDA {env['cuda']}")
 
 
-def write_report(ab: "Ablation", command: str) -> Path:
+def write_report(ab: Ablation, command: str) -> Path:
     """Rebuild every report file of `ab` from its run directories; returns summary.md's path."""
     out = ab.out_dir
     out.mkdir(parents=True, exist_ok=True)

@@ -182,7 +182,8 @@ def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path, monkeypat
 
 
 def test_figures_draw_one_panel_per_length_one_line_per_variant_seeds_pooled(tmp_path):
-    from jetflow.ablate.figures import _styles, place_cells
+    from jetflow.ablate.figures import _styles
+    from jetflow.ablate.grid import place_cells
     from jetflow.plots import MODE_COLORS
 
     ab = load_ablation(ROOT / "configs/ablations/precision.yaml", out_dir=tmp_path)
@@ -202,7 +203,8 @@ def test_figures_draw_one_panel_per_length_one_line_per_variant_seeds_pooled(tmp
 def test_extra_cells_make_one_line_across_panels(tmp_path):
     """precision-moe.yaml's extra cells (mixed with routing replay, per length and seed) are one
     variant: one line name in every length panel, seeds pooled, mixed's colour in its own style."""
-    from jetflow.ablate.figures import _styles, place_cells
+    from jetflow.ablate.figures import _styles
+    from jetflow.ablate.grid import place_cells
     from jetflow.plots import MODE_COLORS
 
     placed = [p for p in place_cells(load_ablation(ROOT / "configs/ablations/precision-moe.yaml", out_dir=tmp_path))
@@ -250,7 +252,7 @@ def test_compare_pairs_are_checked_against_the_variants(tmp_path):
             "run.seed": [0, 1]}
     ok = load_ablation(write(tmp_path, {"name": "c", "grid": grid, "compare": [["mixed-nvfp4", "bf16"]]}))
     assert ok.compare == [("mixed-nvfp4", "bf16")]
-    from jetflow.ablate.figures import place_cells
+    from jetflow.ablate.grid import place_cells
     assert list(dict.fromkeys(p.line for p in place_cells(ok))) == ["bf16", "mixed-fp8", "mixed-nvfp4"]  # family: a line axis
     with pytest.raises(ConfigError, match=r"not variants of this ablation; variants: \['bf16', 'mixed-fp8'"):
         load_ablation(write(tmp_path, {"name": "c", "grid": grid, "compare": [["mixed", "bf16"]]}))
@@ -311,7 +313,7 @@ def test_compare_tables_in_the_report(tmp_path, monkeypatch):
 def test_a_cell_a_conditional_panel_axis_skipped_is_drawn_in_every_panel(tmp_path):
     """configs/ablations/learning.yaml: the recipe family is a panel axis of mixed and unified only; bf16
     (no family) is drawn beside each, and compared within each."""
-    from jetflow.ablate.figures import place_cells
+    from jetflow.ablate.grid import place_cells
 
     ab = load_ablation(ROOT / "configs/ablations/learning.yaml", out_dir=tmp_path)
     placed = place_cells(ab)
