@@ -1,4 +1,21 @@
-"""The shared FP8 precision core. Imports nothing else of jetflow."""
+"""The low-precision core that the trainer and the rollout engine share. Imports nothing else of jetflow.
+
+  recipe.py        FP8Recipe: one recipe, its family (fp8_block, mxfp8, nvfp4) fixing each operand's
+                   format, block shape and scales; the fingerprint both sides check
+  modes.py         the precision modes of a run (fp32, bf16, mixed, unified)
+  quant.py         fp8_block quantization (128x128 weight blocks, 1x128 groups), the numerical reference
+  mx.py            the microscaled quantizers: MXFP8 (1x32 blocks, E8M0 scales),
+  nvfp4.py         NVFP4 (E2M1 values in 16-element blocks, E4M3 block scales, an fp32 scale above),
+  fp4.py           and the E2M1 codes NVFP4 rounds to and packs two per byte
+  gemm.py          the scaled GEMM backends (fp8_matmul) and the bf16 GEMM
+  fp8_function.py  the fp8_block linear's autograd function: fprop, dgrad and wgrad GEMMs
+  microscaled.py   the mxfp8 / nvfp4 linears (TE's three GEMMs)
+  exact.py         exact_linear: the one linear every side computes under `precision.numerics=exact`
+  linear.py        PrecisionLinear and apply_precision, which puts it into a model
+  kv.py            FP8 K/V quantization with per-layer scales
+  export.py        quantized weights in the checkpoint layouts vLLM loads, and back: fp8_block's own,
+  modelopt.py      and NVIDIA ModelOpt's for mxfp8 / nvfp4
+"""
 
 from jetflow.precision.export import (from_checkpoint_tensors, load_quantized, quantized_weights, save_quantized,
                                       to_checkpoint_tensors)
