@@ -102,9 +102,6 @@ class PrecisionLinear(nn.Linear):
             wq.with_dequantized_cache()
         self._loaded = wq
 
-    def clear_loaded(self) -> None:
-        self._loaded = None
-
     # Forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.numerics == "exact":
