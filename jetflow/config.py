@@ -361,7 +361,8 @@ REPLACED_BY_OVERRIDE = ("task.params", "algo.correction_params")
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML file <- `key=value` overrides, in order; typed (the values' ranges and
-    combinations are jetflow.run.validate's)."""
+    combinations are jetflow.run.validate's). A run's config; a checkpoint's architecture (its
+    config.json) is jetflow.model.checkpoint.load_model_config's."""
     base = OmegaConf.structured(Config)
     try:
         if path is not None:

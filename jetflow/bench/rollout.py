@@ -199,13 +199,13 @@ def _vllm_runner(model_path: str, execution: str, batch: int, prompt_len: int, n
     from jetflow.precision import FP8Recipe, apply_precision
     from jetflow.rollout.vllm import VLLMRollout
 
-    from jetflow.model import load_config
+    from jetflow.model import load_model_config
     from jetflow.run.vllm_side import kv_cache_bytes
 
     max_len = prompt_len + new_tokens + 8
     dtype_bytes = 2 if execution == "bf16" else 4
     kw = dict(max_new_tokens=new_tokens, temperature=1.0, eos_token_ids=[], max_model_len=max_len, max_batch=batch,
-              kv_cache_bytes=kv_cache_bytes(load_config(model_path), batch, max_len, dtype_bytes))
+              kv_cache_bytes=kv_cache_bytes(load_model_config(model_path), batch, max_len, dtype_bytes))
     if execution.startswith("exact"):
         kind = execution.split()[1]
         policy = load(model_path).eval()

@@ -16,8 +16,8 @@ import torch
 
 from jetflow.model.checkpoint import (
     CheckpointError,
-    load_config,
     load_hf_dir,
+    load_model_config,
     load_state_dict_from_dir,
     save_hf_dir,
 )
@@ -69,6 +69,6 @@ def _exported_bytes(model: Decoder, precision: str, precision_kwargs: dict) -> d
 
 __all__ = [
     "SUPPORTED", "CheckpointError", "CharTokenizer", "Decoder", "KVCache", "ModelConfig", "Tokenizer",
-    "UnsupportedModelError", "load", "load_config", "load_hf_dir", "load_state_dict_from_dir",
+    "UnsupportedModelError", "load", "load_hf_dir", "load_model_config", "load_state_dict_from_dir",
     "load_tokenizer", "save_hf_dir", "with_precision",
 ]

@@ -63,13 +63,14 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"cannot parse {path}: {e}") from e
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    """ModelConfig from <path>/config.json."""
+def load_model_config(path: str | Path) -> ModelConfig:
+    """ModelConfig from <path>/config.json: a checkpoint directory's architecture (Hugging Face's file).
+    Not a run's config: that is jetflow.config.load_config (a YAML file and overrides -> Config)."""
     return ModelConfig.from_hf(read_json(Path(path) / CONFIG_FILE))
 
 
 def write_config(config: ModelConfig, dtype: torch.dtype, path: str | Path) -> None:
-    """<path>/config.json for weights of `config` stored in `dtype` (what transformers and `load_config` read)."""
+    """<path>/config.json for weights of `config` stored in `dtype` (what transformers and `load_model_config` read)."""
     (Path(path) / CONFIG_FILE).write_text(json.dumps(config.to_hf(dtype), indent=2) + "\n")
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 from jetflow.config import Config, ConfigError, Derived
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.model import CharTokenizer, CheckpointError, Decoder, ModelConfig, load_hf_dir, load_tokenizer
-from jetflow.model.checkpoint import load_config as load_model_config
+from jetflow.model.checkpoint import load_model_config
 from jetflow.model.tokenizer import render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer

@@ -40,7 +40,7 @@ def greedy_with_cache(model, tok, prompts, n):
 
 
 def test_converted_config(smollm2_dir):
-    cfg = jm.load_config(smollm2_dir)
+    cfg = jm.load_model_config(smollm2_dir)
     assert (cfg.model_type, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == \
         ("llama", 576, 30, 9, 3, 49152)
     assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5
