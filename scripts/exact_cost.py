@@ -24,7 +24,7 @@ import torch
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
 from jetflow.config import derive
-from jetflow.run.build import apply_mode, build_policy, build_task, copy_model
+from jetflow.run.build import apply_mode, build_policy, copy_model
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.train.trainer import Trainer
 
@@ -45,8 +45,7 @@ def main() -> None:
     variants = [(mode, numerics) for mode in args.modes.split(",") for numerics in ("fast", "exact")]
 
     base_cfg = bench_config("smollm2")
-    task = build_task(base_cfg)
-    base, tok = build_policy(base_cfg, task)
+    base, tok = build_policy(base_cfg)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, base.config.vocab_size, (args.batch, args.prompt_len), generator=gen).tolist()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)

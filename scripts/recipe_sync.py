@@ -18,7 +18,7 @@ from pathlib import Path
 from jetflow.bench.common import markdown_table
 from jetflow.bench.weight_sync import measure_mode
 from jetflow.bench.workload import bench_config
-from jetflow.run.build import build_policy, build_task
+from jetflow.run.build import build_policy
 
 
 def main() -> int:
@@ -28,7 +28,7 @@ def main() -> int:
     parser.add_argument("--out-dir", default="results/recipes")
     args = parser.parse_args()
     cfg = bench_config(args.model)
-    base, _ = build_policy(cfg, build_task(cfg))
+    base, _ = build_policy(cfg)
     rows = []
     for mode, family in (("bf16", "fp8_block"), ("unified", "fp8_block"), ("unified", "mxfp8"), ("unified", "nvfp4")):
         c = copy.deepcopy(cfg)

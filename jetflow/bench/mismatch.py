@@ -150,7 +150,7 @@ def run(config: str | None = None, overrides: tuple[str, ...] = (), modes: tuple
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     task = build_task(cfg)
-    base_model, tokenizer = build_policy(cfg, task)
+    base_model, tokenizer = build_policy(cfg)
     encode = prompt_encoder(cfg, tokenizer, task)
     prompts = [encode(p) for p in task.problems(0, num_prompts, cfg.run.seed) for _ in range(group_size)]
     rows = []

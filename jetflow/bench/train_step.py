@@ -25,7 +25,7 @@ import torch
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
 from jetflow.config import derive
-from jetflow.run.build import apply_mode, build_policy, build_task, copy_model
+from jetflow.run.build import apply_mode, build_policy, copy_model
 from jetflow.precision import PrecisionMode
 from jetflow.rl.experience import Experience
 from jetflow.train.trainer import Trainer
@@ -35,8 +35,7 @@ MODES = ("fp32", "bf16", "unified")
 
 def build_trainers(cfg, modes: tuple[str, ...]) -> tuple[dict[str, Trainer], int, int]:
     """({mode: Trainer over its own copy of the model}, vocab size, pad id); same initial weights."""
-    task = build_task(cfg)
-    base, tokenizer = build_policy(cfg, task)
+    base, tokenizer = build_policy(cfg)
     trainers = {}
     for mode in modes:
         mode_cfg = copy.deepcopy(cfg)

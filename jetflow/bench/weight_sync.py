@@ -28,7 +28,7 @@ import torch
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config
 from jetflow.config import derive
-from jetflow.run.build import apply_mode, build_policy, build_task, copy_model, run_fingerprint
+from jetflow.run.build import apply_mode, build_policy, copy_model, run_fingerprint
 from jetflow.precision import quantized_weights
 from jetflow.sync import WeightUpdate, apply_update, build_update
 
@@ -87,8 +87,7 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, reps: int = 3, d
         out_dir: str = "results/bench", name: str | None = None) -> dict:
     """Benchmark and write <out_dir>/sync-<cpu|gpu>.{json,md} (or `name`); returns the payload."""
     cfg = bench_config(model, [f"model.device={device}"] if device else [])
-    task = build_task(cfg)
-    base, _ = build_policy(cfg, task)
+    base, _ = build_policy(cfg)
     rows = []
     with LoadAverage() as load:
         for mode in modes:

@@ -100,9 +100,8 @@ def model_architecture(cfg: Config) -> ModelConfig:
     return load_model_config(model_dir(cfg))
 
 
-def build_policy(cfg: Config, task: Task):
-    """(model in fp32/bf16 master dtype on cfg.model.device, tokenizer). (`task` is not read: the
-    model follows from the config alone.)"""
+def build_policy(cfg: Config):
+    """(model in fp32/bf16 master dtype on cfg.model.device, tokenizer): the config alone decides it."""
     dtype = getattr(torch, cfg.model.dtype)
     if cfg.model.path == "tiny":
         model, tok = build_tiny(cfg)

@@ -34,7 +34,7 @@ class TrainerSide:
         random.seed(cfg.run.seed)
         self.cfg, self.derived = cfg, derived
         self.task = build_task(cfg)
-        model, self.tokenizer = build_policy(cfg, self.task)
+        model, self.tokenizer = build_policy(cfg)
         self.encode = prompt_encoder(cfg, self.tokenizer, self.task)
         self.model = build_trainer_model(cfg, derived, model)  # the Decoder under the mode, or a MegatronPolicy of it
         self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
@@ -109,7 +109,7 @@ def build_rollout_side(cfg: Config, derived: Derived, side: TrainerSide | None =
         task, tokenizer, source = side.task, side.tokenizer, side.model
     else:
         task = build_task(cfg)
-        source, tokenizer = build_policy(cfg, task)
+        source, tokenizer = build_policy(cfg)
     fingerprint = run_fingerprint(cfg)
     max_seq_len = 2 * longest_prompt(cfg, tokenizer, task) + cfg.rollout.max_new_tokens + 16
     eos = stop_token_ids(tokenizer, source, task)

@@ -34,7 +34,7 @@ def setup(mode: str, kv_fp8: bool = False):
         "model.tiny.intermediate_size=768", "model.tiny.max_position=600", "rollout.temperature=1.0"])
     cfg.model.device = "cuda"  # after validation (see the module docstring)
     task = build_task(cfg)
-    model, tok = build_policy(cfg, task)
+    model, tok = build_policy(cfg)
     return cfg, model, tok, task
 
 

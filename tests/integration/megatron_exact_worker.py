@@ -70,7 +70,7 @@ def run_case(config: str, case: str, tp: int, pp: int, ep: int, prompts_per_rank
         f"rollout.max_new_tokens={NEW_TOKENS}", *overrides])
     derived = derive(cfg)
     task = build_task(cfg)
-    decoder, tok = build_policy(cfg, task)
+    decoder, tok = build_policy(cfg)
     random_weights(decoder)
     policy = build_trainer_model(cfg, derived, copy.deepcopy(decoder))
     world = dist.get_world_size()

@@ -31,7 +31,7 @@ CASES = [("fp32", False), ("bf16", False), ("unified", False), ("unified", True)
 def setup(config: str | None, overrides: list[str]):
     cfg = load_config(config, overrides)
     task = build_task(cfg)
-    model, tok = build_policy(cfg, task)
+    model, tok = build_policy(cfg)
     return cfg, model, tok, task
 
 

@@ -129,11 +129,11 @@ def test_load_balancing_loss_counts_the_same_tokens_in_exact_numerics():
 
 def test_megatron_takes_moe_without_tensor_parallelism():
     """The Megatron backend builds MoE models (tests/unit/test_megatron_moe.py), with TP = 1 only."""
-    from jetflow.run.build import build_task, build_policy
+    from jetflow.run.build import build_policy
     from jetflow.train.megatron.checks import MegatronConfigError, check_supported
 
     cfg = load_config(MOE, [])
-    model, _ = build_policy(cfg, build_task(cfg))
+    model, _ = build_policy(cfg)
     check_supported(model.config, ep=2)
     with pytest.raises(MegatronConfigError, match="sequence parallelism"):
         check_supported(model.config, tp=2)

@@ -101,10 +101,10 @@ def test_vllm_rollout_unified_is_exactly_on_policy(tmp_path):
     assert "vLLM execution=exact" in log and "W8A8 FP8 with jetflow's kernels" in log  # auto numerics: exact
     # what crossed is the unified payload (FP8 linears + scales, the rest fp32): under a third of fp32
     from jetflow.config import derive
-    from jetflow.run.build import apply_mode, build_policy, build_task
+    from jetflow.run.build import apply_mode, build_policy
     from jetflow.sync import build_update
     cfg = load_config(ROOT / "configs/tiny.yaml", ["precision.mode=unified"])
-    model = apply_mode(build_policy(cfg, build_task(cfg))[0], cfg, derive(cfg), "trainer")
+    model = apply_mode(build_policy(cfg)[0], cfg, derive(cfg), "trainer")
     unified, fp32 = build_update(model, "unified", 0, "fp").nbytes(), build_update(model, "fp32", 0).nbytes()
     assert all(r["sync/bytes"] == unified for r in rows) and unified < fp32 / 3
     # the rollout's log-probs are the trainer's, bit for bit
@@ -146,14 +146,14 @@ def megatron_world():
 @needs_megatron
 def test_megatron_policy_sync_copy_and_checkpoint_equal_native(tmp_path, megatron_world):
     from jetflow.config import derive
-    from jetflow.run.build import apply_mode, build_policy, build_task, copy_model
+    from jetflow.run.build import apply_mode, build_policy, copy_model
     from jetflow.run.megatron_side import build_trainer_model
     from jetflow.sync import build_update
     from jetflow.train.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = load_config(ROOT / "configs/tiny.yaml", ["precision.mode=unified", "train.backend=megatron"])
     derived = derive(cfg)
-    decoder, _ = build_policy(cfg, build_task(cfg))
+    decoder, _ = build_policy(cfg)
     with torch.no_grad():
         for p in decoder.parameters():
             p.add_(0.05 * torch.randn_like(p))

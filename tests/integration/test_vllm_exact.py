@@ -45,7 +45,7 @@ def tiny(mode: str, kv_fp8: bool, backend: str = "vllm"):
         f"precision.mode={mode}", f"precision.kv_cache_fp8={str(kv_fp8).lower()}", "precision.numerics=auto",
         "model.tiny.max_position=600", "rollout.temperature=1.0", f"rollout.backend={backend}", "rollout.max_batch=16"])
     task = build_task(cfg)
-    model, tok = build_policy(cfg, task)
+    model, tok = build_policy(cfg)
     return cfg, model, tok, task
 
 
@@ -233,7 +233,7 @@ def test_moe_rollout_logprobs_equal_trainer_bit_for_bit(family):
         "precision.mode=unified", f"model.tiny.moe_family={family}", "model.tiny.max_position=200",
         "rollout.backend=vllm", "rollout.max_batch=16"])
     task = build_task(cfg)
-    model, tok = build_policy(cfg, task)
+    model, tok = build_policy(cfg)
     assert_exact(cfg, model, tok, task, mixed_length_prompts(tok, 8, 3, 30), new_tokens=96)
 
 

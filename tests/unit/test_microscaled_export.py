@@ -35,7 +35,7 @@ from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
 from jetflow.precision import fp4
 from jetflow.precision.nvfp4 import TENSOR_SCALE_DIVISOR
 from jetflow.rollout import RolloutEngine, SamplingParams
-from jetflow.run.build import build_policy, build_task
+from jetflow.run.build import build_policy
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=32, tie_word_embeddings=False)
@@ -171,7 +171,7 @@ def test_export_then_jetflow_generate_round_trip(family, tmp_path, capsys):
     """`jetflow export` of the tiny model under the recipe, then `jetflow generate` on the export: the
     completions the trainer-side model (the recipe applied to the same weights) decodes greedily."""
     cfg = load_config(None, ["model.path=tiny", f"precision.family={family}"])
-    model, tok = build_policy(cfg, build_task(cfg))
+    model, tok = build_policy(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.bfloat16())
