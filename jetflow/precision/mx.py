@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jetflow.precision.quant import _nonfinite, _padded_blocks, expand_scales
+from jetflow.precision.quant import checked_blocks, expand_scales
 from jetflow.precision.recipe import FP8_DTYPES, FP8_MAX
 
 MX_BLOCK = 32
@@ -112,12 +112,7 @@ def quantize_mx(x: torch.Tensor, block: tuple[int, int] = (1, MX_BLOCK), fmt: st
     if fmt not in FP8_DTYPES:
         raise ValueError(f"{name}: fmt={fmt!r}; valid formats are {tuple(FP8_DTYPES)}")
     rows, cols = x.shape
-    blocks, nr, nc = _padded_blocks(x.float(), block)  # (nr, br, nc, bc)
-    amax = blocks.abs().amax(dim=(1, 3))  # (nr, nc)
-    if check_finite and not bool(torch.isfinite(amax).all()):
-        bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
-        _nonfinite(f"{name}: NaN or Inf in block {tuple(bad)} (block size {block}) of a tensor of shape "
-                   f"{tuple(x.shape)}; refusing to quantize it to MXFP8 (the cast would hide it)")
+    blocks, nr, nc, amax = checked_blocks(x, block, name, "MXFP8", check_finite)
     biased = e8m0_exponent(amax, fmt)  # (nr, nc)
     inverse = torch.ldexp(torch.ones(biased.shape, device=x.device), 127 - biased.to(torch.int32))  # exact
     top = FP8_MAX[fmt]

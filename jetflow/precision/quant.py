@@ -169,6 +169,20 @@ def _padded_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
     return x.reshape(nr, br, nc, bc), nr, nc
 
 
+def checked_blocks(x: torch.Tensor, block: tuple[int, int], name: str, target: str,
+                   check_finite: bool = True) -> tuple[torch.Tensor, int, int, torch.Tensor]:
+    """x (R, C) -> its fp32 blocks (nr, br, nc, bc), nr, nc and each block's amax (nr, nc); a NaN or
+    Inf (when `check_finite`) is a NonFiniteError naming the tensor, the block and `target` (the format
+    it was to be quantized to)."""
+    blocks, nr, nc = _padded_blocks(x.float(), block)  # (nr, br, nc, bc)
+    amax = blocks.abs().amax(dim=(1, 3))  # (nr, nc)
+    if check_finite and not bool(torch.isfinite(amax).all()):
+        bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
+        _nonfinite(f"{name}: NaN or Inf in block {tuple(bad)} (block size {block}) of a tensor of shape "
+                   f"{tuple(x.shape)}; refusing to quantize it to {target} (the cast would hide it)")
+    return blocks, nr, nc, amax
+
+
 def quantize_blocks(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3", scale_rule: str = "fp32",
                     margin: int = 0, name: str = "tensor", check_finite: bool = True) -> QuantizedTensor:
     """Quantize a 2-D tensor with one scale per (br, bc) block."""
@@ -179,12 +193,7 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3", 
     if x.is_cuda and tuple(block) == (1, 128) and fmt == "e4m3":
         return _quantize_1x128_cuda(x, scale_rule, margin, name, check_finite)
     rows, cols = x.shape
-    blocks, nr, nc = _padded_blocks(x.float(), block)  # (nr, br, nc, bc)
-    amax = blocks.abs().amax(dim=(1, 3))  # (nr, nc)
-    if check_finite and not bool(torch.isfinite(amax).all()):
-        bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
-        _nonfinite(f"{name}: NaN or Inf in block {tuple(bad)} (block size {block}) of a tensor of shape "
-                   f"{tuple(x.shape)}; refusing to quantize it to FP8 (the cast would hide it)")
+    blocks, nr, nc, amax = checked_blocks(x, block, name, "FP8", check_finite)
     scale_inv = compute_scale_inv(amax, fmt, scale_rule, margin)  # (nr, nc)
     fp8_max = FP8_MAX[fmt]
     scaled = (blocks / scale_inv[:, None, :, None]).clamp_(-fp8_max, fp8_max)
