@@ -254,8 +254,9 @@ def check_run_dir(cfg: Config) -> None:
 def check_task_and_model(cfg: Config, derived: Derived) -> None:
     """The task's parameters (checked by the task itself) and its held-out split, then the model the run
     will build, read without loading a weight (`smollm2` is converted on first use): its positions hold
-    the longest prompt and a whole response, routing replay has experts to replay, and Megatron's layout
-    can split it under the run's numerics and recipe (jetflow.train.megatron.checks)."""
+    the longest prompt and a whole response, the layers kept in high precision exist, routing replay has
+    experts to replay, and Megatron's layout can split it under the run's numerics and recipe
+    (jetflow.train.megatron.checks)."""
     path = cfg.model.path
     if path not in ("tiny", "smollm2") and not Path(path).is_dir():
         raise ConfigError(f"model.path={path!r}: not a directory (use a local Hugging Face directory, `smollm2` or "
@@ -274,6 +275,11 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
     if longest + cfg.rollout.max_new_tokens > arch.max_position_embeddings:
         raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with prompts of up to {longest} "
                           f"tokens, responses would pass the model's {arch.max_position_embeddings} positions; lower it")
+    kept = cfg.precision.keep_first_layers + cfg.precision.keep_last_layers
+    if kept > arch.num_layers:
+        raise ConfigError(f"precision.keep_first_layers={cfg.precision.keep_first_layers} + keep_last_layers="
+                          f"{cfg.precision.keep_last_layers} = {kept}: the model has {arch.num_layers} layers; keep at "
+                          "most that many in high precision")
     if cfg.algo.routing_replay and not arch.is_moe:
         raise ConfigError(f"algo.routing_replay=true: the model ({arch.model_type}) has no mixture-of-experts layers "
                           "to replay; set algo.routing_replay=false")

@@ -88,6 +88,16 @@ def test_a_response_that_would_pass_the_models_positions_is_refused_before_it_lo
         validate_run(cfg)
 
 
+def test_more_high_precision_layers_than_the_model_has_are_refused_before_it_loads(tmp_path):
+    cfg = load_config(TINY, [f"run.out_dir={tmp_path}", "precision.keep_first_layers=2", "precision.keep_last_layers=1"])
+    with pytest.raises(ConfigError, match=r"^precision.keep_first_layers=2 \+ keep_last_layers=1 = 3: the model has 2 "
+                                          r"layers; keep at most that many in high precision$"):
+        validate_run(cfg)
+    assert list(tmp_path.iterdir()) == []
+    validate_run(load_config(TINY, [f"run.out_dir={tmp_path}", "precision.keep_first_layers=1",
+                                    "precision.keep_last_layers=1"]))
+
+
 def test_a_run_directory_is_resumed_with_its_own_config_only(tmp_path):
     """A directory that holds a run needs run.resume=true; a resume with another config is refused by
     name unless run.allow_changes lists the key; a damaged config.yaml is refused too."""
