@@ -22,11 +22,11 @@ import time
 import torch
 
 from jetflow.bench.common import markdown_table, write_results
+from jetflow.bench.train_step import build_trainer
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
 from jetflow.config import derive
 from jetflow.run.build import apply_mode, build_policy, copy_model
 from jetflow.rollout import RolloutEngine, SamplingParams
-from jetflow.train.trainer import Trainer
 
 MODES = ("fp32", "bf16", "unified")
 
@@ -64,10 +64,7 @@ def main() -> None:
         """Mean of `--train-steps` timed steps of a fresh trainer after two warm-up steps (weights packed
         or quantized, Adam state allocated, the allocator settled); built per measurement, since four
         trainers with Adam state do not fit in 24 GiB."""
-        model = apply_mode(copy_model(base), configs[v], derive(configs[v]), "trainer")
-        for p in model.parameters():
-            p.requires_grad_(True)
-        t = Trainer(model, configs[v].train, configs[v].algo)
+        t = build_trainer(base, configs[v])
         for _ in range(2):
             t.train_step_on_policy(exp, 1.0, "none")
         t0 = time.perf_counter()

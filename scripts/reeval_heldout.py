@@ -29,8 +29,9 @@ import torch
 
 
 def final_logged(run_dir: Path) -> float | None:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evals = [r for r in rows if r.get("phase") == "eval"]
+    from jetflow.metrics_log import read_metrics
+
+    evals = read_metrics(run_dir, "eval")
     return evals[-1]["eval/pass@1"] if evals else None
 
 

@@ -30,11 +30,12 @@ import time
 import torch
 
 from jetflow.bench.common import markdown_table, write_results
+from jetflow.bench.train_step import build_trainer
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
-from jetflow.config import derive, load_config
+from jetflow.config import load_config
 from jetflow.kernels import canonical, invariant
-from jetflow.run.build import apply_mode, build_policy, copy_model
-from jetflow.train.trainer import Trainer
+from jetflow.precision.quant import quantize_weight
+from jetflow.run.build import build_policy
 
 GEMM_SHAPES = [  # (model, layer, N, K)
     ("tiny-tp", "o_proj", 512, 512),
@@ -68,8 +69,9 @@ def gemm_rows(reps: int) -> list[dict]:
     for model, layer, n, k in GEMM_SHAPES:
         w = torch.randn(n, k, generator=g) * 0.05
         packed = {"fp32": invariant.pack_weight(w), "bf16": invariant.pack_weight(w.to(torch.bfloat16))}
-        wq, sw = _quantize_weight(w)
-        packed["fp8"] = invariant.pack_weight(wq)
+        wq = quantize_weight(w)  # 128x128 E4M3 blocks
+        sw = wq.scale_inv
+        packed["fp8"] = invariant.pack_weight(wq.data)
         for m in (1024, 16):
             x = torch.randn(m, k, generator=g)
             xq, sx, _ = invariant.quantize_1x128(x)
@@ -91,15 +93,6 @@ def gemm_rows(reps: int) -> list[dict]:
     return rows
 
 
-def _quantize_weight(w: torch.Tensor):
-    """(N, K) fp32 -> E4M3 codes and (N/128, K/128) fp32 scales: the recipe's 128x128 weight blocks."""
-    from jetflow.precision.quant import quantize_blocks
-    from jetflow.precision.recipe import FP8Recipe
-
-    q = quantize_blocks(w, FP8Recipe().weight_block)
-    return q.data, q.scale_inv
-
-
 def train_step_rows(reps: int, steps: int) -> list[dict]:
     rows = []
     for model, cfg in (("tiny-tp", load_config("configs/tiny-tp.yaml", ["run.progress=false", "run.tensorboard=false"])),
@@ -114,17 +107,14 @@ def train_step_rows(reps: int, steps: int) -> list[dict]:
             for _ in range(reps):
                 for name in ("tree", "chain"):
                     with structure(name):
-                        m = apply_mode(copy_model(base), c, derive(c), "trainer")
-                        for p in m.parameters():
-                            p.requires_grad_(True)
-                        t = Trainer(m, c.train, c.algo)
+                        t = build_trainer(base, c)
                         for _ in range(2):
                             t.train_step_on_policy(exp, 1.0, "none")
                         t0 = time.perf_counter()
                         for _ in range(steps):
                             t.train_step_on_policy(exp, 1.0, "none")
                         times[name].append((time.perf_counter() - t0) / steps)
-                        del t, m
+                        del t
             tree, chain = statistics.median(times["tree"]), statistics.median(times["chain"])
             rows.append({"what": "train_step", "model": model, "mode": mode, "tokens": batch * (prompt_len + resp_len),
                          "tree_s": tree, "chain_s": chain, "tree_vs_chain": tree / chain,

@@ -33,6 +33,14 @@ from jetflow.train.trainer import Trainer
 MODES = ("fp32", "bf16", "unified")
 
 
+def build_trainer(base, cfg) -> Trainer:
+    """A Trainer over its own copy of `base` under cfg's precision mode and numerics."""
+    model = apply_mode(copy_model(base), cfg, derive(cfg), "trainer")
+    for p in model.parameters():
+        p.requires_grad_(True)  # copy_model makes rollout-side copies, frozen
+    return Trainer(model, cfg.train, cfg.algo)
+
+
 def build_trainers(cfg, modes: tuple[str, ...]) -> tuple[dict[str, Trainer], int, int]:
     """({mode: Trainer over its own copy of the model}, vocab size, pad id); same initial weights."""
     base, tokenizer = build_policy(cfg)
@@ -40,10 +48,7 @@ def build_trainers(cfg, modes: tuple[str, ...]) -> tuple[dict[str, Trainer], int
     for mode in modes:
         mode_cfg = copy.deepcopy(cfg)
         mode_cfg.precision.mode = mode
-        model = apply_mode(copy_model(base), mode_cfg, derive(mode_cfg), "trainer")
-        for p in model.parameters():
-            p.requires_grad_(True)  # copy_model makes rollout-side copies, frozen
-        trainers[mode] = Trainer(model, mode_cfg.train, mode_cfg.algo)
+        trainers[mode] = build_trainer(base, mode_cfg)
     return trainers, base.config.vocab_size, tokenizer.pad_token_id
 
 
