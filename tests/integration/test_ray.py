@@ -21,20 +21,27 @@ COMMON = ["precision.mode=fp32", "train.steps=3", "train.sft_warmup_steps=20", "
           "eval.num_prompts=0"]
 
 
+def crash(actor) -> None:
+    """Queue a task that kills `actor`'s process (Ray restarts it). Tasks from one caller run in order, so
+    every call submitted after this one is lost with the process, whatever its speed: a `ray.kill` after
+    the submit raced the tiny model, whose chunk could finish before the kill landed (CI saw the restart
+    counted a step late)."""
+    import os
+    actor.__ray_call__.remote(lambda _self: os._exit(1))
+
+
 def kill_actor_1_at_step_1(monkeypatch) -> dict:
     """Make rollout actor 1 die with its requests in flight at step 1; returns the submit counter."""
-    import ray
     calls = {"n": 0}
     submit = ray_run.RayRollout._submit
 
-    def submit_then_kill_one(self, chunks):
-        futures = submit(self, chunks)
+    def kill_one_then_submit(self, chunks):
         calls["n"] += 1
         if calls["n"] == 2:
-            ray.kill(self.actors[1], no_restart=False)
-        return futures
+            crash(self.actors[1])
+        return submit(self, chunks)
 
-    monkeypatch.setattr(ray_run.RayRollout, "_submit", submit_then_kill_one)
+    monkeypatch.setattr(ray_run.RayRollout, "_submit", kill_one_then_submit)
     return calls
 
 
@@ -61,14 +68,13 @@ def test_killed_rollout_actor_loses_no_sample(tmp_path, monkeypatch):
 def test_rollout_actor_killed_during_a_weight_update_is_restarted_and_sent_it_again(tmp_path, monkeypatch):
     """Before, the weight update's ray.get raised ActorUnavailableError out of the run (a traceback,
     the run lost since its last checkpoint); now the restarted actor gets the update again."""
-    import ray
     calls = {"n": 0}
     load_weights = ray_run.RayRollout.load_weights
 
     def kill_one_then_load(self, update):
         calls["n"] += 1
         if calls["n"] == 2:  # the update after step 0
-            ray.kill(self.actors[1], no_restart=False)
+            crash(self.actors[1])
         return load_weights(self, update)
 
     monkeypatch.setattr(ray_run.RayRollout, "load_weights", kill_one_then_load)
