@@ -62,8 +62,8 @@ def test_a_ray_trainer_worker_killed_or_the_driver_signalled_in_the_warmup_and_t
     warmup_step = RayPlacement.warmup_step
 
     def kill_worker_at_step_3(self, step):
-        if step == 3:
-            ray.kill(self.workers[0])
+        if step == 3:  # a queued exit, not a ray.kill, which the tiny step could outrun
+            self.workers[0].__ray_call__.remote(lambda _self: os._exit(1))
         return warmup_step(self, step)
 
     monkeypatch.setattr(RayPlacement, "warmup_step", kill_worker_at_step_3)
