@@ -94,8 +94,11 @@ def load_library(variant: str = "native") -> ctypes.CDLL:
     lib.jf_isa.restype = ctypes.c_char_p
     lib.jf_gemm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, i64, ptr, i64, i64]
     lib.jf_gemm.restype = None
-    lib.jf_gemm_fp8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, i64, ptr, i64, i64]
+    lib.jf_gemm_fp8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, i64, ctypes.c_int, i64, ptr, i64,
+                                i64]
     lib.jf_gemm_fp8.restype = None
+    lib.jf_pack_pairs.argtypes = [ptr, ctypes.c_int, i64, i64, ptr]
+    lib.jf_pack_pairs.restype = ctypes.c_int
     lib.jf_e4m3_to_f32.argtypes = [ptr, i64, ptr]
     lib.jf_e4m3_to_f32.restype = None
     lib.jf_quantize_1x128.argtypes = [ptr, i64, i64, i64, ctypes.c_int, f32, ptr, ptr]

@@ -63,13 +63,19 @@ def isa(variant: str = "native") -> str:
     return load_library(variant).jf_isa().decode()
 
 
-_WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+_WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.int32: 3}
+"""Packed weight dtype -> the kernels' format code; int32 = bf16 pairs (`pack_weight` on AVX512_BF16)."""
 
 
 def pack_weight(w: Tensor, variant: str = "native") -> Tensor:
     """(N, K) weight -> (ceil(N / NR), K, NR) panels (zero-padded columns) in the weight's own format:
     float32, bfloat16 or float8_e4m3fn (FP8 bytes): the GEMM reads those bytes and converts them in
-    registers. On CUDA the Triton GEMMs read the (N, K) weight itself (returned as it is)."""
+    registers. Where the build uses AVX512_BF16's vdpbf16ps, E4M3 and bf16 weights are packed instead as
+    the instruction's operand, bf16 pairs: (ceil(N / NR), ceil(K / 2), NR) int32, each the bf16 values of
+    k = 2i (low half) and 2i + 1 (exact: every E4M3 value is a bf16 value; 2 bytes a weight, half of
+    fp32), converted once per weight version instead of per call. The result is opaque: pass it to `gemm`
+    (bf16 weights) or `fp8_gemm` (E4M3 weights). On CUDA the Triton GEMMs read the (N, K) weight itself
+    (returned as it is)."""
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         raise ValueError(f"pack_weight: float32, bfloat16 or float8_e4m3fn weights, got {w.dtype}")
     w = w.detach()
@@ -82,7 +88,21 @@ def pack_weight(w: Tensor, variant: str = "native") -> Tensor:
     if p * nr != n:
         bits = F.pad(bits, (0, 0, 0, p * nr - n))  # zero bytes: 0.0 in every format
     panels = bits.reshape(p, nr, k).transpose(1, 2).contiguous()
+    if w.dtype != torch.float32 and isa(variant) == "avx512_bf16":
+        pairs = torch.empty(p, -(-k // 2), nr, dtype=torch.int32)
+        if load_library(variant).jf_pack_pairs(_ptr(panels), _WEIGHT_FORMATS[w.dtype], p, k, _ptr(pairs)) == 0:
+            return pairs  # else a bf16 weight with a value below 2^-56: the FMA path reads the bf16 panels
     return panels.view(w.dtype) if w.dtype == torch.float8_e4m3fn else panels
+
+
+def _check_packed(lib, packed: Tensor, k: int, n: int, dtypes: tuple, what: str) -> int:
+    """The kernels' format code of `packed` after checking it fits K and N."""
+    rows = -(-k // 2) if packed.dtype == torch.int32 else k
+    if packed.dtype not in dtypes or packed.dim() != 3 or packed.shape[1] != rows \
+            or packed.shape[2] != lib.jf_panel_width() or packed.shape[0] * packed.shape[2] < n:
+        raise ValueError(f"packed weight {tuple(packed.shape)} {packed.dtype} does not fit {what} and N={n} "
+                         "(pack it with pack_weight, same variant)")
+    return _WEIGHT_FORMATS[packed.dtype]
 
 
 def _groups(k: int, groups: int | None) -> int:
@@ -100,14 +120,12 @@ def gemm(x2: Tensor, packed: Tensor, n: int, variant: str = "native", groups: in
         return cuda_kernels.dense_gemm(x2, packed[:n], dot, groups=groups)
     lib = load_library(variant)
     m, k = x2.shape
-    if packed.dtype not in _WEIGHT_FORMATS or packed.shape[1] != k or packed.shape[2] != lib.jf_panel_width() \
-            or packed.shape[0] * packed.shape[2] < n:
-        raise ValueError(f"packed weight {tuple(packed.shape)} {packed.dtype} does not fit x {tuple(x2.shape)} and N={n}")
+    wfmt = _check_packed(lib, packed, k, n, (torch.float32, torch.bfloat16, torch.int32), f"x {tuple(x2.shape)}")
     x2 = x2.float()
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.jf_gemm(_ptr(x2), m, k, x2.stride(0), _ptr(packed), _WEIGHT_FORMATS[packed.dtype], n, _ptr(out), n, groups)
+    lib.jf_gemm(_ptr(x2), m, k, x2.stride(0), _ptr(packed), wfmt, n, _ptr(out), n, groups)
     return out
 
 
@@ -121,7 +139,7 @@ def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant
     m, k = xq.shape
     groups = _groups(k, groups)
     nb = -(-k // canonical.BLOCK_K)
-    if xq.dtype != torch.float8_e4m3fn or packed.dtype != torch.float8_e4m3fn:
+    if xq.dtype != torch.float8_e4m3fn or packed.dtype not in (torch.float8_e4m3fn, torch.int32):
         raise ValueError(f"fp8_gemm: E4M3 operands, got {xq.dtype} and {packed.dtype}")
     if weight_rows_per_scale not in (1, canonical.BLOCK_K):
         raise ValueError(f"weight_rows_per_scale={weight_rows_per_scale}: 1 or {canonical.BLOCK_K}")
@@ -130,8 +148,7 @@ def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant
     if xq.is_cuda:
         return cuda_kernels.fp8_gemm(xq, sx, packed[:n], sw, weight_rows_per_scale, torch.float32, groups=groups)
     lib = load_library(variant)
-    if packed.shape[1] != k or packed.shape[2] != lib.jf_panel_width() or packed.shape[0] * packed.shape[2] < n:
-        raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(xq.shape)} and N={n}")
+    wfmt = _check_packed(lib, packed, k, n, (torch.float8_e4m3fn, torch.int32), f"x {tuple(xq.shape)}")
     if xq.stride(1) != 1:
         xq = xq.contiguous()
     sx = sx.float().contiguous()
@@ -142,7 +159,7 @@ def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant
     else:
         sw, sw_ld = sw.float().contiguous(), nb
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.jf_gemm_fp8(_ptr(xq), m, k, xq.stride(0), _ptr(sx), nb, _ptr(packed), _ptr(sw), sw_ld, weight_rows_per_scale,
+    lib.jf_gemm_fp8(_ptr(xq), m, k, xq.stride(0), _ptr(sx), nb, _ptr(packed), wfmt, _ptr(sw), sw_ld, weight_rows_per_scale,
                     n, _ptr(out), n, groups)
     return out
 

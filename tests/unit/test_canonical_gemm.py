@@ -97,7 +97,7 @@ def _rows(kind, x, rows):
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
-@pytest.mark.parametrize("n,k", [(576, 576), (1536, 576), (576, 1536), (96, 1024), (37, 130)])
+@pytest.mark.parametrize("n,k", [(576, 576), (1536, 576), (576, 1536), (96, 1024), (37, 130), (17, 129)])
 def test_builds_equal_and_rows_do_not_depend_on_m(kind, n, k):
     x, w = _operands(kind, 70, n, k, seed=n + k)
     y = _gemm(kind, x, w, n)
@@ -200,3 +200,48 @@ def test_exact_fp8_linear_backward_runs_the_kernels_on_the_same_fp8_operands():
         grads[numerics] = (xi.grad, layer.weight.grad)
     for fast, exact in zip(grads["fast"], grads["exact"]):
         assert ((exact - fast).abs().max() / fast.abs().max()).item() < 1e-5
+
+
+def test_bf16_operands_out_of_the_dot_product_range_take_the_fma_path_in_every_build():
+    """vdpbf16ps flushes denormals, so the native build multiplies bf16 operands with it only when every
+    nonzero magnitude is >= 2^-56 (then nothing in the chain is denormal). A tiny activation (checked per
+    call) or a tiny weight (checked when packed) takes the FMA path: every build gives the FMA chain's
+    denormal results, where the instruction would have given 0."""
+    x, w = _operands("bf16", 16, 96, 576, seed=3)
+    tiny_x, tiny_w = x.clone(), w.clone()
+    tiny_x[5] = 0.0
+    tiny_x[5, 7] = 1.5 * 2.0 ** -126  # a normal bf16 value; its products with w are denormal
+    tiny_w[10] = 0.0
+    tiny_w[10, 300] = (2.0 ** -130 * torch.ones(1)).bfloat16()  # a bf16 denormal: the instruction reads 0
+    for xs, ws, row, col in [(tiny_x, w, 5, slice(None)), (x, tiny_w, slice(None), 10)]:
+        want = _gemm("bf16", xs, ws, 96, "scalar")
+        part = want[row, col]
+        assert (part != 0).all() and (part.abs() < 2.0 ** -126).all()  # denormal, not flushed
+        for variant in VARIANTS[:1] + VARIANTS[2:]:
+            assert torch.equal(_gemm("bf16", xs, ws, 96, variant), want), variant
+
+
+def test_activations_off_the_bf16_grid_against_bf16_pairs_are_the_fma_chain():
+    """gemm on bf16 weights with fp32 activations that are not bf16 values (a caller that skipped the
+    rounding) computes the FMA chain on the full fp32 values in every build, not vdpbf16ps's truncation."""
+    x, w = _operands("bf16", 12, 64, 256, seed=4)
+    x = x + torch.randn(12, 256, generator=torch.Generator().manual_seed(1)) * 1e-3  # off the grid
+    want = _gemm("bf16", x, w, 64, "scalar")
+    for variant in VARIANTS[:1] + VARIANTS[2:]:
+        assert torch.equal(_gemm("bf16", x, w, 64, variant), want), variant
+
+
+def test_fp8_weight_packing_formats_give_the_same_bits():
+    """On AVX512_BF16 `pack_weight` widens E4M3 weights to bf16 pairs once (int32 panels); the kernel also
+    takes the E4M3 byte panels (converted per call). Both, and every build, give the same bits."""
+    x, w = _operands("fp8", 16, 200, 576, seed=6)
+    native = inv.pack_weight(w.data)
+    want = inv.fp8_gemm(x.data, x.scale_inv, inv.pack_weight(w.data, "scalar"), w.scale_inv, 200, "scalar")
+    assert torch.equal(inv.fp8_gemm(x.data, x.scale_inv, native, w.scale_inv, 200), want)
+    if inv.isa() == "avx512_bf16":
+        assert native.dtype == torch.int32 and native.shape[1] == 288
+        byte_panels = inv.pack_weight(w.data, "avx512")  # E4M3 bytes, same panel width
+        assert byte_panels.dtype == torch.float8_e4m3fn
+        assert torch.equal(inv.fp8_gemm(x.data, x.scale_inv, byte_panels, w.scale_inv, 200), want)
+    with pytest.raises(ValueError, match="does not fit"):
+        inv.fp8_gemm(x.data[:, :448].contiguous(), x.scale_inv[:, :4].contiguous(), native, w.scale_inv[:, :4], 200)

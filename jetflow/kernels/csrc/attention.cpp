@@ -59,6 +59,7 @@ static inline float s_exp_nonpos(float x) {  // the scalar twin, for tails: bit-
 // GQA: query head h reads K/V head h / (H / Hkv).
 
 static const int AQ = 8;  // queries per tile (of one K/V head): they share each key's loads
+static const int AV = VL >= 16 ? 4 : 2;  // queries per pass over V: 4 x 4 accumulators fit AVX-512's 32 registers
 
 extern "C" void jf_attention(const float* q, const float* kt, int64_t kt_sb, int64_t kt_sh, int64_t kt_sd,
                              const float* v, int64_t v_sb, int64_t v_sh, int64_t v_ss, const int64_t* pos, float* out,
@@ -127,13 +128,14 @@ extern "C" void jf_attention(const float* q, const float* kt, int64_t kt_sb, int
           for (j = 0; j < nmax; j++) sum = sum + s[j];
           l[r] = sum;
         }
-        // out[r][d] = (fma chain over j of p[r][j] * v[j][d]) / l[r]; keys past a query's own add 0
-        for (int r0 = 0; r0 < nr; r0 += 2) {
-          const int rr = (int)std::min<int64_t>(2, nr - r0);
+        // out[r][d] = (fma chain over j of p[r][j] * v[j][d]) / l[r]; keys past a query's own add 0.
+        // AV queries per pass over V (a decode step's GQA group shares one read of its V rows).
+        for (int r0 = 0; r0 < nr; r0 += AV) {
+          const int rr = (int)std::min<int64_t>(AV, nr - r0);
           int64_t d0 = 0;
           for (; d0 + 4 * VL <= D; d0 += 4 * VL) {
-            vf acc[2][4];
-            for (int r = 0; r < 2; r++)
+            vf acc[AV][4];
+            for (int r = 0; r < AV; r++)
               for (int w = 0; w < 4; w++) acc[r][w] = v_zero();
             for (int64_t j = 0; j < nmax; j++) {
               const float* vj = V + j * v_ss + d0;
@@ -153,7 +155,8 @@ extern "C" void jf_attention(const float* q, const float* kt, int64_t kt_sb, int
             }
           }
           for (; d0 + VL <= D; d0 += VL) {
-            vf acc[2] = {v_zero(), v_zero()};
+            vf acc[AV];
+            for (int r = 0; r < AV; r++) acc[r] = v_zero();
             for (int64_t j = 0; j < nmax; j++) {
               vf x = v_load(V + j * v_ss + d0);
               for (int r = 0; r < rr; r++) acc[r] = v_fma(v_set1(sbuf[(r0 + r) * spad + j]), x, acc[r]);

@@ -5,10 +5,11 @@
 // C[m, n] = sum_k A[m, k] W[n, k], computed as
 //   1. K is cut into 128-wide blocks b (the last one may be shorter); each block's partial P_b is its
 //      own chain from +0:
-//        fp32 / bf16 weights  an FMA chain over k in order (bf16 values are exact in fp32);
-//        E4M3 (FP8)           an FMA chain over the raw E4M3 values (products are exact in fp32) in
-//                             pairs, odd element first: k = 1, 0, 3, 2, ... (the order of AVX512_BF16's
-//                             vdpbf16ps, which this kernel uses where the CPU has it), then scaled:
+//        fp32                 an FMA chain over k in order;
+//        bf16 (both operands  an FMA chain in pairs, odd element first: k = 1, 0, 3, 2, ... (the order
+//        on the bf16 grid)    of AVX512_BF16's vdpbf16ps, which this kernel uses where the CPU has it;
+//                             products of bf16 values are exact in fp32);
+//        E4M3 (FP8)           the same pairs over the raw E4M3 values, then scaled:
 //                             P_b = P_b * (sa[m, b] * sw[n / 128, b]) (two roundings, no FMA).
 //   2. the blocks form `groups` contiguous groups of equal size; a group's sum S_g = ((0 + P_first) +
 //      P_next) + ... in block order;
@@ -19,7 +20,16 @@
 //
 // Weights are packed per panel of NR columns: (P, K, NR) in their own format (fp32, bf16 bits, or
 // E4M3 bytes), and converted in registers / a per-thread buffer: the low-precision bytes are what
-// streams from memory.
+// streams from memory. Where vdpbf16ps runs, E4M3 and bf16 weights are packed instead as bf16 pairs,
+// (P, ceil(K/2), NR) dwords (`jf_pack_pairs`, once per weight version): the instruction's operand
+// layout, so a decode step converts nothing (converting an E4M3 panel per call cost ~30% of a 16-row
+// GEMM).
+//
+// vdpbf16ps treats denormal inputs as 0 and flushes denormal results (DAZ, FTZ). With E4M3 operands
+// nothing is ever denormal (products are multiples of 2^-18). With bf16 operands whose nonzero
+// magnitudes are all >= 2^-56, every product and every partial sum is 0 or a multiple of 2^-126, never
+// denormal, so the instruction computes the FMA chain's bits; operands outside that range (or
+// activations off the bf16 grid) take the FMA path, here as in every other build.
 #include "simd.h"
 
 #if !defined(JF_NO_SIMD) && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -29,7 +39,7 @@
 static const int64_t KB = 128;  // K block: one partial chain each (= the FP8 recipe's scale group)
 static const int MAX_LEVELS = 4;  // tree of at most 8 groups: 4 levels of partial sums
 
-enum { WF_F32 = 0, WF_BF16 = 1, WF_E4M3 = 2 };
+enum { WF_F32 = 0, WF_BF16 = 1, WF_E4M3 = 2, WF_PAIRS = 3 };  // WF_PAIRS: bf16 pairs (jf_pack_pairs)
 enum { MODE_F32 = 0, MODE_PAIRS = 1, MODE_DP = 2, MODE_BF16 = 3 };
 
 // ---------------------------------------------------------------------------------------------
@@ -143,7 +153,36 @@ static void e4m3_panel_to_pairs(const uint8_t* src, int64_t K, uint32_t* dst) {
     _mm512_storeu_si512(dst + i * NR + 16, _mm512_permutex2var_epi16(even, hi_idx, odd));
   }
 }
+
+// A (K, NR=32) bf16 panel -> (ceil(K/2), 32) pair dwords, as above
+static void bf16_panel_to_pairs(const uint16_t* src, int64_t K, uint32_t* dst) {
+  const __m512i lo_idx = _mm512_loadu_si512(PAIR_INDEX[0]), hi_idx = _mm512_loadu_si512(PAIR_INDEX[1]);
+  for (int64_t i = 0; 2 * i < K; i++) {
+    __m512i even = _mm512_loadu_si512(src + 2 * i * NR);
+    __m512i odd = 2 * i + 1 < K ? _mm512_loadu_si512(src + (2 * i + 1) * NR) : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst + i * NR, _mm512_permutex2var_epi16(even, lo_idx, odd));
+    _mm512_storeu_si512(dst + i * NR + 16, _mm512_permutex2var_epi16(even, hi_idx, odd));
+  }
+}
+
+// (ceil(K/2), NR) pair dwords -> (K, NR) fp32: the FMA path's panel when an operand is out of
+// vdpbf16ps's exact range
+static void pairs_panel_to_f32(const uint32_t* src, int64_t K, float* dst) {
+  for (int64_t i = 0; 2 * i < K; i++)
+    for (int c = 0; c < NR; c++) {
+      const uint32_t d = src[i * NR + c];
+      dst[2 * i * NR + c] = bf16_to_f32((uint16_t)(d & 0xFFFF));
+      if (2 * i + 1 < K) dst[(2 * i + 1) * NR + c] = bf16_to_f32((uint16_t)(d >> 16));
+    }
+}
 #endif
+
+// True when vdpbf16ps computes the FMA chain's bits for bf16 value `bits` (fp32 bits): 0, or a
+// magnitude >= 2^-56 (see the header), or not finite (inf / NaN propagate alike).
+static inline bool dp_exact_bf16(uint32_t bits) {
+  const uint32_t mag = bits & 0x7FFFFFFFu;
+  return mag == 0 || mag >= ((127u - 56u) << 23);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Block partials: acc[r][0..1] = the chain over one K block of row r against the panel's NR columns.
@@ -177,17 +216,25 @@ static inline vf v_load_bf16(const uint16_t* p) {
 }
 
 template <int R>
-static inline void block_bf16(const float* Ap, const uint16_t* B, int64_t kc, vf (*acc)[2]) {
-  for (int64_t k = 0; k < kc; k++) {
-    __builtin_prefetch(B + (k + 24) * NR);
-    vf b0 = v_load_bf16(B + k * NR), b1 = v_load_bf16(B + k * NR + VL);
+static inline void bf16_step(const float* Ap, const uint16_t* B, int64_t k, vf (*acc)[2]) {
+  __builtin_prefetch(B + (k + 24) * NR);
+  vf b0 = v_load_bf16(B + k * NR), b1 = v_load_bf16(B + k * NR + VL);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; r++) {
-      vf a = v_set1(Ap[k * GEMM_MR + r]);
-      acc[r][0] = v_fma(a, b0, acc[r][0]);
-      acc[r][1] = v_fma(a, b1, acc[r][1]);
-    }
+  for (int r = 0; r < R; r++) {
+    vf a = v_set1(Ap[k * GEMM_MR + r]);
+    acc[r][0] = v_fma(a, b0, acc[r][0]);
+    acc[r][1] = v_fma(a, b1, acc[r][1]);
   }
+}
+
+template <int R>  // bf16 weights: pairs, odd element first (vdpbf16ps's order)
+static inline void block_bf16(const float* Ap, const uint16_t* B, int64_t kc, vf (*acc)[2]) {
+  int64_t k = 0;
+  for (; k + 1 < kc; k += 2) {
+    bf16_step<R>(Ap, B, k + 1, acc);
+    bf16_step<R>(Ap, B, k, acc);
+  }
+  if (k < kc) bf16_step<R>(Ap, B, k, acc);
 }
 
 template <int R>
@@ -201,7 +248,7 @@ static inline void pair_step(const float* Ap, const float* B, int64_t k, vf (*ac
   }
 }
 
-template <int R>  // E4M3 values: pairs, odd element first (vdpbf16ps's order)
+template <int R>  // E4M3 or bf16 values in an fp32 panel: pairs, odd element first (vdpbf16ps's order)
 static inline void block_pairs(const float* Ap, const float* B, int64_t kc, vf (*acc)[2]) {
   int64_t k = 0;
   for (; k + 1 < kc; k += 2) {
@@ -212,7 +259,7 @@ static inline void block_pairs(const float* Ap, const float* B, int64_t kc, vf (
 }
 
 #ifdef JF_DPBF16
-template <int R>  // E4M3 values as bf16 pairs on AVX512_BF16: the same bits as block_pairs
+template <int R>  // E4M3 or bf16 values as bf16 pairs on AVX512_BF16: the same bits as block_pairs
 static inline void block_dp(const uint32_t* Ap, const uint32_t* B, int64_t kp, vf (*acc)[2]) {
   for (int64_t i = 0; i < kp; i++) {
     __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + i * NR), b1 = (__m512bh)_mm512_loadu_si512(B + i * NR + 16);
@@ -271,11 +318,11 @@ static void tile(const Gemm& g, int mode, int64_t rb, const void* Bp, int64_t p)
       }
       for (int r = 0; r < R; r++) {
         vf a0 = acc[r][0], a1 = acc[r][1];
-        if ((mode == MODE_PAIRS || mode == MODE_DP) && g.sw_rows != 1) {  // FP8: the block's scale, (sa * sw) first
+        if (g.sa != nullptr && g.sw_rows != 1) {  // FP8: the block's scale, (sa * sw) first
           const float s = m0 + r < g.M ? g.sa[(m0 + r) * g.sa_ld + b] * g.sw[(p * NR / KB) * g.sw_ld + b] : 0.0f;
           a0 = v_mul(a0, v_set1(s));
           a1 = v_mul(a1, v_set1(s));
-        } else if (mode == MODE_PAIRS || mode == MODE_DP) {  // a scale per weight row (column of C)
+        } else if (g.sa != nullptr) {  // FP8, a scale per weight row (column of C)
           const vf sa = v_set1(m0 + r < g.M ? g.sa[(m0 + r) * g.sa_ld + b] : 0.0f);
           a0 = v_mul(a0, v_mul(sa, v_load(g.sw + b * g.sw_ld + p * NR)));
           a1 = v_mul(a1, v_mul(sa, v_load(g.sw + b * g.sw_ld + p * NR + VL)));
@@ -341,6 +388,16 @@ static void run(const Gemm& g, const void* W, int wfmt) {
       int mode = g.mode;
       if (wfmt == WF_F32) {
         Bp = (const float*)W + p * g.K * NR;
+      } else if (wfmt == WF_PAIRS && mode == MODE_DP) {  // the instruction's layout: nothing to convert
+        Bp = (const uint32_t*)W + p * g.K2 * NR;
+      } else if (wfmt == WF_PAIRS) {  // an operand out of vdpbf16ps's exact range: the FMA chain
+#ifdef JF_DPBF16
+        float* buf = panel_buffer(g.K * NR);
+        pairs_panel_to_f32((const uint32_t*)W + p * g.K2 * NR, g.K, buf);
+        Bp = buf;
+#else
+        Bp = nullptr;
+#endif
       } else if (wfmt == WF_BF16 && b1 - b0 <= 2) {  // few row blocks: convert in registers
         Bp = (const uint16_t*)W + p * g.K * NR;
         mode = MODE_BF16;
@@ -409,34 +466,97 @@ static bool trivial(int64_t M, int64_t K, int64_t N, float* C, int64_t ldc) {
   return false;
 }
 
-// A (M, K) fp32 with row stride lda; W packed (ceil(N/NR), K, NR) fp32 (wfmt 0) or bf16 bits (wfmt 1);
-// C (M, N) with row stride ldc; `groups` as above (1 = one group: a chain of block partials).
-extern "C" void jf_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const void* W, int wfmt, int64_t N,
-                        float* C, int64_t ldc, int64_t groups) {
-  if (trivial(M, K, N, C, ldc)) return;
-  const int64_t RB = row_block_rows(M), MB = (M + RB - 1) / RB;
+// Packs rows [0, M) of A into row blocks of (K, GEMM_MR) floats (rows past a block are zeros).
+static float* pack_rows_f32(const float* A, int64_t M, int64_t K, int64_t lda, int64_t RB, int64_t MB) {
   float* Ap = jf_alloc_f32(MB * K * GEMM_MR);
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < MB; b++) {  // A packed per row block: (K, GEMM_MR), rows past the block are zeros
+  for (int64_t b = 0; b < MB; b++) {
     float* dst = Ap + b * K * GEMM_MR;
     for (int r = 0; r < GEMM_MR; r++) {
       const int64_t m = b * RB + r;
       for (int64_t k = 0; k < K; k++) dst[k * GEMM_MR + r] = r < RB && m < M ? A[m * lda + k] : 0.0f;
     }
   }
-  const int64_t nb = (K + KB - 1) / KB;
-  Gemm g{MODE_F32, Ap, M, K, 0, N, nb, groups, RB, nullptr, 0, nullptr, 0, 128, C, ldc};
+  return Ap;
+}
+
+// E4M3 (wfmt WF_E4M3) or bf16 (WF_BF16) weight panels (P, K, NR) -> bf16 pairs (P, ceil(K/2), NR), the
+// layout vdpbf16ps reads. Returns 0; 1 where the build has no vdpbf16ps; 2 for a bf16 weight with a
+// value out of the instruction's exact range (keep the bf16 panels: the FMA path).
+extern "C" int jf_pack_pairs(const void* W, int wfmt, int64_t P, int64_t K, uint32_t* dst) {
+#ifdef JF_DPBF16
+  const int64_t K2 = (K + 1) / 2;
+  if (wfmt == WF_BF16) {
+    const uint16_t* w = (const uint16_t*)W;
+    for (int64_t i = 0; i < P * K * NR; i++)
+      if (!dp_exact_bf16((uint32_t)w[i] << 16)) return 2;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < P; p++) {
+    if (wfmt == WF_E4M3)
+      e4m3_panel_to_pairs((const uint8_t*)W + p * K * NR, K, dst + p * K2 * NR);
+    else
+      bf16_panel_to_pairs((const uint16_t*)W + p * K * NR, K, dst + p * K2 * NR);
+  }
+  return 0;
+#else
+  (void)W, (void)wfmt, (void)P, (void)K, (void)dst;
+  return 1;
+#endif
+}
+
+// A (M, K) fp32 with row stride lda; W packed (ceil(N/NR), K, NR) fp32 (wfmt 0) or bf16 bits (wfmt 1),
+// or (ceil(N/NR), ceil(K/2), NR) bf16 pairs (wfmt 3, `jf_pack_pairs`); with bf16 weights A's values are
+// on the bf16 grid (the bf16 kind: both operands bf16). C (M, N) with row stride ldc; `groups` as above
+// (1 = one group: a chain of block partials).
+extern "C" void jf_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const void* W, int wfmt, int64_t N,
+                        float* C, int64_t ldc, int64_t groups) {
+  if (trivial(M, K, N, C, ldc)) return;
+  const int64_t RB = row_block_rows(M), MB = (M + RB - 1) / RB, nb = (K + KB - 1) / KB, K2 = (K + 1) / 2;
+#ifdef JF_DPBF16
+  bool dp = wfmt == WF_PAIRS;
+  for (int64_t m = 0; dp && m < M; m++)
+    for (int64_t k = 0; k < K; k++) {
+      uint32_t bits;
+      std::memcpy(&bits, A + m * lda + k, 4);
+      if ((bits & 0xFFFF) || !dp_exact_bf16(bits)) {
+        dp = false;
+        break;
+      }
+    }
+  if (dp) {  // (K2, GEMM_MR) bf16 pairs per row block: (k = 2i) | (k = 2i + 1) << 16
+    uint32_t* Ap = (uint32_t*)jf_alloc_f32(MB * K2 * GEMM_MR);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < MB; b++) {
+      uint32_t* dst = Ap + b * K2 * GEMM_MR;
+      for (int r = 0; r < GEMM_MR; r++) {
+        const int64_t m = b * RB + r;
+        const uint32_t* a = (const uint32_t*)(A + m * lda);
+        for (int64_t i = 0; i < K2; i++)
+          dst[i * GEMM_MR + r] = r < RB && m < M ? (a[2 * i] >> 16) | (2 * i + 1 < K ? a[2 * i + 1] & 0xFFFF0000u : 0u) : 0u;
+      }
+    }
+    Gemm g{MODE_DP, Ap, M, K, K2, N, nb, groups, RB, nullptr, 0, nullptr, 0, 128, C, ldc};
+    run(g, W, wfmt);
+    std::free(Ap);
+    return;
+  }
+#endif
+  float* Ap = pack_rows_f32(A, M, K, lda, RB, MB);
+  const int mode = wfmt == WF_F32 ? MODE_F32 : MODE_PAIRS;  // bf16 operands: pairs, odd element first
+  Gemm g{mode, Ap, M, K, K2, N, nb, groups, RB, nullptr, 0, nullptr, 0, 128, C, ldc};
   run(g, W, wfmt);
   std::free(Ap);
 }
 
 // A (M, K) E4M3 codes with row stride lda and sa (M, ceil(K/128)) fp32 scales (row stride sa_ld);
-// W packed (ceil(N/NR), K, NR) E4M3 codes with sw (ceil(N/128), ceil(K/128)) (row stride sw_ld) for
-// 128x128 blocks (sw_rows 128), or sw (ceil(K/128), >= P*NR) for 1x128 groups (sw_rows 1: the weight-
-// gradient GEMM's operand), the scale of weight row n in column n.
+// W packed (ceil(N/NR), K, NR) E4M3 codes (wfmt 2) or (ceil(N/NR), ceil(K/2), NR) bf16 pairs (wfmt 3,
+// `jf_pack_pairs`) with sw (ceil(N/128), ceil(K/128)) (row stride sw_ld) for 128x128 blocks (sw_rows
+// 128), or sw (ceil(K/128), >= P*NR) for 1x128 groups (sw_rows 1: the weight-gradient GEMM's operand),
+// the scale of weight row n in column n.
 extern "C" void jf_gemm_fp8(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const float* sa, int64_t sa_ld,
-                            const uint8_t* W, const float* sw, int64_t sw_ld, int sw_rows, int64_t N, float* C,
-                            int64_t ldc, int64_t groups) {
+                            const uint8_t* W, int wfmt, const float* sw, int64_t sw_ld, int sw_rows, int64_t N,
+                            float* C, int64_t ldc, int64_t groups) {
   if (trivial(M, K, N, C, ldc)) return;
   const int64_t RB = row_block_rows(M), MB = (M + RB - 1) / RB, nb = (K + KB - 1) / KB, K2 = (K + 1) / 2;
 #ifdef JF_DPBF16
@@ -469,6 +589,6 @@ extern "C" void jf_gemm_fp8(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
   }
   Gemm g{MODE_PAIRS, Ap, M, K, K2, N, nb, groups, RB, sa, sa_ld, sw, sw_ld, sw_rows, C, ldc};
 #endif
-  run(g, W, WF_E4M3);
+  run(g, W, wfmt);
   std::free(Ap);
 }
