@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from jetflow.kernels import invariant
 from jetflow.model.kv_cache import KVCache
 from jetflow.model.layers import RMSNorm
+from jetflow.precision.linear import sibling_linears
 
 if TYPE_CHECKING:
     from jetflow.model.model_config import ModelConfig
@@ -149,9 +150,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, plan: AttentionPlan, cache: KVCache | None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
+        q, k, v = sibling_linears(x, (self.q_proj, self.k_proj, self.v_proj))  # one GEMM where exact
+        q = q.view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)

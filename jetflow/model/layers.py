@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from jetflow.precision.linear import sibling_linears
+
 if TYPE_CHECKING:
     from jetflow.model.model_config import ModelConfig
 
@@ -51,5 +53,5 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x, exact: bool = False):
-        gate = self.gate_proj(x)
-        return self.down_proj((silu_exact(gate) if exact else F.silu(gate)) * self.up_proj(x))
+        gate, up = sibling_linears(x, (self.gate_proj, self.up_proj))  # one GEMM where exact
+        return self.down_proj((silu_exact(gate) if exact else F.silu(gate)) * up)

@@ -27,15 +27,19 @@ panels live there (fp32 / bf16), rebuilt when the weight's version changes; FP8 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from jetflow.kernels import invariant
 from jetflow.precision import microscaled
-from jetflow.precision.fp8_function import exact_fp8_product, fp8_linear
+from jetflow.precision.fp8_function import exact_fp8_product, fp8_linear, quantize_input
+from jetflow.precision.gemm import packed_fp8_weight
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8Recipe
 
 EXACT_KINDS = ("fp32", "bf16", "fp8")
+FUSABLE_KINDS = EXACT_KINDS
+"""Kinds `exact_linears` computes by one GEMM (FP8: the fp8_block recipe family)."""
 
 
 def _weight_key(weight: Tensor) -> tuple:
@@ -117,3 +121,51 @@ def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, r
     combine: fn(fp32 (..., N)) -> fp32 (..., N), applied to the product before the epilogue."""
     y = _combined_product(x, weight, kind, recipe, wq, cache, groups, combine, name)
     return linear_epilogue(y, bias, kind, x.dtype)
+
+
+def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], kind: str, *,
+                  recipe: FP8Recipe | None = None, wqs: list[QuantizedTensor] | None = None,
+                  caches: list[dict] | None = None, fused: dict | None = None, name: str = "linear") -> list[Tensor]:
+    """Several exact linears of one input (q / k / v, gate / up) by one GEMM: [exact_linear(x, w_i, b_i,
+    kind, ...) for each i], bit for bit, without autograd (rollout, no-grad log-probs).
+
+    Why equal: the canonical GEMM computes each output column from its own weight row and the row of x
+    alone, so laying the weights' panels side by side changes no column's arithmetic; FP8 weights keep
+    their own block scales (passed per column: sx * sw, then times the block partial, as per block).
+    What it saves: x is quantized (FP8) and packed once instead of once per linear, and one kernel call
+    replaces several. `fused` keeps the side-by-side panels between calls (rebuilt when a weight's
+    panels change)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if kind == "fp8":
+        panels = [packed_fp8_weight(wq) for wq in wqs]
+    else:
+        panels = [packed_weight(cache, w, kind) for w, cache in zip(weights, caches)]
+    if fused is not None and len(fused.get("parts", ())) == len(panels) and \
+            all(a is b for a, b in zip(fused["parts"], panels)):
+        packed, scales = fused["packed"], fused["scales"]
+    else:
+        packed = torch.cat(panels)  # (sum P_i, K or K/2, NR)
+        panels = list(torch.split(packed, [p.shape[0] for p in panels]))  # each linear's panels: views, no 2nd copy
+        for i, view in enumerate(panels):
+            if kind == "fp8":
+                wqs[i].packed = view
+            else:
+                caches[i]["packed"] = view
+        scales = None
+        if kind == "fp8":  # (sum P_i * NR, K / 128): weight row n's block scale, zero in padded columns
+            scales = torch.cat([F.pad(wq.scale_inv.float().repeat_interleave(128, 0)[:wq.shape[0]],
+                                      (0, 0, 0, p.shape[0] * p.shape[2] - wq.shape[0])) for wq, p in zip(wqs, panels)])
+        if fused is not None:
+            fused.update(parts=panels, packed=packed, scales=scales)
+    width = packed.shape[0] * packed.shape[2]
+    if kind == "fp8":
+        xq = quantize_input(x2.float(), recipe, name, "exact")
+        y = invariant.fp8_gemm(xq.data, xq.scale_inv, packed, scales, width, weight_rows_per_scale=1)
+    else:
+        y = invariant.gemm(x2.float() if kind == "fp32" else x2.bfloat16().float(), packed, width)
+    outs, start = [], 0
+    for w, b, p in zip(weights, biases, panels):
+        y_i = y[:, start:start + w.shape[0]].reshape(*x.shape[:-1], w.shape[0])  # (..., N_i)
+        outs.append(linear_epilogue(y_i, b, kind, x.dtype))
+        start += p.shape[0] * p.shape[2]
+    return outs

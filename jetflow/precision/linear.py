@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetflow.precision.exact import exact_linear
+from jetflow.precision.exact import FUSABLE_KINDS, exact_linear, exact_linears
 from jetflow.precision.fp8_function import fp8_linear, quantize_weight_for_recipe
 from jetflow.precision.gemm import NUMERICS, bf16_linear, resolve_backend
 from jetflow.precision.quant import QuantizedTensor
@@ -116,6 +116,26 @@ class PrecisionLinear(nn.Linear):
             return bf16_linear(x, self._bf16_weight(), self.bias, weight_on_grid=True)  # rounded once per version
         return fp8_linear(x, self.weight, self.bias, self.quantized_weight(), self.recipe, self.gemm_backend,
                           self.name)
+
+
+def sibling_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """[linear(x) for linear in linears] for linears that share their input (q / k / v, gate / up). Exact
+    PrecisionLinears of one kind, outside autograd, on the CPU, run as one GEMM (`exact_linears`: the
+    same bits, one activation quantization and one kernel call instead of one per linear); anything
+    else (fast numerics, a graph being recorded, hooks, mixed kinds) calls each module."""
+    first = linears[0]
+    fusable = (not x.is_cuda and all(isinstance(m, PrecisionLinear) for m in linears)
+               and all(m.numerics == "exact" and m.kind == first.kind and m.recipe == first.recipe
+                       and not (m._forward_hooks or m._forward_pre_hooks) for m in linears)
+               and first.kind in FUSABLE_KINDS
+               and (first.kind != "fp8" or first.recipe.family == "fp8_block")
+               and not (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears))))
+    if not fusable:
+        return [m(x) for m in linears]
+    wqs = [m.quantized_weight() for m in linears] if first.kind == "fp8" else None
+    return exact_linears(x, [m.weight for m in linears], [m.bias for m in linears], first.kind, recipe=first.recipe,
+                         wqs=wqs, caches=[m._exact_cache for m in linears],
+                         fused=first._exact_cache.setdefault("siblings", {}), name=first.name)
 
 
 def _layer_index(module_name: str) -> int | None:
