@@ -117,15 +117,16 @@ def _timed(fn) -> float:
 
 def weight_bytes_per_decode_step(model) -> int:
     """Bytes of weights an exact decode step reads: every linear's weight in the format its exact kernel
-    reads (fp32: 4 per value, bf16: 2, FP8: 1 plus its block scales), lm_head included."""
+    reads (fp32: 4 per value, bf16: 2, FP8: 1 plus its block scales, or 2 plus its scales where the
+    kernels run vdpbf16ps: `pack_weight` widens E4M3 to bf16 pairs there), lm_head included."""
+    from jetflow.kernels import invariant
     from jetflow.precision import PrecisionLinear
-    per_value = {"fp32": 4, "bf16": 2}
+    per_value = {"fp32": 4, "bf16": 2, "fp8": 2 if invariant.isa() == "avx512_bf16" else 1}
     total = 0
     for m in model.modules():
         if isinstance(m, PrecisionLinear):
-            n = m.weight.numel()
-            total += n + 4 * -(-m.out_features // 128) * -(-m.in_features // 128) if m.kind == "fp8" \
-                else per_value[m.kind] * n
+            scales = 4 * -(-m.out_features // 128) * -(-m.in_features // 128) if m.kind == "fp8" else 0
+            total += per_value[m.kind] * m.weight.numel() + scales
     return total
 
 
