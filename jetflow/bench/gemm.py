@@ -7,8 +7,11 @@ For each shape Y (M, N) = X (M, K) @ W^T (W: N, K), every path the device has, i
   triton_quant   Triton 1x128 activation quantization + the Triton FP8 GEMM (the weight is quantized
                  once per step, so it is pre-quantized here too)
   triton_bf16    jetflow's batch-invariant Triton bf16 GEMM (the exact mode's bf16 layers)
-  emulate        the CPU's FP8 path: dequantize + fp32 matmul (checks the math, not FP8 speed)
+  emulate        the CPU's fast-numerics FP8 path: dequantize + fp32 matmul (checks the math, not FP8 speed)
   emulate_quant  1x128 activation quantization + the emulated GEMM
+  exact_fp32     the CPU's exact-numerics GEMM (jetflow.kernels.invariant: the canonical reduction) on
+  exact_bf16     fp32 / bf16 / E4M3 weight panels packed once (`pack_weight`), fp32 out; exact_fp8 on
+  exact_fp8      pre-quantized 1x128 activations; the rows' exact_*_vs_fp32 = exact_fp32 time over theirs
 FP8 paths write bf16. `--backend X` measures bf16 and X only; `auto` measures every path available.
 A path that fails on this machine is recorded with its error instead of a time. Each row also carries
 speedup_gemm and speedup_quant_gemm (bf16 time over the FP8 time) for the payload's `backend`
@@ -31,7 +34,7 @@ LLAMA3_8B_LINEARS = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 GPU_SHAPES = [(8192, 8192, 8192)] + [(m, n, k) for m in (16, 8192) for n, k in LLAMA3_8B_LINEARS]
 CPU_SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096), (1024, 1024, 1024), (1024, 4096, 4096)]
 GPU_PATHS = ("bf16", "scaled_mm", "triton", "triton_quant", "triton_bf16")
-CPU_PATHS = ("bf16", "emulate", "emulate_quant")
+CPU_PATHS = ("bf16", "emulate", "emulate_quant", "exact_fp32", "exact_bf16", "exact_fp8")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -67,6 +70,12 @@ def _calls(m: int, n: int, k: int, device: torch.device) -> dict[str, Callable[[
         calls["emulate"] = lambda: fp8_matmul(xq_emu, wq_emu, torch.bfloat16, "emulate")
         calls["emulate_quant"] = lambda: fp8_matmul(quantize_blocks(x, (1, 128), check_finite=False), wq_emu,
                                                     torch.bfloat16, "emulate")
+        from jetflow.kernels import invariant
+        p32, pbf, p8 = invariant.pack_weight(w), invariant.pack_weight(wb), invariant.pack_weight(wq.data)
+        xb32 = xb.float()
+        calls["exact_fp32"] = lambda: invariant.gemm(x, p32, n)
+        calls["exact_bf16"] = lambda: invariant.gemm(xb32, pbf, n)
+        calls["exact_fp8"] = lambda: invariant.fp8_gemm(xq.data, xq.scale_inv, p8, wq.scale_inv, n)
         return calls
     from jetflow.kernels import triton as tk
 
@@ -99,6 +108,11 @@ def bench_shape(m: int, n: int, k: int, device: torch.device, paths: tuple[str, 
     return row
 
 
+def _cpu_isa() -> str:
+    from jetflow.kernels import invariant
+    return invariant.isa()
+
+
 def headline_backend(paths: tuple[str, ...]) -> str | None:
     """The FP8 path whose speedups each row carries: triton on CUDA, emulate on the CPU."""
     return next((p for p in ("triton", "emulate", "scaled_mm") if p in paths), None)
@@ -108,6 +122,9 @@ def add_speedups(row: dict, backend: str | None) -> None:
     for key, path in (("speedup_gemm", backend), ("speedup_quant_gemm", f"{backend}_quant")):
         if backend and f"{path}_ms" in row and "bf16_ms" in row:
             row[key] = row["bf16_ms"] / row[f"{path}_ms"]
+    for kind in ("bf16", "fp8"):
+        if f"exact_{kind}_ms" in row and "exact_fp32_ms" in row:
+            row[f"exact_{kind}_vs_fp32"] = row["exact_fp32_ms"] / row[f"exact_{kind}_ms"]
 
 
 def run(shapes: str | None = None, device: str | None = None, iters: int = 5, out_dir: str = "results/bench",
@@ -124,11 +141,13 @@ def run(shapes: str | None = None, device: str | None = None, iters: int = 5, ou
         cells = [f"{p} {row[f'{p}_tflops']:8.1f}" if f"{p}_tflops" in row else f"{p} failed" for p in paths]
         print(f"  M={m:>5} N={n:>5} K={k:>5}  TFLOP/s: " + "  ".join(cells), flush=True)
     tag = "gpu" if dev.type == "cuda" else "cpu"
-    cols = ["M", "N", "K"] + [f"{p}_tflops" for p in paths] + [f"{p}_ms" for p in paths] + ["speedup_quant_gemm"]
+    cols = ["M", "N", "K"] + [f"{p}_tflops" for p in paths] + [f"{p}_ms" for p in paths] + ["speedup_quant_gemm"] \
+        + (["exact_bf16_vs_fp32", "exact_fp8_vs_fp32"] if "exact_fp32" in paths else [])
     errors = sorted({f"{p}: {r[f'{p}_error']}" for r in rows for p in paths if f"{p}_error" in r})
     note = (f"Paths: {', '.join(paths)} (FP8 paths write bf16; see jetflow/bench/gemm.py)."
-            + (" On the CPU the FP8 path is an emulation (dequantize + fp32 matmul): it checks the math, not FP8 "
-               "speed." if dev.type == "cpu" else "")
+            + (" On the CPU the fast-numerics FP8 path is an emulation (dequantize + fp32 matmul): it checks the "
+               "math, not FP8 speed; the exact_* paths are the kernels exact numerics runs (CPU ISA: "
+               f"{_cpu_isa()})." if dev.type == "cpu" else "")
             + ("\n\nFailed paths: " + "; ".join(errors) if errors else ""))
     payload = {"backend": backend, "paths": list(paths), "rows": rows}
     path = write_results(f"gemm-{tag}", payload, note + "\n\n" + markdown_table(rows, cols), out_dir)
