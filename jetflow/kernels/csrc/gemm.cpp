@@ -188,21 +188,6 @@ static inline bool dp_exact_bf16(uint32_t bits) {
 // Block partials: acc[r][0..1] = the chain over one K block of row r against the panel's NR columns.
 // Ap: packed A rows interleaved, (kc, GEMM_MR) floats (or (kc/2, GEMM_MR) bf16 pairs for DP).
 
-template <int R>
-static inline void block_f32(const float* Ap, const float* B, int64_t kc, vf (*acc)[2]) {
-  for (int64_t k = 0; k < kc; k++) {
-    __builtin_prefetch(B + (k + 12) * NR);  // decode streams fp32 weights from memory: fetch ahead
-    __builtin_prefetch(B + (k + 12) * NR + 16);
-    vf b0 = v_load(B + k * NR), b1 = v_load(B + k * NR + VL);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++) {
-      vf a = v_set1(Ap[k * GEMM_MR + r]);
-      acc[r][0] = v_fma(a, b0, acc[r][0]);
-      acc[r][1] = v_fma(a, b1, acc[r][1]);
-    }
-  }
-}
-
 // bf16 weight bits converted in registers (decode: few rows share each weight load, so a converted
 // panel buffer would cost as much as it saves)
 static inline vf v_load_bf16(const uint16_t* p) {
@@ -215,10 +200,12 @@ static inline vf v_load_bf16(const uint16_t* p) {
 #endif
 }
 
-template <int R>
-static inline void bf16_step(const float* Ap, const uint16_t* B, int64_t k, vf (*acc)[2]) {
-  __builtin_prefetch(B + (k + 24) * NR);
-  vf b0 = v_load_bf16(B + k * NR), b1 = v_load_bf16(B + k * NR + VL);
+static inline vf v_load_w(const float* p) { return v_load(p); }
+static inline vf v_load_w(const uint16_t* p) { return v_load_bf16(p); }
+
+template <int R, typename T>  // k's step of every row's chain against the panel's NR columns (fp32 or bf16)
+static inline void chain_step(const float* Ap, const T* B, int64_t k, vf (*acc)[2]) {
+  vf b0 = v_load_w(B + k * NR), b1 = v_load_w(B + k * NR + VL);
 #pragma GCC unroll 16
   for (int r = 0; r < R; r++) {
     vf a = v_set1(Ap[k * GEMM_MR + r]);
@@ -227,35 +214,26 @@ static inline void bf16_step(const float* Ap, const uint16_t* B, int64_t k, vf (
   }
 }
 
-template <int R>  // bf16 weights: pairs, odd element first (vdpbf16ps's order)
-static inline void block_bf16(const float* Ap, const uint16_t* B, int64_t kc, vf (*acc)[2]) {
+// bf16 or E4M3 values (an fp32 panel, or bf16 bits converted in registers): pairs, odd element first
+// (vdpbf16ps's order)
+template <int R, typename T>
+static inline void block_pairs(const float* Ap, const T* B, int64_t kc, vf (*acc)[2]) {
   int64_t k = 0;
   for (; k + 1 < kc; k += 2) {
-    bf16_step<R>(Ap, B, k + 1, acc);
-    bf16_step<R>(Ap, B, k, acc);
+    __builtin_prefetch(B + (k + 24) * NR);
+    chain_step<R>(Ap, B, k + 1, acc);
+    chain_step<R>(Ap, B, k, acc);
   }
-  if (k < kc) bf16_step<R>(Ap, B, k, acc);
+  if (k < kc) chain_step<R>(Ap, B, k, acc);
 }
 
-template <int R>
-static inline void pair_step(const float* Ap, const float* B, int64_t k, vf (*acc)[2]) {
-  vf b0 = v_load(B + k * NR), b1 = v_load(B + k * NR + VL);
-#pragma GCC unroll 16
-  for (int r = 0; r < R; r++) {
-    vf a = v_set1(Ap[k * GEMM_MR + r]);
-    acc[r][0] = v_fma(a, b0, acc[r][0]);
-    acc[r][1] = v_fma(a, b1, acc[r][1]);
+template <int R>  // fp32 values: the chain in order
+static inline void block_f32(const float* Ap, const float* B, int64_t kc, vf (*acc)[2]) {
+  for (int64_t k = 0; k < kc; k++) {
+    __builtin_prefetch(B + (k + 12) * NR);  // decode streams fp32 weights from memory: fetch ahead
+    __builtin_prefetch(B + (k + 12) * NR + 16);
+    chain_step<R>(Ap, B, k, acc);
   }
-}
-
-template <int R>  // E4M3 or bf16 values in an fp32 panel: pairs, odd element first (vdpbf16ps's order)
-static inline void block_pairs(const float* Ap, const float* B, int64_t kc, vf (*acc)[2]) {
-  int64_t k = 0;
-  for (; k + 1 < kc; k += 2) {
-    pair_step<R>(Ap, B, k + 1, acc);
-    pair_step<R>(Ap, B, k, acc);
-  }
-  if (k < kc) pair_step<R>(Ap, B, k, acc);
 }
 
 #ifdef JF_DPBF16
@@ -307,7 +285,7 @@ static void tile(const Gemm& g, int mode, int64_t rb, const void* Bp, int64_t p)
       if (mode == MODE_F32) {
         block_f32<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const float*)Bp + k0 * NR, kc, acc);
       } else if (mode == MODE_BF16) {
-        block_bf16<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const uint16_t*)Bp + k0 * NR, kc, acc);
+        block_pairs<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const uint16_t*)Bp + k0 * NR, kc, acc);
       } else if (mode == MODE_PAIRS) {
         block_pairs<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const float*)Bp + k0 * NR, kc, acc);
       } else {
