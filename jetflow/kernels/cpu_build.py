@@ -31,7 +31,7 @@ from jetflow.errors import UserError
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "gemm.cpp", CSRC / "attention.cpp", CSRC / "quant.cpp"]
-HEADERS = [CSRC / "simd.h"]
+HEADERS = [CSRC / "simd.h", CSRC / "convert.h"]
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17"]
 VARIANTS = {"native": ["-march=native"],
             "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
