@@ -38,8 +38,6 @@ from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8Recipe
 
 EXACT_KINDS = ("fp32", "bf16", "fp8")
-FUSABLE_KINDS = EXACT_KINDS
-"""Kinds `exact_linears` computes by one GEMM (FP8: the fp8_block recipe family)."""
 
 
 def _weight_key(weight: Tensor) -> tuple:
@@ -134,12 +132,16 @@ def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None],
     their own block scales (passed per column: sx * sw, then times the block partial, as per block).
     What it saves: x is quantized (FP8) and packed once instead of once per linear, and one kernel call
     replaces several. `fused` keeps the side-by-side panels between calls (rebuilt when a weight's
-    panels change)."""
+    panels change). Panels of different layouts (a bf16 weight with values below the pair layout's
+    range) cannot sit side by side: then each linear runs alone."""
     x2 = x.reshape(-1, x.shape[-1])
     if kind == "fp8":
         panels = [packed_fp8_weight(wq) for wq in wqs]
     else:
         panels = [packed_weight(cache, w, kind) for w, cache in zip(weights, caches)]
+    if len({(p.dtype, p.shape[1:]) for p in panels}) > 1:  # e.g. a bf16 weight too tiny for the pair layout
+        return [exact_linear(x, w, b, kind, recipe=recipe, wq=wqs[i] if wqs else None, cache=caches[i], name=name)
+                for i, (w, b) in enumerate(zip(weights, biases))]
     if fused is not None and len(fused.get("parts", ())) == len(panels) and \
             all(a is b for a, b in zip(fused["parts"], panels)):
         packed, scales = fused["packed"], fused["scales"]

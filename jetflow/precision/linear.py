@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetflow.precision.exact import FUSABLE_KINDS, exact_linear, exact_linears
+from jetflow.precision.exact import exact_linear, exact_linears
 from jetflow.precision.fp8_function import fp8_linear, quantize_weight_for_recipe
 from jetflow.precision.gemm import NUMERICS, bf16_linear, resolve_backend
 from jetflow.precision.quant import QuantizedTensor
@@ -127,7 +127,6 @@ def sibling_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[tor
     fusable = (not x.is_cuda and all(isinstance(m, PrecisionLinear) for m in linears)
                and all(m.numerics == "exact" and m.kind == first.kind and m.recipe == first.recipe
                        and not (m._forward_hooks or m._forward_pre_hooks) for m in linears)
-               and first.kind in FUSABLE_KINDS
                and (first.kind != "fp8" or first.recipe.family == "fp8_block")
                and not (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears))))
     if not fusable:

@@ -88,3 +88,14 @@ def test_a_recorded_graph_and_fast_numerics_call_each_linear(monkeypatch):
     with torch.no_grad():
         sibling_linears(x, linears)
     assert calls["n"] == 0  # fast numerics: torch's kernels, one module at a time
+
+
+def test_a_bf16_weight_off_the_pair_layout_runs_alone_with_the_same_bits():
+    """A bf16 weight holding a value below 2^-56 keeps bf16 panels where the others are packed as bf16
+    pairs (AVX512_BF16): the panels cannot sit side by side, so each linear runs alone, same bits."""
+    linears = _linears("bf16", seed=6)
+    with torch.no_grad():
+        linears[1].weight[3, 5] = 2.0 ** -70
+        x = torch.randn(5, 384)
+        for g, w in zip(sibling_linears(x, linears), [m(x) for m in linears]):
+            assert torch.equal(g, w)
