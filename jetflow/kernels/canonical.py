@@ -1,10 +1,10 @@
 """The canonical reduction of every exact GEMM: one order of additions whatever the sharding.
 
     y[m, n] = sum_k x[m, k] w[n, k]
-      1. K in 128-wide blocks; each block's partial is its own chain from 0 (fp32: k in order; bf16,
-         both operands on the bf16 grid: pairs, odd element first, k = 1, 0, 3, 2, ...; FP8: the same
-         pairs over the raw E4M3 values, then times sx[m, b] * sw[n // 128, b]). The pair order is
-         AVX512_BF16's vdpbf16ps, which the CPU kernel runs where it can;
+      1. K in 128-wide blocks; each block's partial is its own chain from 0 (fp32 and bf16: k in order;
+         FP8: of the raw E4M3 values, odd element of each pair first, then times sx[m, b] *
+         sw[n // 128, b]). AVX512_BF16's vdpbf16ps, which the CPU kernel runs where it can, computes
+         both orders: a pair's second product first, so bf16 pairs are packed swapped;
       2. the blocks in G contiguous groups of equal size, G = tree_width(K); a group's sum is
          0 + its block partials in order;
       3. the G group sums combined by one fixed pairwise tree: tree_sum.

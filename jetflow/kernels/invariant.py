@@ -72,8 +72,9 @@ def pack_weight(w: Tensor, variant: str = "native") -> Tensor:
     float32, bfloat16 or float8_e4m3fn (FP8 bytes): the GEMM reads those bytes and converts them in
     registers. Where the build uses AVX512_BF16's vdpbf16ps, E4M3 and bf16 weights are packed instead as
     the instruction's operand, bf16 pairs: (ceil(N / NR), ceil(K / 2), NR) int32, each the bf16 values of
-    k = 2i (low half) and 2i + 1 (exact: every E4M3 value is a bf16 value; 2 bytes a weight, half of
-    fp32), converted once per weight version instead of per call. The result is opaque: pass it to `gemm`
+    k = 2i and 2i + 1 (E4M3: 2i in the low half; bf16: swapped, so the chain runs in order; exact: every
+    E4M3 value is a bf16 value; 2 bytes a weight, half of fp32), converted once per weight version
+    instead of per call. The result is opaque: pass it to `gemm`
     (bf16 weights) or `fp8_gemm` (E4M3 weights). On CUDA the Triton GEMMs read the (N, K) weight itself
     (returned as it is)."""
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):

@@ -96,7 +96,7 @@ static inline __m512i e4m3x32_to_bf16(const uint8_t* p) {
   return _mm512_or_si512(v, sign);
 }
 
-// permutex2var indices: word 2j takes the even row's column j (+16 for the high half), 2j+1 the odd row's
+// permutex2var indices: word 2j takes the first operand's column j (+16 for the high half), 2j+1 the second's
 struct PairIndex {
   uint16_t w[2][32];
   PairIndex() {
@@ -119,25 +119,26 @@ static void e4m3_panel_to_pairs(const uint8_t* src, int64_t K, uint32_t* dst) {
   }
 }
 
-// A (K, NR=32) bf16 panel -> (ceil(K/2), 32) pair dwords, as above
+// A (K, NR=32) bf16 panel -> (ceil(K/2), 32) pair dwords, swapped: dword (i, j) = bf16 w[2i+1][j] |
+// w[2i][j] << 16 (vdpbf16ps adds the high product first, so the chain runs k = 2i, 2i + 1: in order)
 static void bf16_panel_to_pairs(const uint16_t* src, int64_t K, uint32_t* dst) {
   const __m512i lo_idx = _mm512_loadu_si512(PAIR_INDEX[0]), hi_idx = _mm512_loadu_si512(PAIR_INDEX[1]);
   for (int64_t i = 0; 2 * i < K; i++) {
     __m512i even = _mm512_loadu_si512(src + 2 * i * NR);
     __m512i odd = 2 * i + 1 < K ? _mm512_loadu_si512(src + (2 * i + 1) * NR) : _mm512_setzero_si512();
-    _mm512_storeu_si512(dst + i * NR, _mm512_permutex2var_epi16(even, lo_idx, odd));
-    _mm512_storeu_si512(dst + i * NR + 16, _mm512_permutex2var_epi16(even, hi_idx, odd));
+    _mm512_storeu_si512(dst + i * NR, _mm512_permutex2var_epi16(odd, lo_idx, even));
+    _mm512_storeu_si512(dst + i * NR + 16, _mm512_permutex2var_epi16(odd, hi_idx, even));
   }
 }
 
-// (ceil(K/2), NR) pair dwords -> (K, NR) fp32: the FMA path's panel when an operand is out of
-// vdpbf16ps's exact range
+// (ceil(K/2), NR) swapped bf16 pair dwords -> (K, NR) fp32: the FMA path's panel when an operand is out
+// of vdpbf16ps's exact range
 static void pairs_panel_to_f32(const uint32_t* src, int64_t K, float* dst) {
   for (int64_t i = 0; 2 * i < K; i++)
     for (int c = 0; c < NR; c++) {
       const uint32_t d = src[i * NR + c];
-      dst[2 * i * NR + c] = bf16_to_f32((uint16_t)(d & 0xFFFF));
-      if (2 * i + 1 < K) dst[(2 * i + 1) * NR + c] = bf16_to_f32((uint16_t)(d >> 16));
+      dst[2 * i * NR + c] = bf16_to_f32((uint16_t)(d >> 16));
+      if (2 * i + 1 < K) dst[(2 * i + 1) * NR + c] = bf16_to_f32((uint16_t)(d & 0xFFFF));
     }
 }
 #endif

@@ -5,11 +5,11 @@
 // C[m, n] = sum_k A[m, k] W[n, k], computed as
 //   1. K is cut into 128-wide blocks b (the last one may be shorter); each block's partial P_b is its
 //      own chain from +0:
-//        fp32                 an FMA chain over k in order;
-//        bf16 (both operands  an FMA chain in pairs, odd element first: k = 1, 0, 3, 2, ... (the order
-//        on the bf16 grid)    of AVX512_BF16's vdpbf16ps, which this kernel uses where the CPU has it;
-//                             products of bf16 values are exact in fp32);
-//        E4M3 (FP8)           the same pairs over the raw E4M3 values, then scaled:
+//        fp32 / bf16 weights  an FMA chain over k in order (bf16 values are exact in fp32; with bf16
+//                             activations too, on AVX512_BF16's vdpbf16ps where the CPU has it);
+//        E4M3 (FP8)           an FMA chain over the raw E4M3 values (products are exact in fp32) in
+//                             pairs, odd element first: k = 1, 0, 3, 2, ... (the order of vdpbf16ps,
+//                             which this kernel uses where the CPU has it), then scaled:
 //                             P_b = P_b * (sa[m, b] * sw[n / 128, b]) (two roundings, no FMA).
 //   2. the blocks form `groups` contiguous groups of equal size; a group's sum S_g = ((0 + P_first) +
 //      P_next) + ... in block order;
@@ -21,8 +21,9 @@
 // Weights are packed per panel of NR columns: (P, K, NR) in their own format (fp32, bf16 bits, or
 // E4M3 bytes), and converted in registers / a per-thread buffer: the low-precision bytes are what
 // streams from memory. Where vdpbf16ps runs, E4M3 and bf16 weights are packed instead as bf16 pairs,
-// (P, ceil(K/2), NR) dwords (`jf_pack_pairs`, once per weight version): the instruction's operand
-// layout, so a decode step converts nothing (converting an E4M3 panel per call cost ~30% of a 16-row
+// (P, ceil(K/2), NR) dwords (`jf_pack_pairs`, once per weight version; bf16 pairs swapped so that the
+// instruction, which adds a pair's high product first, runs the chain in order): its operand layout,
+// so a decode step converts nothing (converting an E4M3 panel per call cost ~30% of a 16-row
 // GEMM).
 //
 // vdpbf16ps treats denormal inputs as 0 and flushes denormal results (DAZ, FTZ). With E4M3 operands
@@ -56,9 +57,7 @@ static inline void chain_step(const float* Ap, const T* B, int64_t k, vf (*acc)[
   }
 }
 
-// bf16 or E4M3 values (an fp32 panel, or bf16 bits converted in registers): pairs, odd element first
-// (vdpbf16ps's order)
-template <int R, typename T>
+template <int R, typename T>  // E4M3 values in an fp32 panel: pairs, odd element first (vdpbf16ps's order)
 static inline void block_pairs(const float* Ap, const T* B, int64_t kc, vf (*acc)[2]) {
   int64_t k = 0;
   for (; k + 1 < kc; k += 2) {
@@ -69,17 +68,20 @@ static inline void block_pairs(const float* Ap, const T* B, int64_t kc, vf (*acc
   if (k < kc) chain_step<R>(Ap, B, k, acc);
 }
 
-template <int R>  // fp32 values: the chain in order
-static inline void block_f32(const float* Ap, const float* B, int64_t kc, vf (*acc)[2]) {
+template <int R, typename T>  // fp32 values, or bf16 bits converted in registers: the chain in order
+static inline void block_in_order(const float* Ap, const T* B, int64_t kc, vf (*acc)[2]) {
   for (int64_t k = 0; k < kc; k++) {
-    __builtin_prefetch(B + (k + 12) * NR);  // decode streams fp32 weights from memory: fetch ahead
+    __builtin_prefetch(B + (k + 12) * NR);  // decode streams the weights from memory: fetch ahead
     __builtin_prefetch(B + (k + 12) * NR + 16);
     chain_step<R>(Ap, B, k, acc);
   }
 }
 
 #ifdef JF_DPBF16
-template <int R>  // E4M3 or bf16 values as bf16 pairs on AVX512_BF16: the same bits as block_pairs
+// bf16 pairs on AVX512_BF16 (each dword: a low and a high bf16; the instruction adds the high product
+// first): E4M3 pairs hold k = 2i low, 2i + 1 high (block_pairs' order); bf16 pairs are packed swapped,
+// k = 2i high, so the chain runs in order (block_in_order's bits)
+template <int R>
 static inline void block_dp(const uint32_t* Ap, const uint32_t* B, int64_t kp, vf (*acc)[2]) {
   for (int64_t i = 0; i < kp; i++) {
     __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + i * NR), b1 = (__m512bh)_mm512_loadu_si512(B + i * NR + 16);
@@ -125,9 +127,9 @@ static void tile(const Gemm& g, int mode, int64_t rb, const void* Bp, int64_t p)
       vf acc[R][2];
       for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = v_zero();
       if (mode == MODE_F32) {
-        block_f32<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const float*)Bp + k0 * NR, kc, acc);
+        block_in_order<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const float*)Bp + k0 * NR, kc, acc);
       } else if (mode == MODE_BF16) {
-        block_pairs<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const uint16_t*)Bp + k0 * NR, kc, acc);
+        block_in_order<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const uint16_t*)Bp + k0 * NR, kc, acc);
       } else if (mode == MODE_PAIRS) {
         block_pairs<R>((const float*)g.Ap + (rb * g.K + k0) * GEMM_MR, (const float*)Bp + k0 * NR, kc, acc);
       } else {
@@ -344,7 +346,7 @@ extern "C" void jf_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const
         break;
       }
     }
-  if (dp) {  // (K2, GEMM_MR) bf16 pairs per row block: (k = 2i) | (k = 2i + 1) << 16
+  if (dp) {  // (K2, GEMM_MR) bf16 pairs per row block, swapped as the weights': (k = 2i + 1) | (k = 2i) << 16
     uint32_t* Ap = (uint32_t*)jf_alloc_f32(MB * K2 * GEMM_MR);
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < MB; b++) {
@@ -353,7 +355,7 @@ extern "C" void jf_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const
         const int64_t m = b * RB + r;
         const uint32_t* a = (const uint32_t*)(A + m * lda);
         for (int64_t i = 0; i < K2; i++)
-          dst[i * GEMM_MR + r] = r < RB && m < M ? (a[2 * i] >> 16) | (2 * i + 1 < K ? a[2 * i + 1] & 0xFFFF0000u : 0u) : 0u;
+          dst[i * GEMM_MR + r] = r < RB && m < M ? (a[2 * i] & 0xFFFF0000u) | (2 * i + 1 < K ? a[2 * i + 1] >> 16 : 0u) : 0u;
       }
     }
     Gemm g{MODE_DP, Ap, M, K, K2, N, nb, groups, RB, nullptr, 0, nullptr, 0, 128, C, ldc};
@@ -363,8 +365,7 @@ extern "C" void jf_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const
   }
 #endif
   float* Ap = pack_rows_f32(A, M, K, lda, RB, MB);
-  const int mode = wfmt == WF_F32 ? MODE_F32 : MODE_PAIRS;  // bf16 operands: pairs, odd element first
-  Gemm g{mode, Ap, M, K, K2, N, nb, groups, RB, nullptr, 0, nullptr, 0, 128, C, ldc};
+  Gemm g{MODE_F32, Ap, M, K, K2, N, nb, groups, RB, nullptr, 0, nullptr, 0, 128, C, ldc};
   run(g, W, wfmt);
   std::free(Ap);
 }
