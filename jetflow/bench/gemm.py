@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from jetflow.bench.common import environment, markdown_table, time_fn, write_results
+from jetflow.kernels import invariant
 from jetflow.precision.gemm import fp8_matmul, resolve_backend
 from jetflow.precision.quant import QuantizedTensor, quantize_blocks
 
@@ -70,7 +71,6 @@ def _calls(m: int, n: int, k: int, device: torch.device) -> dict[str, Callable[[
         calls["emulate"] = lambda: fp8_matmul(xq_emu, wq_emu, torch.bfloat16, "emulate")
         calls["emulate_quant"] = lambda: fp8_matmul(quantize_blocks(x, (1, 128), check_finite=False), wq_emu,
                                                     torch.bfloat16, "emulate")
-        from jetflow.kernels import invariant
         p32, pbf, p8 = invariant.pack_weight(w), invariant.pack_weight(wb), invariant.pack_weight(wq.data)
         xb32 = xb.float()
         calls["exact_fp32"] = lambda: invariant.gemm(x, p32, n)
@@ -108,11 +108,6 @@ def bench_shape(m: int, n: int, k: int, device: torch.device, paths: tuple[str, 
     return row
 
 
-def _cpu_isa() -> str:
-    from jetflow.kernels import invariant
-    return invariant.isa()
-
-
 def headline_backend(paths: tuple[str, ...]) -> str | None:
     """The FP8 path whose speedups each row carries: triton on CUDA, emulate on the CPU."""
     return next((p for p in ("triton", "emulate", "scaled_mm") if p in paths), None)
@@ -147,7 +142,7 @@ def run(shapes: str | None = None, device: str | None = None, iters: int = 5, ou
     note = (f"Paths: {', '.join(paths)} (FP8 paths write bf16; see jetflow/bench/gemm.py)."
             + (" On the CPU the fast-numerics FP8 path is an emulation (dequantize + fp32 matmul): it checks the "
                "math, not FP8 speed; the exact_* paths are the kernels exact numerics runs (CPU ISA: "
-               f"{_cpu_isa()})." if dev.type == "cpu" else "")
+               f"{invariant.isa()})." if dev.type == "cpu" else "")
             + ("\n\nFailed paths: " + "; ".join(errors) if errors else ""))
     payload = {"backend": backend, "paths": list(paths), "rows": rows}
     path = write_results(f"gemm-{tag}", payload, note + "\n\n" + markdown_table(rows, cols), out_dir)

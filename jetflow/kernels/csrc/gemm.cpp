@@ -57,8 +57,8 @@ static inline void chain_step(const float* Ap, const T* B, int64_t k, vf (*acc)[
   }
 }
 
-template <int R, typename T>  // E4M3 values in an fp32 panel: pairs, odd element first (vdpbf16ps's order)
-static inline void block_pairs(const float* Ap, const T* B, int64_t kc, vf (*acc)[2]) {
+template <int R>  // E4M3 values in an fp32 panel: pairs, odd element first (vdpbf16ps's order)
+static inline void block_pairs(const float* Ap, const float* B, int64_t kc, vf (*acc)[2]) {
   int64_t k = 0;
   for (; k + 1 < kc; k += 2) {
     __builtin_prefetch(B + (k + 24) * NR);
