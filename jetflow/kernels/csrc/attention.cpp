@@ -61,6 +61,42 @@ static inline float s_exp_nonpos(float x) {  // the scalar twin, for tails: bit-
 static const int AQ = 8;  // queries per tile (of one K/V head): they share each key's loads
 static const int AV = VL >= 16 ? 4 : 2;  // queries per pass over V: 4 x 4 accumulators fit AVX-512's 32 registers
 
+// Scores of up to AQ queries against the NR keys j0.. (the first n0 of the first vector, n1 of the
+// second: VL and VL for a whole block): row r's chain over d in each lane, times scale, into sbuf.
+static inline void score_block(const float* const* qr, int64_t nr, const float* K, int64_t kt_sd, int64_t j0,
+                               int64_t D, float scale, int n0, int n1, float* sbuf, int64_t spad) {
+  vf acc[AQ][2];
+  for (int r = 0; r < AQ; r++) acc[r][0] = acc[r][1] = v_zero();
+  const bool whole = n0 == VL && n1 == VL;
+  for (int64_t d = 0; d < D; d++) {
+    const float* k = K + d * kt_sd + j0;
+    __builtin_prefetch(k + NR);  // the next block's keys: K rows are short, too short for the hardware prefetcher
+    __builtin_prefetch(k + 2 * NR - 1);
+    vf k0 = whole ? v_load(k) : v_load_n(k, n0), k1 = whole ? v_load(k + VL) : v_load_n(k + VL, n1);
+    for (int r = 0; r < nr; r++) {
+      vf a = v_set1(qr[r][d]);
+      acc[r][0] = v_fma(a, k0, acc[r][0]);
+      acc[r][1] = v_fma(a, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < nr; r++) {
+    v_store(sbuf + r * spad + j0, v_mul(acc[r][0], v_set1(scale)));
+    v_store(sbuf + r * spad + j0 + VL, v_mul(acc[r][1], v_set1(scale)));
+  }
+}
+
+// l[r] = the sum of row r's nmax weights in key order, one chain per row; the rows' chains interleaved
+// (each add waits for the previous one of its row: interleaving lets the rows' adds overlap).
+static inline void row_sums(const float* sbuf, int64_t spad, int64_t nr, int64_t nmax, float* l) {
+  float acc[AQ] = {};
+  for (int64_t j = 0; j < nmax; j++) {
+#pragma GCC unroll 8
+    for (int r = 0; r < AQ; r++)
+      if (r < nr) acc[r] = acc[r] + sbuf[r * spad + j];
+  }
+  for (int r = 0; r < nr; r++) l[r] = acc[r];
+}
+
 extern "C" void jf_attention(const float* q, const float* kt, int64_t kt_sb, int64_t kt_sh, int64_t kt_sd,
                              const float* v, int64_t v_sb, int64_t v_sh, int64_t v_ss, const int64_t* pos, float* out,
                              int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t D, float scale) {
@@ -90,30 +126,12 @@ extern "C" void jf_attention(const float* q, const float* kt, int64_t kt_sb, int
           n[r] = pos[b * T + t] + 1;
           nmax = std::max(nmax, n[r]);
         }
-        // scores: s[r][j] = (fma chain over d of q[r][d] * k[j][d]) * scale, for j < nmax
+        // scores: s[r][j] = (fma chain over d of q[r][d] * k[j][d]) * scale for j < nmax, NR keys at a time
         int64_t j0 = 0;
-        for (; j0 + NR <= nmax; j0 += NR) {
-          vf acc[AQ][2];
-          for (int r = 0; r < AQ; r++) acc[r][0] = acc[r][1] = v_zero();
-          for (int64_t d = 0; d < D; d++) {
-            vf k0 = v_load(K + d * kt_sd + j0), k1 = v_load(K + d * kt_sd + j0 + VL);
-            for (int r = 0; r < nr; r++) {
-              vf a = v_set1(qr[r][d]);
-              acc[r][0] = v_fma(a, k0, acc[r][0]);
-              acc[r][1] = v_fma(a, k1, acc[r][1]);
-            }
-          }
-          for (int r = 0; r < nr; r++) {
-            v_store(sbuf + r * spad + j0, v_mul(acc[r][0], v_set1(scale)));
-            v_store(sbuf + r * spad + j0 + VL, v_mul(acc[r][1], v_set1(scale)));
-          }
-        }
-        for (; j0 < nmax; j0++)
-          for (int r = 0; r < nr; r++) {
-            float s = 0.0f;
-            for (int64_t d = 0; d < D; d++) s = std::fma(qr[r][d], K[d * kt_sd + j0], s);
-            sbuf[r * spad + j0] = s * scale;
-          }
+        for (; j0 + NR <= nmax; j0 += NR) score_block(qr, nr, K, kt_sd, j0, D, scale, VL, VL, sbuf, spad);
+        if (j0 < nmax)  // the last block: lanes past nmax load 0, their scores land in sbuf's padding (never read)
+          score_block(qr, nr, K, kt_sd, j0, D, scale, (int)std::min<int64_t>(VL, nmax - j0),
+                      (int)std::max<int64_t>(0, nmax - j0 - VL), sbuf, spad);
         // weights: p = exp(s - max) on the query's own keys, exactly 0 past them; l = sum in key order
         float l[AQ];
         for (int r = 0; r < nr; r++) {
@@ -124,10 +142,8 @@ extern "C" void jf_attention(const float* q, const float* kt, int64_t kt_sb, int
           for (; j + VL <= n[r]; j += VL) v_store(s + j, v_exp_nonpos(v_sub(v_load(s + j), v_set1(m))));
           for (; j < n[r]; j++) s[j] = s_exp_nonpos(s[j] - m);
           for (j = n[r]; j < nmax; j++) s[j] = 0.0f;
-          float sum = 0.0f;
-          for (j = 0; j < nmax; j++) sum = sum + s[j];
-          l[r] = sum;
         }
+        row_sums(sbuf, spad, nr, nmax, l);
         // out[r][d] = (fma chain over j of p[r][j] * v[j][d]) / l[r]; keys past a query's own add 0.
         // AV queries per pass over V (a decode step's GQA group shares one read of its V rows).
         for (int r0 = 0; r0 < nr; r0 += AV) {

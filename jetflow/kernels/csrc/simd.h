@@ -20,6 +20,9 @@ typedef __m512 vf;
 static const int VL = 16;
 static inline vf v_zero() { return _mm512_setzero_ps(); }
 static inline vf v_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf v_load_n(const float* p, int n) {  // lanes [0, n) from p (n in [0, VL]), 0 past them: never reads past p + n
+  return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
+}
 static inline void v_store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf v_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
@@ -40,6 +43,9 @@ typedef __m256 vf;
 static const int VL = 8;
 static inline vf v_zero() { return _mm256_setzero_ps(); }
 static inline vf v_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf v_load_n(const float* p, int n) {
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
 static inline void v_store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf v_set1(float x) { return _mm256_set1_ps(x); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
@@ -59,6 +65,7 @@ typedef float vf;  // scalar reference: the same chains, one at a time
 static const int VL = 1;
 static inline vf v_zero() { return 0.0f; }
 static inline vf v_load(const float* p) { return *p; }
+static inline vf v_load_n(const float* p, int n) { return n > 0 ? *p : 0.0f; }
 static inline void v_store(float* p, vf v) { *p = v; }
 static inline vf v_set1(float x) { return x; }
 static inline vf v_fma(vf a, vf b, vf c) { return std::fma(a, b, c); }
