@@ -97,12 +97,16 @@ def load_library(variant: str = "native") -> ctypes.CDLL:
     lib.jf_gemm_fp8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, i64, ctypes.c_int, i64, ptr, i64,
                                 i64]
     lib.jf_gemm_fp8.restype = None
+    lib.jf_pack_panels.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, ptr]
+    lib.jf_pack_panels.restype = None
     lib.jf_pack_pairs.argtypes = [ptr, ctypes.c_int, i64, i64, ptr]
     lib.jf_pack_pairs.restype = ctypes.c_int
     lib.jf_e4m3_to_f32.argtypes = [ptr, i64, ptr]
     lib.jf_e4m3_to_f32.restype = None
-    lib.jf_quantize_1x128.argtypes = [ptr, i64, i64, i64, ctypes.c_int, f32, ptr, ptr]
+    lib.jf_quantize_1x128.argtypes = [ptr, i64, i64, i64, i64, ctypes.c_int, f32, ptr, ptr]
     lib.jf_quantize_1x128.restype = i64
+    lib.jf_round_to_bf16.argtypes = [ptr, i64, ptr]
+    lib.jf_round_to_bf16.restype = None
     lib.jf_attention.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, f32]
     lib.jf_attention.restype = None
     return lib

@@ -82,16 +82,16 @@ def pack_weight(w: Tensor, variant: str = "native") -> Tensor:
     w = w.detach()
     if w.is_cuda:
         return w.contiguous()
-    nr = panel_width(variant)
+    lib = load_library(variant)
+    nr = lib.jf_panel_width()
     n, k = w.shape
     p = -(-n // nr)
-    bits = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
-    if p * nr != n:
-        bits = F.pad(bits, (0, 0, 0, p * nr - n))  # zero bytes: 0.0 in every format
-    panels = bits.reshape(p, nr, k).transpose(1, 2).contiguous()
+    bits = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w  # any strides (W^T views too)
+    panels = torch.empty(p, k, nr, dtype=bits.dtype)  # columns past N: zero bytes, 0.0 in every format
+    lib.jf_pack_panels(_ptr(bits), bits.element_size(), n, k, bits.stride(0), bits.stride(1), _ptr(panels))
     if w.dtype != torch.float32 and isa(variant) == "avx512_bf16":
         pairs = torch.empty(p, -(-k // 2), nr, dtype=torch.int32)
-        if load_library(variant).jf_pack_pairs(_ptr(panels), _WEIGHT_FORMATS[w.dtype], p, k, _ptr(pairs)) == 0:
+        if lib.jf_pack_pairs(_ptr(panels), _WEIGHT_FORMATS[w.dtype], p, k, _ptr(pairs)) == 0:
             return pairs  # else a bf16 weight with a value below 2^-56: the FMA path reads the bf16 panels
     return panels.view(w.dtype) if w.dtype == torch.float8_e4m3fn else panels
 
@@ -173,14 +173,23 @@ def quantize_1x128(x2: Tensor, scale_rule: str = "fp32", margin: int = 0,
     if scale_rule not in ("fp32", "pow2"):
         raise ValueError(f"scale_rule={scale_rule!r}: 'fp32' or 'pow2'")
     m, k = x2.shape
-    x2 = x2.float()
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2 = x2.float()  # any strides: a transposed view (the wgrad's 128 x 1 groups) is read as it is, not copied
     codes = torch.empty(m, k, dtype=torch.uint8)
     scales = torch.empty(m, -(-k // canonical.BLOCK_K), dtype=torch.float32)
-    bad = load_library(variant).jf_quantize_1x128(_ptr(x2), m, k, x2.stride(0), int(scale_rule == "pow2"),
+    bad = load_library(variant).jf_quantize_1x128(_ptr(x2), m, k, x2.stride(0), x2.stride(1), int(scale_rule == "pow2"),
                                                   float(2.0**margin), _ptr(codes), _ptr(scales))
     return codes.view(torch.float8_e4m3fn), scales, int(bad)
+
+
+def round_to_bf16(t: Tensor, variant: str = "native") -> Tensor:
+    """t rounded to the bf16 grid, in t's dtype: t.bfloat16().to(t.dtype), the same bits (round to nearest
+    even); fp32 on the CPU in one pass (csrc/quant.cpp) instead of two casts and a bf16 intermediate."""
+    if t.is_cuda or t.dtype != torch.float32:
+        return t.bfloat16().to(t.dtype)
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    load_library(variant).jf_round_to_bf16(_ptr(t), t.numel(), _ptr(out))
+    return out
 
 
 def e4m3_to_float(codes: Tensor, variant: str = "native") -> Tensor:

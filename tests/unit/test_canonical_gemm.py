@@ -154,21 +154,26 @@ def _quantizer_inputs() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("rule,margin", [("fp32", 0), ("pow2", 0), ("fp32", 2), ("pow2", 1)])
 def test_fused_quantizer_equals_quantize_blocks_byte_for_byte(rule, margin):
-    for x in _quantizer_inputs():
+    big = torch.randn(1300, 300, generator=torch.Generator().manual_seed(3))  # the threaded path (M * K > 2^18)
+    for x in [*_quantizer_inputs(), big]:
         ref = quantize_blocks(x, (1, 128), scale_rule=rule, margin=margin)
-        for variant in VARIANTS:
-            data, scale_inv, bad = inv.quantize_1x128(x, rule, margin, variant)
-            assert bad == 0
-            assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)), (variant, tuple(x.shape))
-            assert torch.equal(scale_inv.view(torch.int32), ref.scale_inv.view(torch.int32)), (variant, tuple(x.shape))
+        # x itself, and x as a transposed view (the wgrad's 128 x 1 groups: read in place, not copied)
+        for view in (x, x.t().contiguous().t()):
+            for variant in VARIANTS:
+                data, scale_inv, bad = inv.quantize_1x128(view, rule, margin, variant)
+                assert bad == 0
+                what = (variant, tuple(x.shape), view.stride())
+                assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)), what
+                assert torch.equal(scale_inv.view(torch.int32), ref.scale_inv.view(torch.int32)), what
 
 
 def test_fused_quantizer_reports_nonfinite_groups():
     x = torch.randn(4, 256)
     x[1, 200], x[3, 3] = float("nan"), float("inf")
     for variant in VARIANTS:
-        _, scale_inv, bad = inv.quantize_1x128(x, variant=variant)
-        assert bad == 2 and scale_inv.isnan().nonzero().tolist() == [[1, 1], [3, 0]]
+        for view in (x, x.t().contiguous().t()):
+            _, scale_inv, bad = inv.quantize_1x128(view, variant=variant)
+            assert bad == 2 and scale_inv.isnan().nonzero().tolist() == [[1, 1], [3, 0]]
 
 
 def test_exact_fp8_linear_refuses_nan_like_the_quantizer():
@@ -245,3 +250,46 @@ def test_fp8_weight_packing_formats_give_the_same_bits():
         assert torch.equal(inv.fp8_gemm(x.data, x.scale_inv, byte_panels, w.scale_inv, 200), want)
     with pytest.raises(ValueError, match="does not fit"):
         inv.fp8_gemm(x.data[:, :448].contiguous(), x.scale_inv[:, :4].contiguous(), native, w.scale_inv[:, :4], 200)
+
+
+def test_bf16_grid_is_the_two_casts_bit_for_bit_forward_and_backward():
+    from jetflow.precision.exact import bf16_grid
+    gen = torch.Generator().manual_seed(11)
+    bits = torch.randint(0, 2**31, (4096,), generator=gen, dtype=torch.int64)
+    ties = (torch.randint(0, 2**15, (512,), generator=gen) << 16) | 0x8000  # exactly halfway: to even
+    x = torch.cat([(bits | (bits & 1) << 31).to(torch.int32).view(torch.float32),  # every exponent, both signs
+                   ties.to(torch.int32).view(torch.float32), -ties.to(torch.int32).view(torch.float32),
+                   torch.tensor([0.0, -0.0, 1e-40, -1e-45, 3.3895e38, 3.4e38, float("inf"), float("-inf")]),
+                   torch.randn(300_000, generator=gen)])  # the threaded path
+    finite = ~x.isnan()
+    for variant in VARIANTS:
+        got = inv.round_to_bf16(x, variant)
+        assert torch.equal(got[finite].view(torch.int32), x[finite].bfloat16().float().view(torch.int32)), variant
+        assert got[~finite].isnan().all()
+    w = torch.randn(64, 40, generator=gen).requires_grad_()
+    g = torch.randn(64, 40, generator=gen)
+    bf16_grid(w).backward(g)
+    w_ref = w.detach().clone().requires_grad_()
+    w_ref.bfloat16().float().backward(g)
+    assert torch.equal(w.grad, w_ref.grad) and not torch.equal(w.grad, g)  # the gradient is rounded too
+
+
+def test_weight_panels_are_the_transposed_columns_for_every_format_and_view():
+    """pack_weight's panels (before any pair layout) against torch's own reshape-transpose of the
+    zero-padded weight, for rows and for a transposed view (the dgrad's W^T), every element size."""
+    gen = torch.Generator().manual_seed(5)
+    for variant in VARIANTS:
+        lib = inv.load_library(variant)
+        nr = lib.jf_panel_width()
+        for n, k in ((70, 45), (64, 128), (3, 300)):
+            for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+                w = (torch.randn(n, k, generator=gen) * 3).to(dtype)
+                for view in (w, w.t().contiguous().t()):
+                    bits = view.view(torch.uint8) if dtype == torch.float8_e4m3fn else view
+                    p = -(-n // nr)
+                    ref = torch.nn.functional.pad(bits.contiguous(), (0, 0, 0, p * nr - n)).reshape(p, nr, k)
+                    ref = ref.transpose(1, 2).contiguous()
+                    got = torch.empty_like(ref)
+                    lib.jf_pack_panels(bits.data_ptr(), bits.element_size(), n, k, bits.stride(0), bits.stride(1),
+                                       got.data_ptr())
+                    assert torch.equal(got, ref), (variant, n, k, dtype, view.stride())

@@ -302,6 +302,40 @@ static float* pack_rows_f32(const float* A, int64_t M, int64_t K, int64_t lda, i
   return Ap;
 }
 
+// W (N, K), element (n, k) at W[n * ldn + k * ldk], `esize`-byte values (fp32, bf16 or E4M3 bits) ->
+// panels (P, K, NR): panel p holds columns n = p * NR .. p * NR + NR - 1 (zero past N), k-major. One
+// pass, in parallel over panels, reading W along its unit-stride dimension (rows of W, or of W^T for a
+// transposed view) instead of a strided copy of the whole matrix.
+template <typename T>
+static void pack_panels(const T* W, int64_t N, int64_t K, int64_t ldn, int64_t ldk, int64_t P, T* dst) {
+#pragma omp parallel for schedule(static) if (N * K > (1 << 16))
+  for (int64_t p = 0; p < P; p++) {
+    T* panel = dst + p * K * NR;
+    const int64_t cols = std::min<int64_t>(NR, N - p * NR);
+    if (cols < NR)
+      for (int64_t k = 0; k < K; k++) std::fill(panel + k * NR + cols, panel + (k + 1) * NR, T(0));
+    if (ldk == 1) {
+      for (int64_t j = 0; j < cols; j++) {
+        const T* row = W + (p * NR + j) * ldn;
+        for (int64_t k = 0; k < K; k++) panel[k * NR + j] = row[k];
+      }
+    } else {
+      for (int64_t k = 0; k < K; k++)
+        for (int64_t j = 0; j < cols; j++) panel[k * NR + j] = W[(p * NR + j) * ldn + k * ldk];
+    }
+  }
+}
+
+extern "C" void jf_pack_panels(const void* W, int esize, int64_t N, int64_t K, int64_t ldn, int64_t ldk, void* dst) {
+  const int64_t P = (N + NR - 1) / NR;
+  if (esize == 4)
+    pack_panels((const uint32_t*)W, N, K, ldn, ldk, P, (uint32_t*)dst);
+  else if (esize == 2)
+    pack_panels((const uint16_t*)W, N, K, ldn, ldk, P, (uint16_t*)dst);
+  else
+    pack_panels((const uint8_t*)W, N, K, ldn, ldk, P, (uint8_t*)dst);
+}
+
 // E4M3 (wfmt WF_E4M3) or bf16 (WF_BF16) weight panels (P, K, NR) -> bf16 pairs (P, ceil(K/2), NR), the
 // layout vdpbf16ps reads. Returns 0; 1 where the build has no vdpbf16ps; 2 for a bf16 weight with a
 // value out of the instruction's exact range (keep the bf16 panels: the FMA path).

@@ -109,33 +109,70 @@ static inline void quantize_group(const float* x, int64_t n, float scale, uint8_
   for (; i < n; i++) q[i] = f32_to_e4m3(std::min(std::max(x[i] / scale, -E4M3_MAX), E4M3_MAX));
 }
 
-// x (M, K) fp32, row stride ldx -> q (M, K) E4M3 codes (row stride K), s (M, ceil(K/128)) scale_inv.
-// Returns the number of groups holding NaN or Inf.
-extern "C" int64_t jf_quantize_1x128(const float* x, int64_t M, int64_t K, int64_t ldx, int pow2, float margin_scale,
-                                     uint8_t* q, float* s) {
+// One row of K values -> its codes and ceil(K/128) scales; returns the number of groups holding NaN / Inf.
+static int64_t quantize_row(const float* row, int64_t K, int pow2, float margin_scale, uint8_t* q, float* s) {
   const int64_t G = 128, nb = (K + G - 1) / G;
   int64_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(+ : bad) if (M * K > (1 << 18))
-  for (int64_t m = 0; m < M; m++) {
-    const float* row = x + m * ldx;
-    for (int64_t b = 0; b < nb; b++) {
-      const int64_t k0 = b * G, n = std::min(K, k0 + G) - k0;
-      bool finite;
-      const float amax = group_amax(row + k0, n, &finite);
-      float scale = std::max(amax, AMAX_EPS) * margin_scale / E4M3_MAX;
-      if (pow2) {
-        const float l = (float)std::log2((double)std::max(scale, AMAX_EPS));
-        scale = std::ldexp(1.0f, (int)std::ceil(l));
-      }
-      if (!finite) {
-        bad++;
-        s[m * nb + b] = std::numeric_limits<float>::quiet_NaN();
-        std::memset(q + m * K + k0, 0, n);
-        continue;
-      }
-      s[m * nb + b] = scale;
-      quantize_group(row + k0, n, scale, q + m * K + k0);
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t k0 = b * G, n = std::min(K, k0 + G) - k0;
+    bool finite;
+    const float amax = group_amax(row + k0, n, &finite);
+    float scale = std::max(amax, AMAX_EPS) * margin_scale / E4M3_MAX;
+    if (pow2) {
+      const float l = (float)std::log2((double)std::max(scale, AMAX_EPS));
+      scale = std::ldexp(1.0f, (int)std::ceil(l));
     }
+    if (!finite) {
+      bad++;
+      s[b] = std::numeric_limits<float>::quiet_NaN();
+      std::memset(q + k0, 0, n);
+      continue;
+    }
+    s[b] = scale;
+    quantize_group(row + k0, n, scale, q + k0);
   }
   return bad;
+}
+
+// x (M, K) fp32, element (m, k) at x[m * ldx + k * ldk] -> q (M, K) E4M3 codes (row stride K), s (M,
+// ceil(K/128)) scale_inv. ldk = 1: rows in place; otherwise (a transposed view: the weight-gradient GEMM's
+// 128 x 1 groups) RB rows at a time are gathered into a per-thread buffer first, reading RB adjacent
+// values of each source line, instead of a strided copy of the whole matrix. Returns the number of
+// groups holding NaN or Inf.
+extern "C" int64_t jf_quantize_1x128(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t ldk, int pow2,
+                                     float margin_scale, uint8_t* q, float* s) {
+  const int64_t nb = (K + 127) / 128;
+  int64_t bad = 0;
+  if (ldk == 1) {
+#pragma omp parallel for schedule(static) reduction(+ : bad) if (M * K > (1 << 18))
+    for (int64_t m = 0; m < M; m++) bad += quantize_row(x + m * ldx, K, pow2, margin_scale, q + m * K, s + m * nb);
+    return bad;
+  }
+  const int64_t RB = 16, blocks = (M + RB - 1) / RB;
+#pragma omp parallel reduction(+ : bad) if (M * K > (1 << 18))
+  {
+    float* buf = jf_alloc_f32(RB * K);
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+      const int64_t m0 = blk * RB, rows = std::min(RB, M - m0);
+      for (int64_t k = 0; k < K; k++)
+        for (int64_t r = 0; r < rows; r++) buf[r * K + k] = x[(m0 + r) * ldx + k * ldk];
+      for (int64_t r = 0; r < rows; r++)
+        bad += quantize_row(buf + r * K, K, pow2, margin_scale, q + (m0 + r) * K, s + (m0 + r) * nb);
+    }
+    std::free(buf);
+  }
+  return bad;
+}
+
+// x -> x rounded to the bf16 grid, kept in fp32 (torch's x.bfloat16().float(): round to nearest even on the
+// bits; NaN -> the quiet NaN 0x7FC00000), n contiguous values: one pass instead of two casts.
+extern "C" void jf_round_to_bf16(const float* x, int64_t n, float* out) {
+#pragma omp parallel for schedule(static) if (n > (1 << 18))
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t b;
+    std::memcpy(&b, x + i, 4);
+    const uint32_t r = (b & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(out + i, &r, 4);
+  }
 }
