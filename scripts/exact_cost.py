@@ -19,7 +19,6 @@ import copy
 import statistics
 import time
 
-import jetflow  # noqa: F401  (first: its THP_MEM_ALLOC_ENABLE default must precede torch's first allocation)
 import torch
 
 from jetflow.bench.common import markdown_table, write_results

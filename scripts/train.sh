@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false THP_MEM_ALLOC_ENABLE="${THP_MEM_ALLOC_ENABLE:-1}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec jetflow train "$@"
