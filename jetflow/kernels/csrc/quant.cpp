@@ -1,4 +1,5 @@
-// The 1x128 E4M3 activation quantizer of the exact FP8 linear, fused into one pass over x.
+// The 1x128 E4M3 activation quantizer of the exact FP8 linear, fused into one pass over x (and, at the
+// end, the bf16 kind's rounding to the bf16 grid, jf_round_to_bf16).
 //
 // It computes the bytes and scales of jetflow.precision.quant.quantize_blocks(x, (1, 128)) (the numerical
 // truth, vLLM's per_token_group_quant_fp8 contract), operation for operation:
