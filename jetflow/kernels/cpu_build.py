@@ -30,7 +30,7 @@ import torch  # noqa: F401  (loads torch's libgomp first, which the library then
 from jetflow.errors import UserError
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "gemm.cpp", CSRC / "attention.cpp", CSRC / "quant.cpp"]
+SOURCES = [CSRC / "gemm.cpp", CSRC / "pack.cpp", CSRC / "attention.cpp", CSRC / "quant.cpp"]
 HEADERS = [CSRC / "simd.h", CSRC / "convert.h"]
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17"]
 VARIANTS = {"native": ["-march=native"],

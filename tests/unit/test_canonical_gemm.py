@@ -236,20 +236,26 @@ def test_activations_off_the_bf16_grid_against_bf16_pairs_are_the_fma_chain():
         assert torch.equal(_gemm("bf16", x, w, 64, variant), want), variant
 
 
-def test_fp8_weight_packing_formats_give_the_same_bits():
+@pytest.mark.parametrize("m, n, k", [(16, 200, 576), (300, 70, 333)])
+def test_fp8_weight_packing_formats_give_the_same_bits(m, n, k):
     """On AVX512_BF16 `pack_weight` widens E4M3 weights to bf16 pairs once (int32 panels); the kernel also
-    takes the E4M3 byte panels (converted per call). Both, and every build, give the same bits."""
-    x, w = _operands("fp8", 16, 200, 576, seed=6)
+    takes the E4M3 byte panels of the other builds (widened per call, for few row blocks (M = 16, decode)
+    and for many (M = 300)). Both, and every build, give the same bits, on every finite E4M3 code (odd K:
+    the last pair's high half is zero)."""
+    x, w = _operands("fp8", m, n, k, seed=6)
+    codes = torch.randint(0, 256, (n, k), generator=torch.Generator().manual_seed(7), dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0x08  # every finite E4M3 code (subnormals, zeros, both signs), no NaN
+    w = type(w)(codes.view(torch.float8_e4m3fn), w.scale_inv, w.block)
     native = inv.pack_weight(w.data)
-    want = inv.fp8_gemm(x.data, x.scale_inv, inv.pack_weight(w.data, "scalar"), w.scale_inv, 200, "scalar")
-    assert torch.equal(inv.fp8_gemm(x.data, x.scale_inv, native, w.scale_inv, 200), want)
+    want = inv.fp8_gemm(x.data, x.scale_inv, inv.pack_weight(w.data, "scalar"), w.scale_inv, n, "scalar")
+    assert torch.equal(inv.fp8_gemm(x.data, x.scale_inv, native, w.scale_inv, n), want)
     if inv.isa() == "avx512_bf16":
-        assert native.dtype == torch.int32 and native.shape[1] == 288
+        assert native.dtype == torch.int32 and native.shape[1] == (k + 1) // 2
         byte_panels = inv.pack_weight(w.data, "avx512")  # E4M3 bytes, same panel width
         assert byte_panels.dtype == torch.float8_e4m3fn
-        assert torch.equal(inv.fp8_gemm(x.data, x.scale_inv, byte_panels, w.scale_inv, 200), want)
+        assert torch.equal(inv.fp8_gemm(x.data, x.scale_inv, byte_panels, w.scale_inv, n), want)
     with pytest.raises(ValueError, match="does not fit"):
-        inv.fp8_gemm(x.data[:, :448].contiguous(), x.scale_inv[:, :4].contiguous(), native, w.scale_inv[:, :4], 200)
+        inv.fp8_gemm(x.data[:, :256].contiguous(), x.scale_inv[:, :2].contiguous(), native, w.scale_inv[:, :2], n)
 
 
 def test_bf16_grid_is_the_two_casts_bit_for_bit_forward_and_backward():

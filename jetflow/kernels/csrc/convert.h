@@ -7,6 +7,10 @@
 #define JF_DPBF16 1
 #endif
 
+// Packed weight formats (invariant.py's _WEIGHT_FORMATS): fp32, bf16 bits or E4M3 bytes in (P, K, NR)
+// panels; on AVX512_BF16 (pack.cpp's jf_pack_pairs) bf16 pairs, (P, ceil(K/2), NR) dwords
+enum { WF_F32 = 0, WF_BF16 = 1, WF_E4M3 = 2, WF_PAIRS = 3 };
+
 // ---------------------------------------------------------------------------------------------
 // Conversions. Every E4M3 and bf16 value is exact in fp32, so any correct conversion gives the same
 // bits; the tables are the reference (and the scalar build's path). Codes 0x7F / 0xFF (NaN) never
