@@ -155,8 +155,10 @@ def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant
     sx = sx.float().contiguous()
     if weight_rows_per_scale == 1:  # (nb, P * NR): the scales of a panel's columns are one vector load
         width = packed.shape[0] * packed.shape[2]
-        sw = F.pad(sw.float().t(), (0, width - sw.shape[0])).contiguous()
-        sw_ld = width
+        sw = sw.float().t()  # no copy for a caller that keeps them so: the transpose of (nb, width) rows
+        if sw.shape[1] != width:
+            sw = F.pad(sw, (0, width - sw.shape[1]))
+        sw, sw_ld = sw.contiguous(), width
     else:
         sw, sw_ld = sw.float().contiguous(), nb
     out = torch.empty(m, n, dtype=torch.float32)
@@ -300,4 +302,6 @@ def attention(q: Tensor, kt: Tensor, v: Tensor, pos: Tensor, scale: float, varia
     is the same bits whatever B, T, S or the other queries are (two-pass softmax: the max over the
     query's keys, then exp, the sum and the weighted sum of V in key order)."""
     check_device(q.device)
-    return _Attention.apply(q, kt, v, pos, float(scale), variant)
+    if torch.is_grad_enabled() and (q.requires_grad or kt.requires_grad or v.requires_grad):
+        return _Attention.apply(q, kt, v, pos, float(scale), variant)
+    return _attention_values(q, kt, v, pos, float(scale), variant)  # no graph to record (a decode step)

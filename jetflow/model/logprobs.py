@@ -35,9 +35,11 @@ def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: floa
 
 
 @torch.no_grad()
-def entropy_from_logp(logp: Tensor, rows_per_chunk: int = 1024) -> Tensor:
+def entropy_from_logp(logp: Tensor, rows_per_chunk: int = 32) -> Tensor:
     """-sum p log p over the last dim of log-probabilities (..., V) -> (...) fp32, `rows_per_chunk`
-    positions at a time so the temporaries stay small for long responses."""
+    positions at a time so the temporaries stay small: a 32 x 49152 chunk's 6 MB are reused from the
+    heap, where 1024 rows' 200 MB are fresh pages each time (measured, 640 rows of SmolLM2's vocabulary,
+    2 threads: 75 ms in chunks of 1024 rows, 14 ms in chunks of 32, the same bits)."""
     flat = logp.detach().reshape(-1, logp.shape[-1])  # (N, V)
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logp.device)
     for i in range(0, flat.shape[0], rows_per_chunk):

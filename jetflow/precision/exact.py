@@ -175,9 +175,11 @@ def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None],
             else:
                 caches[i]["packed"] = view
         scales = None
-        if kind == "fp8":  # (sum P_i * NR, K / 128): weight row n's block scale, zero in padded columns
+        if kind == "fp8":  # (sum P_i * NR, K / 128): weight row n's block scale, zero in padded columns, kept
+            # as the transpose of (K / 128, sum P_i * NR) rows, the layout fp8_gemm reads (no copy per call)
             scales = torch.cat([F.pad(wq.scale_inv.float().repeat_interleave(128, 0)[:wq.shape[0]],
                                       (0, 0, 0, p.shape[0] * p.shape[2] - wq.shape[0])) for wq, p in zip(wqs, panels)])
+            scales = scales.t().contiguous().t()
         if fused is not None:
             fused.update(parts=panels, packed=packed, scales=scales)
     width = packed.shape[0] * packed.shape[2]

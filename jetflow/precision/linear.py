@@ -76,7 +76,7 @@ class PrecisionLinear(nn.Linear):
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if key != self._cache_key:
             wq = quantize_weight_for_recipe(w, self.recipe, f"{self.name}.weight")
-            if resolve_backend(self.gemm_backend, w.device) == "emulate":
+            if self._multiplies_dequantized(w.device):
                 wq.with_dequantized_cache()
             self._cached, self._cache_key = wq, key
         return self._cached
@@ -98,9 +98,18 @@ class PrecisionLinear(nn.Linear):
                              f"{(self.out_features, self.in_features)}")
         if tuple(wq.block) != tuple(self.recipe.weight_block):
             raise ValueError(f"{self.name}: weight block {wq.block} != recipe {self.recipe.weight_block}")
-        if resolve_backend(self.gemm_backend, wq.data.device) == "emulate":
+        if self._multiplies_dequantized(wq.data.device):
             wq.with_dequantized_cache()
         self._loaded = wq
+
+    def _multiplies_dequantized(self, device: torch.device) -> bool:
+        """Whether this linear's GEMMs multiply the weight's fp32 dequantization (the CPU emulation of the
+        fast path, which then keeps it cached next to the bytes). The exact fp8_block linear reads the FP8
+        bytes themselves (jetflow.kernels.invariant), so a cached fp32 copy would only cost time (~0.17 s a
+        SmolLM2 step) and memory (4 bytes a weight, on the trainer and on the rollout engine)."""
+        if self.numerics == "exact" and self.recipe.family == "fp8_block":
+            return False
+        return resolve_backend(self.gemm_backend, device) == "emulate"
 
     # Forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
