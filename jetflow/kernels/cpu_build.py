@@ -1,4 +1,5 @@
-"""Builds and loads the batch-invariant CPU kernels (csrc/gemm.cpp, csrc/attention.cpp, csrc/quant.cpp) as a small shared library.
+"""Builds and loads the batch-invariant CPU kernels (csrc/: the GEMM and its weight packing, attention, a
+decode step's RoPE and KV-cache write, the activation quantizer) as a small shared library.
 
 The library is compiled once per machine and source version with the system's C++ compiler
 (`-O3 -march=native -fopenmp -ffp-contract=off`; about 2 s) into a cache directory keyed by the
@@ -30,7 +31,7 @@ import torch  # noqa: F401  (loads torch's libgomp first, which the library then
 from jetflow.errors import UserError
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "gemm.cpp", CSRC / "pack.cpp", CSRC / "attention.cpp", CSRC / "quant.cpp"]
+SOURCES = [CSRC / "gemm.cpp", CSRC / "pack.cpp", CSRC / "attention.cpp", CSRC / "rope.cpp", CSRC / "quant.cpp"]
 HEADERS = [CSRC / "simd.h", CSRC / "convert.h"]
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17"]
 VARIANTS = {"native": ["-march=native"],
@@ -109,4 +110,7 @@ def load_library(variant: str = "native") -> ctypes.CDLL:
     lib.jf_round_to_bf16.restype = None
     lib.jf_attention.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, f32]
     lib.jf_attention.restype = None
+    lib.jf_rope_decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, i64,
+                                   i64, i64, i64, i64, i64, i64]
+    lib.jf_rope_decode.restype = None
     return lib

@@ -5,6 +5,7 @@ operations, whatever else is in the call (the exact numerics mode, `precision.nu
     y = matmul(x, w, packed)                      # x (..., K) -> (..., N), rows independent of M and of TP
     y = fp8_gemm(xq, sx, packed, sw, n)           # E4M3 operands with their block scales -> (M, N) fp32
     o = attention(q, kt, v, pos, scale)           # each query sees key slots 0..pos, one order
+    o = decode_attention(q, k, v, cos, sin, pos, kt_cache, v_cache, end, scale)  # RoPE + cache write + attention
 
 Why: BLAS picks kernels by shape (gemv for one row, other blockings for other M; measured here: MKL's
 fp32 rows differ between M = 1..128 and large M on one shape, and vary with the ISA), and SDPA's
@@ -35,8 +36,8 @@ from jetflow.kernels import canonical
 from jetflow.kernels import triton as cuda_kernels  # imports no triton until a kernel is used
 from jetflow.kernels.cpu_build import KernelBuildError, load_library
 
-__all__ = ["KernelBuildError", "attention", "check_device", "fp8_gemm", "gemm", "matmul", "pack_weight", "panel_width",
-           "reference_attention"]
+__all__ = ["KernelBuildError", "attention", "check_device", "decode_attention", "fp8_gemm", "gemm", "matmul",
+           "pack_weight", "panel_width", "reference_attention"]
 
 
 def check_device(device: torch.device | str) -> None:
@@ -291,6 +292,41 @@ def _attention_values(q: Tensor, kt: Tensor, v: Tensor, pos: Tensor, scale: floa
                                     v.stride(0), v.stride(1), v.stride(2), _ptr(pos), _ptr(out), B, H, Hkv, T, D,
                                     float(scale))
     return out.to(dtype)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, kt_cache: Tensor,
+                     v_cache: Tensor, end: int, scale: float, variant: str = "native") -> Tensor:
+    """One decode step of exact attention on the CPU, one new token per row: the bits of `apply_rope` on q
+    and k, the KV-cache write (`KVCache.update` at slot pos[b]) and `attention`, in two kernel calls
+    instead of ~25 torch ops (csrc/rope.cpp, then jf_attention).
+
+    q (B, H, D), k and v (B, H_kv, D): unit stride along D, heads D apart (views of the projections'
+    rows); cos, sin (B, D); pos (B,) int64, each row's position = its slot; kt_cache (B, H_kv, D, max_len)
+    and v_cache (B, H_kv, max_len, D) one layer's fp32 cache (K transposed), written at slot pos[b]; `end`:
+    key slots [0, end) are attended. Returns (B, H, D) fp32. No autograd (a decode step)."""
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != D:
+            raise ValueError(f"decode_attention: {name} {tuple(t.shape)} must be fp32 rows of heads D apart")
+    if D % 2 or D > 512 or k.shape != (B, Hkv, D) or v.shape != (B, Hkv, D) or H % Hkv \
+            or kt_cache.shape[:3] != (B, Hkv, D) or v_cache.shape[:2] != (B, Hkv) or kt_cache.stride(3) != 1 \
+            or v_cache.stride(3) != 1 or end > min(kt_cache.shape[3], v_cache.shape[2]):
+        raise ValueError(f"decode_attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"caches {tuple(kt_cache.shape)} {tuple(v_cache.shape)}, end {end}")
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    pos = pos.to(torch.int64).contiguous()
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= end):
+        raise ValueError(f"decode_attention: positions must lie in [0, {end}), got {int(pos.min())}..{int(pos.max())}")
+    lib = load_library(variant)
+    q_rot = torch.empty(B, H, 1, D, dtype=torch.float32)
+    lib.jf_rope_decode(_ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(v), v.stride(0), _ptr(cos), _ptr(sin), D,
+                       _ptr(pos), _ptr(q_rot), _ptr(kt_cache), *kt_cache.stride()[:3], _ptr(v_cache),
+                       *v_cache.stride()[:3], B, H, Hkv, D)
+    out = torch.empty(B, H, 1, D, dtype=torch.float32)
+    lib.jf_attention(_ptr(q_rot), _ptr(kt_cache), *kt_cache.stride()[:3], _ptr(v_cache), *v_cache.stride()[:3],
+                     _ptr(pos), _ptr(out), B, H, Hkv, 1, D, float(scale))
+    return out.view(B, H, D)
 
 
 def attention(q: Tensor, kt: Tensor, v: Tensor, pos: Tensor, scale: float, variant: str = "native") -> Tensor:

@@ -156,6 +156,10 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self._fused_decode(plan, cache, q, k, v, cos):  # RoPE, the cache write and attention: 2 kernel calls
+            y = invariant.decode_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], plan.positions[:, 0],
+                                           cache.k[self.layer_idx], cache.v[self.layer_idx], plan.end, self.scale)
+            return self.o_proj(y.view(B, T, self.num_heads * self.head_dim))  # (B, 1, C)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_quantizer is not None:
@@ -173,6 +177,16 @@ class Attention(nn.Module):
                 enable_gqa=self.num_kv_heads != self.num_heads)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)  # (B, T, C)
+
+
+    def _fused_decode(self, plan: AttentionPlan, cache: KVCache | None, q, k, v, cos) -> bool:
+        """A CPU decode step under exact numerics (one token per row, fp32, an fp32 cache, no K/V
+        quantizer, no graph to record) runs `invariant.decode_attention`: the same bits as the steps below."""
+        return (plan.exact and cache is not None and q.shape[1] == 1 and self.kv_quantizer is None
+                and cache.quantize_kv is None and cache.k_transposed and not q.is_cuda
+                and q.dtype == k.dtype == v.dtype == cos.dtype == cache.k[self.layer_idx].dtype == torch.float32
+                and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and self.head_dim <= 512
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
 def align_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
