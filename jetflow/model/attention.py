@@ -178,7 +178,6 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)  # (B, T, C)
 
-
     def _fused_decode(self, plan: AttentionPlan, cache: KVCache | None, q, k, v, cos) -> bool:
         """A CPU decode step under exact numerics (one token per row, fp32, an fp32 cache, no K/V
         quantizer, no graph to record) runs `invariant.decode_attention`: the same bits as the steps below."""
