@@ -267,6 +267,15 @@ class _Attention(torch.autograd.Function):
         return (*(next(grads) if t.requires_grad else None for t in (q_, kt_, v_)), None, None, None)
 
 
+def _positions(pos: Tensor, slots: int, what: str) -> Tensor:
+    """Query positions as the kernels read them (int64, contiguous), each a key slot in [0, slots)."""
+    pos = pos.to(torch.int64).contiguous()
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= slots):
+        raise ValueError(f"{what}: query positions must lie in [0, {slots}) (the key slots given), "
+                         f"got {int(pos.min())}..{int(pos.max())}")
+    return pos
+
+
 def _attention_values(q: Tensor, kt: Tensor, v: Tensor, pos: Tensor, scale: float, variant: str) -> Tensor:
     B, H, T, D = q.shape
     Hkv, S = kt.shape[1], kt.shape[3]
@@ -283,10 +292,7 @@ def _attention_values(q: Tensor, kt: Tensor, v: Tensor, pos: Tensor, scale: floa
         kt = kt.float().contiguous()
     if v.dtype != torch.float32 or v.stride(3) != 1:
         v = v.float().contiguous()
-    pos = pos.to(torch.int64).contiguous()
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= S):
-        raise ValueError(f"attention: query positions must lie in [0, {S}) (the key slots given), "
-                         f"got {int(pos.min())}..{int(pos.max())}")
+    pos = _positions(pos, S, "attention")
     out = torch.empty(B, H, T, D, dtype=torch.float32)
     load_library(variant).jf_attention(_ptr(q), _ptr(kt), kt.stride(0), kt.stride(1), kt.stride(2), _ptr(v),
                                     v.stride(0), v.stride(1), v.stride(2), _ptr(pos), _ptr(out), B, H, Hkv, T, D,
@@ -315,9 +321,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
         raise ValueError(f"decode_attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"caches {tuple(kt_cache.shape)} {tuple(v_cache.shape)}, end {end}")
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    pos = pos.to(torch.int64).contiguous()
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= end):
-        raise ValueError(f"decode_attention: positions must lie in [0, {end}), got {int(pos.min())}..{int(pos.max())}")
+    pos = _positions(pos, end, "decode_attention")
     lib = load_library(variant)
     q_rot = torch.empty(B, H, 1, D, dtype=torch.float32)
     lib.jf_rope_decode(_ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(v), v.stride(0), _ptr(cos), _ptr(sin), D,

@@ -180,9 +180,10 @@ class Attention(nn.Module):
 
     def _fused_decode(self, plan: AttentionPlan, cache: KVCache | None, q, k, v, cos) -> bool:
         """A CPU decode step under exact numerics (one token per row, fp32, an fp32 cache, no K/V
-        quantizer, no graph to record) runs `invariant.decode_attention`: the same bits as the steps below."""
+        quantizer, no graph to record) runs `invariant.decode_attention`: the same bits as the steps below.
+        (An exact plan's cache keeps K transposed: `attention_plan` refuses any other.)"""
         return (plan.exact and cache is not None and q.shape[1] == 1 and self.kv_quantizer is None
-                and cache.quantize_kv is None and cache.k_transposed and not q.is_cuda
+                and cache.quantize_kv is None and not q.is_cuda
                 and q.dtype == k.dtype == v.dtype == cos.dtype == cache.k[self.layer_idx].dtype == torch.float32
                 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and self.head_dim <= 512
                 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
