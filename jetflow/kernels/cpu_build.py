@@ -98,6 +98,9 @@ def load_library(variant: str = "native") -> ctypes.CDLL:
     lib.jf_gemm_fp8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, i64, ctypes.c_int, i64, ptr, i64,
                                 i64]
     lib.jf_gemm_fp8.restype = None
+    lib.jf_linear_fp8.argtypes = [ptr, i64, i64, i64, ctypes.c_int, f32, ptr, ctypes.c_int, ptr, i64, ctypes.c_int, i64,
+                                  ptr, i64, i64]
+    lib.jf_linear_fp8.restype = i64
     lib.jf_pack_panels.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, ptr]
     lib.jf_pack_panels.restype = None
     lib.jf_pack_pairs.argtypes = [ptr, ctypes.c_int, i64, i64, ptr]

@@ -37,7 +37,7 @@ from jetflow.kernels import triton as cuda_kernels  # imports no triton until a 
 from jetflow.kernels.cpu_build import KernelBuildError, load_library
 
 __all__ = ["KernelBuildError", "attention", "check_device", "decode_attention", "fp8_gemm", "gemm", "matmul",
-           "pack_weight", "panel_width", "reference_attention"]
+           "pack_weight", "panel_width", "quantized_fp8_gemm", "reference_attention"]
 
 
 def check_device(device: torch.device | str) -> None:
@@ -139,21 +139,59 @@ def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant
     operand). Each 128-K block's chain over the raw FP8 values times sx * sw, then the groups and the
     tree (jetflow.kernels.canonical)."""
     m, k = xq.shape
-    groups = _groups(k, groups)
-    nb = -(-k // canonical.BLOCK_K)
     if xq.dtype != torch.float8_e4m3fn or packed.dtype not in (torch.float8_e4m3fn, torch.int32):
         raise ValueError(f"fp8_gemm: E4M3 operands, got {xq.dtype} and {packed.dtype}")
-    if weight_rows_per_scale not in (1, canonical.BLOCK_K):
-        raise ValueError(f"weight_rows_per_scale={weight_rows_per_scale}: 1 or {canonical.BLOCK_K}")
-    if tuple(sx.shape) != (m, nb) or sw.shape[1] != nb or sw.shape[0] * weight_rows_per_scale < n:
-        raise ValueError(f"fp8_gemm scales: sx {tuple(sx.shape)} for x {tuple(xq.shape)}, sw {tuple(sw.shape)} for N={n}")
+    if tuple(sx.shape) != (m, -(-k // canonical.BLOCK_K)):
+        raise ValueError(f"fp8_gemm scales: sx {tuple(sx.shape)} for x {tuple(xq.shape)}")
     if xq.is_cuda:
+        groups = _groups(k, groups)
+        _check_weight_scales(k, sw, n, weight_rows_per_scale)
         return cuda_kernels.fp8_gemm(xq, sx, packed[:n], sw, weight_rows_per_scale, torch.float32, groups=groups)
     lib = load_library(variant)
-    wfmt = _check_packed(lib, packed, k, n, (torch.float8_e4m3fn, torch.int32), f"x {tuple(xq.shape)}")
+    wfmt, sw, sw_ld, groups = _fp8_weight_args(lib, k, packed, sw, n, groups, weight_rows_per_scale)
     if xq.stride(1) != 1:
         xq = xq.contiguous()
     sx = sx.float().contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    lib.jf_gemm_fp8(_ptr(xq), m, k, xq.stride(0), _ptr(sx), sx.shape[1], _ptr(packed), wfmt, _ptr(sw), sw_ld,
+                    weight_rows_per_scale, n, _ptr(out), n, groups)
+    return out
+
+
+def quantized_fp8_gemm(x2: Tensor, scale_rule: str, margin: int, packed: Tensor, sw: Tensor, n: int,
+                       variant: str = "native", groups: int | None = None,
+                       weight_rows_per_scale: int = 128) -> Tensor | None:
+    """fp8_gemm(*quantize_1x128(x2, scale_rule, margin)[:2], packed, sw, n, ...) on the CPU, the same bits
+    in one kernel call (an exact FP8 linear's fprop: a decode step pays it per linear); None, computing
+    nothing, when a 1x128 group of x2 holds NaN / Inf (the caller's quantizer reports it)."""
+    if scale_rule not in ("fp32", "pow2"):
+        raise ValueError(f"scale_rule={scale_rule!r}: 'fp32' or 'pow2'")
+    lib = load_library(variant)
+    m, k = x2.shape
+    wfmt, sw, sw_ld, groups = _fp8_weight_args(lib, k, packed, sw, n, groups, weight_rows_per_scale)
+    x2 = x2.float()
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    bad = lib.jf_linear_fp8(_ptr(x2), m, k, x2.stride(0), int(scale_rule == "pow2"), float(2.0**margin),
+                            _ptr(packed), wfmt, _ptr(sw), sw_ld, weight_rows_per_scale, n, _ptr(out), n, groups)
+    return None if bad else out
+
+
+def _check_weight_scales(k: int, sw: Tensor, n: int, weight_rows_per_scale: int) -> None:
+    if weight_rows_per_scale not in (1, canonical.BLOCK_K):
+        raise ValueError(f"weight_rows_per_scale={weight_rows_per_scale}: 1 or {canonical.BLOCK_K}")
+    if sw.shape[1] != -(-k // canonical.BLOCK_K) or sw.shape[0] * weight_rows_per_scale < n:
+        raise ValueError(f"fp8_gemm scales: sw {tuple(sw.shape)} for K={k}, N={n}")
+
+
+def _fp8_weight_args(lib, k: int, packed: Tensor, sw: Tensor, n: int, groups: int | None,
+                     weight_rows_per_scale: int) -> tuple[int, Tensor, int, int]:
+    """The CPU FP8 GEMM's weight arguments after checking them: (format code, scales as the kernel reads
+    them, their row stride, groups)."""
+    groups = _groups(k, groups)
+    _check_weight_scales(k, sw, n, weight_rows_per_scale)
+    wfmt = _check_packed(lib, packed, k, n, (torch.float8_e4m3fn, torch.int32), f"K={k}")
     if weight_rows_per_scale == 1:  # (nb, P * NR): the scales of a panel's columns are one vector load
         width = packed.shape[0] * packed.shape[2]
         sw = sw.float().t()  # no copy for a caller that keeps them so: the transpose of (nb, width) rows
@@ -161,11 +199,8 @@ def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant
             sw = F.pad(sw, (0, width - sw.shape[1]))
         sw, sw_ld = sw.contiguous(), width
     else:
-        sw, sw_ld = sw.float().contiguous(), nb
-    out = torch.empty(m, n, dtype=torch.float32)
-    lib.jf_gemm_fp8(_ptr(xq), m, k, xq.stride(0), _ptr(sx), nb, _ptr(packed), wfmt, _ptr(sw), sw_ld, weight_rows_per_scale,
-                    n, _ptr(out), n, groups)
-    return out
+        sw, sw_ld = sw.float().contiguous(), sw.shape[1]
+    return wfmt, sw, sw_ld, groups
 
 
 def quantize_1x128(x2: Tensor, scale_rule: str = "fp32", margin: int = 0,

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from jetflow.kernels import invariant
 from jetflow.precision import microscaled
-from jetflow.precision.fp8_function import exact_fp8_product, fp8_linear, quantize_input
+from jetflow.precision.fp8_function import exact_fp8_fprop, exact_fp8_product, fp8_linear
 from jetflow.precision.gemm import packed_fp8_weight
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8Recipe
@@ -184,8 +184,7 @@ def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None],
             fused.update(parts=panels, packed=packed, scales=scales)
     width = packed.shape[0] * packed.shape[2]
     if kind == "fp8":
-        xq = quantize_input(x2.float(), recipe, name, "exact")
-        y = invariant.fp8_gemm(xq.data, xq.scale_inv, packed, scales, width, weight_rows_per_scale=1)
+        y = exact_fp8_fprop(x2, recipe, name, packed, scales, width, weight_rows_per_scale=1)
     else:
         y = invariant.gemm(x2.float() if kind == "fp32" else bf16_grid(x2), packed, width)
     outs, start = [], 0

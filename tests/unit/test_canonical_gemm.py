@@ -176,6 +176,27 @@ def test_fused_quantizer_reports_nonfinite_groups():
             assert bad == 2 and scale_inv.isnan().nonzero().tolist() == [[1, 1], [3, 0]]
 
 
+@pytest.mark.parametrize("m,n,k,rule,margin", [(16, 96, 576, "fp32", 0), (1, 40, 200, "pow2", 1), (33, 64, 1536, "fp32", 2)])
+def test_quantize_and_fp8_gemm_in_one_call_equal_the_two_calls(m, n, k, rule, margin):
+    """quantized_fp8_gemm (an exact FP8 linear's fprop in one kernel call) = quantize_1x128 then fp8_gemm,
+    bit for bit, for 128x128 weight blocks and per-row scales (the sibling linears' layout), every build;
+    None when a group holds NaN."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen) * 3
+    w = quantize_blocks(torch.randn(n, k, generator=gen), (128, 128))
+    per_row = torch.rand(n, -(-k // 128), generator=gen) + 0.5  # (N, K / 128): weight_rows_per_scale=1
+    for variant in VARIANTS:
+        packed = inv.pack_weight(w.data, variant)
+        xq, sx, _ = inv.quantize_1x128(x, rule, margin, variant)
+        for sw, rows in ((w.scale_inv, 128), (per_row, 1)):
+            want = inv.fp8_gemm(xq, sx, packed, sw, n, variant, weight_rows_per_scale=rows)
+            got = inv.quantized_fp8_gemm(x, rule, margin, packed, sw, n, variant, weight_rows_per_scale=rows)
+            assert torch.equal(got, want), (variant, rows)
+    bad = x.clone()
+    bad[-1, k - 1] = float("nan")
+    assert inv.quantized_fp8_gemm(bad, rule, margin, inv.pack_weight(w.data), w.scale_inv, n) is None
+
+
 def test_exact_fp8_linear_refuses_nan_like_the_quantizer():
     from jetflow.precision import FP8Recipe, NonFiniteError, PrecisionLinear, defer_nonfinite
     layer = PrecisionLinear(256, 128, kind="fp8", recipe=FP8Recipe(), numerics="exact", name="probe")

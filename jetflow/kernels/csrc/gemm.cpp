@@ -415,3 +415,23 @@ extern "C" void jf_gemm_fp8(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
   run(g, W, wfmt);
   std::free(Ap);
 }
+
+extern "C" int64_t jf_quantize_1x128(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t ldk, int pow2,
+                                     float margin_scale, uint8_t* q, float* s);
+
+// jf_gemm_fp8 of x (M, K) fp32 (row stride ldx) quantized first by jf_quantize_1x128 (1x128 E4M3 groups,
+// scale rule pow2, margin): the fprop of an exact FP8 linear in one call, the codes and scales in a
+// buffer of its own. Returns jf_quantize_1x128's count of groups holding NaN / Inf, and computes nothing
+// when it is not 0 (the caller's quantizer then reports them).
+extern "C" int64_t jf_linear_fp8(const float* x, int64_t M, int64_t K, int64_t ldx, int pow2, float margin_scale,
+                                 const uint8_t* W, int wfmt, const float* sw, int64_t sw_ld, int sw_rows, int64_t N,
+                                 float* C, int64_t ldc, int64_t groups) {
+  const int64_t nb = (K + KB - 1) / KB;
+  uint8_t* codes = (uint8_t*)std::malloc(std::max<int64_t>(1, M * K));
+  float* scales = jf_alloc_f32(std::max<int64_t>(1, M * nb));
+  const int64_t bad = jf_quantize_1x128(x, M, K, ldx, 1, pow2, margin_scale, codes, scales);
+  if (bad == 0) jf_gemm_fp8(codes, M, K, K, scales, nb, W, wfmt, sw, sw_ld, sw_rows, N, C, ldc, groups);
+  std::free(codes);
+  std::free(scales);
+  return bad;
+}
