@@ -4,8 +4,10 @@
 
 16 random prompts x 64 tokens, `new_tokens` new tokens each, exact numerics. Prints the wall time, the
 time inside each of jetflow's C++ kernels (the library's entry points timed one call at a time: they run
-through ctypes, which torch.profiler does not see) and the rest ("other": Python and torch ops), then
-a torch.profiler table of a second run. results/bench/rollout-exact-profile.md has runs and readings.
+through ctypes, which torch.profiler does not see) and the rest ("other": Python and torch ops), the
+wall time of the same generation with every compute kernel replaced by a call that returns at once
+(what Python and torch cost alone; the tokens it samples are garbage), then a torch.profiler table of a
+second run. results/bench/rollout-exact-profile.md has runs and readings.
 """
 
 import collections
@@ -21,6 +23,20 @@ from jetflow.config import derive
 from jetflow.kernels import cpu_build, invariant
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.run.build import apply_mode, build_policy, copy_model
+
+
+COMPUTE_KERNELS = ("jf_gemm", "jf_gemm_fp8", "jf_linear_fp8", "jf_attention", "jf_rope_decode", "jf_quantize_1x128",
+                   "jf_round_to_bf16")
+
+
+class StubbedLibrary:
+    """The kernels' library with every compute entry point a no-op (outputs left as allocated)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def __getattr__(self, name):
+        return (lambda *args: 0) if name in COMPUTE_KERNELS else getattr(self.lib, name)
 
 
 class TimedLibrary:
@@ -69,6 +85,11 @@ def main() -> None:
     for name, s in sorted(timed.seconds.items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {s:6.3f} s  {timed.calls[name]:6d} calls  {1e6 * s / timed.calls[name]:7.0f} us/call")
     print(f"  {'other':20s} {wall - sum(timed.seconds.values()):6.3f} s  (Python and torch ops)")
+    invariant.load_library = lambda variant="native": StubbedLibrary(timed.lib)
+    t0 = time.perf_counter()
+    engine.generate(prompts, params, seeds)
+    print(f"  the same with every compute kernel a no-op: {time.perf_counter() - t0:.2f} s (Python and torch alone)")
+    invariant.load_library = lambda variant="native": timed
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.generate(prompts, params, seeds)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

@@ -23,7 +23,7 @@ def _linears(kind: str, seed: int = 0) -> tuple[PrecisionLinear, ...]:
 
 def _count_kernel_calls(monkeypatch) -> dict:
     calls = {"n": 0}
-    for fn in ("gemm", "fp8_gemm"):
+    for fn in ("gemm", "fp8_gemm", "quantized_fp8_gemm"):
         real = getattr(invariant, fn)
 
         def counted(*args, _real=real, **kwargs):
