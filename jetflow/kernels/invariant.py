@@ -28,6 +28,8 @@ shapes), but on the GPU a row again comes out the same whatever M, the batch or 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,7 +39,8 @@ from jetflow.kernels import triton as cuda_kernels  # imports no triton until a 
 from jetflow.kernels.cpu_build import KernelBuildError, load_library
 
 __all__ = ["KernelBuildError", "attention", "check_device", "decode_attention", "fp8_gemm", "gemm", "matmul",
-           "pack_weight", "panel_width", "quantized_fp8_gemm", "reference_attention"]
+           "pack_weight", "panel_width", "prepare_gemm", "prepare_quantized_fp8_gemm", "quantized_fp8_gemm",
+           "reference_attention"]
 
 
 def check_device(device: torch.device | str) -> None:
@@ -116,19 +119,38 @@ def _groups(k: int, groups: int | None) -> int:
 def gemm(x2: Tensor, packed: Tensor, n: int, variant: str = "native", groups: int | None = None) -> Tensor:
     """x2 (M, K) fp32 @ W^T -> (M, N) fp32, the canonical reduction (jetflow.kernels.canonical) with
     `groups` groups (default tree_width(K)); W given as `pack_weight(W)` (fp32 or bf16); no autograd."""
-    groups = _groups(x2.shape[1], groups)
     if x2.is_cuda:
         dot = "bf16" if packed.dtype == torch.bfloat16 else "fp32"
-        return cuda_kernels.dense_gemm(x2, packed[:n], dot, groups=groups)
+        return cuda_kernels.dense_gemm(x2, packed[:n], dot, groups=_groups(x2.shape[1], groups))
+    return prepare_gemm(packed, n, x2.shape[1], variant, groups)(x2)
+
+
+def prepare_gemm(packed: Tensor, n: int, k: int, variant: str = "native",
+                 groups: int | None = None) -> Callable[[Tensor], Tensor]:
+    """`gemm(x2, packed, n, variant, groups)` on the CPU with the weight's checks done once: a function
+    of x2 (M, K) that allocates the output and calls the kernel. An exact linear keeps one per weight
+    version (jetflow.precision.exact): a decode step's GEMM call costs less than the checks."""
     lib = load_library(variant)
-    m, k = x2.shape
-    wfmt = _check_packed(lib, packed, k, n, (torch.float32, torch.bfloat16, torch.int32), f"x {tuple(x2.shape)}")
-    x2 = x2.float()
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(m, n, dtype=torch.float32)
-    lib.jf_gemm(_ptr(x2), m, k, x2.stride(0), _ptr(packed), wfmt, n, _ptr(out), n, groups)
-    return out
+    groups = _groups(k, groups)
+    wfmt = _check_packed(lib, packed, k, n, (torch.float32, torch.bfloat16, torch.int32), f"K={k}")
+    kernel = lib.jf_gemm
+
+    def run(x2: Tensor) -> Tensor:
+        m = _rows(x2, k)
+        x2 = x2.float()
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        kernel(_ptr(x2), m, k, x2.stride(0), _ptr(packed), wfmt, n, _ptr(out), n, groups)
+        return out
+    return run
+
+
+def _rows(x2: Tensor, k: int) -> int:
+    """M of a CPU GEMM's x2 (M, K), refusing any other K (the kernel would read past x2)."""
+    if x2.dim() != 2 or x2.shape[1] != k or x2.is_cuda:
+        raise ValueError(f"x {tuple(x2.shape)} on {x2.device}: a CPU (M, {k}) tensor expected")
+    return x2.shape[0]
 
 
 def fp8_gemm(xq: Tensor, sx: Tensor, packed: Tensor, sw: Tensor, n: int, variant: str = "native",
@@ -164,18 +186,31 @@ def quantized_fp8_gemm(x2: Tensor, scale_rule: str, margin: int, packed: Tensor,
     """fp8_gemm(*quantize_1x128(x2, scale_rule, margin)[:2], packed, sw, n, ...) on the CPU, the same bits
     in one kernel call (an exact FP8 linear's fprop: a decode step pays it per linear); None, computing
     nothing, when a 1x128 group of x2 holds NaN / Inf (the caller's quantizer reports it)."""
+    return prepare_quantized_fp8_gemm(scale_rule, margin, packed, sw, n, x2.shape[1], variant, groups,
+                                      weight_rows_per_scale)(x2)
+
+
+def prepare_quantized_fp8_gemm(scale_rule: str, margin: int, packed: Tensor, sw: Tensor, n: int, k: int,
+                               variant: str = "native", groups: int | None = None,
+                               weight_rows_per_scale: int = 128) -> Callable[[Tensor], Tensor | None]:
+    """`quantized_fp8_gemm(x2, scale_rule, margin, packed, sw, n, ...)` with the weight's checks done once
+    (as `prepare_gemm`): a function of x2 (M, K)."""
     if scale_rule not in ("fp32", "pow2"):
         raise ValueError(f"scale_rule={scale_rule!r}: 'fp32' or 'pow2'")
     lib = load_library(variant)
-    m, k = x2.shape
     wfmt, sw, sw_ld, groups = _fp8_weight_args(lib, k, packed, sw, n, groups, weight_rows_per_scale)
-    x2 = x2.float()
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(m, n, dtype=torch.float32)
-    bad = lib.jf_linear_fp8(_ptr(x2), m, k, x2.stride(0), int(scale_rule == "pow2"), float(2.0**margin),
-                            _ptr(packed), wfmt, _ptr(sw), sw_ld, weight_rows_per_scale, n, _ptr(out), n, groups)
-    return None if bad else out
+    kernel, pow2, margin_scale = lib.jf_linear_fp8, int(scale_rule == "pow2"), float(2.0**margin)
+
+    def run(x2: Tensor) -> Tensor | None:
+        m = _rows(x2, k)
+        x2 = x2.float()
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        bad = kernel(_ptr(x2), m, k, x2.stride(0), pow2, margin_scale, _ptr(packed), wfmt, _ptr(sw), sw_ld,
+                     weight_rows_per_scale, n, _ptr(out), n, groups)
+        return None if bad else out
+    return run
 
 
 def _check_weight_scales(k: int, sw: Tensor, n: int, weight_rows_per_scale: int) -> None:

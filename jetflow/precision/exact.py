@@ -138,8 +138,47 @@ def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, r
     groups: canonical groups in this call's K range (default tree_width(K)); a row-parallel shard of
     a layer sharded T ways passes tree_width(K_full) // T and a `combine` that finishes the tree.
     combine: fn(fp32 (..., N)) -> fp32 (..., N), applied to the product before the epilogue."""
+    call = _cached_call(x, weight, kind, recipe, wq, cache, groups)
+    if call is not None:
+        y = call(x.reshape(-1, x.shape[-1]))
+        if y is not None:  # else an FP8 input group holds NaN / Inf: the general path reports it
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+            return linear_epilogue(y if combine is None else combine(y), bias, kind, x.dtype)
     y = _combined_product(x, weight, kind, recipe, wq, cache, groups, combine, name)
     return linear_epilogue(y, bias, kind, x.dtype)
+
+
+def _cached_call(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: dict | None,
+                 groups: int | None):
+    """The product's prepared kernel call (`_prepare_call`), kept in `cache` per weight version, where the
+    product runs on the CPU outside autograd (a rollout's decode step, no-grad log-probs); None elsewhere.
+    The same kernel on the same operands as `_product`: it only skips the checks of each call."""
+    if cache is None or x.is_cuda or kind not in EXACT_KINDS or \
+            (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return None
+    if kind == "fp8":
+        if recipe is None or wq is None or recipe.family != "fp8_block" or recipe.group_size != 128 \
+                or wq.block != (128, 128) or wq.fmt != "e4m3":
+            return None
+        packed, sw = packed_fp8_weight(wq), wq.scale_inv
+    else:
+        packed, sw = packed_weight(cache, weight, kind), None
+    held = cache.get("call")
+    if held is None or held[0] is not packed or held[1] is not sw or held[2] != groups:
+        held = (packed, sw, groups, _prepare_call(kind, recipe, packed, sw, weight.shape[0], weight.shape[1], groups))
+        cache["call"] = held
+    return held[3]
+
+
+def _prepare_call(kind: str, recipe: FP8Recipe | None, packed: Tensor, sw: Tensor | None, n: int, k: int,
+                  groups: int | None = None, weight_rows_per_scale: int = 128):
+    """fn(x2 (M, K)) -> the canonical product (M, N) fp32 under `kind` on the CPU, the weight's checks done
+    once (jetflow.kernels.invariant.prepare_gemm); for FP8, None when an input group holds NaN / Inf."""
+    if kind == "fp8":
+        return invariant.prepare_quantized_fp8_gemm(recipe.scale_rule, recipe.margin, packed, sw, n, k, groups=groups,
+                                                    weight_rows_per_scale=weight_rows_per_scale)
+    run = invariant.prepare_gemm(packed, n, k, groups=groups)
+    return run if kind == "fp32" else lambda x2: run(bf16_grid(x2))
 
 
 def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], kind: str, *,
@@ -165,7 +204,7 @@ def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None],
                 for i, (w, b) in enumerate(zip(weights, biases))]
     if fused is not None and len(fused.get("parts", ())) == len(panels) and \
             all(a is b for a, b in zip(fused["parts"], panels)):
-        packed, scales = fused["packed"], fused["scales"]
+        packed, scales, call = fused["packed"], fused["scales"], fused["call"]
     else:
         packed = torch.cat(panels)  # (sum P_i, K or K/2, NR)
         panels = list(torch.split(packed, [p.shape[0] for p in panels]))  # each linear's panels: views, no 2nd copy
@@ -180,12 +219,17 @@ def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None],
             scales = torch.cat([F.pad(wq.scale_inv.float().repeat_interleave(128, 0)[:wq.shape[0]],
                                       (0, 0, 0, p.shape[0] * p.shape[2] - wq.shape[0])) for wq, p in zip(wqs, panels)])
             scales = scales.t().contiguous().t()
+        call = None
+        if not x2.is_cuda and (kind != "fp8" or recipe.group_size == 128):
+            call = _prepare_call(kind, recipe, packed, scales, packed.shape[0] * packed.shape[2], x2.shape[1],
+                                 weight_rows_per_scale=1)
         if fused is not None:
-            fused.update(parts=panels, packed=packed, scales=scales)
+            fused.update(parts=panels, packed=packed, scales=scales, call=call)
     width = packed.shape[0] * packed.shape[2]
-    if kind == "fp8":
+    y = call(x2) if call is not None else None
+    if y is None and kind == "fp8":  # CUDA, or an input group with NaN / Inf, which quantize_input reports
         y = exact_fp8_fprop(x2, recipe, name, packed, scales, width, weight_rows_per_scale=1)
-    else:
+    elif y is None:
         y = invariant.gemm(x2.float() if kind == "fp32" else bf16_grid(x2), packed, width)
     outs, start = [], 0
     for w, b, p in zip(weights, biases, panels):

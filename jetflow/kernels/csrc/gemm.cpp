@@ -35,6 +35,8 @@
 
 static const int64_t KB = 128;  // K block: one partial chain each (= the FP8 recipe's scale group)
 static const int MAX_LEVELS = 4;  // tree of at most 8 groups: 4 levels of partial sums
+static const int64_t PACK_SERIAL = 1 << 14;  // A's row blocks (MB x K) up to this size are packed by one thread: a
+                                             // decode step's few rows are less work than a parallel region
 
 enum { MODE_F32 = 0, MODE_PAIRS = 1, MODE_DP = 2, MODE_BF16 = 3 };
 
@@ -318,7 +320,7 @@ static bool trivial(int64_t M, int64_t K, int64_t N, float* C, int64_t ldc) {
 // Packs rows [0, M) of A into row blocks of (K, GEMM_MR) floats (rows past a block are zeros).
 static float* pack_rows_f32(const float* A, int64_t M, int64_t K, int64_t lda, int64_t RB, int64_t MB) {
   float* Ap = jf_alloc_f32(MB * K * GEMM_MR);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (MB * K > PACK_SERIAL)
   for (int64_t b = 0; b < MB; b++) {
     float* dst = Ap + b * K * GEMM_MR;
     for (int r = 0; r < GEMM_MR; r++) {
@@ -350,7 +352,7 @@ extern "C" void jf_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const
     }
   if (dp) {  // (K2, GEMM_MR) bf16 pairs per row block, swapped as the weights': (k = 2i + 1) | (k = 2i) << 16
     uint32_t* Ap = (uint32_t*)jf_alloc_f32(MB * K2 * GEMM_MR);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (MB * K > PACK_SERIAL)
     for (int64_t b = 0; b < MB; b++) {
       uint32_t* dst = Ap + b * K2 * GEMM_MR;
       for (int r = 0; r < GEMM_MR; r++) {
@@ -384,7 +386,7 @@ extern "C" void jf_gemm_fp8(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
   const int64_t RB = row_block_rows(M), MB = (M + RB - 1) / RB, nb = (K + KB - 1) / KB, K2 = (K + 1) / 2;
 #ifdef JF_DPBF16
   uint32_t* Ap = (uint32_t*)jf_alloc_f32(MB * K2 * GEMM_MR);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (MB * K > PACK_SERIAL)
   for (int64_t b = 0; b < MB; b++) {  // (K2, GEMM_MR) bf16 pairs: (k = 2i) | (k = 2i + 1) << 16
     uint32_t* dst = Ap + b * K2 * GEMM_MR;
     for (int r = 0; r < GEMM_MR; r++) {
@@ -402,7 +404,7 @@ extern "C" void jf_gemm_fp8(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
   Gemm g{MODE_DP, Ap, M, K, K2, N, nb, groups, RB, sa, sa_ld, sw, sw_ld, sw_rows, C, ldc};
 #else
   float* Ap = jf_alloc_f32(MB * K * GEMM_MR);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (MB * K > PACK_SERIAL)
   for (int64_t b = 0; b < MB; b++) {
     float* dst = Ap + b * K * GEMM_MR;
     for (int r = 0; r < GEMM_MR; r++) {
