@@ -21,7 +21,9 @@ produce a token's row with the same operations whichever engine or trainer runs 
 Differentiable in x and weight: backward runs torch's GEMMs (fp32 / bf16) or the recipe's FP8 dgrad and
 wgrad; only the forward must be exact. `cache` is a dict the caller keeps per layer: the packed weight
 panels live there (fp32 / bf16), rebuilt when the weight's version changes; FP8 panels live on `wq`
-(jetflow.precision.gemm.packed_fp8_weight).
+(jetflow.precision.gemm.packed_fp8_weight). Outside autograd on the CPU the cache also keeps the product's
+kernel call prepared for those panels (`invariant.prepare_gemm`: the weight's checks once per version,
+not once per call, which a decode step's small GEMMs would pay four times a layer).
 """
 
 from __future__ import annotations
