@@ -129,7 +129,8 @@ def prepare_gemm(packed: Tensor, n: int, k: int, variant: str = "native",
                  groups: int | None = None) -> Callable[[Tensor], Tensor]:
     """`gemm(x2, packed, n, variant, groups)` on the CPU with the weight's checks done once: a function
     of x2 (M, K) that allocates the output and calls the kernel. An exact linear keeps one per weight
-    version (jetflow.precision.exact): a decode step's GEMM call costs less than the checks."""
+    version (jetflow.precision.exact) instead of repeating the checks on each of a decode step's four GEMM
+    calls a layer."""
     lib = load_library(variant)
     groups = _groups(k, groups)
     wfmt = _check_packed(lib, packed, k, n, (torch.float32, torch.bfloat16, torch.int32), f"K={k}")

@@ -121,8 +121,8 @@ def exact_fp8_fprop(x2: torch.Tensor, recipe: FP8Recipe, name: str, packed: torc
                     groups: int | None = None, weight_rows_per_scale: int = 128) -> torch.Tensor:
     """x2 (M, K) quantized by `quantize_input`, times an E4M3 weight's panels `packed` with its scales sw
     (`invariant.fp8_gemm`'s operands) -> (M, N) fp32. On the CPU one kernel call does both (the same bytes
-    and bits; ~10 us less per call, four calls a layer in a decode step); a group holding NaN / Inf
-    takes quantize_input, which reports it."""
+    and bits, one call and no QuantizedTensor instead of two; four calls a layer in a decode step); a group
+    holding NaN / Inf takes quantize_input, which reports it."""
     invariant.check_device(x2.device)
     if not x2.is_cuda and recipe.group_size == 128:
         y = invariant.quantized_fp8_gemm(x2, recipe.scale_rule, recipe.margin, packed, sw, n, groups=groups,

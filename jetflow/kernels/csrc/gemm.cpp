@@ -258,8 +258,8 @@ static void run(const Gemm& g, const void* W, int wfmt) {
       }
       // While this panel computes, the next one streams into L2: its bytes split over this panel's passes
       // (one per row block), a cache line or two per k step. A decode GEMM read each panel from memory
-      // in its first pass only and waited on it (measured: 30 layers' 4 GEMMs at 16 rows, FP8 377 -> 296
-      // us a layer, fp32 621 -> 425). Only where the kernel reads the weight's own bytes: a converted
+      // in its first pass only and waited on it (measured: 30 layers' 4 GEMMs at 16 rows, FP8 322-377 ->
+      // 259-296 us a layer, fp32 555-621 -> 425-485). Only where the kernel reads the weight's own bytes: a converted
       // buffer is already in cache.
       const bool direct = wfmt == WF_F32 || (wfmt == WF_PAIRS && mode == MODE_DP) || mode == MODE_BF16;
       const int64_t steps = mode == MODE_DP ? g.K2 : g.K, row_bytes = NR * (mode == MODE_BF16 ? 2 : 4);
