@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from torchrun_jobs import launch_worker, wait_all
+from numeric_bounds import loss_gap, max_loss_gap
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "megatron_tp_worker.py"
@@ -66,12 +67,12 @@ def test_tp2_fp32_losses_equal_tp1_and_native(runs):
     tp1, tp2 = runs[1]["fp32"], runs[2]["fp32"]
     assert runs[2]["tp"] == 2 and runs[1]["tp"] == 1
     native, _, native_model = native_run("fp32")
-    diffs = [abs(a - b) for a, b in zip(tp2["losses"], tp1["losses"])]
+    diffs = [loss_gap(a, b) for a, b in zip(tp2["losses"], tp1["losses"])]
     print("fp32 losses tp2", tp2["losses"], "\n           tp1", tp1["losses"], "\n        native", native,
           "\n|tp2 - tp1|", diffs)
     assert len(tp2["losses"]) == STEPS and tp2["losses"][0] > tp2["losses"][-1]  # it trains
     assert max(diffs) <= 1e-5
-    assert max(abs(a - b) for a, b in zip(tp1["losses"], native)) <= 1e-5
+    assert max_loss_gap(tp1["losses"], native) <= 1e-5
     assert max(abs(a - b) for a, b in zip(tp2["grad_norms"], tp1["grad_norms"])) <= 1e-4
     w1, w2 = runs[1]["weights"], runs[2]["weights"]
     assert set(w1) == set(w2) == {n for n, _ in native_model.named_parameters()}
@@ -90,6 +91,6 @@ def test_tp2_fp8_bytes_equal_native_and_losses_close(runs):
           "\nbf16 |tp2 - tp1| losses", [abs(a - b) for a, b in zip(b2["losses"], b1["losses"])],
           "grad norms", [abs(a - b) for a, b in zip(b2["grad_norms"], b1["grad_norms"])])
     assert tp2["fp8_checksum"] == tp1["fp8_checksum"] == checksum  # gathered shards = the full weights' bytes
-    assert abs(tp2["losses"][0] - tp1["losses"][0]) <= 1e-5 and abs(tp1["losses"][0] - native[0]) <= 1e-5
+    assert loss_gap(tp2["losses"][0], tp1["losses"][0]) <= 1e-5 and loss_gap(tp1["losses"][0], native[0]) <= 1e-5
     assert all(abs(a - b) <= 0.05 * max(abs(b), 0.1) for a, b in zip(tp2["losses"], tp1["losses"]))
     assert tp2["losses"][-1] < 0.5 * tp2["losses"][0]

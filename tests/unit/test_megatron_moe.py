@@ -18,6 +18,7 @@ from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
 from jetflow.train import megatron as jm
 from test_megatron import (left_padded_batch, megatron_process_group, native_and_megatron_losses,  # noqa: F401  (the fixture)
                            random_decoder)
+from numeric_bounds import max_loss_gap
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -156,8 +157,13 @@ def test_trainer_trains_the_moe_policy_like_native():
 
     losses = native_and_megatron_losses(CONFIGS["qwen3_moe"], AlgoConfig(router_aux_loss_coef=0.01),
                                         two_sft_steps_and_an_rl_step)
+    print("native", losses["native"], "megatron", losses["megatron"])
     assert losses["native"][0] > losses["native"][1]
-    assert max(abs(a - b) for a, b in zip(losses["native"], losses["megatron"])) <= 1e-5
+    # In units of the loss (numeric_bounds): the RL loss here is ~19.9, where one fp32 ulp is 1.9e-6, so an
+    # absolute 1e-5 was 5 ulps. The two implementations sum the experts' tokens in other orders (Megatron
+    # permutes them), and two AdamW steps at lr 1e-2 carry that into the last loss. Measured gaps of the
+    # last loss: 4.0e-7 (AMD EPYC), 1.4e-6 (Intel Xeon, 2.85e-5 absolute): 7x margin on the slower kind.
+    assert max_loss_gap(losses["native"], losses["megatron"]) <= 1e-5
 
 
 def test_expert_parallel_config_is_validated(tmp_path):
