@@ -1,36 +1,47 @@
-"""Issue 29's finding at the scale of a test: on configs/learning-sum3.yaml (tiny from scratch,
-3-operand sums, temperature 0.5, 300 GRPO steps) the common recipe, a bf16 trainer with an FP8
-rollout and no correction (`mixed`), ends with a lower held-out pass@1 than the same bf16 trainer with
-a bf16 rollout: the same weights, warm-up and sampling random numbers at a seed, so the difference is
-the rollout's precision alone. results/learning/README.md has the whole grid (every arm, 4 seeds:
-mixed FP8 ended below bf16 on each, by 0.19 to 0.64); these are two of its cells, so each number here
-is one the grid logged.
+"""Learning, at the scale of a test.
+
+The default suite keeps a short, deterministic check that a run learns at all, on every machine kind:
+a 100-step supervised warm-up of the tiny model on 3-operand sums (configs/learning-sum3.yaml) cuts the
+loss by far more than any last-bit difference between machines could move it, and lifts held-out
+pass@1 from nothing (0.0 of 100 held-out problems for the untrained model) to well above the check's bar; then two
+unified GRPO steps stay exactly on-policy.
+
+Whether the rollout's precision changes *what* a long run learns is a chaotic, many-seed question: it
+lives in results/learning/ (the grid, with seed bands), not in the default suite. Issue 29's two cells
+(300 GRPO steps at seed 1: bf16 0.76 vs mixed FP8 0.47 on the AMD kind) flipped sign on the Intel Xeon
+kind (0.52 vs 0.73): ATen's elementwise kernels are chosen per CPU capability, and 300 steps of GRPO
+amplify their last bits. The grid reruns with `jetflow ablate configs/ablations/learning.yaml`.
 """
 
 import json
 from pathlib import Path
 
-import pytest
-
 from jetflow.config import load_config
+from jetflow.metrics_log import read_metrics
 from jetflow.run.files import SUMMARY_FILE
 from jetflow.run.runner import train
 
 ROOT = Path(__file__).resolve().parents[2]
-SEEDS = (1,)  # the grid logged bf16 0.76, mixed 0.47 at this seed
+QUIET = ["run.progress=false", "run.tensorboard=false"]
 
 
-def final_heldout(tmp_path: Path, seed: int, *overrides: str) -> float:
-    cfg = load_config(ROOT / "configs/learning-sum3.yaml",
-                      [f"run.out_dir={tmp_path}", f"run.name=s{seed}-" + "-".join(o.split("=")[1] for o in overrides),
-                       f"run.seed={seed}", "run.progress=false", "run.tensorboard=false", *overrides])
-    return json.loads((train(cfg) / SUMMARY_FILE).read_text())["heldout_pass1_end"]
+def run_learning_sum3(tmp_path: Path, name: str, *overrides: str) -> Path:
+    cfg = load_config(ROOT / "configs/learning-sum3.yaml", [f"run.out_dir={tmp_path}", f"run.name={name}", *QUIET,
+                                                             *overrides])
+    return train(cfg)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", SEEDS)
-def test_an_fp8_rollout_behind_a_bf16_trainer_ends_below_bf16(tmp_path, seed):
-    mixed = final_heldout(tmp_path, seed, "precision.mode=mixed", "precision.family=fp8_block",
-                          "algo.correction=none")
-    bf16 = final_heldout(tmp_path, seed, "precision.mode=bf16")
-    assert bf16 > mixed + 0.1, (bf16, mixed)
+def test_a_short_run_learns_and_stays_on_policy(tmp_path):
+    """Measured on the AMD EPYC kind: warm-up loss 2.96 -> 0.38, held-out pass@1 0.40 after it. The bars
+    (loss below a third of its start, pass@1 at least 0.2) leave room for any machine's rounding."""
+    run = run_learning_sum3(tmp_path, "smoke", "train.sft_warmup_steps=100", "train.steps=2", "eval.every=0",
+                            "train.checkpoint_every=0")
+    sft = read_metrics(run, phase="sft")
+    assert [r["step"] for r in sft] == list(range(100))
+    assert sft[-1]["loss/sft"] < sft[0]["loss/sft"] / 3, (sft[0]["loss/sft"], sft[-1]["loss/sft"])
+    summary = json.loads((run / SUMMARY_FILE).read_text())
+    assert summary["heldout_pass1_start"] >= 0.2, summary["heldout_pass1_start"]  # after the warm-up
+    rl = read_metrics(run)
+    assert [r["step"] for r in rl] == [0, 1]
+    assert all(r["mismatch/kl_k3"] == 0.0 and r["mismatch/equal_frac"] == 1.0 for r in rl)
+
