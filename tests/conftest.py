@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -68,27 +67,28 @@ def make_tiny_hf(tmp_path_factory):
     return make
 
 
-def _smollm2_ready(d: Path) -> bool:
-    return all((d / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
-
-
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """HF directory of SmolLM2-135M-Instruct (Q4_1 dequantized to fp32), converted once and cached."""
-    from jetflow.model.gguf import convert_gguf, smollm2_gguf_path
+    from jetflow.model.gguf import smollm2_gguf_path
+    from jetflow.run.build import smollm2_dir as convert_once
 
     try:
-        gguf = smollm2_gguf_path()
+        smollm2_gguf_path()
     except FileNotFoundError as e:
         pytest.skip(f"SmolLM2 GGUF not installed ({e})")
-    if not _smollm2_ready(SMOLLM2_CACHE):
-        # convert beside the target and rename, so that a concurrent run never sees half a directory
-        tmp = SMOLLM2_CACHE.with_name(f"smollm2.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        convert_gguf(gguf, tmp)
-        shutil.rmtree(SMOLLM2_CACHE, ignore_errors=True)
-        try:
-            tmp.rename(SMOLLM2_CACHE)
-        except OSError:  # another process won the race: use its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    return SMOLLM2_CACHE
+    return convert_once(SMOLLM2_CACHE.parent)  # converted once, under a lock (parallel test workers)
+
+
+# Under pytest-xdist (scripts/test.sh runs two workers): the files that start a local Ray cluster or the
+# SLURM daemons run one after another in one worker (`--dist loadgroup`), and each worker's torch keeps
+# to one thread, so two workers share the two cores instead of four threads fighting over them.
+CLUSTER_FILES = {"test_ray.py", "test_slurm.py", "test_run_faults.py", "test_train_backends.py"}
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in CLUSTER_FILES:
+            item.add_marker(pytest.mark.xdist_group("cluster"))

