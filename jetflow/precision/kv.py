@@ -57,6 +57,24 @@ class KVQuantizer:
         vs = self.v_scale[layer].to(v.device)
         return fake_quantize_per_tensor(k, ks), fake_quantize_per_tensor(v, vs)
 
+    @property
+    def ready(self) -> bool:
+        """Scales are set and applied: K/V go onto the E4M3 grid (an FP8 paged cache can store codes)."""
+        return self.apply and self.calibrated
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of `layer` as Python floats (exact: fp32 values), for the kernels."""
+        return float(self.k_scale[layer]), float(self.v_scale[layer])
+
+    def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The E4M3 codes of k, v (what `__call__` would round them to is code * scale); needs `ready`."""
+        if not self.ready:
+            raise RuntimeError("FP8 KV codes need a calibrated quantizer that applies its scales")
+        if self.calibrating:
+            self(layer, k, v)  # observe amax
+        ks, vs = self.k_scale[layer].to(k.device), self.v_scale[layer].to(v.device)
+        return quantize_per_tensor(k.detach(), ks), quantize_per_tensor(v.detach(), vs)
+
     def recalibrate(self, dp=None) -> dict[str, torch.Tensor]:
         """Turn the observed amax into new scales (and clear it); returns them. With `dp` (a
         jetflow.distributed.DataParallel), the amax is first max-reduced over its ranks, so every
