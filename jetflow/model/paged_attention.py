@@ -3,7 +3,8 @@ quantizer, the write into the pages and attention, for `Attention.forward` when 
 
 Exact numerics: the paged kernels (jetflow.kernels.paged), the same bits as the dense cache's path
 (`invariant.attention` / `decode_attention`); a CPU decode step in fp32 runs fused (RoPE, the write
-and attention in two kernel calls), E4M3 pages included. Fast numerics: the pages gathered into dense
+and attention in two kernel calls), E4M3 pages included. On CUDA the pages are gathered into dense K/V
+for the Triton kernel (no paged Triton kernel yet). Fast numerics: the pages gathered into dense
 K/V and torch's SDPA (simple rather than fast: a copy of the attended slots per layer and step).
 
 E4M3 pages store the attached FP8 K/V quantizer's codes (it must be calibrated); fp32 / bf16 pages store
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jetflow.kernels import paged
+from jetflow.kernels import invariant, paged
 from jetflow.model.paged_cache import PagedKVCache
 
 
@@ -53,6 +54,9 @@ def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, cache:
     elif quantizer is not None:
         k, v = quantizer(layer, k, v)
     cache.write(layer, k, v, plan.positions)
+    if plan.exact and q.is_cuda:  # the Triton kernel on the gathered slots: the same bits as a dense cache
+        kd, vd = cache.gather(layer, int(plan.positions.max()) + 1, q.dtype, ks, vs)  # (B, H_kv, S, D)
+        return invariant.attention(q, kd.transpose(-1, -2), vd, plan.positions, attn.scale)
     if plan.exact:
         return paged.paged_attention(q, cache.pool.k[layer], cache.pool.v[layer], cache.table, plan.positions,
                                      attn.scale, ks, vs)

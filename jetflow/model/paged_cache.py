@@ -37,7 +37,7 @@ class PagePool:
     """`num_pages` pages (+ the null page) of every layer's K and V in `dtype`, and the free list."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, dtype: torch.dtype,
-                 exact: bool, buffer: torch.Tensor | None = None):
+                 exact: bool, buffer: torch.Tensor | None = None, device: torch.device | str = "cpu"):
         if num_pages < 1:
             raise ValueError(f"a KV page pool needs at least one page, got {num_pages} (raise the KV budget)")
         L, H, D, N = num_layers, num_kv_heads, head_dim, num_pages + 1
@@ -46,7 +46,7 @@ class PagePool:
         elem = torch.empty(0, dtype=dtype).element_size()
         half = L * N * H * D * PAGE * elem  # bytes of every layer's K pages
         if buffer is None:
-            buffer = torch.empty(2 * half, dtype=torch.uint8)
+            buffer = torch.empty(2 * half, dtype=torch.uint8, device=device)
         if buffer.numel() < 2 * half or buffer.dtype != torch.uint8:
             raise ValueError(f"KV page buffer of {buffer.numel()} bytes < {2 * half} needed")
         self.buffer = buffer
@@ -101,7 +101,7 @@ class PagePool:
 
     def _zero(self, pages: list[int]) -> None:
         if pages:
-            idx = torch.tensor(pages)
+            idx = torch.tensor(pages, device=self.buffer.device)
             self.k.view(torch.uint8)[:, idx] = 0
             self.v.view(torch.uint8)[:, idx] = 0
 
@@ -119,7 +119,7 @@ class PagedKVCache:
 
     def __init__(self, pool: PagePool, table: torch.Tensor):
         self.pool = pool
-        self.table = table.to(torch.int32).contiguous()  # (B, nb)
+        self.table = table.to(device=pool.buffer.device, dtype=torch.int32).contiguous()  # (B, nb)
         self.k_transposed = pool.exact
 
     def check_end(self, end: int) -> None:
@@ -149,14 +149,18 @@ class PagedKVCache:
     def gather(self, layer: int, end: int, dtype: torch.dtype, k_scale: float = 1.0,
                v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots [0, end) of every row as dense K, V (B, H_kv, end, D) in `dtype` (E4M3 codes times their
-        scales): what fast numerics' SDPA reads."""
+        scales; K a transposed view where the pages keep K transposed): what fast numerics' SDPA and the
+        exact Triton kernel on CUDA read."""
         nb = -(-end // PAGE)
         ids = self.table[:, :nb].long()  # (B, nb)
-        B = ids.shape[0]
+        B, H, D = ids.shape[0], self.pool.num_kv_heads, self.pool.head_dim
         out = []
-        for pages, s in ((self.pool.k[layer], k_scale), (self.pool.v[layer], v_scale)):
-            x = pages[ids]  # (B, nb, H_kv, 64, D) (fast layout)
-            x = x.transpose(1, 2).reshape(B, self.pool.num_kv_heads, nb * PAGE, self.pool.head_dim)[:, :, :end]
+        for pages, s, transposed in ((self.pool.k[layer], k_scale, self.k_transposed), (self.pool.v[layer], v_scale, False)):
+            x = pages[ids]  # (B, nb, H_kv, 64, D), or (B, nb, H_kv, D, 64) for transposed K
+            if transposed:
+                x = x.permute(0, 2, 3, 1, 4).reshape(B, H, D, nb * PAGE)[..., :end].transpose(-1, -2)
+            else:
+                x = x.transpose(1, 2).reshape(B, H, nb * PAGE, D)[:, :, :end]
             x = x.float() * s if self.pool.dtype == torch.float8_e4m3fn else x
             out.append(x.to(dtype))
         return out[0], out[1]
