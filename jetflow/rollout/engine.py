@@ -124,6 +124,7 @@ class _Request:
     prompt: list[int]
     generator: torch.Generator | None
     seed: int
+    max_new_tokens: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -209,10 +210,14 @@ class RolloutEngine:
     # public API
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
-                 seeds: list[int] | None = None) -> RolloutOutput:
+                 seeds: list[int] | None = None, max_new_tokens: list[int] | None = None) -> RolloutOutput:
         """Generate for every prompt (token ids). `seeds[i]` seeds request i's own generator, so a
-        request reproduces whatever else is in the batch; None draws seeds from torch's global RNG."""
+        request reproduces whatever else is in the batch; None draws seeds from torch's global RNG.
+        `max_new_tokens[i]` (optional, at most params.max_new_tokens) caps request i's own length."""
         params = params or SamplingParams()
+        caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(n) for n in max_new_tokens]
+        if len(caps) != len(prompts) or not all(1 <= n <= params.max_new_tokens for n in caps):
+            raise ValueError(f"max_new_tokens: one value in [1, {params.max_new_tokens}] per prompt")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: RolloutEngine(..., tokenizer=...)")
         if seeds is None:
@@ -234,8 +239,8 @@ class RolloutEngine:
         version = self.weight_version
         requests = [
             _Request(i, list(map(int, p)),
-                     torch.Generator(self.device).manual_seed(int(s)) if params.temperature > 0 else None, int(s))
-            for i, (p, s) in enumerate(zip(prompts, seeds))
+                     torch.Generator(self.device).manual_seed(int(s)) if params.temperature > 0 else None, int(s), n)
+            for i, (p, s, n) in enumerate(zip(prompts, seeds, caps))
         ]
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0}
         sched = Scheduler(pool, self.max_batch, self.continuous)
@@ -366,7 +371,7 @@ class RolloutEngine:
                 r.finish_reason = "eos"
             elif stop_window and self._hits_stop(r.tokens, params.stop, stop_window):
                 r.finish_reason = "stop"
-            elif len(r.tokens) >= params.max_new_tokens:
+            elif len(r.tokens) >= r.max_new_tokens:
                 r.finish_reason = "length"
             if r.finish_reason is not None:
                 sched.retire(s)

@@ -128,3 +128,15 @@ def test_fp8_pages_equal_the_fake_quantized_fp32_cache_and_the_full_forward(mode
                 assert torch.equal(token_logprobs(scores, torch.tensor(toks)), torch.tensor(lps))
     finally:
         attach_kv_quantizer(model, None)
+
+
+def test_per_request_length_caps(model):
+    """`max_new_tokens` per request: each stops at its own cap, its tokens a prefix of the uncapped run."""
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True)
+    eng = _engine(model, max_batch=2)
+    full = eng.generate(PROMPTS[:3], params, seeds=SEEDS[:3])
+    out = eng.generate(PROMPTS[:3], params, seeds=SEEDS[:3], max_new_tokens=[3, 10, 1])
+    assert [len(t) for t in out.token_ids] == [3, 10, 1] and out.finish_reason == ["length"] * 3
+    assert all(t == f[:len(t)] for t, f in zip(out.token_ids, full.token_ids))
+    with pytest.raises(ValueError, match="one value in"):
+        eng.generate(PROMPTS[:1], params, seeds=[1], max_new_tokens=[11])
