@@ -132,7 +132,7 @@ def run(model_path: str, batch: int = 32, prompt_len: int = 64, new_tokens: int 
     fits = fit_table(model_config, 2 * 2**30, prompt_len, 4096)
     work = {"model": model_path, "batch": batch, "requests": requests, "prompt_len": prompt_len,
             "new_tokens_max": new_tokens, "lengths": lengths, "caps": caps, "precision": precision, "numerics": numerics,
-            "kv_budget_bytes": next(iter(runners.values())).kv_cache_bytes, "reps": reps,
+            "kv_budget_bytes": next(iter(runners.values())).kv_pool_bytes, "reps": reps,
             "threads": torch.get_num_threads(), "loadavg_1m_before_after": [round(load_before, 2),
                                                                              round(os.getloadavg()[0], 2)]}
     payload = {"workload": work, "rows": rows, "fit_2gib_64_plus_4096": fits}

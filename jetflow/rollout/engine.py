@@ -189,9 +189,9 @@ class RolloutEngine:
         if kv_cache_bytes is None:  # max_batch requests of max_seq_len positions at fp32, and the null page
             kv_cache_bytes = (max_batch * pages_for(max_seq_len) + 1) * PagePool.page_bytes(
                 c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
-        self.kv_cache_bytes = int(kv_cache_bytes)
+        self.kv_pool_bytes = int(kv_cache_bytes)  # the budget
         # the pages' memory (on the CPU mapped by the OS as pages are first used)
-        self._kv_buffer = torch.empty(self.kv_cache_bytes, dtype=torch.uint8, device=self.device)
+        self._kv_buffer = torch.empty(self.kv_pool_bytes, dtype=torch.uint8, device=self.device)
         self.pool: PagePool | None = None  # the last generate's pool (its dtype follows the FP8 K/V quantizer)
         self._moe = moe_blocks(model) if record_routing else []
         if record_routing and not self._moe:
@@ -234,7 +234,7 @@ class RolloutEngine:
                     f"{len(p) + params.max_new_tokens} slots > max_seq_len={self.max_seq_len} of this engine")
             if pages_for(len(p) + params.max_new_tokens) > pool.num_pages:
                 raise ValueError(f"request {i} needs {pages_for(len(p) + params.max_new_tokens)} KV pages of 64 "
-                                 f"positions; the {self.kv_cache_bytes}-byte pool holds {pool.num_pages} "
+                                 f"positions; the {self.kv_pool_bytes}-byte pool holds {pool.num_pages} "
                                  f"({pool.dtype}): raise the KV cache budget")
         version = self.weight_version
         requests = [
@@ -282,7 +282,7 @@ class RolloutEngine:
         return self.cache_dtype
 
     def _new_pool(self) -> PagePool:
-        return PagePool.for_budget(self.model.config, self.kv_cache_bytes, self.kv_page_dtype(),
+        return PagePool.for_budget(self.model.config, self.kv_pool_bytes, self.kv_page_dtype(),
                                    exact=getattr(self.model, "numerics", "fast") == "exact", buffer=self._kv_buffer)
 
     def memory_stats(self) -> dict:
@@ -299,7 +299,7 @@ class RolloutEngine:
                 seen.add(t.data_ptr())
                 model_bytes += t.numel() * t.element_size()
         packed = self._packed.packed_bytes() if self._packed else 0  # the prepacked weight copies
-        out = {"kv_cache_bytes": kv, "kv_pool_bytes": self.kv_cache_bytes, "kv_bytes_per_token": pool.bytes_per_token,
+        out = {"kv_cache_bytes": kv, "kv_pool_bytes": self.kv_pool_bytes, "kv_bytes_per_token": pool.bytes_per_token,
                 "kv_page_dtype": str(pool.dtype).replace("torch.", ""), "kv_pool_pages": pool.num_pages,
                 "model_bytes": model_bytes, "packed_weight_bytes": packed}
         if self.device.type == "cuda":
