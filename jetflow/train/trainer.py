@@ -27,6 +27,7 @@ from jetflow.precision import NonFiniteError, defer_nonfinite
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
+from jetflow.train.checkpointing import enable_activation_checkpointing
 
 
 class TrainingDiverged(UserError, RuntimeError):
@@ -122,6 +123,8 @@ class Trainer:
                  dp: DataParallel = SINGLE):
         self.model, self.cfg, self.algo = model, train, algo
         self.dp = dp  # data-parallel ranks: each holds part of the batch (jetflow.distributed)
+        if train.activation_checkpointing:  # recompute each decoder layer in backward
+            enable_activation_checkpointing(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(weight_decay_groups(model, train.weight_decay), lr=train.lr,
                                            betas=tuple(train.betas))
