@@ -173,24 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
                        "smollm2 | tiny | HF dir (default: SmolLM2-135M-Instruct)")
     bench.add_argument("--reps", type=int, default=None, help="train-step / rl-step / sync: measured steps; "
                        "rollout: runs per configuration")
-    bench.add_argument("--batch", type=int, default=None, help="rollout: requests decoding at once (16; --lengths: 32)")
-    bench.add_argument("--prompt-len", type=int, default=64, help="rollout: prompt tokens per request")
+    bench.add_argument("--batch", type=int, default=None, help="rollout: requests decoding at once (16; --lengths: 32); "
+                       "train-step: sequences per step (8)")
+    bench.add_argument("--prompt-len", type=int, default=64, help="rollout / train-step: prompt tokens per sequence")
     bench.add_argument("--new-tokens", type=int, default=None, help="rollout: new tokens per request, the most "
                        "with --lengths longtail|eos (128; --lengths: 512)")
     bench.add_argument("--lengths", choices=["fixed", "longtail", "eos"], default=None,
                        help="rollout: the paged KV cache on long responses (results/kv-cache-long/): response lengths "
-                       "fixed, long-tailed (new_tokens * u^4) or EOS-driven; continuous vs static batching")
+                       "fixed, long-tailed (new_tokens * u^4) or EOS-driven; continuous vs static batching. "
+                       "train-step: fixed (default: every response at --response-len) or longtail (most at 1/8 of it, "
+                       "every 8th at it)")
     bench.add_argument("--requests", type=int, default=None, help="rollout --lengths: requests in all (3 x batch)")
     bench.add_argument("--kv-budget-gib", type=float, default=None,
                        help="rollout --lengths: KV page pool budget (default: batch full-length sequences at fp32)")
     bench.add_argument("--no-kv-fp8", action="store_true", help="rollout --lengths: fp32 pages only")
     bench.add_argument("--max-new-tokens", type=int, default=32, help="rl-step: most tokens per response")
     bench.add_argument("--no-trl", action="store_true", help="rl-step: jetflow only, no TRL GRPOTrainer")
-    bench.add_argument("--batch", type=int, default=8, help="train-step: sequences per step")
-    bench.add_argument("--prompt-len", type=int, default=64, help="train-step: prompt tokens per sequence")
     bench.add_argument("--response-len", type=int, default=128, help="train-step: most response tokens per sequence")
-    bench.add_argument("--lengths", choices=["fixed", "long-tail"], default="fixed",
-                       help="train-step: every response at --response-len, or most at 1/8 of it and every 8th at it")
     bench.add_argument("--modes", default="fp32,bf16,unified", help="train-step: comma-separated precision modes")
     bench.add_argument("--warmup", type=int, default=1, help="train-step: warm-up steps per mode")
     bench.add_argument("--out-dir", default="results/bench")

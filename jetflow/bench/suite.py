@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 
 from jetflow.bench.common import markdown_table, write_results
+from jetflow.bench.workload import LENGTHS
+from jetflow.errors import UsageError
 
 BENCHES = ("gemm", "rollout", "train-step", "rl-step", "sync")
 
@@ -112,8 +114,10 @@ def run_from_cli(args) -> int:
     rl_options = {"prompts": args.prompts or 4, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
                   "compare_trl": not args.no_trl, **reps}
     if args.what == "train-step":
-        train_step.run(model, modes=tuple(args.modes.split(",")), batch=args.batch, prompt_len=args.prompt_len,
-                       response_len=args.response_len, lengths=args.lengths, warmup=args.warmup,
+        if args.lengths not in (None, *LENGTHS):
+            raise UsageError(f"bench train-step --lengths {args.lengths}: one of {', '.join(LENGTHS)}")
+        train_step.run(model, modes=tuple(args.modes.split(",")), batch=args.batch or 8, prompt_len=args.prompt_len,
+                       response_len=args.response_len, lengths=args.lengths or "fixed", warmup=args.warmup,
                        overrides=tuple(args.overrides), device=args.device, out_dir=args.out_dir, name=args.name,
                        **reps)
     elif args.what == "rl-step":

@@ -11,7 +11,7 @@ the recipe's overhead, not FP8 hardware.
 Each mode takes `warmup` warm-up steps (default 1), then `reps` steps interleaved across the modes (so load
 from other processes hits every mode alike); the median is reported. tokens/s = real (trained) tokens,
 prompts included, / seconds per step (fixed lengths: batch * (prompt_len + response_len)); ratios are of
-tokens/s (above 1: faster than the reference). `lengths` = long-tail: most responses response_len / 8,
+tokens/s (above 1: faster than the reference). `lengths` = longtail: most responses response_len / 8,
 every 8th at response_len (jetflow.bench.workload.response_lengths). `overrides`: config keys, e.g.
 train.logprob_chunk_tokens=1024 train.activation_checkpointing=true.
 

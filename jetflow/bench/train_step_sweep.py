@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--response-lens", default="256,1024,2048")
-    ap.add_argument("--lengths", default="fixed", choices=["fixed", "long-tail"])
+    ap.add_argument("--lengths", default="fixed", choices=["fixed", "longtail"])
     ap.add_argument("--settings", default="before,after")
     ap.add_argument("--chunk", type=int, default=1024, help="after: train.logprob_chunk_tokens")
     ap.add_argument("--reps", type=int, default=1)

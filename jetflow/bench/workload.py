@@ -20,8 +20,8 @@ def bench_config(model: str = "smollm2", overrides: list[str] | tuple[str, ...] 
                               *overrides])
 
 
-LENGTHS = ("fixed", "long-tail")
-"""Response-length distributions of a synthetic batch: fixed (every response at the max) | long-tail
+LENGTHS = ("fixed", "longtail")
+"""Response-length distributions of a synthetic batch: fixed (every response at the max) | longtail
 (most short, a few at the max: every 8th row, at least one, at the max; the others at max / 8)."""
 
 
@@ -29,7 +29,7 @@ def response_lengths(batch: int, response_len: int, dist: str = "fixed") -> list
     """Each row's response length under `dist` (LENGTHS)."""
     if dist == "fixed":
         return [response_len] * batch
-    if dist == "long-tail":
+    if dist == "longtail":
         return [response_len if i % 8 == 0 else max(1, response_len // 8) for i in range(batch)]
     raise ValueError(f"length distribution {dist!r}: one of {', '.join(LENGTHS)}")
 
@@ -39,7 +39,7 @@ def synthetic_experience(batch: int, prompt_len: int, response_len: int, vocab_s
     """A batch of random tokens with random advantages: the same work for every mode.
 
     Every row has prompt_len prompt tokens and a response of `response_lengths(batch, response_len, dist)`
-    tokens (fixed: all response_len, so the batch is unpadded and tokens/s unambiguous; long-tail: the
+    tokens (fixed: all response_len, so the batch is unpadded and tokens/s unambiguous; longtail: the
     shorter responses right-padded).
     """
     g = torch.Generator().manual_seed(seed)

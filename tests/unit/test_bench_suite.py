@@ -40,13 +40,13 @@ def test_train_step_sweep_runs_each_configuration_in_its_own_process(tmp_path):
     """The long-response sweep: one mode per fresh process, long-tail lengths (8 rows: one at the max,
     seven at max / 8), the memory savers' overrides reaching the trainer, peak RSS reported."""
     from jetflow.bench import train_step_sweep
-    assert response_lengths(8, 64, "long-tail") == [64] + [8] * 7 and response_lengths(2, 5) == [5, 5]
+    assert response_lengths(8, 64, "longtail") == [64] + [8] * 7 and response_lengths(2, 5) == [5, 5]
     train_step_sweep.main(["--model", "tiny", "--batch", "8", "--prompt-len", "4", "--response-lens", "16",
-                           "--lengths", "long-tail", "--chunk", "16", "--out-dir", str(tmp_path)])
+                           "--lengths", "longtail", "--chunk", "16", "--out-dir", str(tmp_path)])
     rows = read_json(tmp_path / "sweep.json")["rows"]
     assert [r["setting"] for r in rows] == ["before", "after"] and all("error" not in r for r in rows)
     assert all(r["tokens"] == 8 * 4 + 16 + 7 * 2 and r["peak_rss_gb"] > 0 for r in rows)
-    after = read_json(tmp_path / "runs" / "after-b8-r16-long-tail.json")["workload"]
+    after = read_json(tmp_path / "runs" / "after-b8-r16-longtail.json")["workload"]
     assert after["logprob_chunk_tokens"] == 16 and after["activation_checkpointing"] is True
     assert rows[0]["loss"] == rows[1]["loss"]  # the same step, bit for bit (exact numerics)
 
