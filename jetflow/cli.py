@@ -50,9 +50,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         mismatch.run(args.config, tuple(args.overrides), num_prompts=args.prompts or 8, group_size=args.group_size,
                      ignore_eos=args.ignore_eos, out_dir=args.out_dir, name=args.name)
     elif args.what == "rollout":
-        from jetflow.bench import rollout
+        from jetflow.bench import kv_cache, rollout
         from jetflow.run.build import smollm2_dir
-        rollout.run(args.model or str(smollm2_dir(".cache/models")), out_dir=args.out_dir)
+        model = args.model or str(smollm2_dir(".cache/models"))
+        if args.lengths:  # long responses: the paged KV cache, continuous vs static batching
+            kv_cache.run(model, batch=args.batch or 32, prompt_len=args.prompt_len, new_tokens=args.new_tokens or 512,
+                         lengths=args.lengths, requests=args.requests, kv_budget_gib=args.kv_budget_gib,
+                         kv_fp8=not args.no_kv_fp8, reps=args.reps or 1,
+                         out_dir=args.out_dir if args.out_dir != "results/bench" else "results/kv-cache-long")
+        else:
+            rollout.run(model, batch_sizes=(args.batch or 16,), prompt_len=args.prompt_len,
+                        new_tokens=args.new_tokens or 128, reps=args.reps or 3, out_dir=args.out_dir)
     elif args.what in ("train-step", "rl-step", "sync", "suite"):
         from jetflow.bench.suite import run_from_cli
         return run_from_cli(args)
@@ -163,7 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", default="auto", help="FP8 GEMM backend: auto | scaled_mm | emulate | triton")
     bench.add_argument("--model", default=None, help="rollout: HF model dir; train-step / rl-step / sync / suite: "
                        "smollm2 | tiny | HF dir (default: SmolLM2-135M-Instruct)")
-    bench.add_argument("--reps", type=int, default=None, help="train-step / rl-step / sync: measured steps")
+    bench.add_argument("--reps", type=int, default=None, help="train-step / rl-step / sync: measured steps; "
+                       "rollout: runs per configuration")
+    bench.add_argument("--batch", type=int, default=None, help="rollout: requests decoding at once (16; --lengths: 32)")
+    bench.add_argument("--prompt-len", type=int, default=64, help="rollout: prompt tokens per request")
+    bench.add_argument("--new-tokens", type=int, default=None, help="rollout: new tokens per request, the most "
+                       "with --lengths longtail|eos (128; --lengths: 512)")
+    bench.add_argument("--lengths", choices=["fixed", "longtail", "eos"], default=None,
+                       help="rollout: the paged KV cache on long responses (results/kv-cache-long/): response lengths "
+                       "fixed, long-tailed (new_tokens * u^4) or EOS-driven; continuous vs static batching")
+    bench.add_argument("--requests", type=int, default=None, help="rollout --lengths: requests in all (3 x batch)")
+    bench.add_argument("--kv-budget-gib", type=float, default=None,
+                       help="rollout --lengths: KV page pool budget (default: batch full-length sequences at fp32)")
+    bench.add_argument("--no-kv-fp8", action="store_true", help="rollout --lengths: fp32 pages only")
     bench.add_argument("--max-new-tokens", type=int, default=32, help="rl-step: most tokens per response")
     bench.add_argument("--no-trl", action="store_true", help="rl-step: jetflow only, no TRL GRPOTrainer")
     bench.add_argument("--out-dir", default="results/bench")

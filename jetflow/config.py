@@ -125,7 +125,12 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Stop strings (in addition to EOS)."""
     max_batch: int = 64
-    """Largest batch the engine decodes at once (KV cache is sized from it)."""
+    """Largest batch the engine decodes at once."""
+    kv_cache_gib: float | None = None
+    """Native engine: the KV cache's memory budget in GiB, a pool of 64-position pages shared by the
+    requests (memory follows the tokens held; a waiting request starts when pages free up, the youngest
+    is preempted and recomputed when they run out). FP8 K/V pages take a quarter of fp32's bytes.
+    null: room for max_batch sequences of the run's longest prompt + max_new_tokens at fp32."""
     num_engines: int = 1
     """run.orchestrator=ray: rollout engine replicas (Ray actors); each step's requests are split among them."""
     vllm_gpu_memory_utilization: float = 0.2

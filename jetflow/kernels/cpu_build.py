@@ -116,4 +116,10 @@ def load_library(variant: str = "native") -> ctypes.CDLL:
     lib.jf_rope_decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, i64,
                                    i64, i64, i64, i64, i64, i64]
     lib.jf_rope_decode.restype = None
+    lib.jf_attention_paged.argtypes = [ptr, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, i64, f32, f32, ptr, i64, ptr,
+                                       ptr, i64, i64, i64, i64, i64, f32]
+    lib.jf_attention_paged.restype = None
+    lib.jf_rope_decode_paged.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64,
+                                         i64, i64, ptr, i64, i64, i64, f32, f32, ptr, i64, i64, i64, i64, i64]
+    lib.jf_rope_decode_paged.restype = None
     return lib

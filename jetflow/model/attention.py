@@ -21,8 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from jetflow.kernels import invariant
+from jetflow.model import paged_attention
 from jetflow.model.kv_cache import KVCache
 from jetflow.model.layers import RMSNorm
+from jetflow.model.paged_cache import PagedKVCache
 from jetflow.precision.linear import sibling_linears
 
 if TYPE_CHECKING:
@@ -80,7 +82,7 @@ class AttentionPlan:
 
 
 def attention_plan(positions: torch.Tensor, attention_mask: torch.Tensor | None,
-                   cache: KVCache | None, exact: bool) -> AttentionPlan:
+                   cache: KVCache | PagedKVCache | None, exact: bool) -> AttentionPlan:
     """Where this forward's K/V go and which slots each query sees (see Decoder.forward_hidden)."""
     B, T = positions.shape
     device = positions.device
@@ -88,6 +90,12 @@ def attention_plan(positions: torch.Tensor, attention_mask: torch.Tensor | None,
     if cache is not None and cache.k_transposed != exact:
         raise ValueError(f"this KV cache was made for {'exact' if cache.k_transposed else 'fast'} numerics, "
                          f"the model runs {'exact' if exact else 'fast'}: make it with model.new_cache")
+    if isinstance(cache, PagedKVCache):  # slot = position in each row's own pages
+        if attention_mask is not None:
+            raise ValueError("a paged KV cache takes right-padded rows with position_ids, not an attention_mask")
+        plan.end = int(positions.max()) + 1
+        cache.check_end(plan.end)
+        return plan
     if cache is not None and attention_mask is not None:  # left padding: contiguous slots, masked
         L = cache.length
         plan.start, plan.end = L, L + T
@@ -148,7 +156,7 @@ class Attention(nn.Module):
         # in cached decoding alike, so trainer and rollout see the same K/V values.
         self.kv_quantizer = None
 
-    def forward(self, x, cos, sin, plan: AttentionPlan, cache: KVCache | None):
+    def forward(self, x, cos, sin, plan: AttentionPlan, cache: KVCache | PagedKVCache | None):
         B, T, _ = x.shape
         q, k, v = sibling_linears(x, (self.q_proj, self.k_proj, self.v_proj))  # one GEMM where exact
         q = q.view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
@@ -156,12 +164,19 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self._fused_decode(plan, cache, q, k, v, cos):  # RoPE, the cache write and attention: 2 kernel calls
+        if isinstance(cache, PagedKVCache):
+            y = paged_attention.fused_decode(self, q, k, v, cos, sin, plan, cache) if T == 1 else None
+            if y is not None:
+                return self.o_proj(y)  # (B, 1, C)
+        elif self._fused_decode(plan, cache, q, k, v, cos):  # RoPE, the cache write and attention: 2 kernel calls
             y = invariant.decode_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], plan.positions[:, 0],
                                            cache.k[self.layer_idx], cache.v[self.layer_idx], plan.end, self.scale)
             return self.o_proj(y.view(B, T, self.num_heads * self.head_dim))  # (B, 1, C)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(cache, PagedKVCache):  # the quantizer, the pages' write and attention
+            y = paged_attention.attend(self, q, k, v, plan, cache)  # (B, H, T, D)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         if self.kv_quantizer is not None:
             k, v = self.kv_quantizer(self.layer_idx, k, v)
         if cache is not None:

@@ -9,8 +9,9 @@ Scales are static within a step: they come from the trainer's latest forward (am
 computed log-probs), travel to the rollout side with the weights, and the next step uses the new
 ones. Values beyond a stale amax saturate at +-448 * scale, as in any static-scale FP8 KV cache.
 
-Values are kept in the cache's dtype after rounding (attention kernels here read bf16/fp32); the
-numerics are those of an FP8 cache, the memory saving needs FP8 attention kernels (vLLM has them).
+The trainer keeps the rounded values in its dtype; the native rollout engine's paged cache
+(jetflow.model.paged_cache) stores the E4M3 codes themselves, one byte a value, and its kernels
+(jetflow.kernels.paged) compute code * scale at each load: the same values, so the same log-probs.
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ import torch
 E4M3_MAX = 448.0
 
 
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of x / scale (saturating at +-448): the bytes an FP8 KV cache stores (value = code * scale)."""
+    return (x.float() / scale).to(torch.float8_e4m3fn)
+
+
 def fake_quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Round x to the E4M3 grid of `scale` (saturating); gradients pass straight through."""
-    q = (x.float() / scale).to(torch.float8_e4m3fn).float() * scale
-    return x + (q.to(x.dtype) - x).detach()
+    """Round x to the E4M3 grid of `scale` (saturating); gradients pass straight through. The value is
+    exactly code * scale (fp32), the value an FP8 cache's kernels compute from the stored code: `q + (x -
+    x)` rather than `x + (q - x)`, which differs from q where x saturated (q - x is then inexact)."""
+    q = (quantize_per_tensor(x.detach(), scale).float() * scale).to(x.dtype)
+    return q + (x - x.detach())
 
 
 class KVQuantizer:
@@ -48,6 +56,24 @@ class KVQuantizer:
         ks = self.k_scale[layer].to(k.device)
         vs = self.v_scale[layer].to(v.device)
         return fake_quantize_per_tensor(k, ks), fake_quantize_per_tensor(v, vs)
+
+    @property
+    def ready(self) -> bool:
+        """Scales are set and applied: K/V go onto the E4M3 grid (an FP8 paged cache can store codes)."""
+        return self.apply and self.calibrated
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of `layer` as Python floats (exact: fp32 values), for the kernels."""
+        return float(self.k_scale[layer]), float(self.v_scale[layer])
+
+    def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The E4M3 codes of k, v (what `__call__` would round them to is code * scale); needs `ready`."""
+        if not self.ready:
+            raise RuntimeError("FP8 KV codes need a calibrated quantizer that applies its scales")
+        if self.calibrating:
+            self(layer, k, v)  # observe amax
+        ks, vs = self.k_scale[layer].to(k.device), self.v_scale[layer].to(v.device)
+        return quantize_per_tensor(k.detach(), ks), quantize_per_tensor(v.detach(), vs)
 
     def recalibrate(self, dp=None) -> dict[str, torch.Tensor]:
         """Turn the observed amax into new scales (and clear it); returns them. With `dp` (a

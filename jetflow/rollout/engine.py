@@ -5,23 +5,25 @@
     out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=128, temperature=1.0), seeds=[...])
     out.token_ids[i], out.logprobs[i], out.finish_reason[i], out.weight_version
 
-How a batch runs:
-- At most `max_batch` requests decode together; more are processed in chunks of `max_batch`.
-- Prompts are right-padded to the longest prompt of the chunk, and a request's token at position p
-  lives in KV slot p: every request starts at slot 0 and sees exactly the slots it would see alone
-  (the layout exact numerics needs: attention's reduction order then never depends on the batch).
-- Prefill runs the whole (B, P) block once; only each request's last prompt position goes through
-  lm_head.
-- Each decode step feeds the B sampled tokens (B, 1), each at its own position (written to its own
-  slot). A request stops on one of its EOS ids, on a stop string (checked on the decoded tail of its
-  new tokens), or at max_new_tokens.
-- Finished rows are dropped from the batch (and their KV rows from the cache, via index_select)
-  once at least `compact_fraction` of the rows are done, so a long tail of unfinished requests does
-  not pay for the finished ones. The loop ends as soon as every row is done.
+How a batch runs (continuous batching over a paged KV cache, jetflow.rollout.scheduler):
+- The KV cache is a pool of 64-position pages (jetflow.model.paged_cache) sized by a byte budget
+  (`kv_cache_bytes`), in the precision's bytes: E4M3 codes when an FP8 K/V quantizer is attached and
+  calibrated (one byte a value), else the cache dtype. A request holds ceil(positions / 64) pages; a
+  finished request's pages return to the pool at once.
+- At most `max_batch` requests decode together. A waiting request starts at the next step once a row
+  and its prompt's pages are free: its prefill runs as one call (with the other requests admitted at
+  that step, right-padded), beside the running rows' decode steps. With `continuous=False`, requests
+  are admitted only into an empty batch (static batches, the engine's old behaviour).
+- A request's token at position p lives in its own page table[p // 64] at offset p % 64 (slot =
+  position): every request sees exactly the slots it would see alone, the layout exact numerics
+  needs. Only each request's last prompt position goes through lm_head.
+- When a running row needs a new page and the pool is empty, the youngest request is preempted: its
+  pages are freed and it is recomputed later from its prompt, its sampler restarted from its seed, so
+  it produces the same tokens (never an out-of-memory error). A request stops on one of its EOS ids,
+  on a stop string (checked on the decoded tail of its new tokens), or at max_new_tokens.
 
-The KV cache is allocated once, (max_batch, max_seq_len) per layer, when the engine is built; each
-chunk uses views of its first rows, so memory never grows with the requests. A request needs
-len(prompt) + max_new_tokens <= max_seq_len slots (checked before any work is done).
+A request needs len(prompt) + max_new_tokens <= max_seq_len positions and must fit the pool alone
+(checked before any work is done).
 
 Numerics: the engine calls the model's own modules (`forward_hidden`, then `lm_head`), so whatever
 precision converter was applied to the model (fp32 / bf16 / FP8 recipe linears) is what rollout
@@ -36,7 +38,7 @@ Speed on the CPU (SmolLM2-135M fp32, batch 16, 64 + 128 tokens, 2 cores): a deco
 at M = 16 rows, the same GEMMs every fp32 implementation runs, so the margin over HF generate()
 comes from running them on prepacked weights and from what surrounds them: no growing cache
 copies, lm_head on the last position only, one random number per row for sampling, and finished
-rows dropped. See results/bench.
+rows leaving the batch. See results/bench and results/kv-cache-long.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jetflow.model.kv_cache import KVCache
 from jetflow.model.moe import moe_blocks
+from jetflow.model.paged_cache import PagePool
 from jetflow.rollout.cpu_pack import PackedLinears
 from jetflow.rollout.sampling import sample
+from jetflow.rollout.scheduler import Scheduler, Sequence, pages_for
 
 FINISH_REASONS = ("eos", "stop", "length")
 
@@ -120,23 +123,37 @@ class _Request:
     index: int  # position in the caller's list
     prompt: list[int]
     generator: torch.Generator | None
+    seed: int
+    max_new_tokens: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     routing: list[torch.Tensor] = field(default_factory=list)  # (n, L_moe, K) per forward that ran it
 
+    def restart(self) -> None:
+        """Preempted: forget its tokens and restart its sampler, so the recomputation draws the same."""
+        self.tokens, self.logprobs, self.routing, self.finish_reason = [], [], [], None
+        if self.generator is not None:
+            self.generator.manual_seed(self.seed)
+
 
 class RolloutEngine:
-    """Batched generation with a preallocated KV cache, per-request seeds and rollout log-probs.
+    """Batched generation with continuous batching over a paged KV cache, per-request seeds and rollout
+    log-probs.
 
     eos_token_ids: every id that ends a request (empty: only stop strings / length end it).
-    pad_token_id: fills the left padding (masked out, never attended to).
-    max_batch, max_seq_len: size of the KV cache, allocated here once; a request needs
-        len(prompt) + max_new_tokens <= max_seq_len.
-    cache_dtype: KV cache dtype (default: the model's embedding dtype).
+    pad_token_id: fills the right padding of a prefill (never attended to by a real token).
+    max_batch: most requests decoding at once. max_seq_len: a request needs len(prompt) +
+        max_new_tokens <= max_seq_len positions.
+    kv_cache_bytes: the page pool's budget in bytes (one buffer, mapped by the OS as pages are first
+        used); None: room for max_batch requests of max_seq_len positions at fp32 (the old cache's size).
+    cache_dtype: dtype of the pages when they do not hold FP8 codes (default: the model's embedding dtype).
+    fp8_pages: store E4M3 codes when the model has a calibrated FP8 K/V quantizer attached
+        (jetflow.precision.kv; the same values as its rounded fp32, a quarter of the bytes); False: pages
+        of cache_dtype holding the rounded values.
+    continuous: admit a waiting request as soon as a row and its pages are free; False: only into an
+        empty batch (static batches, to compare against).
     tokenizer: needed for stop strings and `text` (encode / decode).
-    compact_fraction: drop finished rows from the batch once this fraction of it is done (0: at
-        every finish; >= 1: never, the chunk just ends when all rows are done).
     compile: torch.compile the decode step's forward (see `_compiled_hidden`).
     pack_linears: on the CPU, run plain fp32 linears on oneDNN-prepacked weight copies (one more
         fp32 copy of those weights; `jetflow.rollout.cpu_pack`); ignored with compile.
@@ -149,8 +166,8 @@ class RolloutEngine:
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, max_batch: int, max_seq_len: int,
                  device: str | torch.device = "cpu", cache_dtype: torch.dtype | None = None, tokenizer=None,
-                 compact_fraction: float = 0.25, compile: bool = False, pack_linears: bool = True,
-                 record_routing: bool = False):
+                 kv_cache_bytes: int | None = None, fp8_pages: bool = True, continuous: bool = True,
+                 compile: bool = False, pack_linears: bool = True, record_routing: bool = False):
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch >= 1 and max_seq_len >= 2, got {max_batch}, {max_seq_len}")
         if eos_token_ids is None:
@@ -163,12 +180,19 @@ class RolloutEngine:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.device = torch.device(device)
         self.tokenizer = tokenizer
-        self.compact_fraction = compact_fraction
+        self.fp8_pages, self.continuous = fp8_pages, continuous
         self.weight_version = 0
         self.vocab_size = model.config.vocab_size
         self._rss_start = _max_rss_bytes()
-        # the one KV cache: (max_batch, H_kv, max_seq_len, D) per layer; chunks use views of it
-        self.cache: KVCache = model.new_cache(max_batch, max_seq_len, cache_dtype, self.device)
+        self.cache_dtype = cache_dtype or model.model.embed_tokens.weight.dtype
+        c = model.config
+        if kv_cache_bytes is None:  # max_batch requests of max_seq_len positions at fp32, and the null page
+            kv_cache_bytes = (max_batch * pages_for(max_seq_len) + 1) * PagePool.page_bytes(
+                c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+        self.kv_pool_bytes = int(kv_cache_bytes)  # the budget
+        # the pages' memory (on the CPU mapped by the OS as pages are first used)
+        self._kv_buffer = torch.empty(self.kv_pool_bytes, dtype=torch.uint8, device=self.device)
+        self.pool: PagePool | None = None  # the last generate's pool (its dtype follows the FP8 K/V quantizer)
         self._moe = moe_blocks(model) if record_routing else []
         if record_routing and not self._moe:
             raise ValueError("record_routing=True: the model has no mixture-of-experts layers")
@@ -186,16 +210,21 @@ class RolloutEngine:
     # public API
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
-                 seeds: list[int] | None = None) -> RolloutOutput:
+                 seeds: list[int] | None = None, max_new_tokens: list[int] | None = None) -> RolloutOutput:
         """Generate for every prompt (token ids). `seeds[i]` seeds request i's own generator, so a
-        request reproduces whatever else is in the batch; None draws seeds from torch's global RNG."""
+        request reproduces whatever else is in the batch; None draws seeds from torch's global RNG.
+        `max_new_tokens[i]` (optional, at most params.max_new_tokens) caps request i's own length."""
         params = params or SamplingParams()
+        caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(n) for n in max_new_tokens]
+        if len(caps) != len(prompts) or not all(1 <= n <= params.max_new_tokens for n in caps):
+            raise ValueError(f"max_new_tokens: one value in [1, {params.max_new_tokens}] per prompt")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: RolloutEngine(..., tokenizer=...)")
         if seeds is None:
             seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        pool = self._new_pool()
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
@@ -203,21 +232,33 @@ class RolloutEngine:
                 raise ValueError(
                     f"request {i} needs {len(p)} prompt + {params.max_new_tokens} new tokens = "
                     f"{len(p) + params.max_new_tokens} slots > max_seq_len={self.max_seq_len} of this engine")
+            if pages_for(len(p) + params.max_new_tokens) > pool.num_pages:
+                raise ValueError(f"request {i} needs {pages_for(len(p) + params.max_new_tokens)} KV pages of 64 "
+                                 f"positions; the {self.kv_pool_bytes}-byte pool holds {pool.num_pages} "
+                                 f"({pool.dtype}): raise the KV cache budget")
         version = self.weight_version
         requests = [
             _Request(i, list(map(int, p)),
-                     torch.Generator(self.device).manual_seed(int(s)) if params.temperature > 0 else None)
-            for i, (p, s) in enumerate(zip(prompts, seeds))
+                     torch.Generator(self.device).manual_seed(int(s)) if params.temperature > 0 else None, int(s), n)
+            for i, (p, s, n) in enumerate(zip(prompts, seeds, caps))
         ]
-        stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "compactions": 0}
-        # long prompts together: less padding per chunk (outputs are returned in the caller's order)
-        order = sorted(requests, key=lambda r: len(r.prompt), reverse=True)
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0}
+        sched = Scheduler(pool, self.max_batch, self.continuous)
+        sched.add([Sequence(len(r.prompt), r) for r in requests])
         with torch.inference_mode(), self._packed.applied(version) if self._packed else nullcontext():
-            for start in range(0, len(order), self.max_batch):
-                self._run_chunk(order[start:start + self.max_batch], params, stats)
+            while not sched.done:
+                new = sched.admit()
+                if new:
+                    self._prefill(new, params, sched, stats)
+                for s in sched.grow():  # preempted: recomputed from the prompt later
+                    s.request.restart()
+                if sched.running:
+                    self._decode_step(sched, params, stats)
+        self.pool = pool
         new_tokens = sum(len(r.tokens) for r in requests)
         elapsed = stats["prefill_s"] + stats["decode_s"]
-        stats.update(new_tokens=new_tokens, tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0)
+        stats.update(new_tokens=new_tokens, tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0,
+                     preemptions=sched.preemptions, kv_pages_peak=pool.peak_held)
         text = None
         if self.tokenizer is not None:
             text = [self._final_text(r, params.stop) for r in requests]
@@ -232,18 +273,35 @@ class RolloutEngine:
             routed_experts=[torch.cat(r.routing) for r in requests] if self._moe else None,
         )
 
+    def kv_page_dtype(self) -> torch.dtype:
+        """What the pages hold in the next generate: E4M3 codes under a calibrated FP8 K/V quantizer
+        (with fp8_pages), else cache_dtype."""
+        quantizer = getattr(self.model.model.layers[0].self_attn, "kv_quantizer", None)
+        if self.fp8_pages and quantizer is not None and getattr(quantizer, "ready", False):
+            return torch.float8_e4m3fn
+        return self.cache_dtype
+
+    def _new_pool(self) -> PagePool:
+        return PagePool.for_budget(self.model.config, self.kv_pool_bytes, self.kv_page_dtype(),
+                                   exact=getattr(self.model, "numerics", "fast") == "exact", buffer=self._kv_buffer)
+
     def memory_stats(self) -> dict:
-        """Memory for the bench: KV cache and model bytes; CUDA peak allocation on GPU; on the CPU
-        the growth of the process's peak RSS since this engine was built (a high-water mark: 0 means
-        the process had already been that large before)."""
-        kv = sum(t.numel() * t.element_size() for t in self.cache.k + self.cache.v)
+        """Memory for the bench. kv_cache_bytes: the peak bytes of pages held by requests during the last
+        generate (0 before one); kv_pool_bytes: the pool's budget; kv_bytes_per_token: one position of K
+        and V over every layer in the pages' dtype; model bytes; the prepacked weight copies; CUDA peak
+        allocation on GPU; on the CPU the growth of the process's peak RSS since this engine was built (a high-water mark: 0 means the
+        process had already been that large before)."""
+        pool = self.pool or self._new_pool()
+        kv = pool.peak_held * pool.bytes_per_page if self.pool is not None else 0
         seen, model_bytes = set(), 0
         for t in list(self.model.parameters()) + list(self.model.buffers()):
             if t.data_ptr() not in seen:  # tied weights counted once
                 seen.add(t.data_ptr())
                 model_bytes += t.numel() * t.element_size()
         packed = self._packed.packed_bytes() if self._packed else 0  # the prepacked weight copies
-        out = {"kv_cache_bytes": kv, "model_bytes": model_bytes, "packed_weight_bytes": packed}
+        out = {"kv_cache_bytes": kv, "kv_pool_bytes": self.kv_pool_bytes, "kv_bytes_per_token": pool.bytes_per_token,
+                "kv_page_dtype": str(pool.dtype).replace("torch.", ""), "kv_pool_pages": pool.num_pages,
+                "model_bytes": model_bytes, "packed_weight_bytes": packed}
         if self.device.type == "cuda":
             out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         else:
@@ -256,72 +314,75 @@ class RolloutEngine:
         return self.memory_stats()["peak_memory_bytes"]
 
     # ------------------------------------------------------------------------------------------
-    # one chunk of at most max_batch requests
+    # one step: a prefill of the admitted requests, a decode step of the running ones
 
-    def _run_chunk(self, reqs: list[_Request], params: SamplingParams, stats: dict) -> None:
-        B, dev = len(reqs), self.device
-        lens = torch.tensor([len(r.prompt) for r in reqs], device=dev)  # (B,)
+    def _prefill(self, seqs: list[Sequence], params: SamplingParams, sched: Scheduler, stats: dict) -> None:
+        """One forward over the admitted prompts (right-padded; padding writes only the null page or the
+        row's own unused slots), then each request's first token."""
+        t0, dev = time.perf_counter(), self.device
+        B = len(seqs)
+        lens = torch.tensor([s.prompt_len for s in seqs], device=dev)  # (B,)
         P = int(lens.max())
         ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)  # (B, P), right-padded
-        for b, r in enumerate(reqs):
-            ids[b, :len(r.prompt)] = torch.tensor(r.prompt)
-        ids = ids.to(dev)
-
-        t0 = time.perf_counter()
-        cache = self.cache.view(B, 0)
+        for b, s in enumerate(seqs):
+            ids[b, :s.prompt_len] = torch.tensor(s.request.prompt)
+        cache = sched.pool.view(self._table(seqs, pages_for(P), sched.pool))
         positions = torch.arange(P, device=dev).expand(B, P)  # slot = position
-        h = self.model.forward_hidden(ids, position_ids=positions, cache=cache)  # (B, P, C), eager
+        h = self.model.forward_hidden(ids.to(dev), position_ids=positions, cache=cache)  # (B, P, C)
         logits = self.model.lm_head(h[torch.arange(B, device=dev), lens - 1])  # (B, V): each last prompt token
         if self._moe:
             routing = self._routing(B, P)  # (B, P, L, K)
-            for b, r in enumerate(reqs):
-                r.routing.append(routing[b, :len(r.prompt)])
+            for b, s in enumerate(seqs):
+                s.request.routing.append(routing[b, :s.prompt_len])
+        for s in seqs:
+            s.written = s.prompt_len
         stats["prefill_s"] += _elapsed(t0, dev)
+        stats["prefills"] += 1
+        self._sample(seqs, logits, params, sched)
 
-        t0 = time.perf_counter()
-        rows = list(reqs)  # the request in each row of the running batch
-        done = [False] * B
-        next_pos = lens  # (B,) position (= KV slot) of each row's next token
-        stop_window = self._stop_window(params.stop)
-        while True:
-            gens = [r.generator for r in rows] if params.temperature > 0 else None
-            tokens, logprobs = sample(logits, params.temperature, params.top_k, params.top_p, gens)  # (B,), (B,)
-            n_done = 0
-            for b, (r, t, lp) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist())):
-                if done[b]:
-                    n_done += 1
-                    continue
-                r.tokens.append(t)
-                r.logprobs.append(lp)
-                if t in self.eos_token_ids and not params.ignore_eos:
-                    r.finish_reason = "eos"
-                elif stop_window and self._hits_stop(r.tokens, params.stop, stop_window):
-                    r.finish_reason = "stop"
-                elif len(r.tokens) >= params.max_new_tokens:
-                    r.finish_reason = "length"
-                if r.finish_reason is not None:
-                    done[b] = True
-                    n_done += 1
-            if n_done == len(rows):
-                break
-            if n_done and n_done >= self.compact_fraction * len(rows):
-                keep = [b for b in range(len(rows)) if not done[b]]
-                idx = torch.tensor(keep, device=dev)
-                cache = self.cache.compact(cache, idx)
-                rows = [rows[b] for b in keep]
-                done = [False] * len(rows)
-                tokens, next_pos = tokens[idx], next_pos[idx]
-                stats["compactions"] += 1
-            h = self._decode_hidden(tokens[:, None], position_ids=next_pos[:, None], cache=cache)  # (B, 1, C)
-            logits = self.model.lm_head(h[:, -1])  # (B, V)
-            if self._moe:
-                routing = self._routing(len(rows), 1)  # (B, 1, L, K)
-                for b, r in enumerate(rows):
-                    if not done[b]:  # a finished row still in the batch was fed a token that is not its own
-                        r.routing.append(routing[b])
-            next_pos = next_pos + 1
-            stats["decode_steps"] += 1
+    def _decode_step(self, sched: Scheduler, params: SamplingParams, stats: dict) -> None:
+        t0, dev = time.perf_counter(), self.device
+        seqs = list(sched.running)
+        tokens = torch.tensor([s.request.tokens[-1] for s in seqs], device=dev)[:, None]  # (B, 1)
+        pos = torch.tensor([s.next_position for s in seqs], device=dev)[:, None]  # (B, 1)
+        cache = sched.pool.view(self._table(seqs, max(len(s.pages) for s in seqs), sched.pool))
+        h = self._decode_hidden(tokens, position_ids=pos, cache=cache)  # (B, 1, C)
+        logits = self.model.lm_head(h[:, -1])  # (B, V)
+        if self._moe:
+            routing = self._routing(len(seqs), 1)  # (B, 1, L, K)
+            for b, s in enumerate(seqs):
+                s.request.routing.append(routing[b])
+        for s in seqs:
+            s.written += 1
+        stats["decode_steps"] += 1
         stats["decode_s"] += _elapsed(t0, dev)
+        self._sample(seqs, logits, params, sched)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, params: SamplingParams, sched: Scheduler) -> None:
+        """Each row's next token from its own generator; finished requests leave the batch."""
+        gens = [s.request.generator for s in seqs] if params.temperature > 0 else None
+        tokens, logprobs = sample(logits, params.temperature, params.top_k, params.top_p, gens)  # (B,), (B,)
+        stop_window = self._stop_window(params.stop)
+        for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            r = s.request
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            if t in self.eos_token_ids and not params.ignore_eos:
+                r.finish_reason = "eos"
+            elif stop_window and self._hits_stop(r.tokens, params.stop, stop_window):
+                r.finish_reason = "stop"
+            elif len(r.tokens) >= r.max_new_tokens:
+                r.finish_reason = "length"
+            if r.finish_reason is not None:
+                sched.retire(s)
+
+    @staticmethod
+    def _table(seqs: list[Sequence], width: int, pool: PagePool) -> torch.Tensor:
+        """The rows' block tables, (B, width) int32; past a row's pages: the null page."""
+        table = torch.full((len(seqs), width), pool.null_page, dtype=torch.int32)
+        for b, s in enumerate(seqs):
+            table[b, :len(s.pages)] = torch.tensor(s.pages[:width], dtype=torch.int32)
+        return table
 
     def _routing(self, B: int, T: int) -> torch.Tensor:
         """The last forward's expert ids of every MoE layer, (B, T, L_moe, K) int16 on the CPU."""

@@ -22,6 +22,8 @@ class NativeRollout:
         self.engine = RolloutEngine(model, eos_token_ids=eos_token_ids, pad_token_id=tokenizer.pad_token_id,
                                     max_batch=cfg.rollout.max_batch, max_seq_len=max_seq_len,
                                     device=cfg.model.device, tokenizer=tokenizer,
+                                    kv_cache_bytes=(None if cfg.rollout.kv_cache_gib is None
+                                                    else int(cfg.rollout.kv_cache_gib * 2**30)),
                                     record_routing=cfg.algo.routing_replay)
         r = cfg.rollout
         single_token_stops = {s for s in stop if len(tokenizer.encode(s)) == 1}

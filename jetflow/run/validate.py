@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 
 from jetflow.config import Config, ConfigError, Derived, config_changes, derive, load_config
+from jetflow.model.paged_cache import PagePool
+from jetflow.rollout.scheduler import pages_for
 from jetflow.run.build import build_task, build_tokenizer, longest_prompt, model_architecture
 from jetflow.run.files import CONFIG_FILE, holds_a_run, run_dir_of
 
@@ -56,6 +58,7 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
      ">= 2: GRPO's advantage is a reward minus its group's mean, so one sample per prompt learns nothing"),
     ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
     ("rollout.max_batch", lambda v: v >= 1, ">= 1"),
+    ("rollout.kv_cache_gib", lambda v: v is None or v > 0, "> 0 GiB, or null (max_batch full-length sequences)"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("rollout.temperature", lambda v: v > 0, "> 0"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -275,6 +278,12 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
     if longest + cfg.rollout.max_new_tokens > arch.max_position_embeddings:
         raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with prompts of up to {longest} "
                           f"tokens, responses would pass the model's {arch.max_position_embeddings} positions; lower it")
+    if cfg.rollout.kv_cache_gib is not None and cfg.rollout.backend == "native":  # the longest request alone, fp32
+        need = (pages_for(longest + cfg.rollout.max_new_tokens) + 1) * PagePool.page_bytes(
+            arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32)
+        if cfg.rollout.kv_cache_gib * 2**30 < need:
+            raise ConfigError(f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: one request of {longest} + "
+                              f"{cfg.rollout.max_new_tokens} tokens needs {need / 2**30:.4g} GiB of fp32 KV pages")
     kept = cfg.precision.keep_first_layers + cfg.precision.keep_last_layers
     if kept > arch.num_layers:
         raise ConfigError(f"precision.keep_first_layers={cfg.precision.keep_first_layers} + keep_last_layers="

@@ -67,21 +67,20 @@ def reference_greedy(model, prompt: list[int], n: int, eos: set[int]) -> list[in
 
 
 def test_greedy_matches_full_forward_loop(model):
-    """Different prompt lengths (left padding), more prompts than max_batch (chunks), and requests
-    that stop on EOS at different steps (compaction of the batch and the cache)."""
+    """Different prompt lengths (right padding), more prompts than max_batch (waiting requests admitted
+    as rows free up, or in static batches), and requests that stop on EOS at different steps."""
     n = 12
     free = [reference_greedy(model, p, n, set()) for p in PROMPTS]
     eos = free[0][3]  # a token that ends request 0 early, and others wherever it occurs
     refs = [reference_greedy(model, p, n, {eos}) for p in PROMPTS]
     assert len({len(r) for r in refs}) > 1  # requests finish at different steps
-    for compact_fraction in (0.0, 1.0):
-        eng = engine(model, max_batch=3, eos_token_ids=[eos], compact_fraction=compact_fraction)
+    for continuous in (True, False):
+        eng = engine(model, max_batch=3, eos_token_ids=[eos], continuous=continuous)
         out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=n, temperature=0.0))
         assert out.token_ids == refs
         assert out.prompt_ids == PROMPTS
         assert out.finish_reason == ["eos" if r[-1] == eos else "length" for r in refs]
-        if compact_fraction == 0.0:
-            assert out.stats["compactions"] > 0
+        assert out.stats["prefills"] > (1 if continuous else 0) + len(PROMPTS) // 3
         for p, toks, lps in zip(PROMPTS, out.token_ids, out.logprobs):  # greedy: log_softmax(logits)
             ref = torch.log_softmax(full_logits(model, p + toks)[len(p) - 1:-1], -1)
             ref = ref[torch.arange(len(toks)), torch.tensor(toks)]
@@ -183,8 +182,13 @@ def test_weight_version_is_returned(model):
 def test_memory_stats(model):
     eng = engine(model, max_batch=4, max_seq_len=32)
     c = model.config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # K and V, fp32, every layer
     mem = eng.memory_stats()
-    assert mem["kv_cache_bytes"] == 2 * c.num_layers * 4 * c.num_kv_heads * 32 * c.head_dim * 4
+    assert mem["kv_cache_bytes"] == 0 and mem["kv_bytes_per_token"] == per_token
+    assert mem["kv_pool_bytes"] == (4 + 1) * 64 * per_token  # 4 requests of one page, and the null page
+    eng.generate([PROMPTS[0], PROMPTS[1]], SamplingParams(max_new_tokens=3))
+    mem = eng.memory_stats()
+    assert mem["kv_cache_bytes"] == 2 * 64 * per_token  # the peak of pages held: one per request
     assert mem["model_bytes"] == sum(p.numel() * 4 for p in model.parameters()) + model.rope_inv_freq.numel() * 4
     assert eng.peak_memory_bytes >= mem["kv_cache_bytes"] + mem["model_bytes"]
 

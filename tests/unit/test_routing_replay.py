@@ -37,7 +37,7 @@ def tiny(seed: int = 0, exact: bool = True) -> Decoder:
 
 def rollout(model: Decoder, record: bool = True):
     engine = RolloutEngine(model, eos_token_ids=[0], pad_token_id=63, max_batch=2, max_seq_len=32,
-                           record_routing=record, compact_fraction=0.0)
+                           record_routing=record)
     return engine.generate(PROMPTS, SamplingParams(max_new_tokens=7, temperature=1.0), seeds=[1, 2, 3])
 
 

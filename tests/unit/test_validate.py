@@ -22,6 +22,7 @@ TINY = "configs/tiny.yaml"
     ("rollout.group_size=1", r"^rollout.group_size=1 is out of range; it must be >= 2: GRPO"),
     ("rollout.group_size=0", r"^rollout.group_size=0 is out of range"),
     ("rollout.top_p=1.5", r"^rollout.top_p=1.5 is out of range; it must be in \(0, 1\]"),
+    ("rollout.kv_cache_gib=0", r"^rollout.kv_cache_gib=0.0 is out of range; it must be > 0 GiB, or null"),
     ("algo.kl_coef=0.1", r"^algo.kl_coef=0.1 is out of range; it must be 0: a KL penalty needs a reference policy"),
     ("algo.clip_low=1.0", r"^algo.clip_low=1.0 is out of range; it must be in \[0, 1\)"),
     ("model.tiny.num_heads=0", r"^model.tiny.num_heads=0 is out of range; it must be >= 1$"),
@@ -86,6 +87,13 @@ def test_a_response_that_would_pass_the_models_positions_is_refused_before_it_lo
     with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens=13: with prompts of up to 4 tokens, responses "
                                           r"would pass the model's 16 positions; lower it$"):
         validate_run(cfg)
+
+
+def test_a_kv_budget_too_small_for_one_request_is_refused_before_it_loads(tmp_path):
+    cfg = load_config(TINY, [f"run.out_dir={tmp_path}", "rollout.kv_cache_gib=0.00001"])
+    with pytest.raises(ConfigError, match=r"^rollout.kv_cache_gib=1e-05: one request of 4 \+ \d+ tokens needs "):
+        validate_run(cfg)
+    validate_run(load_config(TINY, [f"run.out_dir={tmp_path}", "rollout.kv_cache_gib=0.01"]))
 
 
 def test_more_high_precision_layers_than_the_model_has_are_refused_before_it_loads(tmp_path):

@@ -30,6 +30,31 @@ static const bool TABLES_READY = [] {
   return true;
 }();
 
+static const float E4M3_MAX = 448.0f;
+
+// |v| <= 448, finite -> E4M3 code, round to nearest even (normal: 3 mantissa bits; subnormal: m * 2^-9)
+static inline uint8_t f32_to_e4m3(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+  const uint32_t abs_bits = bits & 0x7FFFFFFF;
+  float a;
+  std::memcpy(&a, &abs_bits, 4);
+  if (a < 0.015625f) {  // below 2^-6: subnormal codes 0..7 (8 rounds up to the smallest normal, code 8)
+    return sign | (uint8_t)std::nearbyint(a * 512.0f);
+  }
+  int e = (int)(abs_bits >> 23) - 127;  // -6 .. 8
+  uint32_t mant = abs_bits & 0x7FFFFF, m = mant >> 20, rest = mant & 0xFFFFF;
+  if (rest > 0x80000 || (rest == 0x80000 && (m & 1))) m++;
+  if (m == 8) m = 0, e++;
+  return sign | (uint8_t)(((e + 7) << 3) | m);
+}
+
+// E4M3 code of clamp(x / scale, -448, 448): the bytes of torch's (x / scale).to(float8_e4m3fn) (it saturates)
+static inline uint8_t f32_to_e4m3_scaled(float x, float scale) {
+  return f32_to_e4m3(std::min(std::max(x / scale, -E4M3_MAX), E4M3_MAX));
+}
+
 static inline float bf16_to_f32(uint16_t h) {
   uint32_t bits = (uint32_t)h << 16;
   float f;
@@ -166,3 +191,9 @@ static inline vf v_load_bf16(const uint16_t* p) {
 #endif
 }
 
+// VL E4M3 codes -> fp32 lanes (the KV cache's FP8 pages: attention.cpp converts each load)
+static inline vf v_load_e4m3(const uint8_t* p) {
+  alignas(64) float t[VL];
+  e4m3_to_f32(p, t, VL);
+  return v_load(t);
+}

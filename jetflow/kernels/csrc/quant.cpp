@@ -9,27 +9,9 @@
 //   code      = e4m3(clamp(x / scale_inv, -448, 448))       (fp32 division, round to nearest even)
 // A group holding NaN or Inf is counted and its scale set to NaN; the caller then raises the
 // quantizer's own error (the cast alone would hide it). Tests compare every byte with the torch code.
-#include "simd.h"
+#include "convert.h"
 
-static const float E4M3_MAX = 448.0f, AMAX_EPS = 1e-10f;
-
-// |v| <= 448, finite -> E4M3 code, round to nearest even (normal: 3 mantissa bits; subnormal: m * 2^-9)
-static inline uint8_t f32_to_e4m3(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  const uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
-  const uint32_t abs_bits = bits & 0x7FFFFFFF;
-  float a;
-  std::memcpy(&a, &abs_bits, 4);
-  if (a < 0.015625f) {  // below 2^-6: subnormal codes 0..7 (8 rounds up to the smallest normal, code 8)
-    return sign | (uint8_t)std::nearbyint(a * 512.0f);
-  }
-  int e = (int)(abs_bits >> 23) - 127;  // -6 .. 8
-  uint32_t mant = abs_bits & 0x7FFFFF, m = mant >> 20, rest = mant & 0xFFFFF;
-  if (rest > 0x80000 || (rest == 0x80000 && (m & 1))) m++;
-  if (m == 8) m = 0, e++;
-  return sign | (uint8_t)(((e + 7) << 3) | m);
-}
+static const float AMAX_EPS = 1e-10f;
 
 // |x| max over n values, and whether all are finite (x - x is 0 for finite x, NaN for Inf / NaN)
 static inline float group_amax(const float* x, int64_t n, bool* finite) {
