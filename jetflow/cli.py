@@ -160,11 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["gemm", "linear", "rollout", "mismatch", "train-step", "rl-step", "sync",
                                         "suite"], help="which benchmark")
     bench.add_argument("--config", default=None, help="mismatch: run config (YAML)")
-    bench.add_argument("overrides", nargs="*", help="mismatch: key=value config overrides")
+    bench.add_argument("overrides", nargs="*", help="mismatch / train-step: key=value config overrides")
     bench.add_argument("--prompts", type=int, default=None, help="mismatch (8) / rl-step (4): number of prompts")
     bench.add_argument("--group-size", type=int, default=4, help="mismatch: samples per prompt")
     bench.add_argument("--ignore-eos", action="store_true", help="mismatch: always generate max_new_tokens")
-    bench.add_argument("--name", default=None, help="mismatch: result file name")
+    bench.add_argument("--name", default=None, help="mismatch / train-step: result file name")
     bench.add_argument("--shapes", default=None, help="gemm: comma-separated MxNxK (default: per device)")
     bench.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     bench.add_argument("--iters", type=int, default=5)
@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-kv-fp8", action="store_true", help="rollout --lengths: fp32 pages only")
     bench.add_argument("--max-new-tokens", type=int, default=32, help="rl-step: most tokens per response")
     bench.add_argument("--no-trl", action="store_true", help="rl-step: jetflow only, no TRL GRPOTrainer")
+    bench.add_argument("--batch", type=int, default=8, help="train-step: sequences per step")
+    bench.add_argument("--prompt-len", type=int, default=64, help="train-step: prompt tokens per sequence")
+    bench.add_argument("--response-len", type=int, default=128, help="train-step: most response tokens per sequence")
+    bench.add_argument("--lengths", choices=["fixed", "long-tail"], default="fixed",
+                       help="train-step: every response at --response-len, or most at 1/8 of it and every 8th at it")
+    bench.add_argument("--modes", default="fp32,bf16,unified", help="train-step: comma-separated precision modes")
+    bench.add_argument("--warmup", type=int, default=1, help="train-step: warm-up steps per mode")
     bench.add_argument("--out-dir", default="results/bench")
     bench.set_defaults(func=_cmd_bench)
 

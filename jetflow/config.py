@@ -234,6 +234,13 @@ class TrainConfig:
     data-parallel size is torchrun's world size instead."""
     max_bad_steps: int = 3
     """Consecutive NaN/Inf steps tolerated (skipped) before the run stops."""
+    logprob_chunk_tokens: int = 0
+    """Native backend: response positions sent through lm_head at a time when computing log-probs (forward
+    and backward, jetflow.model.chunked_logprobs), so the (tokens x vocab) logits never exist whole
+    (0: one call). The same log-probs bit for bit under exact numerics."""
+    activation_checkpointing: bool = False
+    """Native backend: keep only each decoder layer's input in the forward and recompute the layer in
+    the backward (torch.utils.checkpoint); memory for time, the same gradients under exact numerics."""
 
 
 @dataclass

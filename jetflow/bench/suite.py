@@ -112,7 +112,10 @@ def run_from_cli(args) -> int:
     rl_options = {"prompts": args.prompts or 4, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
                   "compare_trl": not args.no_trl, **reps}
     if args.what == "train-step":
-        train_step.run(model, device=args.device, out_dir=args.out_dir, **reps)
+        train_step.run(model, modes=tuple(args.modes.split(",")), batch=args.batch, prompt_len=args.prompt_len,
+                       response_len=args.response_len, lengths=args.lengths, warmup=args.warmup,
+                       overrides=tuple(args.overrides), device=args.device, out_dir=args.out_dir, name=args.name,
+                       **reps)
     elif args.what == "rl-step":
         rl_step.run(model, out_dir=args.out_dir, **rl_options)
     elif args.what == "sync":

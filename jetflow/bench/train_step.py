@@ -8,15 +8,22 @@ GEMMs) and unified (FP8 fprop / dgrad / wgrad; the weights are requantized after
 step, as in a run). On the CPU the bf16 and FP8 GEMMs are emulated in fp32: the ratios there measure
 the recipe's overhead, not FP8 hardware.
 
-Each mode takes one warm-up step, then `reps` steps interleaved across the modes (so load from other
-processes hits every mode alike); the median is reported. tokens/s = batch * (prompt_len +
-response_len) / seconds per step; ratios are of tokens/s (above 1: faster than the reference).
+Each mode takes `warmup` warm-up steps (default 1), then `reps` steps interleaved across the modes (so load
+from other processes hits every mode alike); the median is reported. tokens/s = real (trained) tokens,
+prompts included, / seconds per step (fixed lengths: batch * (prompt_len + response_len)); ratios are of
+tokens/s (above 1: faster than the reference). `lengths` = long-tail: most responses response_len / 8,
+every 8th at response_len (jetflow.bench.workload.response_lengths). `overrides`: config keys, e.g.
+train.logprob_chunk_tokens=1024 train.activation_checkpointing=true.
+
+Peak RSS: this process's high-water mark (ru_maxrss) when the bench ends, model loading and every mode
+included: a configuration's own figure needs one mode in a fresh process (jetflow.bench.train_step_sweep).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import resource
 import statistics
 import time
 
@@ -61,23 +68,29 @@ def timed_step(trainer: Trainer, exp: Experience) -> tuple[float, float, dict]:
     return time.perf_counter() - t0, time.process_time() - cpu0, metrics
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident set size so far, GB (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
 def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, prompt_len: int = 64,
         response_len: int = 128, reps: int = 3, device: str | None = None, out_dir: str = "results/bench",
-        name: str | None = None) -> dict:
+        name: str | None = None, lengths: str = "fixed", warmup: int = 1, overrides: tuple[str, ...] = ()) -> dict:
     """Benchmark and write <out_dir>/train-step-<cpu|gpu>.{json,md} (or `name`); returns the payload."""
-    cfg = bench_config(model, [f"model.device={device}"] if device else [])
+    cfg = bench_config(model, [*overrides, *([f"model.device={device}"] if device else [])])
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     trainers, vocab, pad_id = build_trainers(cfg, tuple(modes))
-    exp = synthetic_experience(batch, prompt_len, response_len, vocab, pad_id, device=cfg.model.device)
+    exp = synthetic_experience(batch, prompt_len, response_len, vocab, pad_id, device=cfg.model.device, dist=lengths)
     batches = {mode: dataclasses.replace(exp, old_logprobs=t.compute_logprobs(exp)) for mode, t in trainers.items()}
-    tokens = batch * (prompt_len + response_len)
+    tokens = int(exp.attention_mask.sum())  # real tokens: prompts + responses
     samples: dict[str, list[float]] = {mode: [] for mode in trainers}
     cpu_samples: dict[str, list[float]] = {mode: [] for mode in trainers}
     last: dict[str, dict] = {}
     with LoadAverage() as load:
-        for mode, trainer in trainers.items():  # warm-up: first-call allocations, optimizer state
-            timed_step(trainer, batches[mode])
+        for _ in range(warmup):  # first-call allocations, optimizer state
+            for mode, trainer in trainers.items():
+                timed_step(trainer, batches[mode])
         for rep in range(reps):
             for mode, trainer in trainers.items():
                 dt, cpu, last[mode] = timed_step(trainer, batches[mode])
@@ -109,12 +122,18 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
     dev = torch.device(cfg.model.device)
     headline = {"name": "unified (FP8) / fp32 training tokens/s", "value": ratios.get("unified_over_fp32")}
     payload = {"workload": {"model": model, "batch": batch, "prompt_len": prompt_len, "response_len": response_len,
+                            "lengths": lengths, "overrides": list(overrides), "warmup": warmup,
+                            "logprob_chunk_tokens": cfg.train.logprob_chunk_tokens,
+                            "activation_checkpointing": cfg.train.activation_checkpointing,
                             "tokens_per_step": tokens, "reps": reps, "micro_batch_size": cfg.train.micro_batch_size,
                             "optimizer": "AdamW (fp32 master weights)", "loss": cfg.algo.loss_agg},
-               "rows": rows, "ratios": ratios, "headline": headline, "loadavg_1m": load.record()}
+               "rows": rows, "ratios": ratios, "headline": headline, "loadavg_1m": load.record(),
+               "peak_rss_gb": peak_rss_gb()}
     md = (f"One training step (forward + backward + AdamW, `Trainer.train_step`) of model `{model}` on a fixed "
-          f"synthetic batch of {batch} x ({prompt_len} prompt + {response_len} response) tokens; median of {reps} "
-          f"steps interleaved across modes after one warm-up step each. On the CPU bf16 / FP8 GEMMs are emulated in "
+          f"synthetic batch of {batch} x ({prompt_len} prompt + {response_len} response) tokens ({lengths} lengths, "
+          f"{tokens} real tokens; overrides: {' '.join(overrides) or 'none'}); median of {reps} steps interleaved "
+          f"across modes after {warmup} warm-up step(s) each. Peak RSS of this process: {payload['peak_rss_gb']:.2f} "
+          f"GB (every mode and the model load included). On the CPU bf16 / FP8 GEMMs are emulated in "
           f"fp32 (the recipe's overhead, not FP8 hardware). {load.sentence()}\n\n"
           + markdown_table(rows, ["mode", "trainer_linear", "ms_per_step", "tokens_per_s", "vs_fp32", "cpu_ms_per_step",
                                   "loss", "skipped_steps"])

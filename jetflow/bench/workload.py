@@ -20,19 +20,36 @@ def bench_config(model: str = "smollm2", overrides: list[str] | tuple[str, ...] 
                               *overrides])
 
 
-def synthetic_experience(batch: int, prompt_len: int, response_len: int, vocab_size: int, pad_id: int,
-                         seed: int = 0, device: str | torch.device = "cpu") -> Experience:
-    """A full (unpadded) batch of random tokens with random advantages: the same work for every mode.
+LENGTHS = ("fixed", "long-tail")
+"""Response-length distributions of a synthetic batch: fixed (every response at the max) | long-tail
+(most short, a few at the max: every 8th row, at least one, at the max; the others at max / 8)."""
 
-    Every row has exactly prompt_len + response_len real tokens, so tokens/s is unambiguous.
+
+def response_lengths(batch: int, response_len: int, dist: str = "fixed") -> list[int]:
+    """Each row's response length under `dist` (LENGTHS)."""
+    if dist == "fixed":
+        return [response_len] * batch
+    if dist == "long-tail":
+        return [response_len if i % 8 == 0 else max(1, response_len // 8) for i in range(batch)]
+    raise ValueError(f"length distribution {dist!r}: one of {', '.join(LENGTHS)}")
+
+
+def synthetic_experience(batch: int, prompt_len: int, response_len: int, vocab_size: int, pad_id: int,
+                         seed: int = 0, device: str | torch.device = "cpu", dist: str = "fixed") -> Experience:
+    """A batch of random tokens with random advantages: the same work for every mode.
+
+    Every row has prompt_len prompt tokens and a response of `response_lengths(batch, response_len, dist)`
+    tokens (fixed: all response_len, so the batch is unpadded and tokens/s unambiguous; long-tail: the
+    shorter responses right-padded).
     """
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab_size, (batch, prompt_len), generator=g)  # (B, P)
     responses = torch.randint(0, vocab_size, (batch, response_len), generator=g)  # (B, R)
     rewards = torch.randint(0, 2, (batch,), generator=g).float()  # (B,)
     advantages = torch.randn(batch, generator=g)  # (B,)
-    zeros = [[0.0] * response_len for _ in range(batch)]
-    return pack_experience(prompts.tolist(), responses.tolist(), zeros, rewards, advantages, pad_id, device)
+    lengths = response_lengths(batch, response_len, dist)
+    return pack_experience(prompts.tolist(), [r[:n] for r, n in zip(responses.tolist(), lengths)],
+                           [[0.0] * n for n in lengths], rewards, advantages, pad_id, device)
 
 
 class LoadAverage:

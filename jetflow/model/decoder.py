@@ -92,6 +92,9 @@ class Decoder(nn.Module):
         """fast | exact (NUMERICS): set with the precision of the linears (jetflow.run.build)."""
         self.last_token_mask: torch.Tensor | None = None
         """(B, T) real tokens of the last forward, in the order its layers saw them (None: all real)."""
+        self.layer_call = None
+        """fn(layer, *args) -> the layer's output, through which a forward with grad enabled and no cache
+        calls each decoder layer (jetflow.train.checkpointing: activation checkpointing); None: directly."""
         self.embed_grid: torch.dtype | None = None
         """Round embedding outputs to this dtype's grid (bf16 under the bf16 / mixed / unified modes,
         as the recipe keeps embeddings in bf16): trainer and rollout then agree on them, and the
@@ -185,8 +188,10 @@ class Decoder(nn.Module):
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
 
         replay = self._replay_per_layer(routed_experts, B, T)
+        call = self.layer_call if self.layer_call is not None and cache is None and torch.is_grad_enabled() else None
         for layer, routed_ids in zip(self.model.layers, replay):
-            x = layer(x, cos, sin, plan, cache, routed_ids)
+            x = layer(x, cos, sin, plan, cache, routed_ids) if call is None else \
+                call(layer, x, cos, sin, plan, cache, routed_ids)  # (B, T, C)
         if cache is not None:
             cache.advance_to(plan.end)
         return self.model.norm(x)  # (B, T, C)

@@ -54,6 +54,7 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("train.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
     ("train.checkpoint_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("train.max_bad_steps", lambda v: v >= 0, ">= 0"),
+    ("train.logprob_chunk_tokens", lambda v: v >= 0, ">= 0 (0: one lm_head call)"),
     ("rollout.group_size", lambda v: v >= 2,
      ">= 2: GRPO's advantage is a reward minus its group's mean, so one sample per prompt learns nothing"),
     ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
@@ -161,6 +162,9 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
             if getattr(t, key) != 1:
                 kind = "expert" if key == "expert_parallel_size" else "model"
                 raise ConfigError(f"train.{key}={getattr(t, key)}: {kind} parallelism needs train.backend=megatron")
+    for key in ("logprob_chunk_tokens", "activation_checkpointing"):  # the native trainer's memory savers
+        if t.backend == "megatron" and getattr(t, key):
+            raise ConfigError(f"train.{key}={getattr(t, key)} runs on the native trainer only (train.backend=native)")
     if a.routing_replay:
         for key, value in (("rollout.backend", cfg.rollout.backend), ("train.backend", t.backend)):
             if value != "native":

@@ -19,6 +19,7 @@ from torch import Tensor
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.model.moe import model_load_balancing_loss, replay_flip_fraction
+from jetflow.model.chunked_logprobs import chunked_token_logprobs
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy
@@ -26,6 +27,7 @@ from jetflow.precision import NonFiniteError, defer_nonfinite
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
+from jetflow.train.checkpointing import enable_activation_checkpointing
 
 
 class TrainingDiverged(UserError, RuntimeError):
@@ -59,18 +61,24 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.0,
-                      with_entropy: bool = False, hidden: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                      with_entropy: bool = False, hidden: Tensor | None = None,
+                      chunk_tokens: int = 0) -> Tensor | tuple[Tensor, Tensor]:
     """log pi(a_t | s_t) of the response tokens under `model`: (B, R), fp32; with `with_entropy`,
     also the policy's entropy at each response position (B, R), detached.
 
     Only the R columns that predict response tokens go through lm_head (the vocab projection is the
     largest GEMM of a small model). Logits are divided by the sampling temperature, as in the rollout.
     `hidden`: the final hidden states (B, P + R, C) when already computed (a pipeline's last stage).
+    `chunk_tokens` > 0: that many positions through lm_head at a time (train.logprob_chunk_tokens,
+    jetflow.model.chunked_logprobs): the (B, R, V) logits never exist whole; the same log-probs.
     """
     P, R = exp.prompt_len, exp.response_ids.shape[1]
     if hidden is None:
         replay = {} if exp.routed_experts is None else {"routed_experts": exp.routed_experts}  # MoE routing replay
         hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask, **replay)  # (B, P + R, C)
+    if chunk_tokens > 0:
+        return chunked_token_logprobs(model.lm_head, hidden[:, P - 1:P + R - 1], exp.response_ids, temperature,
+                                      chunk_tokens, with_entropy)  # (B, R) [, (B, R)]
     logits = model.lm_head(hidden[:, P - 1:P + R - 1])  # (B, R, V)
     if with_entropy:  # the same log-probs (one log_softmax), and the entropy from it
         return token_logprobs_and_entropy(logits, exp.response_ids, temperature)
@@ -115,6 +123,8 @@ class Trainer:
                  dp: DataParallel = SINGLE):
         self.model, self.cfg, self.algo = model, train, algo
         self.dp = dp  # data-parallel ranks: each holds part of the batch (jetflow.distributed)
+        if train.activation_checkpointing:  # recompute each decoder layer in backward
+            enable_activation_checkpointing(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(weight_decay_groups(model, train.weight_decay), lr=train.lr,
                                            betas=tuple(train.betas))
@@ -126,6 +136,10 @@ class Trainer:
         self.consecutive_bad = 0
 
     # Log-probs -----------------------------------------------------------------------------
+    def _logprobs(self, mb: Experience, temperature: float = 1.0, **kw) -> Tensor | tuple[Tensor, Tensor]:
+        """`response_logprobs` of `mb` under this trainer's model, train.logprob_chunk_tokens at a time."""
+        return response_logprobs(self.model, mb, temperature, chunk_tokens=self.cfg.logprob_chunk_tokens, **kw)
+
     @torch.no_grad()
     def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> Tensor:
         """Trainer log-probs of the rollout tokens under the current weights (no grad): (B, R).
@@ -135,10 +149,10 @@ class Trainer:
         def logprobs() -> Tensor:
             if pipelined(self.model):
                 return torch.cat(self.model.pipeline_forward_backward(
-                    _stage_inputs(micro), lambda i, hidden: (None, response_logprobs(self.model, micro[i], temperature,
+                    _stage_inputs(micro), lambda i, hidden: (None, self._logprobs(micro[i], temperature,
                                                                                     hidden=hidden)),
                     forward_only=True))
-            return torch.cat([response_logprobs(self.model, mb, temperature) for mb in micro])
+            return torch.cat([self._logprobs(mb, temperature) for mb in micro])
 
         out, bad = self._agreeing_on_nonfinite(logprobs)
         if bad:
@@ -255,8 +269,7 @@ class Trainer:
                     hidden: Tensor | None = None) -> tuple[Tensor, dict[str, float], Tensor | None, float]:
         """The policy loss of one micro-batch (unweighted), its metrics, its pi_old when `weigh` is given
         (else None) and its entropy sum over response tokens. `hidden`: see `response_logprobs`."""
-        logprobs, entropy = response_logprobs(self.model, mb, temperature, with_entropy=True,
-                                              hidden=hidden)  # (b, R) each
+        logprobs, entropy = self._logprobs(mb, temperature, with_entropy=True, hidden=hidden)  # (b, R) each
         if weigh is None:
             old, is_weights, new_old = mb.old_logprobs, mb.is_weights, None
         else:
@@ -322,7 +335,7 @@ class Trainer:
             if pipelined(self.model):  # the same loss through the model's pipeline schedule
                 def head(i: int, hidden: Tensor):
                     mb = micro[i]
-                    loss = -(response_logprobs(self.model, mb, hidden=hidden) * mb.response_mask).sum() / total_tokens
+                    loss = -(self._logprobs(mb, hidden=hidden) * mb.response_mask).sum() / total_tokens
                     return loss, loss.item()
                 try:
                     for value in self.model.pipeline_forward_backward(_stage_inputs(micro), head):
@@ -332,7 +345,7 @@ class Trainer:
                 return total
             for mb in micro:
                 try:
-                    loss = -(response_logprobs(self.model, mb) * mb.response_mask).sum() / total_tokens
+                    loss = -(self._logprobs(mb) * mb.response_mask).sum() / total_tokens
                     loss.backward()
                 except NonFiniteError:  # an FP8 quantizer met NaN/Inf: a bad step
                     return float("nan")

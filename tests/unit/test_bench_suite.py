@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jetflow.bench import rl_step, suite, train_step, trl_grpo
-from jetflow.bench.workload import bench_config
+from jetflow.bench.workload import bench_config, response_lengths
 
 RESULT_KEYS = {"command", "environment", "workload", "rows", "headline", "loadavg_1m"}
 
@@ -34,6 +34,21 @@ def test_train_step_bench_writes_modes_and_ratios(tmp_path):
     assert expected <= set(result["ratios"])
     assert result["headline"]["value"] == pytest.approx(result["ratios"]["unified_over_fp32"])
     assert result["workload"]["tokens_per_step"] == 2 * 16
+
+
+def test_train_step_sweep_runs_each_configuration_in_its_own_process(tmp_path):
+    """The long-response sweep: one mode per fresh process, long-tail lengths (8 rows: one at the max,
+    seven at max / 8), the memory savers' overrides reaching the trainer, peak RSS reported."""
+    from jetflow.bench import train_step_sweep
+    assert response_lengths(8, 64, "long-tail") == [64] + [8] * 7 and response_lengths(2, 5) == [5, 5]
+    train_step_sweep.main(["--model", "tiny", "--batch", "8", "--prompt-len", "4", "--response-lens", "16",
+                           "--lengths", "long-tail", "--chunk", "16", "--out-dir", str(tmp_path)])
+    rows = read_json(tmp_path / "sweep.json")["rows"]
+    assert [r["setting"] for r in rows] == ["before", "after"] and all("error" not in r for r in rows)
+    assert all(r["tokens"] == 8 * 4 + 16 + 7 * 2 and r["peak_rss_gb"] > 0 for r in rows)
+    after = read_json(tmp_path / "runs" / "after-b8-r16-long-tail.json")["workload"]
+    assert after["logprob_chunk_tokens"] == 16 and after["activation_checkpointing"] is True
+    assert rows[0]["loss"] == rows[1]["loss"]  # the same step, bit for bit (exact numerics)
 
 
 def test_sync_bench_through_the_cli_bytes_add_up(tmp_path):

@@ -19,6 +19,7 @@ TINY = "configs/tiny.yaml"
     ("train.betas=[0.9,1.0]", r"^train.betas"),
     ("train.checkpoint_every=-1", r"^train.checkpoint_every"),
     ("train.expert_parallel_size=0", r"^train.expert_parallel_size=0 is out of range; it must be >= 1$"),
+    ("train.logprob_chunk_tokens=-1", r"^train.logprob_chunk_tokens=-1 is out of range; it must be >= 0"),
     ("rollout.group_size=1", r"^rollout.group_size=1 is out of range; it must be >= 2: GRPO"),
     ("rollout.group_size=0", r"^rollout.group_size=0 is out of range"),
     ("rollout.top_p=1.5", r"^rollout.top_p=1.5 is out of range; it must be in \(0, 1\]"),
@@ -33,6 +34,13 @@ def test_out_of_range_values_are_refused_by_name(override, message):
     with pytest.raises(ConfigError, match=message):
         check_config(load_config(TINY, [override]))
     check_config(load_config(TINY, ["train.grad_clip=0", "train.min_lr_ratio=0", "rollout.group_size=2"]))  # edges
+
+
+@pytest.mark.parametrize("key", ["train.logprob_chunk_tokens=1024", "train.activation_checkpointing=true"])
+def test_the_native_trainers_memory_savers_are_refused_on_megatron_by_name(key):
+    with pytest.raises(ConfigError, match=rf"^{key.split('=')[0]}=.* runs on the native trainer only"):
+        check_config(load_config(TINY, ["train.backend=megatron", key]))
+    check_config(load_config(TINY, [key]))
 
 
 @pytest.mark.parametrize("overrides,message", [
