@@ -32,7 +32,6 @@ def child(variant: str, N: int) -> None:
         lp.sum().backward()
 
     run()
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, cpu = [], []
     for _ in range(3):
         t, c = time.perf_counter(), time.process_time()

@@ -58,7 +58,7 @@ def test_blocked_backward_within_the_fp32_summation_bound_of_float64():
     (T + S + D) * G * u * (its sum of |terms|), G the heads per KV head. The unblocked fp32 reference
     (the previous backward) is held to the same bound, and so is the blocked one."""
     q, k, v, pos, dout = _inputs()
-    B, H, T, D = q.shape
+    _, H, T, D = q.shape
     scale = D ** -0.5
     truth = _grads(inv.reference_attention, q.double(), k.double(), v.double(), pos, dout.double(), scale)
     n = (T + k.shape[2] + D) * (H // k.shape[1])
