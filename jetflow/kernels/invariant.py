@@ -18,7 +18,8 @@ tensor-parallel degree; attention one chain per query (csrc/attention.cpp). So t
 the trainer compute the same bits.
 
 Gradients: backward passes use torch's ordinary kernels (the values of the gradients need not be
-exact, only the forward that produces log-probs).
+exact, only the forward that produces log-probs); attention's a block of query rows at a time, so that
+no (B, H, T, S) scores exist whole.
 
 CUDA: the same contract on jetflow's Triton kernels (jetflow.kernels.triton): `pack_weight` keeps the
 (N, K) weight as it is, `matmul` / `gemm` / `fp8_gemm` run the Triton GEMMs with the same canonical
@@ -320,7 +321,18 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: flo
     return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v  # (B, H, T, D)
 
 
+ATTENTION_BACKWARD_ROWS = 128
+"""Query rows per block of the attention backward: a block's scores (B, H, 128, S) are the largest tensor
+it holds, instead of the whole layer's (B, H, T, S)."""
+
+
 class _Attention(torch.autograd.Function):
+    """The exact kernel forward; the backward differentiates `reference_attention` a block of
+    ATTENTION_BACKWARD_ROWS query rows at a time (each against the keys up to the block's last position):
+    dq's rows written per block, dk and dv summed over the blocks in order in fp32. The blocks depend on
+    the shapes and positions only, so the gradients are the same bits on every run (and with activation
+    checkpointing on or off)."""
+
     @staticmethod
     def forward(ctx, q, kt, v, pos, scale, variant):
         ctx.save_for_backward(q, kt, v, pos)
@@ -329,13 +341,29 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, kt, v, pos = ctx.saved_tensors
-        with torch.enable_grad():
-            q_, kt_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, kt, v))
-            out = reference_attention(q_, kt_.transpose(-1, -2), v_, pos, ctx.scale)
-            wrt = [t for t in (q_, kt_, v_) if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wrt, grad) if wrt else ())
-        return (*(next(grads) if t.requires_grad else None for t in (q_, kt_, v_)), None, None, None)
+        q, kt, v, pos = ctx.saved_tensors  # (B, H, T, D), (B, Hkv, D, S), (B, Hkv, S, D), (B, T)
+        need = ctx.needs_input_grad[:3]
+        dq = torch.empty_like(q) if need[0] else None
+        dkt = torch.zeros(kt.shape, dtype=torch.float32, device=kt.device) if need[1] else None
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device) if need[2] else None
+        for t0 in range(0, q.shape[2] if any(need) else 0, ATTENTION_BACKWARD_ROWS):
+            t1 = min(t0 + ATTENTION_BACKWARD_ROWS, q.shape[2])
+            s = int(pos[:, t0:t1].max()) + 1  # keys past it get no weight from this block: exact zeros
+            with torch.enable_grad():
+                qb = q[:, :, t0:t1].detach().requires_grad_(need[0])  # (B, H, b, D)
+                ktb = kt[..., :s].detach().requires_grad_(need[1])  # (B, Hkv, D, s)
+                vb = v[:, :, :s].detach().requires_grad_(need[2])  # (B, Hkv, s, D)
+                out = reference_attention(qb, ktb.transpose(-1, -2), vb, pos[:, t0:t1], ctx.scale)  # (B, H, b, D)
+                wrt = [t for t in (qb, ktb, vb) if t.requires_grad]
+                grads = iter(torch.autograd.grad(out, wrt, grad[:, :, t0:t1]))
+            if need[0]:
+                dq[:, :, t0:t1] = next(grads)
+            if need[1]:
+                dkt[..., :s] += next(grads)
+            if need[2]:
+                dv[:, :, :s] += next(grads)
+        return (dq, None if dkt is None else dkt.to(kt.dtype), None if dv is None else dv.to(v.dtype),
+                None, None, None)
 
 
 def _positions(pos: Tensor, slots: int, what: str) -> Tensor:

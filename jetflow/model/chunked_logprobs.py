@@ -3,26 +3,34 @@
 
     logp = chunked_token_logprobs(model.lm_head, hidden, tokens, temperature, chunk_tokens=1024)
     logp, entropy = chunked_token_logprobs(..., with_entropy=True)     # hidden (..., C) -> (...) each
+    logp = chunked_token_logprobs(model.lm_head, hidden, tokens, temperature, chunk_tokens=0)  # one chunk
+
+The trainer computes every log-prob through this function, chunking on (train.logprob_chunk_tokens > 0)
+or off (0: all positions in one forward chunk), so that both settings are one computation.
 
 Forward: for each chunk of `chunk_tokens` positions, the head module itself (a plain nn.Linear or a
 jetflow precision linear: called, never `F.linear` on its weight) and `token_logprobs` /
 `token_logprobs_and_entropy` of jetflow.model.logprobs, the rollout engine's functions: only the chunk's
-logits (chunk, V) live at a time. Backward: each chunk's logits are recomputed with grad enabled and that
-chunk alone is backpropagated, its hidden-state gradient written into its rows, the head's parameter
-gradients summed over the chunks in chunk order.
+logits (chunk, V) live at a time. Backward: whatever the forward's chunk, the positions are regrouped
+into fixed groups of GROUP positions; each group's logits are recomputed with grad enabled and that group
+alone is backpropagated, its hidden-state gradient written into its rows, the head's parameter gradients
+summed over the groups in group order.
 
-What is equal to one unchunked call (tests/unit/test_chunked_logprobs.py, fp32 / bf16 / unified):
+Why fixed groups: the head's weight gradient (and a tied embedding's, which includes it) is a sum over
+positions. Summed per forward chunk, its rounding would follow the chunk setting (and under the bf16
+kind each call's wgrad is rounded to bf16 before the sum); summed over groups that depend only on the
+number of positions, it is the same bits with chunking on, off or at any chunk size.
+
+What is equal across chunk settings (tests/unit/test_chunked_logprobs.py, fp32 / bf16 / unified):
 - exact numerics: the log-probs and entropies, bit for bit (the canonical GEMM computes a row from that
-  row alone; log_softmax is row-local); the hidden-state gradient too (the backward's dgrad is torch's
-  GEMM, whose rows are independent of the other rows from 12 rows a call up: every call here has at
-  least MIN_ROWS rows), so every gradient below the head is equal.
-- the head's weight gradient (and a tied embedding's, which includes it) sums over positions: a sum of
-  per-chunk GEMMs rounds in another order than one GEMM, and under the bf16 kind each chunk's weight
-  gradient is rounded to bf16 before the sum (as each micro-batch's already is). Equal bit for bit only
-  when one chunk holds every position of the micro-batch; otherwise close (about bf16's precision), not
-  equal. A black-box head leaves no way to sum its wgrad in one canonical order across chunks.
+  row alone; log_softmax is row-local); every gradient, the head's included (the backward above does not
+  read the chunk); so the updated weights after a train step.
 - fast numerics: the same structure, but the forward's logits come from BLAS, whose rows match across
-  calls of >= 12 rows on the machines measured (FACTS), not by construction: equal where that holds.
+  calls of >= 12 rows on the machines measured (FACTS), not by construction: equal where that holds. The
+  backward is the same groups in both settings (the hidden-state gradient's rows come from BLAS calls of
+  >= MIN_ROWS rows).
+Cost: the backward recomputes the head's forward (one more (N, C) x (C, V) GEMM and log_softmax), also
+with chunking off; in exchange no (N, V) logits or logit gradient are kept.
 """
 
 from __future__ import annotations
@@ -37,6 +45,12 @@ from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 MIN_ROWS = 16
 """The fewest rows a chunk sends through the head: BLAS (the fp32 / bf16 backward's dgrad, fast numerics'
 forward) computes a row differently in calls of fewer than 12 rows (FACTS; 16 as in the exact GEMM)."""
+
+GROUP = 256
+"""Positions per backward group (the last one shorter, borrowing earlier rows with zero output gradient
+up to MIN_ROWS: zeros add exactly): the head's parameter gradients are summed over these groups in order,
+whatever the forward's chunk, so that sum's rounding does not depend on the chunk setting. 256 rows keep
+a group's logits at 256 x V fp32 (48 MiB for a 49152 vocabulary), twice over in log_softmax's backward."""
 
 
 def chunk_spans(n: int, chunk: int):
@@ -66,7 +80,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 logp[i:j] = token_logprobs(logits, tokens[i:j], temperature)
             del logits
         ctx.save_for_backward(h, tokens)
-        ctx.head, ctx.temperature, ctx.chunk = head, temperature, chunk
+        ctx.head, ctx.temperature = head, temperature
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -77,7 +91,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         want_h = ctx.needs_input_grad[0]
         grad_h = torch.zeros_like(h) if want_h else None  # (N, C)
         grads: list[Tensor | None] = [None] * len(params)
-        for lo, i, j in chunk_spans(h.shape[0], ctx.chunk):
+        for lo, i, j in chunk_spans(h.shape[0], GROUP):  # fixed groups, not the forward's chunks
             grad = torch.zeros(j - lo, dtype=grad_logp.dtype, device=grad_logp.device)  # (c,): 0 on rows < i
             grad[i - lo:] = grad_logp[i:j]
             with torch.enable_grad():
@@ -88,7 +102,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if want_h:
                 grad_h[i:j] = got[0][i - lo:]
                 got = got[1:]
-            for k, g in enumerate(got):  # in chunk order
+            for k, g in enumerate(got):  # in group order
                 if g is not None:
                     grads[k] = g if grads[k] is None else grads[k] + g
         return (grad_h, None, None, None, None, None, *grads)
@@ -97,12 +111,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
 def chunked_token_logprobs(head: nn.Module, hidden: Tensor, tokens: Tensor, temperature: float = 1.0,
                            chunk_tokens: int = 1024, with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """log_softmax(head(hidden) / temperature)[tokens]: hidden (..., C), tokens (...) -> (...) fp32,
-    `chunk_tokens` positions through `head` at a time; with `with_entropy`, also the entropy (...) in
-    nats, detached. Differentiable in hidden and in the head's parameters (see the module docstring)."""
-    if chunk_tokens <= 0:
-        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    `chunk_tokens` positions through `head` at a time (0: all of them at once); with `with_entropy`, also
+    the entropy (...) in nats, detached. Differentiable in hidden and in the head's parameters, the same
+    gradients whatever `chunk_tokens` (see the module docstring)."""
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be >= 0 (0: one chunk), got {chunk_tokens}")
     shape = tokens.shape
     h = hidden.reshape(-1, hidden.shape[-1])  # (N, C)
+    chunk_tokens = chunk_tokens or h.shape[0]
     params = [p for p in head.parameters() if p.requires_grad]
     logp, entropy = _ChunkedLogprobs.apply(h, tokens.reshape(-1), head, temperature, chunk_tokens,
                                            with_entropy, *params)  # (N,), (N,) or (0,)

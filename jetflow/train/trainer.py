@@ -69,14 +69,16 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
     Only the R columns that predict response tokens go through lm_head (the vocab projection is the
     largest GEMM of a small model). Logits are divided by the sampling temperature, as in the rollout.
     `hidden`: the final hidden states (B, P + R, C) when already computed (a pipeline's last stage).
-    `chunk_tokens` > 0: that many positions through lm_head at a time (train.logprob_chunk_tokens,
-    jetflow.model.chunked_logprobs): the (B, R, V) logits never exist whole; the same log-probs.
+    `chunk_tokens` > 0: that many positions through lm_head at a time (train.logprob_chunk_tokens), 0: all
+    at once; both through jetflow.model.chunked_logprobs, whose backward sums the head's gradient over
+    fixed groups: the same log-probs, gradients and updated weights with chunking on and off. A head that
+    is no module (Megatron's vocabulary-parallel method, which refuses chunking) takes the plain path.
     """
     P, R = exp.prompt_len, exp.response_ids.shape[1]
     if hidden is None:
         replay = {} if exp.routed_experts is None else {"routed_experts": exp.routed_experts}  # MoE routing replay
         hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask, **replay)  # (B, P + R, C)
-    if chunk_tokens > 0:
+    if isinstance(model.lm_head, nn.Module):
         return chunked_token_logprobs(model.lm_head, hidden[:, P - 1:P + R - 1], exp.response_ids, temperature,
                                       chunk_tokens, with_entropy)  # (B, R) [, (B, R)]
     logits = model.lm_head(hidden[:, P - 1:P + R - 1])  # (B, R, V)

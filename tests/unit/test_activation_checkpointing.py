@@ -1,6 +1,7 @@
 """Activation checkpointing per decoder layer (train.activation_checkpointing): under exact numerics a
-train step's gradients and updated weights are torch.equal with it on and off (fp32, bf16, unified, and an
-MoE model with the router loss), the layers really run twice, and the forward's records survive."""
+train step's gradients and updated weights are torch.equal with it on and off (fp32, bf16, unified, with
+chunked log-probs on and off, and an MoE model with the router loss), the layers really run twice, and the
+forward's records survive. The exact attention's blocked backward runs in both."""
 
 import copy
 
@@ -77,9 +78,13 @@ def test_checkpointed_step_equals_the_plain_one_bit_for_bit(mode):
 
 
 def test_checkpointing_and_chunked_logprobs_together():
+    """Checkpointing and chunked log-probs both on against both off: every gradient (the tied head's
+    too: the chunked backward's fixed groups) and updated weight torch.equal."""
     model, cfg = exact_model("unified")
     exp = batch(model.config.vocab_size)
-    assert_same_step(step(model, cfg, exp, False, chunk=64), step(model, cfg, exp, True, chunk=64))
+    off = step(model, cfg, exp, False)
+    assert_same_step(off, step(model, cfg, exp, True, chunk=64))
+    assert_same_step(off, step(model, cfg, exp, True, chunk=17))
 
 
 def test_moe_router_loss_and_records_survive_the_recomputation():

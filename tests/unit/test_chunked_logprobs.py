@@ -1,6 +1,7 @@
 """Chunked log-probs through the lm_head (jetflow.model.chunked_logprobs, train.logprob_chunk_tokens):
-under exact numerics the log-probs, entropies and the gradient below the head equal one unchunked call
-bit for bit, in fp32, bf16 and unified; the head's own gradient against a float64 reference."""
+under exact numerics the log-probs, entropies, every gradient (the head's and the tied embedding's
+included) and the weights a train step updates are torch.equal with chunking off (0) and on at any chunk
+size, in fp32, bf16 and unified; the head's own gradient against a float64 reference."""
 
 import copy
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from jetflow.config import derive, load_config
+from jetflow.model import chunked_logprobs
 from jetflow.model.chunked_logprobs import chunked_token_logprobs
 from jetflow.rl.experience import pack_experience
 from jetflow.run.build import apply_mode, build_policy
@@ -15,6 +17,17 @@ from jetflow.train.trainer import Trainer, response_logprobs
 
 TINY = "configs/tiny.yaml"
 MODES = ("fp32", "bf16", "unified")
+CHUNKS = (5, 16, 17, 32, 1000)
+"""Chunk sizes against chunking off (0): 5 (calls of MIN_ROWS = 16 rows), 16 (= the groups below), 17
+(not a multiple of them, a last chunk of 5), 32 and 1000 (one chunk)."""
+
+
+@pytest.fixture(params=[16, chunked_logprobs.GROUP], ids=["group16", "group_default"])
+def group(request, monkeypatch):
+    """The backward's group size: 16 (the batch's 39 positions in three groups, the last short) and the
+    module's own (one group here)."""
+    monkeypatch.setattr(chunked_logprobs, "GROUP", request.param)
+    return request.param
 
 
 def exact_model(mode: str):
@@ -62,50 +75,45 @@ def _grads(model, exp, chunk: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_gradients_below_the_head_equal_bit_for_bit_and_the_head_close(mode):
-    """Every gradient but the head weight's is torch.equal (the hidden-state gradient is per row); the
-    head's sums over positions, as a sum of per-chunk GEMMs: close, and equal with one chunk."""
+def test_gradients_equal_bit_for_bit_with_chunking_on_and_off(mode, group):
+    """Every gradient, the head weight's (tied to the embedding) included: the backward sums the head's
+    gradient over fixed groups of positions, whatever the forward's chunk."""
     model, _ = exact_model(mode)
     head = head_weight_name(model)
     exp = batch(model.config.vocab_size)
     ref = _grads(model, exp, 0)
-    one_chunk = _grads(model, exp, 1000)
-    assert ref.keys() == one_chunk.keys() and all(torch.equal(ref[n], one_chunk[n]) for n in ref)
-    got = _grads(model, exp, 17)
-    assert got.keys() == ref.keys()
-    for name in ref:
-        if name == head:
-            scale = ref[name].abs().max()
-            assert (got[name] - ref[name]).abs().max() <= 2 ** -6 * scale, mode  # bf16: per-chunk rounding
-        else:
-            assert torch.equal(got[name], ref[name]), (mode, name)
+    assert head in ref
+    for chunk in CHUNKS:
+        got = _grads(model, exp, chunk)
+        assert got.keys() == ref.keys()
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), (mode, group, chunk, name)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_train_step_updates_equal_with_chunking_on_and_off(mode):
-    """A train step (AdamW, clipping off) with chunks of 17 positions and without: every updated weight
-    but the head's is torch.equal; with chunks holding a whole micro-batch, every weight."""
+def test_train_step_updates_equal_with_chunking_on_and_off(mode, group):
+    """A train step (AdamW, clipping off, 2 micro-batches) with chunking off and on at several chunk
+    sizes: the same old log-probs, loss and every updated weight, torch.equal."""
     model, cfg = exact_model(mode)
-    head = head_weight_name(model)
     exp = batch(model.config.vocab_size)
     results = {}
-    for chunk in (0, 17, 64):
+    for chunk in (0, 5, 17, 64):
         m = copy.deepcopy(model)
         c = copy.deepcopy(cfg)
-        c.train.logprob_chunk_tokens = chunk
+        c.train.logprob_chunk_tokens, c.train.micro_batch_size = chunk, 2
         trainer = Trainer(m, c.train, c.algo)
         e = copy.copy(exp)
         e.old_logprobs = trainer.compute_logprobs(e)
         metrics = trainer.train_step(e)
         assert metrics["train/skipped"] == 0.0
-        results[chunk] = (e.old_logprobs, dict(m.named_parameters()))
-    old0, w0 = results[0]
-    for chunk in (17, 64):
-        old, w = results[chunk]
-        assert torch.equal(old, old0)
+        results[chunk] = (e.old_logprobs, metrics["train/loss"], dict(m.named_parameters()))
+    old0, loss0, w0 = results[0]
+    assert any(not torch.equal(w0[n], p) for n, p in model.named_parameters())  # the step moved weights
+    for chunk in (5, 17, 64):
+        old, loss, w = results[chunk]
+        assert torch.equal(old, old0) and loss == loss0, (mode, chunk)
         for name in w0:
-            if chunk == 64 or name != head:
-                assert torch.equal(w[name], w0[name]), (mode, chunk, name)
+            assert torch.equal(w[name], w0[name]), (mode, group, chunk, name)
 
 
 def test_chunked_head_gradient_against_float64_autograd():
