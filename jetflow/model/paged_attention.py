@@ -55,14 +55,13 @@ def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, cache:
         k, v = quantizer(layer, k, v)
     cache.write(layer, k, v, plan.positions)
     if plan.exact and q.is_cuda:  # the Triton kernel on the gathered slots: the same bits as a dense cache
-        kd, vd = cache.gather(layer, int(plan.positions.max()) + 1, q.dtype, ks, vs)  # (B, H_kv, S, D)
+        kd, vd = cache.gather(layer, plan.end, q.dtype, ks, vs)  # (B, H_kv, S, D)
         return invariant.attention(q, kd.transpose(-1, -2), vd, plan.positions, attn.scale)
     if plan.exact:
         return paged.paged_attention(q, cache.pool.k[layer], cache.pool.v[layer], cache.table, plan.positions,
                                      attn.scale, ks, vs)
-    end = int(plan.positions.max()) + 1
-    kd, vd = cache.gather(layer, end, q.dtype, ks, vs)  # (B, H_kv, S, D)
-    mask = torch.arange(end, device=q.device)[None, None, :] <= plan.positions[:, :, None]  # (B, T, S)
+    kd, vd = cache.gather(layer, plan.end, q.dtype, ks, vs)  # (B, H_kv, S, D): slots [0, plan.end)
+    mask = torch.arange(plan.end, device=q.device)[None, None, :] <= plan.positions[:, :, None]  # (B, T, S)
     return F.scaled_dot_product_attention(q, kd, vd, attn_mask=mask[:, None],
                                           enable_gqa=attn.num_kv_heads != attn.num_heads)  # (B, H, T, D)
 
