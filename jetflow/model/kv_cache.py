@@ -18,7 +18,6 @@ they are stored, e.g. a fake-quantizer that rounds to the FP8 grid and back. It 
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
@@ -115,29 +114,6 @@ class KVCache:
     def reset(self) -> None:
         """Forget all slots (the memory is kept and overwritten by the next forward)."""
         self.length = 0
-
-    def view(self, rows: int, length: int) -> "KVCache":
-        """A KVCache over the first `rows` rows of this one with `length` slots filled. A shallow copy
-        shares everything (dtype, max_len, the FP8 `quantize_kv` hook); the per-layer tensors are
-        narrowed to views, so nothing is allocated."""
-        view = copy.copy(self)
-        view.k = [k[:rows] for k in self.k]
-        view.v = [v[:rows] for v in self.v]
-        view.batch_size, view.length = rows, length
-        return view
-
-    def compact(self, view: "KVCache", keep: torch.Tensor) -> "KVCache":
-        """Move the rows `keep` (ascending) of `view` (a view of this cache) to the front; a view over
-        them with the same filled slots."""
-        L = view.length
-        for full in self.v:
-            full[:len(keep), :, :L] = full[:, :, :L].index_select(0, keep)  # (B', H_kv, L, D)
-        for full in self.k:
-            if self.k_transposed:
-                full[:len(keep), :, :, :L] = full[..., :L].index_select(0, keep)  # (B', H_kv, D, L)
-            else:
-                full[:len(keep), :, :L] = full[:, :, :L].index_select(0, keep)
-        return self.view(len(keep), L)
 
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.num_kv_heads}, "
