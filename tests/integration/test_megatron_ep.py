@@ -6,8 +6,8 @@ Launches tests/integration/megatron_ep_worker.py under torchrun (concurrently, e
   ep2     2 ranks, EP=2: each rank holds 2 of the 4 experts and half of the batch (EP ranks are
           data-parallel ranks; one rank's last micro-batch has no response tokens and still runs, for
           the other rank's token dispatch)
-  pp2     2 ranks, PP=2, EP=1: the MoE layers split over pipeline stages
-  ep2pp2  4 ranks, EP=2 x PP=2
+  pp2     2 ranks, PP=2, EP=1: the MoE layers split over pipeline stages (-m long)
+  ep2pp2  4 ranks, EP=2 x PP=2 (-m long)
 Cases fp32 and fp8 (FP8 expert GEMMs, emulated). Checked on every rank: the log-probs of its rows equal
 one process's (fp32: within 1e-6), 5 Trainer.train_step (PPO ratio, micro-batches of 1, gradient
 clipping by the global norm: every expert counted once) give losses within 1e-6 and final HF weights
@@ -18,7 +18,6 @@ import importlib.util
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,8 @@ WORKER = HERE / "megatron_ep_worker.py"
 STEPS = 5
 CASES = ("fp32", "fp8", "nan")
 RUNS = {"1": (1, 1, 1), "ep2": (2, 2, 1), "pp2": (2, 1, 2), "ep2pp2": (4, 2, 2)}  # nproc, ep, pp
+LONG_RUNS = ("pp2", "ep2pp2")  # -m long: 6 more processes; EP x PP, and PP alone, on the MoE
+RUN_PARAMS = [pytest.param(run, marks=[pytest.mark.long] if run in LONG_RUNS else []) for run in RUNS if run != "1"]
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
@@ -45,16 +46,30 @@ def launch(nproc: int, ep: int, pp: int, out: Path) -> subprocess.Popen:
                          "--pp", pp)
 
 
+def _launch_and_load(tmp: Path, names) -> dict:
+    """{run: {case: [rank 0's result, rank 1's ...]}} of the runs `names`, launched together."""
+    wait_all({name: launch(*RUNS[name], tmp / name) for name in names})
+    return {name: {case: [torch.load(tmp / name / f"{case}.rank{r}.pt", weights_only=False)
+                          for r in range(RUNS[name][0])] for case in CASES} for name in names}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{run: {case: [rank 0's result, rank 1's ...]}}."""
-    tmp = tmp_path_factory.mktemp("megatron_ep")
-    wait_all({name: launch(nproc, ep, pp, tmp / name) for name, (nproc, ep, pp) in RUNS.items()})
-    return {name: {case: [torch.load(tmp / name / f"{case}.rank{r}.pt", weights_only=False) for r in range(nproc)]
-                   for case in CASES} for name, (nproc, _, _) in RUNS.items()}
+def default_runs(tmp_path_factory):
+    return _launch_and_load(tmp_path_factory.mktemp("megatron_ep"), [r for r in RUNS if r not in LONG_RUNS])
 
 
-@pytest.mark.parametrize("run", ["ep2", "pp2", "ep2pp2"])
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory, default_runs):
+    return {**default_runs, **_launch_and_load(tmp_path_factory.mktemp("megatron_ep_long"), LONG_RUNS)}
+
+
+@pytest.fixture
+def runs(request, run):
+    """The results `run` needs: the long fixture only when a long run is selected."""
+    return request.getfixturevalue("long_runs" if run in LONG_RUNS else "default_runs")
+
+
+@pytest.mark.parametrize("run", RUN_PARAMS)
 @pytest.mark.parametrize("case", ["fp32", "fp8"])
 def test_expert_parallel_training_matches_one_process(runs, run, case):
     one = runs["1"][case][0]
@@ -84,7 +99,7 @@ def test_expert_parallel_training_matches_one_process(runs, run, case):
             assert other["losses"] == one["losses"] and wdiff == 0.0
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", [pytest.param("1"), *RUN_PARAMS])
 def test_a_nan_on_one_rank_is_a_skipped_step_on_every_rank(runs, run):
     """FP8, a NaN put into one token's embedding on one rank only (the last data-parallel rank of the first
     stage) in RL step 1: every rank skips that step together, none left waiting in the experts' token
@@ -99,7 +114,7 @@ def test_a_nan_on_one_rank_is_a_skipped_step_on_every_rank(runs, run):
 
 def test_jetflow_train_expert_parallel_equals_data_parallel(tmp_path):
     """`jetflow train` on configs/tiny-moe.yaml (unified FP8, router aux loss) with train.backend=megatron:
-    one process runs; under torchrun, 2 ranks with train.expert_parallel_size=2 give every step's loss, grad
+    under torchrun, 2 ranks with train.expert_parallel_size=2 give every step's loss, grad
     norm and the final weights of 2 data-parallel ranks that each hold all experts, bit for bit."""
     from safetensors.torch import load_file
 
@@ -110,12 +125,12 @@ def test_jetflow_train_expert_parallel_equals_data_parallel(tmp_path):
               "run.tensorboard=false", "run.num_threads=1", f"run.out_dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
 
-    runs = {"one": ([sys.executable], []), "dp2": (torchrun(), []), "ep2": (torchrun(), ["train.expert_parallel_size=2"])}
+    runs = {"dp2": (torchrun(), []), "ep2": (torchrun(), ["train.expert_parallel_size=2"])}
     wait_all({name: subprocess.Popen([*launcher, "-m", "jetflow.cli", "train", *common, f"run.name={name}", *extra],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for name, (launcher, extra) in runs.items()})
-    one, dp2, ep2 = (read_metrics(tmp_path / name) for name in runs)
-    assert [r["step"] for r in ep2] == [r["step"] for r in dp2] == [r["step"] for r in one]
+    dp2, ep2 = (read_metrics(tmp_path / name) for name in runs)
+    assert [r["step"] for r in ep2] == [r["step"] for r in dp2] == [0, 1]
     rl = [r for r in ep2 if "loss/router_aux" in r]
     assert rl and all(r["loss/router_aux"] > 0 for r in rl)  # the router load-balancing loss is on
     for a, b in zip(dp2, ep2):

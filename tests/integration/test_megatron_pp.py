@@ -12,7 +12,7 @@ group), fp8 (FP8 GEMMs). Checked, on every rank of the pipeline:
   - the full HF weights are on every rank; a checkpoint written by rank 0 loads into a fresh random
     policy with equal weights and log-probs; FP8 bytes gathered over the stages equal one process's;
   - a NaN weight on the first stage: every stage skips the step (no rank hangs).
-Also TP=2 x PP=2 on 4 ranks (llama, tied): close to one process (TP's partial sums: last bits).
+Also TP=2 x PP=2 on 4 ranks (llama, tied; -m long): close to one process (TP's partial sums: last bits).
 `jetflow train` with PP=2 under torchrun vs one process: per-step loss within 1e-6.
 """
 
@@ -45,14 +45,23 @@ def launch(nproc: int, out: Path, tp: int = 1, cases=CASES) -> subprocess.Popen:
     return launch_worker(nproc, WORKER, "--out", out, "--steps", STEPS, "--cases", ",".join(cases), "--tp", tp)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{run: {case: [rank 0's result, rank 1's ...]}}; runs 2 (PP=2), 1 (one process), "tp2pp2" (4 ranks)."""
-    tmp = tmp_path_factory.mktemp("megatron_pp")
-    runs = {2: (2, 1, CASES), 1: (1, 1, CASES), "tp2pp2": (4, 2, TP_CASES)}  # nproc, tp, cases
+def _launch_and_load(tmp: Path, runs: dict) -> dict:
+    """{run: {case: [rank 0's result, rank 1's ...]}} of `runs` ({name: (nproc, tp, cases)}), launched together."""
     wait_all({name: launch(nproc, tmp / str(name), tp, cases) for name, (nproc, tp, cases) in runs.items()})
     return {name: {case: [torch.load(tmp / str(name) / f"{case}.rank{r}.pt", weights_only=False)
                           for r in range(nproc)] for case in cases} for name, (nproc, _, cases) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Runs 2 (PP=2) and 1 (one process)."""
+    return _launch_and_load(tmp_path_factory.mktemp("megatron_pp"), {2: (2, 1, CASES), 1: (1, 1, CASES)})
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory):
+    """Run "tp2pp2": 4 more processes (-m long)."""
+    return _launch_and_load(tmp_path_factory.mktemp("megatron_tp2pp2"), {"tp2pp2": (4, 2, TP_CASES)})["tp2pp2"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -108,13 +117,14 @@ def test_pp2_fp8_bytes_and_nan_step(runs):
     assert one["nan_step"]["train/skipped"] == 1.0
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("case", TP_CASES)
-def test_tp2_pp2_matches_one_process(runs, case):
+def test_tp2_pp2_matches_one_process(runs, tp2pp2, case):
     """4 ranks: 2 pipeline stages of 2 tensor-parallel shards. TP's partial sums differ from one process in
     the last bits (see test_megatron_tp.py), so: close, not equal."""
     one = runs[1][case][0]
     w1 = one["weights"]
-    for rank, four in enumerate(runs["tp2pp2"][case]):
+    for rank, four in enumerate(tp2pp2[case]):
         assert (four["tp"], four["pp"], four["stage"]) == (2, 2, rank // 2)
         assert four["num_params"] == one["num_params"]
         assert (four["logprobs0"] - one["logprobs0"]).abs().max().item() <= 1e-5

@@ -17,6 +17,20 @@ from jetflow.run.runner import train  # noqa: E402
 from numeric_bounds import loss_gap
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_ray_cluster():
+    """One local Ray cluster (2 CPUs) for the module's runs: a run that finds Ray initialized uses it and
+    leaves it up (RayPlacement.started_here), killing only its own actors, so each test saves a cluster's
+    start and stop (about 10 s on 2 cores)."""
+    import os
+
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}})
+    yield
+    ray.shutdown()
 COMMON = ["precision.mode=fp32", "train.steps=3", "train.sft_warmup_steps=20", "train.prompts_per_step=4",
           "rollout.group_size=4", "run.progress=false", "run.tensorboard=false", "run.num_threads=1",
           "eval.num_prompts=0"]
@@ -119,7 +133,10 @@ def test_vllm_engines_as_ray_actors(tmp_path, monkeypatch):
     assert (run_dir / "rollout_engine0" / "config.json").exists() and (run_dir / "rollout_engine1").is_dir()
 
 
-@pytest.mark.parametrize("layout", ["train.tensor_parallel_size=2", "train.pipeline_parallel_size=2"])
+# PP=2 under Ray (-m long): the same TrainerGroup path as TP=2; PP itself is checked under torchrun
+# (test_megatron_pp.py, test_megatron_exact.py).
+@pytest.mark.parametrize("layout", ["train.tensor_parallel_size=2",
+                                    pytest.param("train.pipeline_parallel_size=2", marks=pytest.mark.long)])
 def test_megatron_model_parallel_workers_match_native(tmp_path, layout):
     """train.backend=megatron under Ray: 2 trainer workers form one TP=2 group or one PP=2 pipeline
     (same rows, different shards or stages; the update gathered from both); the run equals the native
@@ -143,6 +160,8 @@ def test_megatron_model_parallel_workers_match_native(tmp_path, layout):
     assert any(r["train/loss"] != 0 for r in ray_rows)
 
 
+@pytest.mark.long  # 75 s; EP=2 is checked under torchrun (test_megatron_ep.py, test_megatron_exact.py) and
+# Megatron trainer workers under Ray by the TP=2 case above
 def test_megatron_expert_parallel_workers_match_data_parallel(tmp_path):
     """train.expert_parallel_size=2 under Ray on the tiny MoE (unified FP8): 2 trainer workers holding
     2 of the 4 experts each train exactly like 2 data-parallel workers holding all 4."""

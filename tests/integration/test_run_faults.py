@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -54,8 +53,18 @@ def test_sigterm_to_torchrun_in_the_warmup_stops_every_rank_at_one_step_and_resu
     assert [r["step"] for r in read_metrics(tmp_path / "r")] == [0] and (tmp_path / "r" / "COMPLETE").exists()
 
 
-def test_a_ray_trainer_worker_killed_or_the_driver_signalled_in_the_warmup_and_the_run_resumes(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def ray_cluster():
+    """One local cluster for the test's three runs (each would start and stop its own otherwise: about 10 s
+    each); a run that finds Ray initialized leaves it up and kills only its own actors."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}})
+    yield
+    ray.shutdown()
+
+
+def test_a_ray_trainer_worker_killed_or_the_driver_signalled_in_the_warmup_and_the_run_resumes(
+        tmp_path, monkeypatch, capsys, ray_cluster):
     from jetflow.cli import main
     from jetflow.run.ray_placement import RayPlacement
 

@@ -111,7 +111,8 @@ SPECS: list[Spec] = [
     _attention("bf16", "bf16", False), _attention("fp32", "fp32", False), _attention("bf16", "fp8e4nv", True),
     _attention("fp32", "fp8e4nv", True),
     _rms_norm("fp32", "fp32"), _rms_norm("bf16", "fp32"),
-    _microscaled(False, False), _microscaled(True, False), _microscaled(True, False, "bf16", groups=1),
+    _microscaled(False, False), _microscaled(True, False), _microscaled(False, False, groups=1),
+    _microscaled(True, False, "bf16", groups=1),
 ]
 
 SM100_SPECS: list[Spec] = [_microscaled(False, True), _microscaled(True, True), _microscaled(True, True, groups=1)]
