@@ -50,6 +50,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# the backfill pass every second (default 30 s): a requeued job, held until its old credential expires,
+# starts when that hold ends instead of at the next 30-s pass
+SchedulerParameters=bf_interval=1,sched_interval=1
 MpiDefault=none
 ReturnToService=2
 AccountingStorageType=accounting_storage/none
