@@ -52,7 +52,8 @@ COLUMNS = {  # summary.json key -> summary.md column
     "equal_frac_mean": "equal", "entropy_first": "entropy first", "entropy_final": "entropy last",
     "heldout_pass1_start": "held-out start", "heldout_pass1_end": "held-out end",
     "heldout_pass1_mean": "held-out mean", "low_prob_frac_mean": "low-prob share", "grad_norm_max": "grad norm max",
-    "rollout_log_ppl_final": "rollout log-ppl last", "response_length_mean": "resp len", "time_rollout": "rollout s", "time_old_logprobs": "old logp s",
+    "rollout_log_ppl_final": "rollout log-ppl last", "response_length_mean": "resp len", "time_rollout": "rollout s",
+    "time_old_logprobs": "old logp s",
     "time_train": "train s", "time_sync": "sync s", "tokens_per_s": "tok/s", "rollout_tokens_per_s": "rollout tok/s",
 }
 

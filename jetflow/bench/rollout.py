@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -283,7 +282,7 @@ def run(model_path: str, batch_sizes=(16,), prompt_len: int = 64, new_tokens: in
                 runners[f"vllm {execution}"] = _vllm_runner(model_path, execution, batch, prompt_len, new_tokens)
         if compare_hf:
             runners["hf transformers fp32"] = _hf_runner(model_path, new_tokens, dev)
-        for name, (fn, _) in runners.items():  # warm-up: first-call allocations, lazy FP8 weight quantization
+        for fn, _ in runners.values():  # warm-up: first-call allocations, lazy FP8 weight quantization
             fn(prompts, seed=0, n=4)
         samples = {name: [] for name in runners}
         for rep in range(reps):

@@ -34,7 +34,6 @@ class _FP8LinearFunction(torch.autograd.Function):
                 save_input: bool, numerics: str, groups: int | None):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)  # (M, K)
-        group, rule, margin = recipe.group_size, recipe.scale_rule, recipe.margin
         xq = quantize_input(x2, recipe, name, numerics)
         # exact: the canonical product in fp32 (the caller's epilogue casts it); fast: x's dtype
         out_dtype = torch.float32 if numerics == "exact" else x.dtype
@@ -55,7 +54,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         recipe, backend, name = ctx.recipe, ctx.backend, ctx.name
-        group, rule, margin, gfmt = recipe.group_size, recipe.scale_rule, recipe.margin, recipe.grad_format
+        gfmt = recipe.grad_format
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
         grad_x = grad_w = grad_b = None
         numerics = ctx.numerics

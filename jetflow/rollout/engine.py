@@ -289,8 +289,8 @@ class RolloutEngine:
         """Memory for the bench. kv_cache_bytes: the peak bytes of pages held by requests during the last
         generate (0 before one); kv_pool_bytes: the pool's budget; kv_bytes_per_token: one position of K
         and V over every layer in the pages' dtype; model bytes; the prepacked weight copies; CUDA peak
-        allocation on GPU; on the CPU the growth of the process's peak RSS since this engine was built (a high-water mark: 0 means the
-        process had already been that large before)."""
+        allocation on GPU; on the CPU the growth of the process's peak RSS since this engine was built (a
+        high-water mark: 0 means the process had already been that large before)."""
         pool = self.pool or self._new_pool()
         kv = pool.peak_held * pool.bytes_per_page if self.pool is not None else 0
         seen, model_bytes = set(), 0

@@ -82,7 +82,8 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise MissingDependencyError(f"rollout.backend=vllm needs vLLM, which cannot be imported here ({e}): {INSTALL_HINT}") from e
+        raise MissingDependencyError(f"rollout.backend=vllm needs vLLM, which cannot be imported here ({e}): "
+                                     f"{INSTALL_HINT}") from e
     return vllm
 
 
@@ -301,7 +302,8 @@ class VLLMRollout:
         vllm = import_vllm()
         vllm_stop = list(self.stop) if self.has_hf_tokenizer else []  # vLLM needs its own tokenizer for them
         return vllm.SamplingParams(
-            n=1, temperature=0.0 if greedy else self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_new_tokens,
+            n=1, temperature=0.0 if greedy else self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=self.max_new_tokens,
             seed=int(seed), logprobs=0, ignore_eos=True, stop_token_ids=list(self.eos_token_ids), stop=vllm_stop,
             detokenize=bool(vllm_stop))
 

@@ -113,6 +113,7 @@ from .sharding import hf_to_megatron, is_expert_param, megatron_to_hf, tensor_pa
 
 __all__ = [
     "INSTALL_HINT", "MegatronConfigError", "MegatronPolicy", "MegatronRMSNorm", "Segment", "check_fp8_tp_alignment",
-    "check_layout", "check_supported", "hf_to_megatron", "initialize_parallel", "is_expert_param", "megatron_to_hf", "moe", "padded_vocab_size",
+    "check_layout", "check_supported", "hf_to_megatron", "initialize_parallel", "is_expert_param", "megatron_to_hf", "moe",
+    "padded_vocab_size",
     "patch_megatron_for_cpu", "segment_kind", "tensor_parallel_dims",
 ]

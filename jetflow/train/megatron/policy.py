@@ -182,7 +182,8 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
                 continue
             mlp.linear_fc1.configure([seg(m + "gate_proj", i, 1, 0, inter), seg(m + "up_proj", i, 1, inter, 2 * inter)],
                                      self.recipe, self.gemm_backend, self.numerics)
-            mlp.linear_fc2.configure([seg(m + "down_proj", i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend, self.numerics)
+            mlp.linear_fc2.configure([seg(m + "down_proj", i, 1, 0, c.hidden_size)], self.recipe, self.gemm_backend,
+                                     self.numerics)
         if self.last_stage:
             self.gpt.output_layer.configure([seg("lm_head", None, 1, 0, self.padded_vocab // tp)], self.recipe,
                                             self.gemm_backend, self.numerics)
