@@ -142,7 +142,7 @@ class RunSequence:
             self._log(step, self.placement.warmup_step(step), phase="sft")
             if step + 1 == n:
                 break
-            checkpoint = lambda: self._save(0, False, warmup_step=step + 1)  # noqa: E731
+            checkpoint = lambda s=step: self._save(0, False, warmup_step=s + 1)
             self._stop_point("warm-up", f"warm-up step {step + 1}", checkpoint)
             if every and (step + 1) % every == 0:
                 checkpoint()
@@ -165,7 +165,7 @@ class RunSequence:
             for step in range(start, cfg.train.steps):
                 if evaluate and (step == 0 or (cfg.eval.every and step % cfg.eval.every == 0)):
                     held_out = f"held-out {self._evaluate(loop, step)['eval/pass@1']:.2f} "
-                    self._stop_point("evaluation", f"step {step}", lambda: checkpoint(step))
+                    self._stop_point("evaluation", f"step {step}", lambda s=step: checkpoint(s))
                 metrics = self.placement.step_metrics(loop.step(step))
                 self._log(step, metrics)
                 if self.placement.is_main:
@@ -173,7 +173,7 @@ class RunSequence:
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix_str(_progress_line(metrics, held_out))
-                self._stop_point("rl", f"step {step + 1}", lambda: checkpoint(step + 1))
+                self._stop_point("rl", f"step {step + 1}", lambda s=step: checkpoint(s + 1))
                 every = cfg.train.checkpoint_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
                     checkpoint(step + 1)
