@@ -62,12 +62,14 @@ def fit_table(model_config, budget_bytes: int, prompt_len: int, new_tokens: int)
 def _model(model_path: str, precision: str, numerics: str, kv_fp8: bool, calib_prompts: list[list[int]]):
     from jetflow.model import load
     from jetflow.precision import FP8Recipe, apply_precision
-    from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
+    from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
 
     model = load(model_path, device="cpu").eval()
     if precision != "fp32" or numerics == "exact":
         apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None, numerics=numerics)
         model.numerics = numerics
+    if precision == "bf16":  # the bf16 mode's K/V rounding: bf16 pages (jetflow.run.build.kv_rounding)
+        attach_kv_quantizer(model, BF16KVRounding())
     if kv_fp8:  # calibrate the K/V scales on the prompts (a run calibrates on the trainer's forward)
         q = KVQuantizer(model.config.num_layers)
         attach_kv_quantizer(model, q)

@@ -133,6 +133,7 @@ def _jetflow_runner(model_path: str, precision: str, batch: int, prompt_len: int
                     compile: bool = False, pack_linears: bool = True, numerics: str = "fast"):
     from jetflow.model import load, load_tokenizer
     from jetflow.precision import FP8Recipe, apply_precision
+    from jetflow.precision.kv import BF16KVRounding, attach_kv_quantizer
     from jetflow.rollout import RolloutEngine, SamplingParams
 
     model = load(model_path, device=device).eval()
@@ -141,6 +142,8 @@ def _jetflow_runner(model_path: str, precision: str, batch: int, prompt_len: int
         model.numerics = numerics
         if numerics == "exact" and precision != "fp32":
             model.embed_grid = torch.bfloat16  # as jetflow.run.build.apply_mode
+    if precision == "bf16":  # the bf16 mode's K/V rounding: bf16 pages (jetflow.run.build.kv_rounding)
+        attach_kv_quantizer(model, BF16KVRounding())
     tok = load_tokenizer(model_path)
     engine = RolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, max_batch=batch,
                            max_seq_len=prompt_len + new_tokens, device=device, compile=compile,
@@ -197,6 +200,7 @@ def _vllm_runner(model_path: str, execution: str, batch: int, prompt_len: int, n
     "exact <kind>" (jetflow's plugin computing with a policy of that linear kind, exact numerics)."""
     from jetflow.model import load
     from jetflow.precision import FP8Recipe, apply_precision
+    from jetflow.precision.kv import BF16KVRounding, attach_kv_quantizer
     from jetflow.rollout.vllm import VLLMRollout
 
     from jetflow.model import load_model_config
@@ -210,6 +214,7 @@ def _vllm_runner(model_path: str, execution: str, batch: int, prompt_len: int, n
         kind = execution.split()[1]
         policy = load(model_path).eval()
         policy.numerics, policy.embed_grid = "exact", None if kind == "fp32" else torch.bfloat16  # as run.build.apply_mode
+        attach_kv_quantizer(policy, BF16KVRounding() if kind == "bf16" else None)  # as run.build.kv_rounding
         recipe = FP8Recipe() if kind == "fp8" else None
         apply_precision(policy, kind, recipe, numerics="exact")
         for p in policy.parameters():

@@ -37,6 +37,9 @@ def fake_quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 class KVQuantizer:
     """Per-layer K/V scales; call `(layer, k, v)` to quantize, `calibrating=True` to observe amax."""
 
+    page_dtype = torch.float8_e4m3fn  # what a paged cache stores once `ready`: the codes (jetflow.model.paged_cache)
+    values = "FP8 E4M3 values"
+
     def __init__(self, num_layers: int, margin: int = 0, apply: bool = True):
         self.num_layers, self.margin = num_layers, margin
         self.apply = apply  # False: observe amax only (a bf16 trainer calibrating an FP8 rollout cache)
@@ -114,7 +117,30 @@ class KVQuantizer:
         self.calibrated = True
 
 
-def attach_kv_quantizer(model, quantizer: KVQuantizer | None) -> None:
+class BF16KVRounding:
+    """K/V rounded to bf16 after RoPE, the bf16 mode's KV cache (a paged cache stores the bf16 values,
+    two bytes a value instead of four). Applied by the rollout engine to what it caches and by the trainer
+    in its attention, like the FP8 quantizer (the same call), so both sides still compute one function;
+    gradients pass straight through. No scales: nothing to calibrate or to ship with the weights."""
+
+    page_dtype = torch.bfloat16
+    values = "bf16 values"
+    apply = ready = calibrated = True
+    calibrating = False
+
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _round_bf16(k), _round_bf16(v)
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        return 1.0, 1.0
+
+
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x on the bf16 grid (round to nearest even), in x's dtype; straight-through gradient."""
+    return x.detach().bfloat16().to(x.dtype) + (x - x.detach())
+
+
+def attach_kv_quantizer(model, quantizer: KVQuantizer | BF16KVRounding | None) -> None:
     """Make every attention layer of a jetflow Decoder apply `quantizer` to K and V (None detaches)."""
     for layer in model.model.layers:
         layer.self_attn.kv_quantizer = quantizer

@@ -274,12 +274,15 @@ class RolloutEngine:
         )
 
     def kv_page_dtype(self) -> torch.dtype:
-        """What the pages hold in the next generate: E4M3 codes under a calibrated FP8 K/V quantizer
-        (with fp8_pages), else cache_dtype."""
-        quantizer = getattr(self.model.model.layers[0].self_attn, "kv_quantizer", None)
-        if self.fp8_pages and quantizer is not None and getattr(quantizer, "ready", False):
-            return torch.float8_e4m3fn
-        return self.cache_dtype
+        """What the pages hold in the next generate: the attached K/V rounding's own dtype once it applies
+        (E4M3 codes under a calibrated FP8 quantizer, unless fp8_pages is off; bf16 under the bf16 mode's
+        rounding), else cache_dtype."""
+        quantizer = self.model.model.layers[0].self_attn.kv_quantizer
+        if quantizer is None or not quantizer.ready:
+            return self.cache_dtype
+        if quantizer.page_dtype == torch.float8_e4m3fn and not self.fp8_pages:
+            return self.cache_dtype
+        return quantizer.page_dtype
 
     def _new_pool(self) -> PagePool:
         return PagePool.for_budget(self.model.config, self.kv_pool_bytes, self.kv_page_dtype(),

@@ -17,7 +17,8 @@ from jetflow.model import CharTokenizer, CheckpointError, Decoder, ModelConfig, 
 from jetflow.model.checkpoint import load_model_config
 from jetflow.model.tokenizer import render_prompt
 from jetflow.precision import apply_precision
-from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
+from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
+from jetflow.precision.modes import PrecisionMode
 from jetflow.tasks import Problem, Task, make_task
 
 
@@ -172,10 +173,12 @@ def embedding_grid(kind: str) -> torch.dtype | None:
 
 
 def apply_mode(model: Decoder, cfg: Config, derived: Derived, side: str) -> Decoder:
-    """The precision mode's linears (and the run's numerics) for one side, in place."""
+    """The precision mode's linears, embedding grid and K/V rounding (and the run's numerics) for one side,
+    in place."""
     mode = cfg.precision.precision_mode
     kind = mode.trainer_kind if side == "trainer" else mode.rollout_kind
     model.embed_grid = embedding_grid(kind)
+    attach_kv(model, kv_rounding(mode))
     if isinstance(model, Decoder):
         model.numerics = derived.numerics
     return apply_precision(model, kind, derived.recipe, cfg.precision.gemm_backend,
@@ -206,11 +209,23 @@ def stop_token_ids(tokenizer, model: Decoder, task: Task) -> list[int]:
 
 def attach_kv_fp8(model: Decoder, cfg: Config, side: str) -> KVQuantizer | None:
     """precision.kv_cache_fp8: the rollout side always quantizes its K/V; the trainer applies the same
-    quantization under `unified` and otherwise only observes K/V amax to calibrate the rollout's scales."""
+    quantization under `unified` and otherwise only observes K/V amax to calibrate the rollout's scales.
+    (It replaces the bf16 mode's K/V rounding, `kv_rounding`.)"""
     if not cfg.precision.kv_cache_fp8:
         return None
     apply = side == "rollout" or cfg.precision.precision_mode.trainer_kind == "fp8"
-    quantizer = KVQuantizer(model.config.num_layers, margin=cfg.precision.margin, apply=apply)
+    return attach_kv(model, KVQuantizer(model.config.num_layers, margin=cfg.precision.margin, apply=apply))
+
+
+def kv_rounding(mode: PrecisionMode) -> BF16KVRounding | None:
+    """What the mode itself rounds K/V to after RoPE, on both sides: bf16 under the bf16 mode (the rollout's
+    KV pages hold bf16, half of fp32's bytes), nothing under the others (fp32 pages; FP8 KV is the
+    precision.kv_cache_fp8 option)."""
+    return BF16KVRounding() if mode is PrecisionMode.BF16 else None
+
+
+def attach_kv(model, quantizer):
+    """`quantizer` on every attention layer of a Decoder or a Megatron policy; returns the one attached."""
     if isinstance(model, ShardedPolicy):  # a MegatronPolicy: its own attention modules, its own quantizer
         return model.attach_kv_quantizer(quantizer)
     attach_kv_quantizer(model, quantizer)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from jetflow.config import Config, Derived
 from jetflow.model import CheckpointError, Decoder
 from jetflow.model.protocol import model_parallel_size, state_parts
-from jetflow.run.build import apply_mode, embedding_grid
+from jetflow.run.build import apply_mode, embedding_grid, kv_rounding
 
 
 
@@ -49,6 +49,7 @@ def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder):
         pipeline_parallel_size=cfg.train.pipeline_parallel_size,
         expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=derived.numerics)
     policy.embed_grid = embedding_grid(kind)
+    policy.attach_kv_quantizer(kv_rounding(cfg.precision.precision_mode))
     return policy
 
 

@@ -12,7 +12,7 @@ from jetflow.model import Decoder, ModelConfig
 from jetflow.model.logprobs import token_logprobs
 from jetflow.model.paged_cache import PagePool
 from jetflow.precision import apply_precision
-from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
+from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.sampling import filter_logits
 
@@ -122,6 +122,27 @@ def test_fp8_pages_equal_the_fake_quantized_fp32_cache_and_the_full_forward(mode
         assert fp8.memory_stats()["kv_bytes_per_token"] * 4 == ref.memory_stats()["kv_bytes_per_token"]
         _assert_same(out, (want.token_ids, want.logprobs))
         with torch.inference_mode():  # the trainer's log-probs: one full forward per sequence, no cache
+            for p, toks, lps in zip(PROMPTS, out.token_ids, out.logprobs):
+                logits = model(torch.tensor([p + toks]))[0, len(p) - 1:-1]  # (N, V)
+                scores = filter_logits(logits, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)
+                assert torch.equal(token_logprobs(scores, torch.tensor(toks)), torch.tensor(lps))
+    finally:
+        attach_kv_quantizer(model, None)
+
+
+def test_bf16_pages_hold_the_bf16_modes_kv_and_equal_the_trainers_full_forward(model):
+    """The bf16 mode's K/V rounding (jetflow.run.build.kv_rounding): the engine's pages are bf16, half of fp32's
+    bytes, and its log-probs equal the full forward's with the same rounding in its attention (the trainer's),
+    bit for bit; the rounding changes the numbers (the fp32 cache's log-probs differ)."""
+    fp32 = _engine(model, max_batch=2).generate(PROMPTS, PARAMS, seeds=SEEDS)
+    attach_kv_quantizer(model, BF16KVRounding())
+    try:
+        eng = _engine(model, max_batch=2)
+        out = eng.generate(PROMPTS, PARAMS, seeds=SEEDS)
+        stats = eng.memory_stats()
+        assert stats["kv_page_dtype"] == "bfloat16" and stats["kv_bytes_per_token"] * 2 == PAGE_BYTES // 64
+        assert out.logprobs != fp32.logprobs
+        with torch.inference_mode():
             for p, toks, lps in zip(PROMPTS, out.token_ids, out.logprobs):
                 logits = model(torch.tensor([p + toks]))[0, len(p) - 1:-1]  # (N, V)
                 scores = filter_logits(logits, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)

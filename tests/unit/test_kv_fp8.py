@@ -1,10 +1,10 @@
-"""FP8 KV cache: per-layer scales, the E4M3 grid, and trainer/rollout agreement."""
+"""FP8 KV cache: per-layer scales, the E4M3 grid, and trainer/rollout agreement; the bf16 mode's K/V rounding."""
 
 import pytest
 import torch
 
 from jetflow.model import Decoder, ModelConfig
-from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer, fake_quantize_per_tensor
+from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer, fake_quantize_per_tensor
 
 
 def test_fake_quantize_matches_plain_reference_and_passes_gradients():
@@ -18,6 +18,16 @@ def test_fake_quantize_matches_plain_reference_and_passes_gradients():
     assert rel[x.detach().abs() > scale * 2**-6].max() <= 2**-4 + 1e-6  # E4M3 half-ulp in the normal range
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))  # straight-through
+
+
+def test_bf16_rounding_is_round_to_nearest_even_and_passes_gradients():
+    # 1 + 2^-8 is halfway between bf16's 1 and 1 + 2^-7: ties go to the even mantissa (1); 1 + 3 * 2^-8 -> 1 + 2^-6
+    x = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -3.0, 2**-130], requires_grad=True)
+    k, v = BF16KVRounding()(0, x, 2 * x)
+    assert k.tolist() == [1.0, 1 + 2**-6, -3.0, 2**-130] and k.dtype == torch.float32
+    assert torch.equal(v.detach(), (2 * x).detach().bfloat16().float())
+    (k.sum() + v.sum()).backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))  # straight-through on both
 
 
 def test_recalibrate_sets_amax_over_448_and_validates():

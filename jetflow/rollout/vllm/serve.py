@@ -126,5 +126,5 @@ def describe(policy: Decoder) -> str:
     else:
         what = f"{'/'.join(sorted(kinds))} linears with jetflow's kernels"
     kv = policy.model.layers[0].self_attn.kv_quantizer
-    return (f"{what}; jetflow's attention on vLLM's paged fp32 KV cache{' (FP8 E4M3 values)' if kv else ''}, one "
+    return (f"{what}; jetflow's attention on vLLM's paged fp32 KV cache{f' ({kv.values})' if kv else ''}, one "
             "block per sequence (prefix caching off: nothing to share); activations fp32; eager mode (no torch.compile)")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from jetflow.precision.kv import KVQuantizer
+from jetflow.precision.kv import BF16KVRounding, KVQuantizer
 
 _CLASSES: dict[str, type] = {}
 
@@ -70,7 +70,7 @@ class ExactCoreAttention(nn.Module):
             raise NotImplementedError("ExactCoreAttention scales scores by 1 / sqrt(head_dim), as the native model")
         self.layer_idx = layer_number - 1  # Megatron's global layer number (1-based), any pipeline stage
         self.head_dim = config.kv_channels
-        self.kv_quantizer: KVQuantizer | None = None
+        self.kv_quantizer: KVQuantizer | BF16KVRounding | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.nn as nn
 from jetflow.model.attention import align_rows
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
 from jetflow.precision import FP8Recipe
+from jetflow.precision.kv import KVQuantizer
 
 from .attention import ModelParallelKVQuantizer, core_attention_modules, unalign_rows
 from .checks import check_layout, padded_vocab_size, segment_kind
@@ -410,11 +411,11 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         return n
 
     def attach_kv_quantizer(self, quantizer):
-        """Make every attention layer of this stage apply `quantizer` (a jetflow.precision.kv.KVQuantizer)
-        to K and V after RoPE, as `attach_kv_quantizer` does on the native Decoder; returns the quantizer
-        the run must drive (under TP or PP a ModelParallelKVQuantizer: its amax is max-reduced over the
-        model-parallel group before new scales are set)."""
-        if quantizer is not None and self.mp_size > 1:
+        """Make every attention layer of this stage apply `quantizer` (a jetflow.precision.kv.KVQuantizer,
+        or the bf16 mode's BF16KVRounding) to K and V after RoPE, as `attach_kv_quantizer` does on the
+        native Decoder; returns the quantizer the run must drive (under TP or PP a ModelParallelKVQuantizer:
+        its amax is max-reduced over the model-parallel group before new scales are set)."""
+        if isinstance(quantizer, KVQuantizer) and self.mp_size > 1:
             quantizer = ModelParallelKVQuantizer(quantizer, self.mp_group, self.rope_inv_freq.device)
         for module in core_attention_modules(self.gpt):
             module.kv_quantizer = quantizer
