@@ -183,7 +183,7 @@ class CharTokenizer:
             ch = e.args[0]
             where = f" of {self.path}" if self.path else ""
             raise TokenizerError(f"character {ch!r} (U+{ord(ch):04X}, at position {text.index(ch)} of the text) is "
-                                 f"not in the alphabet{where}; this tokenizer knows only {self.alphabet!r}") from None
+                                 f"not in the CharTokenizer alphabet{where}; it knows only {self.alphabet!r}") from None
         return [self.bos_token_id] + ids if add_special_tokens else ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:

@@ -8,6 +8,7 @@ raise the OS error at the write."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -196,3 +197,35 @@ def test_a_full_disk_in_an_export_or_the_summary_is_one_line_without_partial_fil
                                          r"run.resume=true finishes it"):
         write_summary(tmp_path, Config())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no summary, no COMPLETE, no temporary file
+
+
+def test_a_read_only_output_directory_is_one_line_before_anything_is_loaded(small_disk, capsys):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    try:
+        assert main([*RUN, f"run.out_dir={small_disk}/runs", "train.steps=1"]) == 2
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    assert f"cannot write the run directory {small_disk}/runs/r: Read-only file system [EROFS]" in \
+        last_error_line(capsys)
+
+
+def test_a_full_disk_while_drawing_the_report_is_one_warning_and_leaves_no_partial_report(tmp_path, monkeypatch,
+                                                                                          capsys):
+    import matplotlib.figure
+
+    from jetflow.config import Config, save_config
+    from jetflow.run.report import report_at_end
+    save_config(Config(), tmp_path / "config.yaml")
+    rows = [{"step": s, "phase": "rl", "reward/mean": 0.1 * s, "mismatch/kl_k3": 1e-4, "time/step": 1.0}
+            for s in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def full(self, path, *a, **k):
+        Path(path).write_bytes(b"half a png")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    assert report_at_end(tmp_path) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write the run report {tmp_path}/report: No space left on device " \
+        "[ENOSPC]" in err and f"retry with `jetflow report {tmp_path}`" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "metrics.jsonl"]

@@ -50,8 +50,8 @@ def test_a_character_the_tokenizer_lacks_is_one_line_naming_it(char_model, capsy
     """Before: a ValueError traceback from the character tokenizer."""
     assert main(["generate", "--model", str(char_model), "--max-new-tokens", "2", "1+2=", "3+é="]) == 2
     line = one_error_line(capsys)
-    assert "TokenizerError: prompt 1: character 'é' (U+00E9, at position 2 of the text) is not in the alphabet of " \
-        f"{char_model / 'char_tokenizer.json'}; this tokenizer knows only" in line
+    assert "TokenizerError: prompt 1: character 'é' (U+00E9, at position 2 of the text) is not in the CharTokenizer " \
+        f"alphabet of {char_model / 'char_tokenizer.json'}; it knows only" in line
     assert main(["generate", "--model", str(char_model), "--max-new-tokens", "2", "1+2="]) == 0
 
 
