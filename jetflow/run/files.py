@@ -98,15 +98,15 @@ def run_directory(cfg: Config, dp: DataParallel = SINGLE) -> Iterator[Path]:
             with guarded(run_dir, "the run directory"):
                 run_dir.mkdir(parents=True, exist_ok=True)
             take_run_lock(run_dir)
-        except (RunDirectoryInUse, WriteError) as e:
-            refused = e
-        else:
             (run_dir / COMPLETE).unlink(missing_ok=True)
             (run_dir / STOPPED).unlink(missing_ok=True)
             tmp = run_dir / f".{CONFIG_FILE}.tmp-{os.getpid()}"
             with guarded(run_dir / CONFIG_FILE, "the run config", partial=tmp):
                 save_config(cfg, tmp)
                 os.replace(tmp, run_dir / CONFIG_FILE)
+        except (RunDirectoryInUse, WriteError) as e:
+            refused = e
+            release_run_lock(run_dir)  # where this process took it
     if dp.sum(float(refused is not None)):  # every rank learns it: none may wait for rank 0 in vain
         raise refused or RunDirectoryInUse(f"run directory {run_dir} is in use by another run (see rank 0's error)")
     dp.barrier()
