@@ -196,7 +196,7 @@ class _Wandb:
         mode = os.environ.get("WANDB_MODE", ids.get("mode", "offline"))
         run_id = ids.get("id") or secrets.token_hex(4)  # W&B ids: [a-z0-9]
         project = ids.get("project", project)
-        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False)
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False, disable_git=True)
         self.run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir), mode=mode,
                               settings=settings, reinit="create_new")
         if config:
