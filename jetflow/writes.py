@@ -144,9 +144,9 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def check_free_space(directory: Path, need_bytes: int, what: str) -> None:
+def check_free_space(directory: Path, need_bytes: int, what: str, basis: str = "as large as the previous one") -> None:
     """Warn when `directory`'s disk has less free space than `need_bytes` (the next write will likely
-    fail) or than twice that (room for one more)."""
+    fail) or than twice that (room for one more). `basis`: how `need_bytes` was estimated."""
     try:
         free = shutil.disk_usage(_existing_parent(directory)).free
     except OSError:
@@ -154,7 +154,7 @@ def check_free_space(directory: Path, need_bytes: int, what: str) -> None:
     if need_bytes <= 0 or free >= 2 * need_bytes:
         return
     if free < need_bytes:
-        status = f"the next {what} (about {_mib(need_bytes)}, as large as the previous one) will likely not fit"
+        status = f"the next {what} (about {_mib(need_bytes)}, {basis}) will likely not fit"
     else:
         status = f"room for one more {what} (about {_mib(need_bytes)} each)"
     print(f"[jetflow] warning: {directory} has {_mib(free)} free: {status}; free space now, or the run stops "

@@ -73,8 +73,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     with guarded(root, "the checkpoints directory", after=RESUME_HINT):
         root.mkdir(parents=True, exist_ok=True)
     existing = list_checkpoints(root)
-    check_free_space(root, tree_bytes(existing[-1]) if existing else _estimate_bytes(model, model_state),
-                     "checkpoint")
+    if existing:
+        check_free_space(root, tree_bytes(existing[-1]), "checkpoint")
+    else:
+        check_free_space(root, _estimate_bytes(model, model_state), "checkpoint", "the weights and Adam's moments")
     final = root / (name or checkpoint_name(step))
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
