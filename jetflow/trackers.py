@@ -9,7 +9,8 @@ hint); jetflow.metrics_log hands each metrics row to `Trackers.log`.
                   <run>/mlruns/artifacts, or run.mlflow_tracking_uri
 
 A resumed run continues the same W&B and MLflow runs: their ids are kept in <run>/trackers.json, which
-also says where they are, so the end-of-run report (jetflow.run.report) sends its figures to them.
+also says where they are (and that TensorBoard is on), so the end-of-run report (jetflow.run.report)
+sends its figures to every tracker the run had.
 Trackers are derived from the run like metrics.jsonl: one that fails is turned off with a warning and
 the run goes on (the rows of metrics.jsonl have every metric).
 
@@ -140,7 +141,8 @@ class Trackers:
 
 
 def read_ids(run_dir: Path) -> dict:
-    """trackers.json: {"wandb": {"id", "project", "mode"}, "mlflow": {"run_id", "tracking_uri"}}
+    """trackers.json: {"tensorboard": {"dir"}, "wandb": {"id", "project", "mode"}, "mlflow": {"run_id",
+    "tracking_uri"}}
     ({} when absent or damaged: a damaged file starts new tracker runs, with a warning)."""
     path = run_dir / IDS_FILE
     if not path.exists():
@@ -161,9 +163,9 @@ def write_ids(run_dir: Path, ids: dict) -> None:
 
 
 def publish_report(run_dir: str | Path, paths: Iterable[Path]) -> None:
-    """Send the report's files to the tracker runs that trackers.json names (wandb, mlflow)."""
+    """Send the report's files to the trackers that trackers.json names (TensorBoard: its figures)."""
     ids = read_ids(Path(run_dir))
-    loggers = [n for n in ("wandb", "mlflow") if n in ids]
+    loggers = [n for n in LOGGERS if n in ids]
     if not loggers or missing(loggers):
         return
     trackers = Trackers(run_dir, loggers, project=ids.get("wandb", {}).get("project", "jetflow"),
@@ -178,13 +180,17 @@ class _TensorBoard:
     def __init__(self, run_dir: Path, config, project, name, uri, ids):
         from torch.utils.tensorboard import SummaryWriter  # tensorboard is a core dependency
         self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR))
+        self.ids = {"dir": TENSORBOARD_DIR}  # in trackers.json: the report's figures come here too
 
     def log(self, step: int, named: dict[str, float], phase: str) -> None:
         for k, v in named.items():
             self.writer.add_scalar(k, v, step)
 
     def log_files(self, paths: list[Path], folder: str) -> None:
-        pass  # the report's figures stay in <run>/report/
+        from matplotlib.image import imread
+        for p in paths:
+            if p.suffix == ".png":
+                self.writer.add_image(f"{folder}/{p.stem}", imread(p)[..., :3], dataformats="HWC")  # (H, W, 3)
 
     def close(self) -> None:
         self.writer.close()

@@ -1,4 +1,4 @@
-"""run.loggers (jetflow.trackers): a tiny run's metrics, config and report figures in W&B (offline) and
+"""run.loggers (jetflow.trackers): a tiny run's metrics, config and report figures in TensorBoard, W&B (offline) and
 MLflow (a local store), read back with each library's own reader; a resume continues the same runs."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def assert_every_metric_in_both(run_dir: Path) -> dict:
     from mlflow.tracking import MlflowClient
     ids = json.loads((run_dir / "trackers.json").read_text())
     rows, config, _ = wandb_history(run_dir, ids["wandb"]["id"])
-    assert config["train"]["steps"] >= 2 and config["run"]["loggers"] == ["wandb", "mlflow"]
+    assert config["train"]["steps"] >= 2 and config["run"]["loggers"] == ["tensorboard", "wandb", "mlflow"]
     client = MlflowClient(tracking_uri=ids["mlflow"]["tracking_uri"])
     histories: dict[str, dict[int, float]] = {}
     want = expected(run_dir)
@@ -87,16 +87,27 @@ def assert_every_metric_in_both(run_dir: Path) -> dict:
             histories[key] = {m.step: m.value for m in client.get_metric_history(ids["mlflow"]["run_id"], key)}
         assert histories[key][step] == pytest.approx(value), (name, step)
     assert client.get_run(ids["mlflow"]["run_id"]).data.params["train.prompts_per_step"] == "2"
+    board = tensorboard_events(run_dir)
+    for _, name, step, value in want:
+        assert any(e.step == step and e.value == pytest.approx(value, rel=1e-6) for e in board.Scalars(name)), name
     return ids
+
+
+def tensorboard_events(run_dir: Path):
+    """Every event file of <run>/tensorboard, read by TensorBoard's own EventAccumulator."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    board.Reload()
+    return board
 
 
 def test_a_tiny_run_logs_every_metric_config_and_figure_to_wandb_and_mlflow_and_a_resume_continues(tmp_path):
     args = ["train", "--config", "configs/tiny.yaml", "train.sft_warmup_steps=2", "train.prompts_per_step=2",
             "rollout.group_size=2", "train.steps=2", "eval.num_prompts=0", "run.progress=false", "run.num_threads=1",
-            "run.loggers=[wandb,mlflow]", f"run.out_dir={tmp_path}", "run.name=r"]
+            "run.loggers=[tensorboard,wandb,mlflow]", f"run.out_dir={tmp_path}", "run.name=r"]
     assert main(args) == 0
     run_dir = tmp_path / "r"
-    assert (run_dir / "mlruns" / "mlflow.db").is_file() and not (run_dir / "tensorboard").exists()
+    assert (run_dir / "mlruns" / "mlflow.db").is_file()
     ids = assert_every_metric_in_both(run_dir)
 
     from mlflow.tracking import MlflowClient
@@ -107,6 +118,7 @@ def test_a_tiny_run_logs_every_metric_config_and_figure_to_wandb_and_mlflow_and_
         == sorted([*figures, "report.md"])
     rows, _, _ = wandb_history(run_dir, ids["wandb"]["id"])
     assert {f"report/{Path(f).stem}" for f in figures} <= {k for row in rows for k in row}
+    assert {f"report/{Path(f).stem}" for f in figures} <= set(tensorboard_events(run_dir).Tags()["images"])
 
     # a resume (two more steps) continues the same W&B and MLflow runs
     assert main([*args, "train.steps=4", "run.allow_changes=[train.steps]", "run.resume=true"]) == 0
