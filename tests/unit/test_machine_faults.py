@@ -229,3 +229,18 @@ def test_a_full_disk_while_drawing_the_report_is_one_warning_and_leaves_no_parti
     assert err.count("\n") == 1 and f"cannot write the run report {tmp_path}/report: No space left on device " \
         "[ENOSPC]" in err and f"retry with `jetflow report {tmp_path}`" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
+def test_a_full_disk_at_the_vllm_engines_start_up_checkpoint_is_one_line_without_a_partial_directory(tmp_path,
+                                                                                                   monkeypatch):
+    from jetflow.model import CharTokenizer
+    from jetflow.run import vllm_side
+
+    def full(model, out_dir):
+        (Path(out_dir) / "config.json").write_text("{}")  # what a writer leaves before the disk fills
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(vllm_side, "save_hf_dir", full)
+    with pytest.raises(WriteError, match=rf"cannot write the vLLM engine's start-up checkpoint {tmp_path}/engine: "
+                                         r"No space left on device \[ENOSPC\].*run.resume=true continues it"):
+        vllm_side.write_engine_checkpoint(tiny_decoder(), CharTokenizer("ab"), tmp_path / "engine", "bf16", None)
+    assert not (tmp_path / "engine").exists()
