@@ -237,6 +237,7 @@ def test_a_full_disk_at_the_vllm_engines_start_up_checkpoint_is_one_line_without
     from jetflow.run import vllm_side
 
     def full(model, out_dir):
+        Path(out_dir).mkdir(parents=True)
         (Path(out_dir) / "config.json").write_text("{}")  # what a writer leaves before the disk fills
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(vllm_side, "save_hf_dir", full)
