@@ -1,3 +1,5 @@
+#!/usr/bin/env bash
+# The tracker timings of results/trackers/README.md: a tiny jetflow train with run.loggers=[], [tensorboard], [wandb, mlflow].
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD
 PY=${PYTHON:-.venv/bin/python}
