@@ -253,7 +253,15 @@ class RunConfig:
     """Continue from the last checkpoint in the run directory."""
     progress: bool = True
     """Progress bar on stderr."""
-    tensorboard: bool = True
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Trackers besides metrics.jsonl (jetflow.trackers): tensorboard | wandb (offline unless WANDB_MODE says
+    otherwise, <run>/wandb) | mlflow (<run>/mlruns, or run.mlflow_tracking_uri). A resume continues their runs."""
+    tensorboard: bool | None = None
+    """Deprecated alias of run.loggers: false drops tensorboard from it, true adds it."""
+    tracker_project: str = "jetflow"
+    """The W&B project and the MLflow experiment the run is logged under."""
+    mlflow_tracking_uri: str = ""
+    """MLflow's store (empty: a SQLite store in <run>/mlruns; or e.g. http://host:5000)."""
     num_threads: int = 0
     """torch CPU threads (0: torch's default)."""
     orchestrator: Literal["local", "ray"] = "local"
@@ -412,7 +420,14 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 
 # run.* keys a resumed (or re-run) session may change without changing the run's results
-SESSION_KEYS = ("resume", "progress", "tensorboard", "num_threads", "out_dir", "allow_changes")
+SESSION_KEYS = ("resume", "progress", "tensorboard", "loggers", "tracker_project", "mlflow_tracking_uri", "num_threads",
+                "out_dir", "allow_changes")
+
+
+def run_loggers(run: RunConfig) -> list[str]:
+    """run.loggers with the run.tensorboard alias applied."""
+    names = [n for n in run.loggers if not (n == "tensorboard" and run.tensorboard is False)]
+    return names + ["tensorboard"] if run.tensorboard and "tensorboard" not in names else names
 
 
 def config_changes(saved: Config, cfg: Config) -> list[str]:

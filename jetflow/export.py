@@ -29,6 +29,7 @@ from jetflow.model import ModelConfig
 from jetflow.model.checkpoint import TOKENIZER_FILES  # noqa: F401  (jetflow.run.vllm_side reads it here)
 from jetflow.model.checkpoint import save_hf_weights, write_tokenizer
 from jetflow.model.protocol import ShardedPolicy, hf_weights
+from jetflow.writes import guarded
 from jetflow.precision import (
     FP8Recipe,
     PrecisionMode,
@@ -112,13 +113,20 @@ def write_fp8_dir(tensors: dict[str, torch.Tensor], config: ModelConfig, recipe:
     """Write `fp8_state_dict`'s tensors, config.json with `quantization_config`, and the tokenizer
     (a directory or a jetflow tokenizer)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt", "jetflow_fingerprint": recipe.fingerprint()})
-    hf = config.to_hf(torch.bfloat16)
-    hf["quantization_config"] = quantization_config(recipe, high_precision_linears(tensors))
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
-    write_tokenizer(tokenizer, out)
+    written = [out / "model.safetensors", out / "config.json"]
+
+    def remove_partial() -> None:  # what this export wrote (a tokenizer file left is harmless)
+        for path in written:
+            path.unlink(missing_ok=True)
+
+    with guarded(out, "the FP8 export", partial=remove_partial):
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(written[0]),
+                  metadata={"format": "pt", "jetflow_fingerprint": recipe.fingerprint()})
+        hf = config.to_hf(torch.bfloat16)
+        hf["quantization_config"] = quantization_config(recipe, high_precision_linears(tensors))
+        written[1].write_text(json.dumps(hf, indent=2))
+        write_tokenizer(tokenizer, out)
     return out
 
 
@@ -160,8 +168,10 @@ def _write_dir(final: Path, write: Callable[[Path], object]) -> Path:
     """`write(tmp)` into a fresh temporary sibling of `final`, then put it in `final`'s place."""
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
+    with guarded(final, "the final model", partial=tmp, after="the run's checkpoints are intact: the same command "
+                 "with run.resume=true writes it again"):
+        tmp.mkdir(parents=True)
+        write(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
     return final

@@ -1,8 +1,8 @@
-"""Metrics of a run: one JSON line per step in metrics.jsonl, and TensorBoard event files.
+"""Metrics of a run: one JSON line per step in metrics.jsonl, handed on to the trackers of run.loggers.
 
 These files are derived: the checkpoints are the run's truth. A damaged line never stops a reader or
 a resume: it is skipped with a warning that names it (a resume sets it aside, `set_aside_bad_lines`),
-and TensorBoard that cannot write is turned off with a warning."""
+and a tracker that cannot write (jetflow.trackers) is turned off with a warning."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
+
+from jetflow.trackers import TENSORBOARD_DIR, Trackers
+from jetflow.writes import guarded
 
 METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 DAMAGED_SUFFIX = ".damaged"
+RESUME_HINT = "the same command with run.resume=true continues the run from its last checkpoint"
 
 
 def warn(message: str) -> None:
@@ -33,47 +37,46 @@ def set_aside(path: Path) -> Path:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    """metrics.jsonl, and every tracker of run.loggers (jetflow.trackers: TensorBoard, W&B, MLflow).
+    A disk that fails a row's write is one WriteError naming the file, after the row's partial line
+    is cut off (a resume redoes the steps after the last checkpoint)."""
+
+    def __init__(self, run_dir: str | Path, loggers: Sequence[str] = (), config: dict | None = None,
+                 project: str = "jetflow", mlflow_tracking_uri: str = ""):
         self.path = Path(run_dir) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists() and not self.path.is_file():  # e.g. a directory where the file belongs
-            warn(f"{self.path} is not a file; set aside as {set_aside(self.path).name}")
-        self._file = self.path.open("a")
-        self._tb = _summary_writer(Path(run_dir) / TENSORBOARD_DIR) if tensorboard else None
+        with guarded(self.path, "the metrics file", after=RESUME_HINT):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists() and not self.path.is_file():  # e.g. a directory where the file belongs
+                warn(f"{self.path} is not a file; set aside as {set_aside(self.path).name}")
+            self._file = self.path.open("ab", buffering=0)  # unbuffered: a failed row is cut off at once
+        tb_dir = Path(run_dir) / TENSORBOARD_DIR
+        if "tensorboard" in loggers and tb_dir.exists() and not tb_dir.is_dir():
+            warn(f"{tb_dir} is not a directory; set aside as {set_aside(tb_dir).name}")
+        self.trackers = Trackers(run_dir, loggers, config, project, mlflow_tracking_uri=mlflow_tracking_uri)
 
     def log(self, step: int, metrics: dict[str, float], phase: str = "rl") -> None:
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
-        self._file.write(json.dumps({"step": step, "phase": phase, **clean}) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            try:
-                for k, v in clean.items():
-                    if v is not None:
-                        self._tb.add_scalar(f"{phase}/{k}" if phase != "rl" else k, v, step)
-            except OSError as e:  # a full disk, a lost mount: metrics.jsonl still has every row
-                warn(f"TensorBoard events could not be written ({e}); TensorBoard is off for the rest of this run")
-                self._tb = None
+        line = (json.dumps({"step": step, "phase": phase, **clean}) + "\n").encode()
+        end = self._file.tell()
+        with guarded(self.path, "the metrics file", partial=lambda: self._cut(end), after=RESUME_HINT):
+            view = memoryview(line)
+            while view:  # a raw write may take part of the row
+                view = view[self._file.write(view):]
+        self.trackers.log(step, clean, phase)
+
+    def _cut(self, size: int) -> None:
+        """Drop a partial row: the file back to `size` bytes (best effort: the disk is failing)."""
+        try:
+            self._file.truncate(size)
+        except OSError:
+            pass
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            try:
-                self._tb.close()
-            except OSError:
-                pass
-
-
-def _summary_writer(log_dir: Path):
-    """A TensorBoard writer into `log_dir`; a path that is in the way is set aside; None (with a
-    warning) when it cannot be made."""
-    from torch.utils.tensorboard import SummaryWriter  # tensorboard is a core dependency
-    try:
-        if log_dir.exists() and not log_dir.is_dir():
-            warn(f"{log_dir} is not a directory; set aside as {set_aside(log_dir).name}")
-        return SummaryWriter(str(log_dir))
-    except OSError as e:
-        warn(f"TensorBoard cannot write into {log_dir} ({e}); TensorBoard is off for this run")
-        return None
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        self.trackers.close()
 
 
 @dataclass
@@ -160,8 +163,9 @@ def set_aside_bad_lines(path: str | Path, required: tuple[str, ...] = ()) -> lis
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     """Replace `path` with `rows`, atomically."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    with guarded(path, "the metrics file", partial=tmp, after=RESUME_HINT):
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, path)
 
 
 def _describe(path: Path, bad: list[BadLine]) -> str:

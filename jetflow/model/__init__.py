@@ -23,7 +23,7 @@ from jetflow.model.checkpoint import (
 )
 from jetflow.model.decoder import SUPPORTED, Decoder, ModelConfig, UnsupportedModelError
 from jetflow.model.kv_cache import KVCache
-from jetflow.model.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+from jetflow.model.tokenizer import CharTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 
 def load(path: str | Path, precision=None, dtype: torch.dtype = torch.float32,
@@ -68,7 +68,7 @@ def _exported_bytes(model: Decoder, precision: str, precision_kwargs: dict) -> d
 
 
 __all__ = [
-    "SUPPORTED", "CheckpointError", "CharTokenizer", "Decoder", "KVCache", "ModelConfig", "Tokenizer",
+    "SUPPORTED", "CheckpointError", "CharTokenizer", "Decoder", "KVCache", "ModelConfig", "Tokenizer", "TokenizerError",
     "UnsupportedModelError", "load", "load_hf_dir", "load_model_config", "load_state_dict_from_dir",
     "load_tokenizer", "save_hf_dir", "with_precision",
 ]

@@ -55,18 +55,41 @@ class CheckpointError(UserError, RuntimeError):
 
 
 def read_json(path: Path) -> dict:
+    """A JSON object file of a model directory; a missing, garbled or non-object file is one
+    CheckpointError naming it."""
     if not path.is_file():
         raise CheckpointError(f"missing file: {path}")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"cannot parse {path}: {e}") from e
+        raise CheckpointError(f"cannot parse {path}: {e}; restore it from the model's source") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object but a {type(data).__name__}; restore it from the "
+                              "model's source")
+    return data
+
+
+def config_from_hf(hf: dict, file: Path) -> ModelConfig:
+    """ModelConfig.from_hf, with a config.json that lacks a key or has a value of the wrong type named."""
+    try:
+        return ModelConfig.from_hf(hf)
+    except UserError as e:  # an unsupported model: the same error, naming the file
+        raise type(e)(f"{file}: {e}") from None
+    except KeyError as e:
+        raise CheckpointError(f"{file} has no {e.args[0]!r}, which the model needs; restore the file from the "
+                              "model's source") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: a value has the wrong type ({e}); restore the file from the model's "
+                              "source") from None
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
     """ModelConfig from <path>/config.json: a checkpoint directory's architecture (Hugging Face's file).
     Not a run's config: that is jetflow.config.load_config (a YAML file and overrides -> Config)."""
-    return ModelConfig.from_hf(read_json(Path(path) / CONFIG_FILE))
+    file = Path(path) / CONFIG_FILE
+    return config_from_hf(read_json(file), file)
 
 
 def write_config(config: ModelConfig, dtype: torch.dtype, path: str | Path) -> None:
@@ -163,7 +186,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     export (config.json with `quantization_config`) loads with `load_fp8_dir`."""
     d = Path(path)
     hf = read_json(d / CONFIG_FILE)
-    config = ModelConfig.from_hf(hf)
+    config = config_from_hf(hf, d / CONFIG_FILE)
     if "quantization_config" in hf:
         return load_fp8_dir(d, config, export_recipe(d, hf), dtype, device)
     return load_weights(d, config, dtype, device)

@@ -18,11 +18,33 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from jetflow.errors import UserError
+
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
+RESTORE = "restore it from the model's source"
 
 
-def _render(template: str, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
-    """Render a chat template with the jinja2 settings transformers uses."""
+class TokenizerError(UserError, ValueError):
+    """A tokenizer file that cannot be read, or text it cannot encode; the message names the file or
+    the character."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"cannot parse {path}: {_first_line(e)}; {RESTORE}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} is not a JSON object but a {type(data).__name__}; {RESTORE}")
+    return data
+
+
+def _environment():
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -36,7 +58,29 @@ def _render(template: str, messages: list[dict], add_generation_prompt: bool, **
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    return env
+
+
+def check_template(template: str, source: str) -> None:
+    """Compile a chat template once at load: a syntax error names its file and line."""
+    from jinja2.exceptions import TemplateSyntaxError
+    try:
+        _environment().from_string(template)
+    except TemplateSyntaxError as e:
+        raise TokenizerError(f"the chat template in {source} is not valid Jinja: {e.message} at line {e.lineno}; "
+                             f"{RESTORE}") from None
+
+
+def _render(template: str, messages: list[dict], add_generation_prompt: bool, source: str = "the tokenizer",
+            **kwargs) -> str:
+    """Render a chat template with the jinja2 settings transformers uses; a template that fails names
+    `source` (its file)."""
+    from jinja2.exceptions import TemplateError
+    try:
+        return _environment().from_string(template).render(messages=messages,
+                                                           add_generation_prompt=add_generation_prompt, **kwargs)
+    except TemplateError as e:
+        raise TokenizerError(f"the chat template in {source} failed: {_first_line(e)}") from None
 
 
 def _token_str(tok) -> str | None:
@@ -57,17 +101,34 @@ class Tokenizer:
         if not tok_file.is_file():
             raise FileNotFoundError(f"missing tokenizer file: {tok_file}")
         self.path = d
-        self._tok = _HFTokenizer.from_file(str(tok_file))
+        try:
+            self._tok = _HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise TokenizerError(f"cannot read {tok_file}: {_first_line(e)}; {RESTORE}") from None
         cfg_file = d / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        cfg = _read_json(cfg_file) if cfg_file.is_file() else {}
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         self.pad_token = _token_str(cfg.get("pad_token"))
         self.chat_template = cfg.get("chat_template")
+        self.template_source = str(cfg_file)
         if (d / "chat_template.jinja").is_file():  # transformers >= 4.50 writes it separately
-            self.chat_template = (d / "chat_template.jinja").read_text()
+            self.template_source = str(d / "chat_template.jinja")
+            try:
+                self.chat_template = (d / "chat_template.jinja").read_text()
+            except UnicodeDecodeError as e:
+                raise TokenizerError(f"{d / 'chat_template.jinja'} is not UTF-8 text ({e.reason}); {RESTORE}") from None
         if isinstance(self.chat_template, list):  # named templates: [{"name": ..., "template": ...}]
-            self.chat_template = {t["name"]: t["template"] for t in self.chat_template}.get("default")
+            try:
+                self.chat_template = {t["name"]: t["template"] for t in self.chat_template}.get("default")
+            except (KeyError, TypeError):
+                raise TokenizerError(f"{cfg_file}: chat_template is a list without name/template entries; "
+                                     f"{RESTORE}") from None
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise TokenizerError(f"{cfg_file}: chat_template is a {type(self.chat_template).__name__}, not text; "
+                                 f"{RESTORE}")
+        if self.chat_template:
+            check_template(self.chat_template, self.template_source)
         self.bos_token_id = self._id(self.bos_token)
         self.eos_token_id = self._id(self.eos_token)
         # no pad token (common for decoder-only models): pad with eos; padding is masked anyway
@@ -79,7 +140,7 @@ class Tokenizer:
             return None
         i = self._tok.token_to_id(token)
         if i is None:
-            raise ValueError(f"special token {token!r} of {self.path} is not in its vocabulary")
+            raise TokenizerError(f"special token {token!r} of {self.path} is not in its vocabulary")
         return i
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -91,7 +152,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError(f"{self.path} has no chat template (tokenizer_config.json / chat_template.jinja)")
-        return _render(self.chat_template, messages, add_generation_prompt,
+        return _render(self.chat_template, messages, add_generation_prompt, self.template_source,
                        bos_token=self.bos_token or "", eos_token=self.eos_token or "", pad_token=self.pad_token or "")
 
 
@@ -104,9 +165,10 @@ class CharTokenizer:
     PAD, BOS, EOS = "<pad>", "<s>", "</s>"
     DEFAULT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
-    def __init__(self, alphabet: str, chat_template: str | None = None):
+    def __init__(self, alphabet: str, chat_template: str | None = None, path: str | Path | None = None):
         if len(set(alphabet)) != len(alphabet):
             raise ValueError("CharTokenizer alphabet has repeated characters")
+        self.path = path  # the char_tokenizer.json it was read from, if any (named in errors)
         self.alphabet = alphabet
         self.chat_template = chat_template or self.DEFAULT_TEMPLATE
         self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
@@ -118,7 +180,10 @@ class CharTokenizer:
         try:
             ids = [self._ids[ch] for ch in text]
         except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in the CharTokenizer alphabet {self.alphabet!r}") from None
+            ch = e.args[0]
+            where = f" of {self.path}" if self.path else ""
+            raise TokenizerError(f"character {ch!r} (U+{ord(ch):04X}, at position {text.index(ch)} of the text) is "
+                                 f"not in the CharTokenizer alphabet{where}; it knows only {self.alphabet!r}") from None
         return [self.bos_token_id] + ids if add_special_tokens else ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -135,7 +200,7 @@ class CharTokenizer:
         return "".join(out)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return _render(self.chat_template, messages, add_generation_prompt)
+        return _render(self.chat_template, messages, add_generation_prompt, str(self.path or "the CharTokenizer"))
 
     def save(self, path: str | Path) -> Path:
         """Write char_tokenizer.json into directory `path` (or to `path` if it ends in .json)."""
@@ -153,10 +218,16 @@ class CharTokenizer:
             p = p / CHAR_TOKENIZER_FILE
         if not p.is_file():
             raise FileNotFoundError(f"missing tokenizer file: {p}")
-        d = json.loads(p.read_text())
-        if d.get("type") != "char":
-            raise ValueError(f"{p} is not a CharTokenizer file")
-        return cls(d["alphabet"], d.get("chat_template"))
+        d = _read_json(p)
+        if d.get("type") != "char" or not isinstance(d.get("alphabet"), str):
+            raise TokenizerError(f"{p} is not a CharTokenizer file (type 'char' and an alphabet); {RESTORE}")
+        try:
+            tok = cls(d["alphabet"], d.get("chat_template"), path=p)
+        except ValueError as e:
+            raise TokenizerError(f"{p}: {e}; {RESTORE}") from None
+        if d.get("chat_template"):
+            check_template(d["chat_template"], str(p))
+        return tok
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | CharTokenizer:

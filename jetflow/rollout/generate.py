@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from jetflow.model.tokenizer import render_prompt
+from jetflow.errors import UsageError
+from jetflow.model.tokenizer import TokenizerError, render_prompt
 from jetflow.rollout.engine import RolloutEngine, SamplingParams
 
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -19,6 +20,32 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if cfg_eos is not None:
         ids.update(int(i) for i in (cfg_eos if isinstance(cfg_eos, (list, tuple)) else [cfg_eos]))
     return sorted(ids)
+
+
+def encode_prompt(tok, prompt: str, chat: bool, index: int) -> list[int]:
+    """A prompt's token ids; text the tokenizer cannot encode is one line naming the prompt."""
+    try:
+        return tok.encode(render_prompt(tok, prompt, chat))
+    except TokenizerError as e:
+        raise TokenizerError(f"prompt {index}: {e}") from None
+
+
+def check_positions(ids: list[list[int]], max_new_tokens: int, max_positions: int) -> None:
+    """Refuse a prompt that, with room for max_new_tokens, runs past the model's positions: tokens
+    there would sit at positions the model was never trained on (RoPE extrapolation), silently."""
+    for i, prompt in enumerate(ids):
+        need = len(prompt) + max_new_tokens
+        if need <= max_positions:
+            continue
+        if len(prompt) < max_positions:
+            fix = f"lower --max-new-tokens to {max_positions - len(prompt)} or shorten the prompt"
+        elif max_new_tokens < max_positions:
+            fix = f"shorten the prompt to at most {max_positions - max_new_tokens} tokens"
+        else:
+            fix = f"lower --max-new-tokens below {max_positions} and shorten the prompt"
+        raise UsageError(f"prompt {i} is {len(prompt)} tokens and --max-new-tokens {max_new_tokens} needs room for "
+                         f"{max_new_tokens} more ({need} positions), but the model has {max_positions} positions "
+                         f"(max_position_embeddings); {fix}")
 
 
 def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
@@ -37,11 +64,12 @@ def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64,
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: valid precisions are {PRECISIONS}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tok = load_tokenizer(model_path)
+    ids = [encode_prompt(tok, p, chat, i) for i, p in enumerate(prompts)]
     model = load_model(model_path, device=dev).eval()
+    check_positions(ids, max_new_tokens, model.config.max_position_embeddings)
     if precision != "fp32":
         apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None)
-    tok = load_tokenizer(model_path)
-    ids = [tok.encode(render_prompt(tok, p, chat)) for p in prompts]
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     engine = RolloutEngine(model, _eos_ids(model, tok), pad, max_batch=min(len(ids), 32),
                            max_seq_len=max(map(len, ids)) + max_new_tokens, device=dev, tokenizer=tok)

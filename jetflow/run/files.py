@@ -4,7 +4,7 @@
     config.yaml                 the resolved config (written first; a resume must match it)
     metrics.jsonl               one JSON row per SFT / RL step (jetflow.metrics_log)
     mismatch_positions.jsonl    per RL step: mean k3 and token count per response index
-    tensorboard/                event files (run.tensorboard)
+    tensorboard/, wandb/, mlruns/   the trackers of run.loggers (jetflow.trackers); trackers.json: their run ids
     *.damaged                   damaged lines or files a resume set aside (named in its warning)
     checkpoints/                warmup_NNNNNN/, step_NNNNNN/ + latest (jetflow.train.checkpoint)
     vllm_engine*/, rollout_engine*/   checkpoints the vLLM engines start from
@@ -34,8 +34,17 @@ from typing import Iterator
 from jetflow.config import Config, save_config, to_dict
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.errors import UserError
-from jetflow.metrics_log import METRIC_KEYS, METRICS_FILE, read_metrics, set_aside_bad_lines, warn, write_jsonl
+from jetflow.metrics_log import (
+    METRIC_KEYS,
+    METRICS_FILE,
+    RESUME_HINT,
+    read_metrics,
+    set_aside_bad_lines,
+    warn,
+    write_jsonl,
+)
 from jetflow.train.checkpoint import CHECKPOINTS_DIR
+from jetflow.writes import WriteError, append_text, atomic_write_text, guarded, write_error
 
 CONFIG_FILE = "config.yaml"
 POSITIONS_FILE = "mismatch_positions.jsonl"
@@ -85,15 +94,19 @@ def run_directory(cfg: Config, dp: DataParallel = SINGLE) -> Iterator[Path]:
     dp.barrier()  # no rank may see rank 0's fresh files before it checked
     refused = None
     if dp.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         try:
+            with guarded(run_dir, "the run directory"):
+                run_dir.mkdir(parents=True, exist_ok=True)
             take_run_lock(run_dir)
-        except RunDirectoryInUse as e:
-            refused = e
-        else:
             (run_dir / COMPLETE).unlink(missing_ok=True)
             (run_dir / STOPPED).unlink(missing_ok=True)
-            save_config(cfg, run_dir / CONFIG_FILE)
+            tmp = run_dir / f".{CONFIG_FILE}.tmp-{os.getpid()}"
+            with guarded(run_dir / CONFIG_FILE, "the run config", partial=tmp):
+                save_config(cfg, tmp)
+                os.replace(tmp, run_dir / CONFIG_FILE)
+        except (RunDirectoryInUse, WriteError) as e:
+            refused = e
+            release_run_lock(run_dir)  # where this process took it
     if dp.sum(float(refused is not None)):  # every rank learns it: none may wait for rank 0 in vain
         raise refused or RunDirectoryInUse(f"run directory {run_dir} is in use by another run (see rank 0's error)")
     dp.barrier()
@@ -118,8 +131,8 @@ def mark_stopped(run_dir: Path, signame: str, phase: str, at: str) -> str | None
                                                   .read_text()))
     except (OSError, ValueError, KeyError):
         resumes_at = None
-    (run_dir / STOPPED).write_text(json.dumps({"signal": signame, "phase": phase, "stopped_at": at,
-                                               "resumes_at": resumes_at}) + "\n")
+    atomic_write_text(run_dir / STOPPED, json.dumps({"signal": signame, "phase": phase, "stopped_at": at,
+                                                      "resumes_at": resumes_at}) + "\n", "the stop mark", RESUME_HINT)
     return resumes_at
 
 
@@ -154,8 +167,11 @@ def take_run_lock(run_dir: Path) -> None:
             raise RunDirectoryInUse(f"run directory {run_dir} is in use by pid {owner.get('pid')} on {owner.get('host')} "
                               f"(its {LOCK_FILE}); wait for that run to end, choose another run.name, or, if that "
                               f"process is gone, delete {path}") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(me) + "\n")
+        except OSError as e:  # a read-only or full disk
+            raise write_error(e, path, "the run's lock file") from None
+        with guarded(path, "the run's lock file", partial=path):
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
         return
 
 
@@ -210,8 +226,7 @@ def append_position_curve(run_dir: Path, step: int, exp) -> None:
     from jetflow.rl.mismatch import mismatch_position_curves
     curves = mismatch_position_curves(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask)
     row = {"step": step, **{k: [float(f"{x:.4g}") for x in v.tolist()] for k, v in curves.items()}}
-    with open(run_dir / POSITIONS_FILE, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_text(run_dir / POSITIONS_FILE, json.dumps(row) + "\n", "the mismatch-by-position file", RESUME_HINT)
 
 
 def write_model_dirs(run_dir: Path, checkpoint: Path, cfg: Config) -> None:
@@ -245,12 +260,7 @@ def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_paral
         "data_parallel_size": data_parallel_size,
         "config": to_dict(cfg),
     }
-    _atomic_write(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
-    _atomic_write(run_dir / COMPLETE, time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+    after = "the run's checkpoints are intact: the same command with run.resume=true finishes it"
+    atomic_write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2), "the run summary", after)
+    atomic_write_text(run_dir / COMPLETE, time.strftime("%Y-%m-%dT%H:%M:%S") + "\n", "the run's end mark", after)
     return summary
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -26,6 +26,8 @@ from jetflow import plots
 from jetflow.errors import UserError
 from jetflow.metrics_log import read_jsonl, read_metrics
 from jetflow.run.files import CONFIG_FILE, POSITIONS_FILE, run_status
+from jetflow.trackers import publish_report
+from jetflow.writes import write_error
 
 REPORT_DIR = "report"
 REPORT_FILE = "report.md"
@@ -119,12 +121,16 @@ def time_rows(rl: list[dict], evals: list[dict]) -> list[tuple[str, float, float
 
 
 def report_at_end(run_dir: Path) -> Path | None:
-    """The report at the end of a run: a plotting failure is one warning line, never a failed run
-    (summary.json and COMPLETE are written before it)."""
+    """The report at the end of a run, its figures sent to the run's W&B / MLflow runs too: a plotting
+    or tracker failure is one warning line, never a failed run (summary.json and COMPLETE are written
+    before it)."""
     try:
-        return write_run_report(run_dir)
+        report = write_run_report(run_dir)
+        publish_report(run_dir, sorted(report.parent.glob("*.png")) + [report])  # to W&B / MLflow (trackers.json)
+        return report
     except Exception as e:  # noqa: BLE001 - the run's results are safe; only its pictures are missing
-        print(f"[jetflow] warning: the run report could not be written ({type(e).__name__}: {e}); "
+        why = write_error(e, run_dir / REPORT_DIR, "the run report") if isinstance(e, OSError) else e
+        print(f"[jetflow] warning: the run report could not be written ({type(why).__name__}: {why}); "
               f"retry with `jetflow report {run_dir}`", file=sys.stderr)
         return None
 

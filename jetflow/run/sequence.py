@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 import torch.distributed
 
-from jetflow.config import Config
+from jetflow.config import Config, run_loggers, to_dict
 from jetflow.metrics_log import MetricsLogger
 from jetflow.run.files import append_position_curve, mark_stopped, tidy_for_resume, write_model_dirs, write_summary
 from jetflow.run.loop import RLLoop
@@ -85,7 +85,8 @@ class RunSequence:
                 tidy_for_resume(run_dir, self.state)
                 print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  "
                       f"recipe={cfg.precision.recipe().fingerprint()}  {placement.describe()}", file=sys.stderr)
-                self.logger = MetricsLogger(run_dir, cfg.run.tensorboard)
+                self.logger = MetricsLogger(run_dir, run_loggers(cfg.run), to_dict(cfg), cfg.run.tracker_project,
+                                            cfg.run.mlflow_tracking_uri)
             self._warmup()
             self._rl_steps()
             self._final_writes()

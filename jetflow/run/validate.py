@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from jetflow.config import Config, ConfigError, Derived, config_changes, derive, load_config
+from jetflow.config import Config, ConfigError, Derived, config_changes, derive, load_config, run_loggers
 from jetflow.model.paged_cache import PagePool
 from jetflow.rollout.scheduler import pages_for
 from jetflow.run.build import build_task, build_tokenizer, longest_prompt, model_architecture
@@ -231,6 +231,18 @@ def check_packages(cfg: Config) -> None:
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         from jetflow.rollout.vllm import INSTALL_HINT
         raise ConfigError(f"rollout.backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}")
+    check_loggers(cfg)
+
+
+def check_loggers(cfg: Config) -> None:
+    """run.loggers names known trackers whose libraries are installed."""
+    from jetflow import trackers
+    unknown = [n for n in cfg.run.loggers if n not in trackers.LOGGERS]
+    if unknown:
+        raise ConfigError(f"run.loggers: unknown logger(s) {', '.join(map(repr, unknown))}; valid loggers are "
+                          f"{', '.join(trackers.LOGGERS)}")
+    if absent := trackers.missing(run_loggers(cfg.run)):
+        raise ConfigError(f"run.loggers: {', '.join(absent)} not installed: {trackers.INSTALL_HINT}")
 
 
 def check_run_dir(cfg: Config) -> None:

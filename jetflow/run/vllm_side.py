@@ -40,6 +40,7 @@ from jetflow.config import Config, ConfigError, Derived
 from jetflow.model import CharTokenizer, Decoder, save_hf_dir
 from jetflow.model.checkpoint import write_config
 from jetflow.run.build import apply_mode, attach_kv_fp8
+from jetflow.writes import guarded
 
 KV_CACHE_MIN_BYTES = 64 << 20
 
@@ -75,22 +76,24 @@ def write_engine_checkpoint(model: Decoder, tokenizer, out_dir: Path, execution:
     export for execution='fp8'; only config.json for execution='exact', whose weights are the
     policy's), with the tokenizer beside it."""
     shutil.rmtree(out_dir, ignore_errors=True)
-    if execution == "exact":
-        out_dir.mkdir(parents=True)
-        write_config(model.config, torch.float32, out_dir)
-    elif execution == "fp8":
-        from jetflow.export import export_fp8
-        export_fp8(model, out_dir, recipe)
-    else:
-        save_hf_dir(model, out_dir)
-    if isinstance(tokenizer, CharTokenizer):
-        tokenizer.save(out_dir)
-    elif getattr(tokenizer, "path", None) is not None:
-        from jetflow.export import TOKENIZER_FILES
-        for name in TOKENIZER_FILES:
-            src = Path(tokenizer.path) / name
-            if src.exists():
-                shutil.copy(src, out_dir / name)
+    with guarded(out_dir, "the vLLM engine's start-up checkpoint", partial=out_dir,
+                 after="the run's checkpoints are intact: the same command with run.resume=true continues it"):
+        if execution == "exact":
+            out_dir.mkdir(parents=True)
+            write_config(model.config, torch.float32, out_dir)
+        elif execution == "fp8":
+            from jetflow.export import export_fp8
+            export_fp8(model, out_dir, recipe)
+        else:
+            save_hf_dir(model, out_dir)
+        if isinstance(tokenizer, CharTokenizer):
+            tokenizer.save(out_dir)
+        elif getattr(tokenizer, "path", None) is not None:
+            from jetflow.export import TOKENIZER_FILES
+            for name in TOKENIZER_FILES:
+                src = Path(tokenizer.path) / name
+                if src.exists():
+                    shutil.copy(src, out_dir / name)
     return out_dir
 
 

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from jetflow.model.checkpoint import CheckpointError, write_config, write_tokenizer
 from jetflow.model.protocol import ShardedPolicy, hf_weights
+from jetflow.writes import atomic_write_text, check_free_space, guarded, tree_bytes
 
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -54,10 +55,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()), key=_order)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+RESUME_HINT = "the same command with run.resume=true continues the run"
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
@@ -68,24 +66,30 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     `hf_config`: also write the model's config.json, and `tokenizer` (a directory or a jetflow
     tokenizer) its files, so that the checkpoint directory describes itself: `jetflow generate --model
     <it>` and transformers read it as a Hugging Face directory. Like every file, they are in the manifest.
-    `name`: the directory's name (default step_NNNNNN; see `checkpoint_name`)."""
+    `name`: the directory's name (default step_NNNNNN; see `checkpoint_name`).
+    A disk that fails the write (full, read-only, I/O error) is one WriteError naming the file, after the
+    partial checkpoint is removed; the older checkpoints are untouched (jetflow.writes)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
+    with guarded(root, "the checkpoints directory", after=RESUME_HINT):
+        root.mkdir(parents=True, exist_ok=True)
+    existing = list_checkpoints(root)
+    if existing:
+        check_free_space(root, tree_bytes(existing[-1]), "checkpoint")
+    else:
+        check_free_space(root, _estimate_bytes(model, model_state), "checkpoint", "the weights and Adam's moments")
     final = root / (name or checkpoint_name(step))
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _write_checkpoint_files(tmp, step, model, trainer_state, state, model_state, hf_config, tokenizer)
-    except (OSError, SafetensorError) as e:  # a full disk, a quota, a lost mount: the older checkpoints stay
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"writing checkpoint step {step} into {root} failed ({e}); older checkpoints are "
-                              "intact: free space, then resume with run.resume=true") from None
-    if final.exists():  # replaced (a resume fell back past it): moved aside, deleted once the new one is in place
-        aside = root / f".old-{final.name}"
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    _atomic_write_text(root / "latest", final.name)
+    kept = f"{existing[-1].name} and older are intact: " if existing else ""
+    after = f"the partial {final.name} was removed; {kept}{RESUME_HINT}"
+    _write_checkpoint_files(tmp, step, model, trainer_state, state, model_state, hf_config, tokenizer, after)
+    with guarded(final, "checkpoint", partial=tmp, after=after):
+        if final.exists():  # replaced (a resume fell back past it): moved aside, deleted once the new one is in place
+            aside = root / f".old-{final.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
+        os.rename(tmp, final)
+    atomic_write_text(root / "latest", final.name, "the checkpoint pointer", after=RESUME_HINT)
     older = [p for p in list_checkpoints(root) if p != final]
     for old in older[:max(len(older) - max(keep - 1, 0), 0)]:
         shutil.rmtree(old, ignore_errors=True)
@@ -95,22 +99,39 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     return final
 
 
+def _estimate_bytes(model: nn.Module, model_state: dict[str, torch.Tensor] | None) -> int:
+    """A first checkpoint's size: the weights, and Adam's two moments as large as the weights."""
+    tensors = model_state.values() if model_state is not None else model.parameters()
+    return 3 * sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _write_checkpoint_files(tmp: Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
                             model_state: dict[str, torch.Tensor] | None, hf_config: bool = False,
-                            tokenizer=None) -> None:
-    tmp.mkdir()
+                            tokenizer=None, after: str = "") -> None:
+    def writing(name: str):
+        return guarded(tmp / name, "checkpoint file", partial=tmp, after=after)
+
+    with writing(""):
+        tmp.mkdir()
     state_dict = model_state if model_state is not None else checkpoint_weights(model)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied: the embedding is the one copy
-    save_file(tensors, str(tmp / "model.safetensors"))
+    with writing("model.safetensors") as path:
+        save_file(tensors, str(path))
     if hf_config:
-        write_config(model.config, tensors["model.embed_tokens.weight"].dtype, tmp)
-    write_tokenizer(tokenizer, tmp)
-    torch.save(trainer_state, tmp / "trainer.pt")
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
-    (tmp / MANIFEST).write_text(json.dumps({f.name: file_sha256(f) for f in sorted(tmp.iterdir())}, indent=2))
+        with writing("config.json"):
+            write_config(model.config, tensors["model.embed_tokens.weight"].dtype, tmp)
+    with writing("tokenizer files"):
+        write_tokenizer(tokenizer, tmp)
+    with writing("trainer.pt") as path:
+        torch.save(trainer_state, path)
+    with writing("rng.pt") as path:
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, path)
+    with writing("state.json") as path:
+        path.write_text(json.dumps({"step": step, **state}, indent=2))
+    with writing(MANIFEST) as path:
+        path.write_text(json.dumps({f.name: file_sha256(f) for f in sorted(tmp.iterdir())}, indent=2))
 
 
 def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -84,7 +84,7 @@ def test_damaged_positions_file_tensorboard_and_metrics_paths_are_set_aside(tmp_
 
     (tmp_path / "tensorboard").write_text("not a directory")
     (tmp_path / "metrics.jsonl").mkdir()
-    log = MetricsLogger(tmp_path, tensorboard=True)
+    log = MetricsLogger(tmp_path, loggers=["tensorboard"])
     log.log(0, {"reward/mean": 1.0})
     log.close()
     err = capsys.readouterr().err
