@@ -139,8 +139,8 @@ class RolloutConfig:
 
 @dataclass
 class TaskConfig:
-    name: Literal["arithmetic", "countdown", "math"] = "arithmetic"
-    """arithmetic | countdown | math."""
+    name: Literal["arithmetic", "countdown", "math", "custom"] = "arithmetic"
+    """arithmetic | countdown | math | custom (your data file and reward functions: jetflow.tasks.custom)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Task knobs, e.g. {digits: 1, num_operands: 2} or {path: data.jsonl} for math."""
     format_weight: float = 0.0
