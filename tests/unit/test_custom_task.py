@@ -275,7 +275,7 @@ def test_the_warm_up_needs_an_answer_key(workdir):
 
 # ---- jetflow train --------------------------------------------------------------------------------------------
 
-QUICK = ["train.steps=2", "train.sft_warmup_steps=3", "train.prompts_per_step=4", "rollout.group_size=4",
+QUICK = ["train.steps=2", "train.sft_warmup_steps=3", "train.sft_batch_size=16", "train.prompts_per_step=4", "rollout.group_size=4",
          "eval.num_prompts=4", "eval.every=0", "run.progress=false", "run.tensorboard=false", "run.num_threads=1"]
 
 
