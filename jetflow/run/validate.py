@@ -269,9 +269,8 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
     if path not in ("tiny", "smollm2") and not Path(path).is_dir():
         raise ConfigError(f"model.path={path!r}: not a directory (use a local Hugging Face directory, `smollm2` or "
                           "`tiny`)")
-    tokenizer = build_tokenizer(cfg)
     try:
-        task = build_task(cfg, tokenizer)
+        task = build_task(cfg)
     except (TypeError, ValueError) as e:
         if isinstance(e, UserError):  # a data file or a reward function: its own one line, naming file and row
             raise
@@ -287,7 +286,7 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
         raise ConfigError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps}: the supervised warm-up trains on "
                           "the reference answers, and the task has none; set task.params.answer_key (the field "
                           "holding them) or train.sft_warmup_steps=0")
-    arch, lengths = model_architecture(cfg), prompt_lengths(cfg, tokenizer, task)
+    arch, lengths = model_architecture(cfg), prompt_lengths(cfg, build_tokenizer(cfg), task)
     longest = max(n for _, n in lengths)
     check_prompt_positions(cfg, task, lengths, arch.max_position_embeddings)
     if cfg.rollout.kv_cache_gib is not None and cfg.rollout.backend == "native":  # the longest request alone, fp32
