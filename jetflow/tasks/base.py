@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import math
 import random
 from abc import ABC, abstractmethod
@@ -26,12 +27,13 @@ class Problem:
     """One prompt and its reference answer.
 
     prompt: the user's text, without any chat template (the rollout side applies one when
-        ``task.chat`` is true, and feeds the text raw otherwise).
+        ``task.chat`` is true, and feeds the text raw otherwise); or a conversation, a list of
+        ``{"role": ..., "content": ...}`` messages, which is always rendered by the chat template.
     answer: the reference answer as text (for display and logging; the verifier may use ``meta``).
     meta: task-specific facts (operands, target, source row, index, seed, ...).
     """
 
-    prompt: str
+    prompt: str | list[dict]
     answer: str
     meta: dict = field(default_factory=dict)
 
@@ -48,6 +50,8 @@ class Reward:
     total: float
     correct: bool
     format_ok: bool
+    parts: dict[str, float] = field(default_factory=dict, compare=False)
+    """The reward's named terms before weighting (a custom task's reward functions), for the logs."""
 
 
 def rng_for(task_name: str, seed: int, index: int) -> random.Random:
@@ -59,9 +63,14 @@ def rng_for(task_name: str, seed: int, index: int) -> random.Random:
     return random.Random(f"{task_name}:{seed}:{index}")
 
 
-def held_out_bucket(prompt: str) -> float:
+def prompt_key(prompt: str | list[dict]) -> str:
+    """A prompt as one string (a conversation as canonical JSON): what the held-out split hashes."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
+def held_out_bucket(prompt: str | list[dict]) -> float:
     """A stable number in [0, 1) per prompt; a held-out fraction f keeps the prompts below f."""
-    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2**64
+    return int.from_bytes(hashlib.sha256(prompt_key(prompt).encode()).digest()[:8], "big") / 2**64
 
 
 REDRAW_STRIDE = 1 << 40  # a training draw on a held-out problem redraws index + k * REDRAW_STRIDE
@@ -71,8 +80,11 @@ MAX_REDRAWS = 1000
 class Task(ABC):
     """Base class of all tasks.
 
-    Subclasses set ``name``, implement ``_problem(index, seed)`` and ``score``, and take every
-    option as an explicit keyword argument of ``__init__`` (``make_task`` checks keys against it).
+    Subclasses set ``name``, implement ``_problem(index, seed)`` and ``score`` (and ``score_batch``
+    where the reward is computed in batches), and take every option as an explicit keyword argument
+    of ``__init__`` (``make_task`` checks keys against it). Tasks read from a data file derive from
+    jetflow.tasks.data.DataTask (math, custom); the others generate their problems (arithmetic,
+    countdown).
 
     chat: whether prompts are meant for a chat template (False for raw character-level prompts).
     stop: strings that end a completion; the rollout engine may stop generating at them.
@@ -119,8 +131,8 @@ class Task(ABC):
         found: dict[str, Problem] = {}
         for index in range(200 * n):
             problem = self._problem(index, seed)
-            if self.is_held_out(problem) and problem.prompt not in found:
-                found[problem.prompt] = problem
+            if self.is_held_out(problem) and prompt_key(problem.prompt) not in found:
+                found[prompt_key(problem.prompt)] = problem
                 if len(found) == n:
                     break
         return list(found.values())
@@ -145,6 +157,17 @@ class Task(ABC):
     @abstractmethod
     def score(self, problem: Problem, completion: str) -> Reward:
         """Verify ``completion`` (generated text only, without the prompt) against ``problem``."""
+
+    def score_batch(self, problems: list[Problem], completions: list[str]) -> list[Reward]:
+        """The rewards of ``completions[i]`` for ``problems[i]``: what the training loop and the
+        held-out evaluation call (once per step). Per completion by default; a task whose reward
+        functions take batches (the custom task) overrides it."""
+        return [self.score(p, c) for p, c in zip(problems, completions, strict=True)]
+
+    def dataset_problems(self) -> list[Problem] | None:
+        """Every problem of a task read from a data file, in file order (the length checks read them
+        all); None for a generated task (its problem space has no end)."""
+        return None
 
 
 _TASKS: dict[str, type[Task]] = {}

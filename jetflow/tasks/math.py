@@ -1,11 +1,7 @@
 """Math word problems from the user's file, scored with math-verify.
 
-The file is ``.jsonl`` (one JSON object per line; blank lines are skipped) or ``.parquet`` (needs
-pyarrow). Every row is checked when the task is built, so bad data fails before training starts:
-errors name the file and the 1-based row (for jsonl, the line number).
-
-Order: epoch ``e`` of stream ``seed`` visits the rows in a permutation seeded by ``(seed, e)``, so
-problem ``index`` is row ``perm(seed, index // rows)[index % rows]``.
+The file and its rows: jetflow.tasks.data (jsonl, parquet or a ``save_to_disk`` directory; errors name
+the file and the 1-based row).
 
 Scoring: ``gold = parse(answer)``, ``pred = parse(completion)``, ``correct = verify(gold, pred)``.
 ``format_ok`` when the completion contains ``\\boxed{``. math-verify enforces its time limits with
@@ -14,13 +10,11 @@ SIGALRM, which only works in the main thread; elsewhere the limits are turned of
 
 from __future__ import annotations
 
-import json
-import random
 import threading
 from pathlib import Path
 
-from jetflow.errors import MissingDependencyError
-from jetflow.tasks.base import Problem, Reward, Task, register_task
+from jetflow.tasks.base import Problem, Reward, register_task
+from jetflow.tasks.data import DataError, DataTask, field, read_rows
 
 ANSWER_EXTRACTORS = ("gsm8k",)
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -31,39 +25,6 @@ def _timeout() -> int | None:
     return _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, object]]:
-    rows = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line = path.read_bytes()[:e.start].count(b"\n") + 1
-        raise ValueError(f"{path}: row {line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
-        if not line.strip():
-            continue
-        try:
-            rows.append((number, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: row {number}: invalid JSON ({e.msg})") from None
-    return rows
-
-
-def _read_parquet(path: Path) -> list[tuple[int, object]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        pq = None
-    if pq is not None:
-        records = pq.read_table(path).to_pylist()
-    else:
-        try:
-            import pandas as pd
-        except ImportError:
-            raise MissingDependencyError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-        records = pd.read_parquet(path).to_dict("records")  # pandas needs pyarrow or fastparquet
-    return list(enumerate(records, start=1))
-
-
 def _gsm8k_answer(text: str) -> str:
     """'... #### 1,000' -> '1000'; '' when there is no '####'."""
     if "####" not in text:
@@ -72,13 +33,14 @@ def _gsm8k_answer(text: str) -> str:
 
 
 @register_task
-class MathTask(Task):
+class MathTask(DataTask):
     """Problems read from ``path``.
 
     question_field, answer_field: the row keys holding the question and the reference answer.
     answer_extract: None (the answer field is the answer) or "gsm8k" (the answer is what follows
         "####", thousands separators removed).
     instruction: appended to the question, on its own line ("" for none).
+    split: the split of a DatasetDict directory.
     """
 
     name = "math"
@@ -90,6 +52,7 @@ class MathTask(Task):
         answer_field: str = "answer",
         answer_extract: str | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
+        split: str = "train",
         seed: int = 0,
         format_weight: float = 0.0,
     ):
@@ -104,72 +67,27 @@ class MathTask(Task):
         self.answer_field = answer_field
         self.answer_extract = answer_extract
         self.instruction = instruction
-        self.all_rows = self.rows = self._load()  # [(row number, question, answer)]; rows: the training split
-        self.held_rows: list[tuple[int, str, str]] = []
+        self._set_rows(self._load(split))
         self._gold_cache: dict[str, list] = {}
-        self._last_order: tuple[tuple[int, int] | None, list[int]] = (None, [])
 
-    def _load(self) -> list[tuple[int, str, str]]:
-        path = self.path
-        if not path.is_file():
-            raise FileNotFoundError(f"math: data file not found: {path}")
-        readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
-        if path.suffix not in readers:
-            kinds = ", ".join(readers)
-            raise ValueError(f"math: {path}: unsupported file type; use one of {kinds}")
-        rows = []
-        for number, row in readers[path.suffix](path):
+    def _load(self, split: str) -> list[tuple[int, Problem]]:
+        path, rows = self.path, []
+        for number, row in read_rows(path, split):
             where = f"{path}: row {number}"
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for key in (self.question_field, self.answer_field):
-                if key not in row:
-                    raise ValueError(f"{where}: missing field {key!r} (fields: {', '.join(row)})")
             question, answer = (
-                "" if row[key] is None else str(row[key]).strip()
-                for key in (self.question_field, self.answer_field)
+                "" if value is None else str(value).strip()
+                for value in (field(path, number, row, self.question_field, "question_field"),
+                              field(path, number, row, self.answer_field, "answer_field"))
             )
             if self.answer_extract == "gsm8k":
                 answer = _gsm8k_answer(answer)
             if not question:
-                raise ValueError(f"{where}: empty question in field {self.question_field!r}")
+                raise DataError(f"{where}: empty question in field {self.question_field!r}")
             if not answer:
-                raise ValueError(f"{where}: empty answer in field {self.answer_field!r}")
-            rows.append((number, question, answer))
-        if not rows:
-            raise ValueError(f"math: {path} has no rows")
+                raise DataError(f"{where}: empty answer in field {self.answer_field!r}")
+            prompt = f"{question}\n{self.instruction}" if self.instruction else question
+            rows.append((number, Problem(prompt, answer, {"path": str(path), "row": number})))
         return rows
-
-    def set_held_out(self, fraction: float) -> None:
-        """A data file is split once, by rows: training walks the rest, evaluation the held-out rows."""
-        super().set_held_out(fraction)
-        held = {r[0] for r in self.all_rows if self.is_held_out(self._row_problem(r))}
-        self.rows = [r for r in self.all_rows if r[0] not in held]
-        self.held_rows = [r for r in self.all_rows if r[0] in held]
-        if fraction and not self.rows:
-            raise ValueError(f"math: every row of {self.path} is held out; lower eval.held_out")
-        self._last_order = (None, [])
-
-    def held_out_problems(self, n: int, seed: int | None = None) -> list[Problem]:
-        """The first ``n`` held-out rows, in file order."""
-        return [self._row_problem(r) for r in self.held_rows[:n]]
-
-    def _row_problem(self, row: tuple[int, str, str], **meta) -> Problem:
-        number, question, answer = row
-        prompt = f"{question}\n{self.instruction}" if self.instruction else question
-        return Problem(prompt=prompt, answer=answer, meta={"path": str(self.path), "row": number, **meta})
-
-    def _order(self, seed: int, epoch: int) -> list[int]:
-        """The row order of one epoch; the latest one is cached (batches walk epochs in order)."""
-        if self._last_order[0] != (seed, epoch):
-            order = list(range(len(self.rows)))
-            random.Random(f"{self.name}:{seed}:{epoch}").shuffle(order)
-            self._last_order = ((seed, epoch), order)
-        return self._last_order[1]
-
-    def _problem(self, index: int, seed: int) -> Problem:
-        epoch, offset = divmod(index, len(self.rows))
-        return self._row_problem(self.rows[self._order(seed, epoch)[offset]], epoch=epoch, index=index, seed=seed)
 
     def _gold(self, problem: Problem) -> list:
         from math_verify import parse
@@ -182,7 +100,7 @@ class MathTask(Task):
             )
             if not gold:
                 where = f"{problem.meta.get('path')}: row {problem.meta.get('row')}"
-                raise ValueError(f"{where}: math-verify cannot parse the answer {answer!r}")
+                raise DataError(f"{where}: math-verify cannot parse the answer {answer!r}")
             self._gold_cache[answer] = gold
         return self._gold_cache[answer]
 

@@ -26,6 +26,9 @@ class FakeTask:
     def score(self, problem: Problem, text: str) -> Reward:
         return Reward(total=float(text == problem.answer), correct=text == problem.answer, format_ok=True)
 
+    def score_batch(self, problems: list[Problem], texts: list[str]) -> list[Reward]:
+        return [self.score(p, t) for p, t in zip(problems, texts)]
+
     def held_out_problems(self, n: int, seed: int) -> list[Problem]:
         """Five held-out problems q0..q4 whatever n asks (a small problem space); all want 'a'."""
         return [Problem(prompt=f"q{i}", answer="a") for i in range(5)]

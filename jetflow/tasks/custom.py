@@ -1,0 +1,113 @@
+"""A researcher's own task: their data file and their reward functions (``task.name=custom``).
+
+    task:
+      name: custom
+      params:
+        path: data.jsonl            # .jsonl, .parquet, or a datasets save_to_disk directory
+        prompt_key: prompt          # text, or a list of {"role", "content"} chat messages
+        answer_key: answer          # optional: the reference answer (the supervised warm-up's target)
+        reward: [my_rewards:exact, rewards/style.py:short]   # module:function or file.py:function
+        reward_weights: [1.0, 0.2]
+
+The rows and their errors: jetflow.tasks.data. The reward functions, their signature and their
+errors: jetflow.tasks.rewards. A completion's reward is the weighted sum of the functions' values;
+``correct`` (reward/accuracy, eval/pass@1) when that sum reaches ``pass_threshold``. Each function's
+own mean is logged as reward/fn/<name>.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from jetflow.tasks.base import Problem, Reward, register_task
+from jetflow.tasks.data import DataError, DataTask, field, read_rows
+from jetflow.tasks.rewards import load_rewards
+
+COLUMNS = "columns"  # Problem.meta key of the row's other columns
+
+
+def _check_prompt(value: object, where: str, key: str) -> str | list[dict]:
+    """Text, or a non-empty list of {"role": str, "content": str} messages."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: empty prompt in field {key!r}")
+        return value
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise DataError(f"{where}: the prompt field {key!r} holds {type(value).__name__} {str(value)[:60]!r}; expected "
+                    'text or a list of {"role": ..., "content": ...} chat messages')
+
+
+@register_task
+class CustomTask(DataTask):
+    """Prompts from ``path``, scored by the user's reward functions (see the module docstring).
+
+    path: the data file. prompt_key: the field holding the prompt. answer_key: the field holding the
+    reference answer, or None. reward: one function spec or a list. reward_weights: one weight per
+    function (default 1 each). pass_threshold: the weighted reward that counts as correct. split: the
+    split of a DatasetDict directory.
+    """
+
+    name = "custom"
+
+    def __init__(
+        self,
+        path: str,
+        reward: str | list[str],
+        prompt_key: str = "prompt",
+        answer_key: str | None = None,
+        reward_weights: list[float] | None = None,
+        pass_threshold: float = 1.0,
+        split: str = "train",
+        seed: int = 0,
+        format_weight: float = 0.0,
+    ):
+        super().__init__(seed=seed, format_weight=format_weight)
+        if format_weight:
+            raise ValueError(f"custom: task.format_weight={format_weight} has no meaning here; weigh your own format "
+                             "reward with task.params.reward_weights")
+        if not (isinstance(pass_threshold, (int, float)) and math.isfinite(pass_threshold)):
+            raise ValueError(f"custom: pass_threshold must be a finite number, got {pass_threshold!r}")
+        self.path, self.prompt_key, self.answer_key = Path(path), prompt_key, answer_key
+        self.pass_threshold = float(pass_threshold)
+        rows = read_rows(self.path, split)
+        # every field but the prompt reaches the rewards (a row without one gets None, as in datasets)
+        self.columns = [k for k in dict.fromkeys(k for _, row in rows for k in row) if k != prompt_key]
+        self._set_rows([(number, self._row_problem(number, row)) for number, row in rows])
+        self.rewards = load_rewards(reward, reward_weights, self.columns)
+        names = [f.name for f in self.rewards]  # the logs' reward/fn/<name>: the spec where two share a name
+        self.part_names = [f.name if names.count(f.name) == 1 else f.spec for f in self.rewards]
+
+    def _row_problem(self, number: int, row: dict) -> Problem:
+        where = f"{self.path}: row {number}"
+        prompt = _check_prompt(field(self.path, number, row, self.prompt_key, "prompt_key"), where, self.prompt_key)
+        answer = ""
+        if self.answer_key is not None:
+            value = field(self.path, number, row, self.answer_key, "answer_key")
+            answer = "" if value is None else str(value)
+        columns = {k: row.get(k) for k in self.columns}
+        return Problem(prompt, answer, {"path": str(self.path), "row": number, COLUMNS: columns})
+
+    def row_name(self, problem: Problem) -> str:
+        return f"row {problem.meta['row']} of {self.path}"
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.score_batch([problem], [completion])[0]
+
+    def score_batch(self, problems: list[Problem], completions: list[str]) -> list[Reward]:
+        """Each reward function once over the batch (TRL's calling convention), then the weighted sum."""
+        prompts = [p.prompt for p in problems]
+        shaped = [c if isinstance(p.prompt, str) else [{"role": "assistant", "content": c}]
+                  for p, c in zip(problems, completions, strict=True)]
+        columns = {k: [p.meta[COLUMNS][k] for p in problems] for k in self.columns}
+        rows = [self.row_name(p) for p in problems]
+        values = [f(prompts, shaped, columns, rows) for f in self.rewards]
+        rewards = []
+        for i in range(len(problems)):
+            parts = {name: v[i] for name, v in zip(self.part_names, values)}
+            total = sum(f.weight * v[i] for f, v in zip(self.rewards, values))
+            rewards.append(Reward(total, total >= self.pass_threshold, False, parts))
+        return rewards

@@ -1,0 +1,207 @@
+"""The user's own reward functions: found by name, called in batches, and what they return checked.
+
+A reward function has the signature of TRL's ``reward_funcs``::
+
+    def my_reward(prompts, completions, **columns) -> list[float]
+
+``prompts[i]`` is the prompt as the data file holds it (text, or a list of chat messages),
+``completions[i]`` the generated text (for a chat prompt, TRL's ``[{"role": "assistant", "content":
+text}]``), and every other column of the data file arrives as a keyword list aligned with them
+(``columns["answer"][i]``). An ``async def`` function is run with asyncio. It is named in
+``task.params.reward`` as ``module:function`` (importable from the current directory) or
+``path/to/file.py:function``.
+
+Anything wrong is one line (RewardError) naming the function and, once it runs, the data row: an
+import that fails, a signature that cannot take the call, an exception (the row is found by calling
+the function again on one completion at a time), a result of the wrong length, a value that is not a
+finite number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from jetflow.errors import UserError
+
+SIGNATURE = "def {name}(prompts, completions, **kwargs)"
+
+
+class RewardError(UserError, ValueError):
+    """A reward function of the user's cannot be loaded, cannot be called, or returned a bad value."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@contextmanager
+def _on_path(directory: str):
+    """``directory`` first on sys.path while importing (a user's module beside their data)."""
+    sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        if directory in sys.path:
+            sys.path.remove(directory)
+
+
+def load_function(spec: str) -> Callable:
+    """The function ``spec`` names: ``module:function`` or ``path/to/file.py:function``."""
+    where, sep, name = str(spec).rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise RewardError(f"task.params.reward={spec!r}: expected module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            module = _import_file(Path(where), spec)
+        else:
+            with _on_path(os.getcwd()):
+                module = importlib.import_module(where)
+    except RewardError:
+        raise
+    except BaseException as e:  # SyntaxError, ImportError, anything the module raises at import (SystemExit too)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise RewardError(f"reward {spec}: importing {where} failed ({_first_line(e)})") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise RewardError(f"reward {spec}: {where} has no function {name!r}")
+    if not callable(fn):
+        raise RewardError(f"reward {spec}: {where}.{name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _import_file(path: Path, spec: str):
+    if not path.is_file():
+        raise RewardError(f"reward {spec}: no file {path} (a path is read from the current directory, {os.getcwd()})")
+    resolved = path.resolve()
+    # one module per file, whatever its name: two reward files may both be called rewards.py
+    module_name = f"jetflow_reward_{hashlib.sha1(str(resolved).encode()).hexdigest()[:10]}_{path.stem}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    file_spec = importlib.util.spec_from_file_location(module_name, resolved)
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up there
+    try:
+        with _on_path(str(resolved.parent)):  # its sibling modules import
+            file_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+@dataclass
+class RewardFunction:
+    """One reward function of the task, with its weight. ``spec``: as task.params.reward names it."""
+
+    spec: str
+    fn: Callable
+    weight: float = 1.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.rpartition(":")[2]
+
+    def check_signature(self, columns: list[str]) -> None:
+        """The function can be called as ``fn(prompts, completions, **columns)``."""
+        try:
+            sig = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a builtin without a signature: its first call tells
+            return
+        try:
+            sig.bind([], [], **{c: [] for c in columns})
+        except TypeError as e:
+            cols = ", ".join(columns) or "none"
+            raise RewardError(f"reward {self.spec}: its signature {self.name}{sig} cannot take (prompts, completions, "
+                              f"**columns) with the data's columns ({cols}): {e}; write it as "
+                              f"{SIGNATURE.format(name=self.name)}") from None
+
+    def __call__(self, prompts: list, completions: list, columns: dict[str, list], rows: list[str]) -> list[float]:
+        """The function's values for a batch, each a finite number; ``rows[i]`` names completion i's
+        data row for the error messages."""
+        try:
+            out = _invoke(self.fn, prompts, completions, columns)
+        except Exception as e:
+            raise RewardError(self._raised(e, prompts, completions, columns, rows)) from None
+        if hasattr(out, "tolist"):  # a numpy array or a torch tensor
+            out = out.tolist()
+        if not isinstance(out, (list, tuple)):
+            raise RewardError(f"reward {self.spec} returned a {type(out).__name__} for the batch of {_some(rows)}; it "
+                              f"must return a list of floats, one per completion")
+        if len(out) != len(completions):
+            raise RewardError(f"reward {self.spec} returned {len(out)} values for {len(completions)} completions "
+                              f"(the batch of {_some(rows)}); it must return one float per completion")
+        values = []
+        for value, row in zip(out, rows):
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise RewardError(f"reward {self.spec} returned {value!r} for the completion of {row}; every value "
+                                  "must be a finite number")
+            values.append(float(value))
+        return values
+
+    def _raised(self, e: Exception, prompts, completions, columns, rows) -> str:
+        """The error message for an exception: the first row whose completion alone raises too."""
+        for i in range(len(completions)):
+            try:
+                _invoke(self.fn, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()})
+            except Exception as single:
+                return f"reward {self.spec} raised {_first_line(single)} on {rows[i]}"
+        return f"reward {self.spec} raised {_first_line(e)} on the batch of {_some(rows)} (each row alone passes)"
+
+
+def _invoke(fn: Callable, prompts, completions, columns):
+    out = fn(prompts, completions, **columns)
+    if inspect.isawaitable(out):  # an async def (or a function that returns a coroutine)
+        out = _run(out)
+    return out
+
+
+def _run(awaitable):
+    async def wait():
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # the usual case: no event loop in this thread
+        return asyncio.run(wait())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from inside a running loop (a notebook)
+        return pool.submit(asyncio.run, wait()).result()
+
+
+def _some(rows: list[str], n: int = 4) -> str:
+    unique = list(dict.fromkeys(rows))
+    more = f" and {len(unique) - n} more" if len(unique) > n else ""
+    return ", ".join(unique[:n]) + more
+
+
+def load_rewards(specs: str | list[str], weights: list[float] | None, columns: list[str]) -> list[RewardFunction]:
+    """task.params.reward and reward_weights as RewardFunctions, each imported and its signature checked."""
+    specs = [specs] if isinstance(specs, str) else list(specs or [])
+    if not specs:
+        raise RewardError("task.params.reward: name at least one reward function (module:function or "
+                          "path/to/file.py:function)")
+    if weights is None:
+        weights = [1.0] * len(specs)
+    if isinstance(weights, (int, float)) or len(weights) != len(specs):
+        raise RewardError(f"task.params.reward_weights={weights!r}: give one weight per reward function "
+                          f"({len(specs)}: {', '.join(map(str, specs))})")
+    if not all(isinstance(w, numbers.Real) and math.isfinite(w) for w in weights):
+        raise RewardError(f"task.params.reward_weights={weights!r}: every weight must be a finite number")
+    functions = [RewardFunction(str(s), load_function(s), float(w)) for s, w in zip(specs, weights)]
+    for f in functions:
+        f.check_signature(columns)
+    return functions
