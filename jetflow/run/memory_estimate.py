@@ -172,7 +172,7 @@ def weight_copies(arch: ModelConfig, kind: str, derived: Derived, cuda: bool, tr
         b = copy_bytes(k, derived.numerics, recipe.family, cuda, trainer)
         if n and b:
             total += n * b
-            parts.append(f"{n / 1e6:.1f}M {k} weights x {b:g} B")
+            parts.append(f"{n / 1e6:.3g}M {k} weights x {b:g} B")
     return int(total), " + ".join(parts) or "none"
 
 
@@ -270,8 +270,9 @@ def estimate_run(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: i
     r, t = cfg.rollout, cfg.train
     m = 4 if cfg.model.dtype == "float32" else 2
     P, new = num_params(arch), r.max_new_tokens
-    sequences = max(t.prompts_per_step // max(data_parallel, 1) * r.group_size, cfg.eval.num_prompts)
-    terms = [_runtime(cfg), *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, sequences), prompt_len, new)]
+    trained = t.prompts_per_step // max(data_parallel, 1) * r.group_size
+    sequences = max(trained, cfg.eval.num_prompts)  # what the engine decodes at once, at most
+    terms = [_runtime(cfg), *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, trained), prompt_len, new)]
     cuda = cfg.model.device.startswith("cuda")
     copies, copies_formula = weight_copies(arch, cfg.precision.precision_mode.rollout_kind, derived, cuda, trainer=False)
     terms += [Term("rollout weights", P * m, f"P x {m} B (the engine's own copy)"),
