@@ -331,10 +331,30 @@ def _total_memory(cfg: Config) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+CGROUPS = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
+           ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+            "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"))
+"""(limit, usage, stat, the stat's reclaimable page cache) of cgroup v2, then v1."""
+
+
+def cgroup_room() -> int | None:
+    """Bytes this cgroup may still take: its limit less its usage, the inactive page cache (which the
+    kernel reclaims before it kills) not counted as used; None without a limit."""
+    for limit_file, usage_file, stat_file, cache_key in CGROUPS:
+        limit, usage = _read(limit_file), _read(usage_file)
+        if not limit or not usage:
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes 'no limit' as a page-rounded 2^63
+            return None
+        stat = dict(line.split() for line in (_read(stat_file) or "").splitlines() if len(line.split()) == 2)
+        return max(int(limit) - int(usage) + int(stat.get(cache_key, 0)), 0)
+    return None
+
+
 def available_memory(device: str = "cpu") -> tuple[int, str]:
     """(bytes, where from) the process can have: on CUDA the device's free memory (torch.cuda.mem_get_info);
     on the CPU this process's RSS plus what it can still get: /proc/meminfo's MemAvailable, or the
-    cgroup's memory.max less its memory.current when that is less."""
+    cgroup's room (cgroup_room) when that is less."""
     if device.startswith("cuda"):
         import torch
         free, _ = torch.cuda.mem_get_info(torch.device(device))
@@ -342,9 +362,9 @@ def available_memory(device: str = "cpu") -> tuple[int, str]:
     info = _read("/proc/meminfo") or ""
     line = next((ln for ln in info.splitlines() if ln.startswith("MemAvailable:")), None)
     more, source = (int(line.split()[1]) * 1024, "MemAvailable") if line else (1 << 62, "unknown")
-    limit, used = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
-    if limit and limit != "max" and used and int(limit) - int(used) < more:
-        more, source = max(int(limit) - int(used), 0), "the cgroup's memory.max"
+    room = cgroup_room()
+    if room is not None and room < more:
+        more, source = room, "the cgroup's memory limit"
     rss = _rss_bytes()
     return rss + more, f"{source} + this process's {rss / GIB:.2f} GiB"
 

@@ -133,11 +133,22 @@ def test_opt_out_and_warning(tmp_path, monkeypatch, capsys):
 
 
 def test_available_memory_is_the_lesser_of_meminfo_and_the_cgroup(monkeypatch):
+    """MemAvailable 4 GiB; cgroup v2 limit 3 GiB, 1.25 GiB used of which 0.25 GiB inactive page cache: room
+    2 GiB; plus this process's 0.5 GiB. Without a limit (v2 'max', v1's 2^63), MemAvailable."""
     files = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:    4194304 kB", "/sys/fs/cgroup/memory.max": str(3 * GIB),
-             "/sys/fs/cgroup/memory.current": str(GIB), "/proc/self/status": "VmRSS:\t 524288 kB"}
+             "/sys/fs/cgroup/memory.current": str(int(1.25 * GIB)),
+             "/sys/fs/cgroup/memory.stat": f"anon 1\ninactive_file {GIB // 4}\nactive_file 5",
+             "/proc/self/status": "VmRSS:\t 524288 kB"}
     monkeypatch.setattr(me, "_read", files.get)
-    assert me.available_memory("cpu") == (int(2.5 * GIB), "the cgroup's memory.max + this process's 0.50 GiB")
+    assert me.available_memory("cpu") == (int(2.5 * GIB), "the cgroup's memory limit + this process's 0.50 GiB")
     files["/sys/fs/cgroup/memory.max"] = "max"
+    assert me.available_memory("cpu")[0] == int(4.5 * GIB)
+    v1 = {"/proc/meminfo": files["/proc/meminfo"], "/proc/self/status": files["/proc/self/status"],
+          "/sys/fs/cgroup/memory/memory.limit_in_bytes": str(2 * GIB),
+          "/sys/fs/cgroup/memory/memory.usage_in_bytes": str(GIB), "/sys/fs/cgroup/memory/memory.stat": "total_inactive_file 0"}
+    monkeypatch.setattr(me, "_read", v1.get)
+    assert me.available_memory("cpu")[0] == int(1.5 * GIB)
+    v1["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = "9223372036854771712"
     assert me.available_memory("cpu")[0] == int(4.5 * GIB)
 
 
