@@ -407,8 +407,9 @@ def check_memory(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: i
     have, source = available_memory(cfg.model.device)
     biggest = ", ".join(f"{t.name} {t.bytes / GIB:.2f}" for t in sorted(estimate.terms, key=lambda t: -t.bytes)[:3])
     procs = f" x {local_processes} processes" if need != estimate.total else ""
-    line = (f"this run needs about {need / GIB:.1f} GiB{procs} (largest: {biggest} GiB; `jetflow estimate-memory` "
-            f"lists every term) and the process can have {have / GIB:.1f} GiB ({source})")
+    line = (f"this run needs about {need / GIB:.1f} GiB{procs} with every response at rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} (largest: {biggest} GiB; `jetflow estimate-memory` lists every term) and "
+            f"the process can have {have / GIB:.1f} GiB ({source})")
     if need > have:
         raise MemoryTooSmall(f"memory: {line}; {knobs(cfg, estimate)}, or set run.memory_check=false to try anyway")
     if need > WARN_FRACTION * have:
