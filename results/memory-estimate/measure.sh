@@ -3,6 +3,7 @@
 # and short `jetflow train` runs, each under /usr/bin/time -v), one at a time under the shared bench lock.
 # Writes runs/<name>.time (and the bench's runs/<name>.{json,md}).
 # Usage: bash results/memory-estimate/measure.sh [NAME ...]   (default: every configuration below)
+#        LOCKED=1 flock /tmp/jetflow-bench.lock bash results/memory-estimate/measure.sh NAME ...   (one lock for all)
 set -u
 cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
@@ -20,7 +21,7 @@ declare -A CMD=(
   [smollm2-unified-short]="bench train-step --model smollm2 --modes unified --batch 2 --prompt-len 64 --response-len 256 --warmup 1 --reps 1 run.num_threads=2 $BEFORE"
   [smollm2-fp32-short]="bench train-step --model smollm2 --modes fp32 --batch 2 --prompt-len 64 --response-len 256 --warmup 1 --reps 1 run.num_threads=2 $BEFORE"
   [smollm2-fp32-long]="bench train-step --model smollm2 --modes fp32 --batch 1 --prompt-len 64 --response-len 1024 --warmup 1 --reps 1 run.num_threads=2 $BEFORE"
-  [smollm2-unified-long-savers]="bench train-step --model smollm2 --modes unified --batch 1 --prompt-len 64 --response-len 2048 --warmup 1 --reps 1 run.num_threads=2 $AFTER"
+  [smollm2-unified-long-savers]="bench train-step --model smollm2 --modes unified --batch 1 --prompt-len 64 --response-len 1024 --warmup 1 --reps 1 run.num_threads=2 $AFTER"
   [floor-tiny]="bench train-step --model tiny --modes fp32 --batch 2 --prompt-len 16 --response-len 16 --warmup 1 --reps 1 run.num_threads=2"
   [run-smollm2-unified]="train train.steps=1 eval.num_prompts=0 run.num_threads=2 run.out_dir=/tmp/jetflow-memory-estimate run.name=unified"
   [run-smollm2-fp32]="train precision.mode=fp32 train.steps=1 eval.num_prompts=0 run.num_threads=2 run.out_dir=/tmp/jetflow-memory-estimate run.name=fp32"
@@ -31,6 +32,7 @@ for name in "${@:-${ORDER[@]}}"; do
   args=(${CMD[$name]})
   [[ ${args[0]} == bench ]] && args+=(--out-dir "$OUT" --name "$name")
   [[ ${args[0]} == train ]] && rm -rf "/tmp/jetflow-memory-estimate/${name#run-smollm2-}"
-  flock /tmp/jetflow-bench.lock /usr/bin/time -v -o "$OUT/$name.time" $PY -m jetflow.cli "${args[@]}" 2>&1 | tail -3
+  LOCK=(flock /tmp/jetflow-bench.lock); [[ -n ${LOCKED:-} ]] && LOCK=()  # LOCKED=1: the caller holds the lock
+  "${LOCK[@]}" /usr/bin/time -v -o "$OUT/$name.time" $PY -m jetflow.cli "${args[@]}" 2>&1 | tail -3
   grep -E "Maximum resident|Elapsed" "$OUT/$name.time"
 done

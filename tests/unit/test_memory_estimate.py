@@ -48,6 +48,9 @@ def test_terms_of_the_tiny_model_by_hand():
     assert est.term("activations") == 8 * 64 * per_token == 8 * 64 * 29696
     assert est.term("backward working set") == 8 * 64 * (32 * 128 + 8 * 64 + 24 * 384)
     assert est.term("logits") == 4 * 256 * 19 * 4  # backward groups of 256 rows > forward 2 x 352 rows x V x 4
+    first = me.estimate_train_step(cfg, derived, arch, batch=8, prompt_len=20, response_len=44, first_step_only=True)
+    freed = est.term("activations") + est.term("backward working set") + est.term("logits")
+    assert first.term("AdamW state") == max(8 * P - freed, 0) == 0  # allocated after the backward freed more
 
     cfg, derived, arch = tiny("precision.mode=unified", "precision.numerics=exact",
                               "train.activation_checkpointing=true", "train.micro_batch_size=4")
