@@ -9,6 +9,7 @@
     jetflow convert --out DIR                       SmolLM2-135M-Instruct GGUF -> HF directory
     jetflow export --model DIR --out DIR            FP8 block weights (vLLM layout) of an HF dir, a run or a checkpoint
     jetflow generate --model DIR "prompt" ...
+    jetflow estimate-memory --config FILE [key=value ...]   the run's memory estimate against this machine's
 
 Commands that take a config accept `--config FILE` and any number of `key=value` overrides.
 """
@@ -35,6 +36,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from jetflow.distributed import exit_process
             exit_process(0)  # skip the interpreter teardown of the distributed runtime (see exit_process)
+    return 0
+
+
+def _cmd_estimate_memory(args: argparse.Namespace) -> int:
+    from jetflow.config import load_config
+    from jetflow.run.memory_estimate import describe
+    from jetflow.run.validate import check_config
+    cfg = load_config(args.config, args.overrides)
+    print(describe(cfg, check_config(cfg)))
     return 0
 
 
@@ -155,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. precision.mode=mixed")
     train.set_defaults(func=_cmd_train)
+
+    mem = sub.add_parser("estimate-memory", help="the memory a `jetflow train` run would take, term by term, "
+                         "against what this machine has (the check `jetflow train` runs first)")
+    mem.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
+    mem.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.max_new_tokens=2048")
+    mem.set_defaults(func=_cmd_estimate_memory)
 
     bench = sub.add_parser("bench", help="benchmarks (results/bench/)")
     bench.add_argument("what", choices=["gemm", "linear", "rollout", "mismatch", "train-step", "rl-step", "sync",

@@ -276,6 +276,10 @@ class RunConfig:
     allow_changes: list[str] = field(default_factory=list)
     """run.resume=true: config keys that may differ from the run's config.yaml (e.g. [train.steps,
     train.lr]); they take effect from the resumed step. Any other difference is refused."""
+    memory_check: bool = True
+    """Estimate the run's memory before it starts (jetflow.run.memory_estimate) and refuse a run that cannot
+    fit in what the process can have (RAM and cgroup limit on the CPU, free device memory on CUDA); warn
+    when close. false skips the check (`jetflow estimate-memory` still prints the estimate)."""
 
 
 @dataclass
@@ -423,7 +427,7 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 # run.* keys a resumed (or re-run) session may change without changing the run's results
 SESSION_KEYS = ("resume", "progress", "tensorboard", "loggers", "tracker_project", "mlflow_tracking_uri", "num_threads",
-                "out_dir", "allow_changes")
+                "out_dir", "allow_changes", "memory_check")
 
 
 def run_loggers(run: RunConfig) -> list[str]:

@@ -11,7 +11,8 @@ refuses with one line (ConfigError) that names the key and what is valid:
                                trainer's process count, the optional packages, the run directory
                                (a resume continues the same config), the task's parameters, and the
                                model the run will build, read without loading a weight (its architecture
-                               against the parallel layout, its positions against prompt + response)
+                               against the parallel layout, its positions against prompt + response, its
+                               estimated memory against the machine's: jetflow.run.memory_estimate)
 
 `jetflow train` runs validate_run first; `jetflow ablate` runs it for every cell before the first;
 `jetflow launch` and the benches run check_config.
@@ -33,6 +34,7 @@ from jetflow.rollout.scheduler import pages_for
 from jetflow.errors import UserError
 from jetflow.run.build import build_task, build_tokenizer, model_architecture, prompt_lengths
 from jetflow.run.files import CONFIG_FILE, holds_a_run, run_dir_of
+from jetflow.run.memory_estimate import check_memory
 
 # key, valid(value), what is valid: each a range outside which a run would fail late or silently do
 # something else than asked
@@ -307,6 +309,8 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
         if cfg.rollout.kv_cache_gib * 2**30 < need:
             raise ConfigError(f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: one request of {longest} + "
                               f"{cfg.rollout.max_new_tokens} tokens needs {need / 2**30:.4g} GiB of fp32 KV pages")
+    if cfg.run.memory_check:  # before any weight is loaded: a run that cannot fit is refused in one line
+        check_memory(cfg, derived, arch, longest)
     kept = cfg.precision.keep_first_layers + cfg.precision.keep_last_layers
     if kept > arch.num_layers:
         raise ConfigError(f"precision.keep_first_layers={cfg.precision.keep_first_layers} + keep_last_layers="

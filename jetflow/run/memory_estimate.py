@@ -1,0 +1,441 @@
+"""How much memory a run will take, estimated from its config before anything is built, and what the
+process can have: a run that cannot fit is refused in one line, one close to the limit is warned.
+
+    estimate = estimate_run(cfg, derived, arch, prompt_len)      # jetflow train's process
+    estimate = estimate_train_step(cfg, derived, arch, batch, prompt_len, response_len)   # the bench's
+    check_memory(cfg, derived, arch, prompt_len)   # jetflow.run.validate (run.memory_check=false skips it)
+
+    jetflow estimate-memory --config FILE [key=value ...]      the table of terms, and the limit
+
+The estimate is a sum of terms, each a product of the config's sizes (its formula in `Term.formula`).
+Notation: P parameters (tied weights once), m the master dtype's bytes (4 fp32, 2 bf16), L layers, h
+hidden size, i intermediate size (MoE: experts_per_token x the experts' size), kv = num_kv_heads x
+head_dim, V vocabulary, N = micro_batch_size x (prompt + response) positions of one micro-batch.
+
+- runtime: Python, torch, jetflow, tokenizer and allocator slack (RUNTIME_BYTES, measured).
+- weights, gradients, AdamW: P x m each, and 2 P x m for AdamW's two moments (kept in the parameters' dtype).
+- weight copies: what a precision keeps beside a weight, per linear weight element (copy_bytes): exact
+  numerics keep the canonical GEMM's packed panels (fp32: 4 B, bf16: 2 B; FP8: 1 B of bytes + 1 B of
+  panels + on the trainer 1 B of transposed panels for the dgrad); the CPU emulation of fast FP8 keeps
+  a 4 B dequantized copy beside the 1 B bytes.
+- activations: what autograd saves for one micro-batch's backward, N x per-token bytes
+  (activation_bytes_per_token): L x (a_h h + a_kv kv + a_i i) + 16 h, the coefficients per trainer
+  kind counted with autograd's saved-tensor hooks (results/memory-estimate/saved_activations.py);
+  under train.activation_checkpointing, L x 4 h (each layer's input) + one layer's full set (the layer
+  recomputed in the backward).
+- backward working set: the gradients of one layer's activations, as large as its saved set (two
+  layers' under checkpointing: the recomputed one and its gradients).
+- logits: the (rows, V) fp32 logits and their log_softmax in the forward, rows = the micro-batch's
+  response positions (N_r) or train.logprob_chunk_tokens of them; the backward recomputes GROUP = 256
+  rows at a time (logits, log_softmax, its gradient, the softmax): max(2 x rows x V, 4 x 256 x V) x 4 B.
+- rollout engine (jetflow train only): its own copy of the weights (P x m) and its copies, the KV
+  pages its sequences hold (the pool's budget when they would hold more: pages are mapped when first
+  used), and one decode step's sampling logits (max_batch x V x 4 B x 3).
+
+The peak: the forward ends with the activations and the logits held, the backward starts with them and
+the gradients begin to fill: activations + backward working set + logits + gradients is taken as the
+step's peak (an upper bound: the gradients fill as the activations are freed). Compared with measured
+peak RSS in results/memory-estimate/README.md (within 25% on the configurations measured there).
+Not covered (the estimate is None, the check skipped): run.orchestrator=ray and train.backend=megatron
+(their memory is split over processes and machines the driver does not see).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from jetflow.config import Config, ConfigError, Derived
+from jetflow.model.model_config import ModelConfig
+
+GIB = 2**30
+RUNTIME_BYTES = int(0.45 * GIB)
+"""Python + torch + jetflow imported (0.24 GB measured), the tokenizer and data, the interpreter's and
+the allocator's slack: the peak RSS of a train step of a model of 0.1M parameters is about 0.45 GB."""
+WARN_FRACTION = 0.8
+"""An estimate above this fraction of the available memory is warned (the estimate is within about 25%)."""
+GROUP = 256
+"""Positions the chunked log-probs' backward recomputes at a time (jetflow.model.chunked_logprobs.GROUP)."""
+PAGE = 64
+"""Positions of a KV page (jetflow.rollout.scheduler.PAGE)."""
+
+# bytes saved for backward per token and decoder layer = a_h * h + a_kv * kv + a_i * i, by trainer kind
+# (fp32 master weights; counted by results/memory-estimate/saved_activations.py)
+SAVED_PER_LAYER = {"fp32": (32, 8, 24), "bf16": (48, 12, 30), "fp8": (20, 8, 20)}
+SAVED_OUTSIDE_LAYERS = 16
+"""Bytes per token and unit of h saved outside the layers (embedding output, final norm, the head's input)."""
+
+
+class MemoryTooSmall(ConfigError):
+    """The run's estimated memory exceeds what the process can have."""
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: int
+    formula: str
+    """How `bytes` was computed, with the config's numbers in it."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    terms: tuple[Term, ...]
+    what: str
+    """Whose memory: `jetflow train` (trainer + rollout engine), or a bench's process."""
+
+    @property
+    def total(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    def term(self, name: str) -> int:
+        return next(t.bytes for t in self.terms if t.name == name)
+
+    def table(self) -> str:
+        rows = [f"  {t.name:<22} {t.bytes / GIB:8.3f} GiB   {t.formula}" for t in self.terms]
+        return "\n".join([f"memory estimate ({self.what}):", *rows, f"  {'total':<22} {self.total / GIB:8.3f} GiB"])
+
+
+# Model sizes -------------------------------------------------------------------------------------------
+
+def linear_shapes(arch: ModelConfig) -> list[tuple[str, int, int]]:
+    """(module name, out_features, in_features) of every linear of the native Decoder for `arch`, without
+    building it; lm_head included even when tied to the embedding (its weight is then not a parameter of
+    its own, but the precisions keep copies of it as of any linear)."""
+    c, out = arch, []
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for layer in range(c.num_layers):
+        pre = f"model.layers.{layer}"
+        out += [(f"{pre}.self_attn.q_proj", q, c.hidden_size), (f"{pre}.self_attn.k_proj", kv, c.hidden_size),
+                (f"{pre}.self_attn.v_proj", kv, c.hidden_size), (f"{pre}.self_attn.o_proj", c.hidden_size, q)]
+        if c.is_moe_layer(layer):
+            moe = f"{pre}.{c.moe_attr}"
+            gate, up, down = ("w1", "w3", "w2") if c.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            out.append((f"{moe}.gate", c.num_experts, c.hidden_size))
+            for e in range(c.num_experts):
+                i = c.moe_intermediate_size
+                out += [(f"{moe}.experts.{e}.{gate}", i, c.hidden_size), (f"{moe}.experts.{e}.{up}", i, c.hidden_size),
+                        (f"{moe}.experts.{e}.{down}", c.hidden_size, i)]
+        else:
+            i = c.intermediate_size
+            out += [(f"{pre}.mlp.gate_proj", i, c.hidden_size), (f"{pre}.mlp.up_proj", i, c.hidden_size),
+                    (f"{pre}.mlp.down_proj", c.hidden_size, i)]
+    out.append(("lm_head", c.vocab_size, c.hidden_size))
+    return out
+
+
+def num_params(arch: ModelConfig) -> int:
+    """Parameters of the native Decoder for `arch` (a tied lm_head counted once): the linears' weights and
+    biases, the embedding, the norms (2 h a layer, q / k norms of head_dim, the final norm)."""
+    c = arch
+    linears = linear_shapes(c)
+    weights = sum(o * i for name, o, i in linears if not (name == "lm_head" and c.tie_word_embeddings))
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    biases = c.num_layers * ((q + 2 * kv) * c.qkv_bias + c.hidden_size * c.o_bias)
+    if c.mlp_bias:
+        biases += sum(o for name, o, _ in linears if name.endswith(("gate_proj", "up_proj", "down_proj")))
+    norms = c.num_layers * (2 * c.hidden_size + 2 * c.head_dim * c.qk_norm) + c.hidden_size
+    return weights + biases + norms + c.vocab_size * c.hidden_size
+
+
+def copy_bytes(kind: str, numerics: str, family: str, cuda: bool, trainer: bool) -> float:
+    """Bytes a linear of `kind` (fp32 | bf16 | fp8) keeps per weight element beside the weight itself
+    (jetflow.precision.linear / exact): exact numerics pack the canonical GEMM's panels of the weight as
+    the kind reads it (fp32 4, bf16 2), FP8 keeps its bytes (1) and their panels (1), the trainer also
+    the transposed panels of the dgrad (1); fast numerics: the CPU emulation of FP8 keeps a dequantized
+    fp32 copy (4) beside the bytes, a bf16 rollout a bf16-rounded fp32 copy (4); Hopper's scaled_mm the
+    bytes alone. The mxfp8 / nvfp4 families are counted as FP8 bytes plus a dequantized fp32 copy."""
+    if kind == "fp8":
+        if family != "fp8_block":
+            return 5.0
+        if numerics == "exact":
+            return 3.0 if trainer else 2.0
+        return 1.0 if cuda else 5.0
+    if numerics == "exact":
+        return 4.0 if kind == "fp32" else 2.0
+    return 4.0 if (kind == "bf16" and not trainer and not cuda) else 0.0
+
+
+def weight_copies(arch: ModelConfig, kind: str, derived: Derived, cuda: bool, trainer: bool) -> tuple[int, str]:
+    """(bytes, formula) of the copies every linear of one side keeps under its linear `kind`; under fp8
+    the linears the recipe keeps in high precision (lm_head, routers, first / last layers) are bf16."""
+    recipe, by_kind = derived.recipe, {"fp32": 0, "bf16": 0, "fp8": 0}
+    for name, o, i in linear_shapes(arch):
+        k = kind
+        if kind == "fp8" and recipe.keeps_in_high_precision(name, _layer(name), arch.num_layers):
+            k = "bf16"
+        by_kind[k] += o * i
+    total, parts = 0.0, []
+    for k, n in by_kind.items():
+        b = copy_bytes(k, derived.numerics, recipe.family, cuda, trainer)
+        if n and b:
+            total += n * b
+            parts.append(f"{n / 1e6:.3g}M {k} weights x {b:g} B")
+    return int(total), " + ".join(parts) or "none"
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+
+
+# Activations and logits -------------------------------------------------------------------------------
+
+def _ffn_size(arch: ModelConfig) -> int:
+    """The intermediate size a token's MLP activations span (MoE: the experts it is routed to)."""
+    return arch.num_experts_per_tok * arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
+
+
+def layer_bytes_per_token(arch: ModelConfig, kind: str) -> int:
+    """Bytes one decoder layer saves for backward per token: a_h h + a_kv kv + a_i i (SAVED_PER_LAYER)."""
+    a_h, a_kv, a_i = SAVED_PER_LAYER[kind]
+    return a_h * arch.hidden_size + a_kv * arch.num_kv_heads * arch.head_dim + a_i * _ffn_size(arch)
+
+
+def activation_bytes_per_token(arch: ModelConfig, kind: str, checkpointing: bool) -> int:
+    """Bytes saved for backward per token of a micro-batch, every layer and the parts outside them:
+    L x layer + 16 h; under checkpointing L x 4 h (each layer's input) + one layer (recomputed)."""
+    outside = SAVED_OUTSIDE_LAYERS * arch.hidden_size
+    layer = layer_bytes_per_token(arch, kind)
+    if checkpointing:
+        return arch.num_layers * 4 * arch.hidden_size + layer + outside
+    return arch.num_layers * layer + outside
+
+
+def logits_bytes(vocab: int, response_positions: int, chunk: int) -> tuple[int, str]:
+    """(bytes, formula) of the log-probs' logits: forward 2 x rows x V x 4 (logits and log_softmax, rows
+    = the response positions or the chunk), backward 4 x GROUP x V x 4; the larger of the two."""
+    rows = min(chunk, response_positions) if chunk else response_positions
+    fwd, bwd = 2 * rows * vocab * 4, 4 * min(GROUP, response_positions) * vocab * 4
+    if fwd >= bwd:
+        return fwd, f"2 x {rows} rows x V={vocab} x 4 B (forward{', train.logprob_chunk_tokens' if chunk else ''})"
+    return bwd, f"4 x {min(GROUP, response_positions)} rows x V={vocab} x 4 B (backward groups)"
+
+
+# The estimates ---------------------------------------------------------------------------------------
+
+def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, rows: int, prompt_len: int,
+                   response_len: int) -> list[Term]:
+    """The trainer's terms for micro-batches of `rows` sequences of prompt_len + response_len positions."""
+    t, m = cfg.train, (4 if cfg.model.dtype == "float32" else 2)
+    kind = cfg.precision.precision_mode.trainer_kind
+    cuda = cfg.model.device.startswith("cuda")
+    P = num_params(arch)
+    copies, copies_formula = weight_copies(arch, kind, derived, cuda, trainer=True)
+    n = rows * (prompt_len + response_len)
+    per_token = activation_bytes_per_token(arch, kind, t.activation_checkpointing)
+    layer = layer_bytes_per_token(arch, kind)
+    work = (2 if t.activation_checkpointing else 1) * layer
+    logits, logits_formula = logits_bytes(arch.vocab_size, rows * response_len, t.logprob_chunk_tokens)
+    ckpt = "train.activation_checkpointing: L x 4 h + one layer" if t.activation_checkpointing else "L layers"
+    return [
+        Term("trainer weights", P * m, f"P={P / 1e6:.1f}M x {m} B"),
+        Term("trainer copies", copies, f"{kind} linears: {copies_formula}"),
+        Term("gradients", P * m, f"P x {m} B"),
+        Term("AdamW state", 2 * P * m, f"2 x P x {m} B"),
+        Term("activations", n * per_token, f"N={rows} x ({prompt_len} + {response_len}) positions "
+                                           f"(train.micro_batch_size) x {per_token} B ({ckpt})"),
+        Term("backward working set", n * work, f"N x {work} B ({'two layers' if t.activation_checkpointing else 'one layer'})"),
+        Term("logits", logits, logits_formula),
+    ]
+
+
+def _runtime(cfg: Config) -> Term:
+    if cfg.model.device.startswith("cuda"):
+        return Term("runtime", 0, "host memory (the check compares device memory)")
+    return Term("runtime", RUNTIME_BYTES, "Python, torch, jetflow, allocator slack (measured floor)")
+
+
+def _micro_rows(cfg: Config, batch: int) -> int:
+    return min(cfg.train.micro_batch_size, batch)
+
+
+def estimate_train_step(cfg: Config, derived: Derived, arch: ModelConfig, batch: int, prompt_len: int,
+                        response_len: int, first_step_only: bool = False) -> MemoryEstimate:
+    """The process of `jetflow bench train-step` with one mode: the bench's source model (P x m) and a
+    Trainer over its copy, `batch` rows of prompt_len + response_len positions. `first_step_only` (the
+    bench's --warmup 0 --reps 1): AdamW's state is first allocated by the optimizer step, after the
+    backward has freed the activations, so it adds to the peak only where it exceeds them."""
+    m = 4 if cfg.model.dtype == "float32" else 2
+    terms = [_runtime(cfg),
+             Term("bench source model", num_params(arch) * m, f"P x {m} B (the copy the bench builds trainers from)"),
+             *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, batch), prompt_len, response_len)]
+    if first_step_only:
+        freed = sum(t.bytes for t in terms if t.name in ("activations", "backward working set", "logits"))
+        adam = next(t for t in terms if t.name == "AdamW state")
+        terms = [Term(t.name, max(adam.bytes - freed, 0), f"first step: max(0, 2 x P x {m} B - activations, working "
+                      "set and logits freed before the optimizer step)") if t is adam else t for t in terms]
+    return MemoryEstimate(tuple(terms), f"bench train-step, batch {batch} x ({prompt_len} + {response_len})")
+
+
+def estimate_run(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: int, data_parallel: int = 1) -> MemoryEstimate:
+    """One process of `jetflow train` (local placement): the trainer, its rollout engine, and the KV
+    pages of a step's sequences (this rank's share of prompts_per_step x group_size, or the held-out
+    evaluation's prompts if more), every response at rollout.max_new_tokens."""
+    r, t = cfg.rollout, cfg.train
+    m = 4 if cfg.model.dtype == "float32" else 2
+    P, new = num_params(arch), r.max_new_tokens
+    trained = t.prompts_per_step // max(data_parallel, 1) * r.group_size
+    sequences = max(trained, cfg.eval.num_prompts)  # what the engine decodes at once, at most
+    terms = [_runtime(cfg), *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, trained), prompt_len, new)]
+    cuda = cfg.model.device.startswith("cuda")
+    copies, copies_formula = weight_copies(arch, cfg.precision.precision_mode.rollout_kind, derived, cuda, trainer=False)
+    terms += [Term("rollout weights", P * m, f"P x {m} B (the engine's own copy)"),
+              Term("rollout copies", copies, f"{cfg.precision.precision_mode.rollout_kind} linears: {copies_formula}")]
+    terms.append(_kv_term(cfg, arch, prompt_len, sequences))
+    batch = min(r.max_batch, sequences)
+    terms.append(Term("sampling logits", 3 * batch * arch.vocab_size * 4, f"3 x {batch} rows x V x 4 B"))
+    return MemoryEstimate(tuple(terms), f"jetflow train, {sequences} sequences of {prompt_len} + {new} positions")
+
+
+def _kv_term(cfg: Config, arch: ModelConfig, prompt_len: int, sequences: int) -> Term:
+    """The native engine's KV pages: min(pool, held) where held = (min(max_batch, sequences) x
+    ceil((prompt + new) / 64) + 1) pages of 2 x L x kv x 64 x e bytes (e: 1 for FP8 K/V, else 4) and the
+    pool = rollout.kv_cache_gib, or max_batch x ceil(max_seq_len / 64) + 1 fp32 pages (the engine's
+    default, max_seq_len = 2 x prompt + new + 16). vLLM: its reservation, the fraction of memory."""
+    r = cfg.rollout
+    if r.backend == "vllm":
+        total = _total_memory(cfg)
+        return Term("KV cache", int(r.vllm_gpu_memory_utilization * total),
+                    f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} x {total / GIB:.1f} GiB")
+    e = 1 if cfg.precision.kv_cache_fp8 else 4
+    page = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * PAGE * e
+    held_pages = min(r.max_batch, sequences) * -(-(prompt_len + r.max_new_tokens) // PAGE) + 1
+    if r.kv_cache_gib is not None:
+        pool, pool_what = int(r.kv_cache_gib * GIB), f"rollout.kv_cache_gib={r.kv_cache_gib}"
+    else:
+        fp32_page = page * 4 // e
+        pool = (r.max_batch * -(-(2 * prompt_len + r.max_new_tokens + 16) // PAGE) + 1) * fp32_page
+        pool_what = f"rollout.max_batch={r.max_batch} full-length fp32 sequences"
+    held = held_pages * page
+    if held <= pool:
+        return Term("KV cache", held, f"{held_pages} pages x {page / 2**20:.2f} MiB (pages the sequences hold)")
+    return Term("KV cache", pool, f"the pool, {pool_what} (the sequences would hold {held / GIB:.2f} GiB)")
+
+
+# What the process can have -------------------------------------------------------------------------------
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory now (it is part of the estimate's runtime term)."""
+    status = _read("/proc/self/status") or ""
+    line = next((ln for ln in status.splitlines() if ln.startswith("VmRSS:")), None)
+    return int(line.split()[1]) * 1024 if line else 0
+
+
+def _total_memory(cfg: Config) -> int:
+    if cfg.model.device.startswith("cuda"):
+        import torch
+        return torch.cuda.mem_get_info(torch.device(cfg.model.device))[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+CGROUPS = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
+           ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+            "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"))
+"""(limit, usage, stat, the stat's reclaimable page cache) of cgroup v2, then v1."""
+
+
+def cgroup_room() -> int | None:
+    """Bytes this cgroup may still take: its limit less its usage, the inactive page cache (which the
+    kernel reclaims before it kills) not counted as used; None without a limit."""
+    for limit_file, usage_file, stat_file, cache_key in CGROUPS:
+        limit, usage = _read(limit_file), _read(usage_file)
+        if not limit or not usage:
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes 'no limit' as a page-rounded 2^63
+            return None
+        stat = dict(line.split() for line in (_read(stat_file) or "").splitlines() if len(line.split()) == 2)
+        return max(int(limit) - int(usage) + int(stat.get(cache_key, 0)), 0)
+    return None
+
+
+def available_memory(device: str = "cpu") -> tuple[int, str]:
+    """(bytes, where from) the process can have: on CUDA the device's free memory (torch.cuda.mem_get_info);
+    on the CPU this process's RSS plus what it can still get: /proc/meminfo's MemAvailable, or the
+    cgroup's room (cgroup_room) when that is less."""
+    if device.startswith("cuda"):
+        import torch
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free, f"free memory of {device}"
+    info = _read("/proc/meminfo") or ""
+    line = next((ln for ln in info.splitlines() if ln.startswith("MemAvailable:")), None)
+    more, source = (int(line.split()[1]) * 1024, "MemAvailable") if line else (1 << 62, "unknown")
+    room = cgroup_room()
+    if room is not None and room < more:
+        more, source = room, "the cgroup's memory limit"
+    rss = _rss_bytes()
+    return rss + more, f"{source} + this process's {rss / GIB:.2f} GiB"
+
+
+# The check -------------------------------------------------------------------------------------------------
+
+def knobs(cfg: Config, estimate: MemoryEstimate) -> str:
+    """What to turn, for the largest terms that a config key shrinks."""
+    t, r = cfg.train, cfg.rollout
+    advice = {
+        "activations": [f"lower train.micro_batch_size (now {t.micro_batch_size})"]
+        + ([] if t.activation_checkpointing else ["set train.activation_checkpointing=true"]),
+        "logits": [f"set train.logprob_chunk_tokens (now {t.logprob_chunk_tokens}) to e.g. 1024"
+                   if not t.logprob_chunk_tokens or t.logprob_chunk_tokens > 1024
+                   else f"lower train.micro_batch_size (now {t.micro_batch_size})"],
+        "KV cache": [f"set rollout.kv_cache_gib (now {r.kv_cache_gib}) lower" if r.backend == "native"
+                     else "lower rollout.vllm_gpu_memory_utilization"]
+        + (["set precision.kv_cache_fp8=true"] if r.backend == "native" and not cfg.precision.kv_cache_fp8 else []),
+    }
+    advice["backward working set"] = advice["activations"]
+    ranked = sorted((t for t in estimate.terms if t.name in advice), key=lambda t: -t.bytes)
+    out: list[str] = []
+    for term in ranked[:2]:
+        out += [a for a in advice[term.name] if a not in out]
+    if not out or estimate.total - sum(t.bytes for t in ranked) > sum(t.bytes for t in ranked):
+        out.append("use a smaller model or more memory")
+    return ", ".join(out)
+
+
+def check_memory(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: int) -> MemoryEstimate | None:
+    """Refuse a run whose estimate exceeds the memory its processes can have on this machine (MemoryTooSmall,
+    one line: the estimate, the memory, the knobs); warn on stderr above WARN_FRACTION of it. Under
+    torchrun each rank holds a whole trainer and engine for its share of the prompts (WORLD_SIZE), and
+    the LOCAL_WORLD_SIZE ranks of this machine share its RAM. Ray and Megatron runs are not estimated (None)."""
+    if cfg.run.orchestrator == "ray" or cfg.train.backend == "megatron":
+        return None
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    estimate = estimate_run(cfg, derived, arch, prompt_len, int(os.environ.get("WORLD_SIZE", "1")))
+    need = estimate.total * (1 if cfg.model.device.startswith("cuda") else local_processes)
+    have, source = available_memory(cfg.model.device)
+    biggest = ", ".join(f"{t.name} {t.bytes / GIB:.2f}" for t in sorted(estimate.terms, key=lambda t: -t.bytes)[:3])
+    procs = f" x {local_processes} processes" if need != estimate.total else ""
+    line = (f"this run needs about {need / GIB:.1f} GiB{procs} with every response at rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} (largest: {biggest} GiB; `jetflow estimate-memory` lists every term) and "
+            f"the process can have {have / GIB:.1f} GiB ({source})")
+    if need > have:
+        raise MemoryTooSmall(f"memory: {line}; {knobs(cfg, estimate)}, or set run.memory_check=false to try anyway")
+    if need > WARN_FRACTION * have:
+        print(f"[jetflow] warning: memory: {line}: close to the limit; {knobs(cfg, estimate)} to leave room",
+              file=sys.stderr)
+    return estimate
+
+
+def describe(cfg: Config, derived: Derived) -> str:
+    """`jetflow estimate-memory`: the run's terms, the memory the process can have, and the verdict."""
+    from jetflow.run.build import build_task, build_tokenizer, longest_prompt, model_architecture
+
+    arch = model_architecture(cfg)
+    prompt_len = longest_prompt(cfg, build_tokenizer(cfg), build_task(cfg))
+    if cfg.run.orchestrator == "ray" or cfg.train.backend == "megatron":
+        return "not estimated: run.orchestrator=ray and train.backend=megatron split the run over processes"
+    estimate = estimate_run(cfg, derived, arch, prompt_len, int(os.environ.get("WORLD_SIZE", "1")))
+    have, source = available_memory(cfg.model.device)
+    verdict = ("does not fit" if estimate.total > have else
+               "close to the limit" if estimate.total > WARN_FRACTION * have else "fits")
+    return (f"{estimate.table()}\navailable: {have / GIB:.3f} GiB ({source}): {verdict}"
+            + (f"; {knobs(cfg, estimate)}" if verdict != "fits" else ""))
