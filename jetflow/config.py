@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from jetflow.errors import UserError
+from jetflow.kernels.support import exact_kernels_missing, unsplit_row_parallel_k
 from jetflow.model.model_config import MOE_TYPES
 from jetflow.precision.modes import PRECISION_MODES, PrecisionMode
 from jetflow.precision.recipe import FAMILIES, FORMATS, SCALE_RULES, FP8Recipe
@@ -300,29 +301,16 @@ def _valid_keys(node: Any) -> list[str]:
 
 def exact_blocker(cfg: Config) -> str | None:
     """Why exact numerics cannot run with this config, or None (what `auto` resolves by; asking for
-    `exact` anyway is refused by jetflow.run.validate)."""
-    if cfg.model.device.startswith("cuda"):
-        from jetflow.kernels.triton import available
-        if not available():
-            return "on CUDA the batch-invariant kernels are Triton's: pip install triton==3.6.0"
-    elif not cfg.model.device.startswith("cpu"):
-        return f"the batch-invariant kernels run on the CPU and on CUDA (model.device={cfg.model.device})"
-    if cfg.train.backend == "megatron" and (k := _megatron_unsplit_k(cfg)):
-        return (f"train.backend=megatron with train.tensor_parallel_size={cfg.train.tensor_parallel_size} cannot split "
+    `exact` anyway is refused by jetflow.run.validate). The tiny model's row-parallel Ks (o_proj: hidden,
+    down_proj: intermediate) are checked here; a checkpoint's when the Megatron policy is built."""
+    if why := exact_kernels_missing(cfg.model.device):
+        return why
+    tp, tiny = cfg.train.tensor_parallel_size, cfg.model.tiny
+    if cfg.train.backend == "megatron" and cfg.model.path == "tiny" and (
+            k := unsplit_row_parallel_k((tiny.hidden_size, tiny.intermediate_size), tp)):
+        return (f"train.backend=megatron with train.tensor_parallel_size={tp} cannot split "
                 f"a row-parallel K of {k} into whole canonical 128-block groups (jetflow.kernels.canonical)")
     return None
-
-
-def _megatron_unsplit_k(cfg: Config) -> int | None:
-    """A row-parallel K of the tiny model (o_proj: hidden, down_proj: intermediate) that the Megatron
-    trainer's tensor parallelism cannot split exactly (tree_width(K) not a multiple of TP), else None. A
-    checkpoint's shapes are checked when the policy is built (jetflow.train.megatron.checks)."""
-    from jetflow.kernels.canonical import tree_width
-
-    tp, tiny = cfg.train.tensor_parallel_size, cfg.model.tiny
-    if tp == 1 or cfg.model.path != "tiny":
-        return None
-    return next((k for k in (tiny.hidden_size, tiny.intermediate_size) if tree_width(k) % tp), None)
 
 
 def resolve_correction(cfg: Config) -> str:
