@@ -165,11 +165,31 @@ class AlgoConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     """Asymmetric PPO clipping (clip-higher)."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
-    """token_mean | seq_mean_token_mean | seq_mean_token_sum."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
+    """token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO: each
+    sequence's token sum over the constant loss_scale_factor, then the mean over sequences)."""
+    loss_scale_factor: int = 0  # the constant of loss_agg=seq_mean_token_sum_norm; 0: rollout.max_new_tokens
+    ratio_level: Literal["token", "sequence"] = "token"
+    """token (PPO / GRPO) | sequence (GSPO: one ratio per sequence, exp(mean over the response of
+    (log pi - log pi_old)), clipped per sequence; needs loss_agg=seq_mean_token_mean)."""
     kl_coef: float = 0.0
-    """KL penalty to the initial (reference) policy. Must be 0 for now: the loss has the term
-    (jetflow.rl.loss.policy_loss) but `jetflow train` keeps no reference policy yet."""
+    """Weight of the KL penalty to the reference policy (the weights RL starts from, frozen in the trainer's
+    precision: jetflow.train.reference); 0: none."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"  # jetflow.rl.kl; low_var_kl: k3 in [-10, 10]
+    kl_in: Literal["loss", "reward"] = "loss"
+    """loss: kl_coef x the aggregated estimator joins the policy loss (GRPO). reward: each response's
+    reward loses kl_coef x its estimator summed over its tokens, before the advantages."""
+    log_ref_kl: bool = False
+    """Keep the reference and log `kl/ref` at kl_coef=0 too (a baseline for a penalised run)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped and refilled by rollouts of
+    new prompts; `sampling/kept_group_frac` logs the share of generated groups kept."""
+    dynamic_sampling_max_rounds: int = 3
+    """Extra rollout rounds a step may run to refill; a step still short trains on the groups it has."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (0: off): a response longer than rollout.max_new_tokens -
+    overlong_buffer loses up to overlong_penalty reward (the factor), linearly over the buffer."""
+    overlong_penalty: float = 1.0
     correction: Literal["auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "ais"] = "auto"
     """Rollout correction: auto (none for bf16 / unified, token_tis for mixed) | none | token_tis |
     token_mis | seq_tis | seq_mis | ais."""

@@ -24,7 +24,9 @@ TINY = "configs/tiny.yaml"
     ("rollout.group_size=0", r"^rollout.group_size=0 is out of range"),
     ("rollout.top_p=1.5", r"^rollout.top_p=1.5 is out of range; it must be in \(0, 1\]"),
     ("rollout.kv_cache_gib=0", r"^rollout.kv_cache_gib=0.0 is out of range; it must be > 0 GiB, or null"),
-    ("algo.kl_coef=0.1", r"^algo.kl_coef=0.1 is out of range; it must be 0: a KL penalty needs a reference policy"),
+    ("algo.kl_coef=-0.1", r"^algo.kl_coef=-0.1 is out of range; it must be >= 0"),
+    ("algo.overlong_buffer=-1", r"^algo.overlong_buffer=-1 is out of range; it must be >= 0"),
+    ("algo.dynamic_sampling_max_rounds=-1", r"^algo.dynamic_sampling_max_rounds=-1 is out of range"),
     ("algo.clip_low=1.0", r"^algo.clip_low=1.0 is out of range; it must be in \[0, 1\)"),
     ("model.tiny.num_heads=0", r"^model.tiny.num_heads=0 is out of range; it must be >= 1$"),
 ])
