@@ -168,10 +168,10 @@ class RLLoop:
         cfg, group = self.cfg, self.cfg.rollout.group_size
         first_round = self._sample(step, problems, prompts, first, 0)
         generated = sum(len(t) for t in first_round.out.token_ids)
+        if cfg.algo.overlong_buffer:  # the mean reward the punishment took from the policy's own samples
+            task_rewards = torch.tensor([s.total for s in first_round.scores], dtype=torch.float32)
+            metrics["reward/overlong_penalty"] = float((first_round.rewards - task_rewards).mean())
         if not cfg.algo.dynamic_sampling:
-            if cfg.algo.overlong_buffer:
-                metrics["reward/overlong_penalty"] = float((first_round.rewards - torch.tensor(
-                    [s.total for s in first_round.scores])).mean())
             return first_round, first_round, generated
         kept: list[Sampled] = []
         wanted, n_kept, n_generated, round_, batch = len(problems), 0, 0, 0, first_round

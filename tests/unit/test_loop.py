@@ -271,3 +271,13 @@ def test_kl_in_the_reward_lowers_each_reward_by_its_summed_estimator_before_the_
     assert exp.rewards.tolist() == pytest.approx([0.9, -0.1, -0.1, 0.9])
     assert m["kl/reward_penalty"] == pytest.approx(0.1) and m["reward/mean"] == 0.5  # the task's reward
     assert exp.advantages[0] > 0 > exp.advantages[1]
+
+
+def test_the_overlong_punishment_lowers_the_rewards_of_long_responses():
+    # max_new_tokens 3, buffer 2: free up to 1 token; each response has 2, so -1 * (2 - 1) / 2 = -0.5
+    cfg, loop, engine, trainer = make_loop("unified", "algo.old_logprobs=recompute", "rollout.max_new_tokens=3",
+                                           "algo.overlong_buffer=2")
+    m = loop.step(3)
+    (exp,) = [c[1] for c in trainer.calls if c[0] == "train_step"]
+    assert exp.rewards.tolist() == [0.5, -0.5, -0.5, 0.5]
+    assert m["reward/overlong_penalty"] == -0.5 and m["reward/mean"] == 0.5  # the task's own reward
