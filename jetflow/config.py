@@ -168,11 +168,19 @@ class AlgoConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     """Asymmetric PPO clipping (clip-higher)."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
-    """token_mean | seq_mean_token_mean | seq_mean_token_sum."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
+    """token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO; jetflow.rl.loss)."""
+    loss_scale_factor: int = 0  # seq_mean_token_sum_norm's constant divisor; 0: rollout.max_new_tokens
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's per-sequence ratio (jetflow.rl.loss)
     kl_coef: float = 0.0
-    """KL penalty to the initial (reference) policy. Must be 0 for now: the loss has the term
-    (jetflow.rl.loss.policy_loss) but `jetflow train` keeps no reference policy yet."""
+    """KL penalty to the frozen reference (jetflow.train.reference); log_ref_kl: log `kl/ref` at 0 too."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"  # jetflow.rl.kl
+    kl_in: Literal["loss", "reward"] = "loss"  # reward: each reward less kl_coef x its summed estimator
+    log_ref_kl: bool = False
+    dynamic_sampling: bool = False  # DAPO: equal-reward groups dropped and refilled (jetflow.run.loop)
+    dynamic_sampling_max_rounds: int = 3  # the most extra rollout rounds a step runs to refill
+    overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last N of max_new_tokens (0: off)
+    overlong_penalty: float = 1.0  # its largest reward penalty (jetflow.rl.shaping)
     correction: Literal["auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "ais"] = "auto"
     """Rollout correction: auto (none for bf16 / unified, token_tis for mixed) | none | token_tis |
     token_mis | seq_tis | seq_mis | ais."""
@@ -182,18 +190,15 @@ class AlgoConfig:
     ppo_epochs: int = 1
     """Optimizer passes over each rollout batch."""
     old_logprobs: Literal["auto", "recompute"] = "auto"
-    """Where pi_old comes from. auto: with ppo_epochs = 1 and a row-local correction (all but ais), the
-    training forward's own detached log-probs (no extra forward); otherwise, and with `recompute`,
-    a separate no-grad forward before the update."""
+    """Where pi_old comes from. auto: with ppo_epochs = 1 and a row-local correction (all but ais), the training
+    forward's own detached log-probs; otherwise, and with `recompute`, a separate no-grad forward."""
     router_aux_loss_coef: float = 0.0
-    """MoE models: weight of the router load-balancing loss (transformers' `load_balancing_loss_func`
-    over every MoE layer and every real token of a micro-batch) added to the policy loss; 0 leaves the
-    routers to the policy gradient alone (pretrained MoE configs use about 0.001)."""
+    """MoE models: weight of the router load-balancing loss (transformers' `load_balancing_loss_func` over every
+    MoE layer and real token of a micro-batch) in the policy loss; 0: none (pretrained MoE configs: ~0.001)."""
     routing_replay: bool = False
-    """MoE models: the trainer routes every token the rollout ran to the experts the rollout engine
-    chose (routing replay), with the router's probabilities at them as the weights; the step's
-    `moe/router_flip_frac` says how many tokens the trainer's router alone would have sent elsewhere.
-    Native rollout engine and trainer only."""
+    """MoE models: the trainer routes every token to the experts the rollout engine chose (routing replay),
+    weighted by its router's probabilities; `moe/router_flip_frac`: tokens its router alone would send
+    elsewhere. Native rollout engine and trainer only."""
 
 
 @dataclass

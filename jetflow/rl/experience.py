@@ -25,6 +25,7 @@ class Experience:
     prompt_len: int  # P
     old_logprobs: Tensor | None = None  # (B, R) log pi_trainer(a_t | s_t) under the rollout's weights
     is_weights: Tensor | None = None  # (B, R) rollout-correction weights (detached)
+    ref_logprobs: Tensor | None = None  # (B, R) log pi_ref(a_t | s_t) of the reference policy (a KL penalty)
     routed_experts: Tensor | None = None  # (B, P + R, L_moe, K) routing replay: the rollout's expert ids, -1 elsewhere
 
     @property

@@ -1,4 +1,5 @@
-"""PPO-clip policy loss for GRPO, with asymmetric clipping and an optional k3 KL penalty.
+"""PPO-clip policy loss for GRPO, with asymmetric clipping, a token- or sequence-level importance ratio
+(GSPO) and an optional KL penalty to a reference policy (jetflow.rl.kl's estimators).
 
 Shapes: B sequences, T response positions. ``mask`` (B, T) marks response tokens (1) vs padding (0).
 
@@ -17,6 +18,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from .kl import kl_estimate
 
 # Log-ratios are clamped before exp() so that a wild token cannot overflow to inf (and inf * 0 to
 # NaN). exp(20) ~ 5e8 is far outside any clip range, so the clamp never changes a clipped loss.
@@ -43,21 +46,30 @@ def _seq_mean_token_sum(x: Tensor, mask: Tensor) -> Tensor:
     return per_seq.sum() / (counts > 0).sum().clamp(min=1)
 
 
-AGGREGATIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+def _seq_mean_token_sum_norm(x: Tensor, mask: Tensor, scale: float) -> Tensor:
+    return _seq_mean_token_sum(x, mask) / scale
+
+
+AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
     # sum over all masked tokens / number of masked tokens (long answers weigh more)
     "token_mean": _token_mean,
     # mean over tokens of each sequence, then mean over sequences (original GRPO)
     "seq_mean_token_mean": _seq_mean_token_mean,
     # sum over tokens of each sequence, then mean over sequences
     "seq_mean_token_sum": _seq_mean_token_sum,
+    # the same divided by a constant length (Dr. GRPO; verl's seq-mean-token-sum-norm, whose
+    # loss_scale_factor is `scale`): no sequence's tokens are averaged by its own length
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
 }
 
 
-def aggregate(x: Tensor, mask: Tensor, agg: str = "token_mean") -> Tensor:
+def aggregate(x: Tensor, mask: Tensor, agg: str = "token_mean", scale: float | None = None) -> Tensor:
     """Reduce a per-token quantity ``x`` (B, T) to a scalar over the masked tokens.
 
     Sequence-level modes average over sequences with at least one response token; an all-zero
-    mask gives 0 (never NaN).
+    mask gives 0 (never NaN). ``scale``: the constant divisor of ``seq_mean_token_sum_norm`` (the
+    longest response a run allows, rollout.max_new_tokens); None: the mask's width T, as verl's
+    default (which then varies from batch to batch).
     """
     try:
         fn = AGGREGATIONS[agg]
@@ -65,6 +77,8 @@ def aggregate(x: Tensor, mask: Tensor, agg: str = "token_mean") -> Tensor:
         raise ValueError(
             f"unknown loss aggregation {agg!r}; valid: {', '.join(AGGREGATIONS)}"
         ) from None
+    if agg == "seq_mean_token_sum_norm":
+        return fn(x, mask.to(x.dtype), float(scale if scale is not None else mask.shape[-1]))
     return fn(x, mask.to(x.dtype))
 
 
@@ -93,8 +107,11 @@ def policy_loss(
     is_weights: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    ratio_level: str = "token",
+    scale: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate with clip-higher (DAPO), optional IS weights and k3 KL penalty.
+    """PPO clipped surrogate with clip-higher (DAPO), optional IS weights and KL penalty.
 
     Args:
         logprobs: (B, T) log pi_theta(a_t|s_t) of the current policy; carries the gradient.
@@ -105,9 +122,14 @@ def policy_loss(
         agg: one of ``AGGREGATIONS``.
         is_weights: (B, T) rollout-correction weights, detached here; multiply the per-token
             policy-gradient loss (not the KL term).
-        ref_logprobs: (B, T) log pi_ref; with ``kl_coef > 0`` adds
-            ``kl_coef * (exp(ref - lp) - (ref - lp) - 1)`` per token (k3 estimator of
-            KL(pi_theta || pi_ref)).
+        ref_logprobs: (B, T) log pi_ref; with ``kl_coef > 0`` adds ``kl_coef`` times the
+            aggregated per-token ``kl_estimator`` of KL(pi_theta || pi_ref) (jetflow.rl.kl).
+        ratio_level: ``token``: one importance ratio pi_theta / pi_old per token (PPO / GRPO).
+            ``sequence`` (GSPO, arXiv 2507.18071; verl's ``gspo`` policy loss): one ratio per
+            sequence, s_i = exp(mean over its tokens of (lp - old)), clipped per sequence; each
+            token carries s_i's value with the gradient of s_i * lp_t / |y_i| (verl's
+            ``lp - lp.detach() + mean log-ratio``), so ``seq_mean_token_mean`` gives grad s_i.
+        scale: the constant of ``seq_mean_token_sum_norm`` (see ``aggregate``).
 
     Returns:
         (loss scalar with grad, metrics). Metrics: ``loss/policy`` (aggregated PG term, after IS
@@ -120,6 +142,12 @@ def policy_loss(
 
     # where(), not multiplication by the mask: padding may hold -inf / garbage logprobs.
     log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), zeros)  # (B, T)
+    if ratio_level == "sequence":
+        seq_log_ratio = log_ratio.detach().sum(dim=-1) / mask_f.sum(dim=-1).clamp(min=1.0)  # (B,)
+        lp = torch.where(valid, logprobs, zeros)  # (B, T)
+        log_ratio = torch.where(valid, lp - lp.detach() + seq_log_ratio[:, None], zeros)  # (B, T)
+    elif ratio_level != "token":
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: token, sequence")
     ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # (B, T)
     adv = advantages.detach().to(logprobs.dtype)[:, None]  # (B, 1)
 
@@ -130,7 +158,7 @@ def policy_loss(
     if is_weights is not None:
         pg = pg * is_weights.detach().to(pg.dtype)
 
-    pg_loss = aggregate(pg, mask_f, agg)
+    pg_loss = aggregate(pg, mask_f, agg, scale)
     loss = pg_loss
     metrics = {
         "loss/policy": pg_loss.item(),
@@ -139,10 +167,11 @@ def policy_loss(
     }
 
     if ref_logprobs is not None and kl_coef != 0.0:
-        d = torch.where(valid, ref_logprobs.detach() - logprobs, zeros)  # (B, T)
-        d = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        kl = torch.exp(d) - d - 1.0  # (B, T) k3, >= 0
-        kl_loss = aggregate(kl, mask_f, agg)
+        # where(), not a product with the mask: padding may hold -inf log-probs
+        lp = torch.where(valid, logprobs, zeros)  # (B, T)
+        ref = torch.where(valid, ref_logprobs.detach().to(lp.dtype), zeros)  # (B, T)
+        kl = torch.where(valid, kl_estimate(lp, ref, kl_estimator), zeros)  # (B, T)
+        kl_loss = aggregate(kl, mask_f, agg, scale)
         loss = loss + kl_coef * kl_loss
         metrics["loss/kl"] = kl_loss.item()
 

@@ -1,5 +1,6 @@
-"""One RL step, backend-agnostic: sync -> rollout -> rewards -> advantages -> old log-probs ->
-mismatch metrics -> rollout correction -> policy update.
+"""One RL step, backend-agnostic: sync -> rollout -> rewards (overlong shaping; dynamic sampling's
+refills) -> reference log-probs -> advantages -> old log-probs -> mismatch metrics -> rollout
+correction -> policy update.
 
 The loop talks to three things: a trainer (`jetflow.train.protocol.PolicyTrainer`: the Trainer in this
 process, or Ray trainer workers), a rollout side (`jetflow.rollout.types.RolloutEngineSide`: an engine
@@ -19,10 +20,13 @@ from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import apply_correction, group_advantages, low_prob_metrics, mismatch_metrics
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience, pack_experience
-from jetflow.rollout.types import RolloutEngineSide
+from jetflow.rl.kl import kl_estimate
+from jetflow.rl.shaping import informative_groups, overlong_penalty
+from jetflow.rollout.types import RolloutEngineSide, Rollouts
 from jetflow.sync import StaleWeightsError
 from jetflow.tasks import Problem, Reward, RewardError, Task
 from jetflow.train.protocol import KVCalibration, PolicyTrainer
+from jetflow.train.reference import reference_nbytes
 
 
 def observe_kv_amax(logprobs_fn: Callable[[Experience], torch.Tensor], quantizer: KVCalibration, prompts: list[list[int]],
@@ -44,6 +48,39 @@ def request_seed(run_seed: int, step: int, index: int) -> int:
     return (run_seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
 
 
+def refill_seed(run_seed: int, round_: int) -> int:
+    """The problem stream of dynamic sampling's refill round `round_` >= 1: a function of the run seed and
+    the round alone, so a resumed run draws the same refills (no position counter to save)."""
+    return (run_seed + round_ * 1_000_033) % (2**31 - 1)
+
+
+class Sampled:
+    """Rollouts of whole prompt groups with their scores and (shaped) rewards, in request order."""
+
+    def __init__(self, prompts: list[list[int]], out: Rollouts, scores: list[Reward], rewards: torch.Tensor):
+        self.prompts, self.out, self.scores, self.rewards = prompts, out, scores, rewards  # rewards (N,)
+
+    def groups(self, keep: list[int], group: int) -> "Sampled":
+        """The samples of groups `keep` (indices into this batch's groups), in that order."""
+        rows = [g * group + j for g in keep for j in range(group)]
+        out = self.out
+        routed = None if out.routed_experts is None else [out.routed_experts[i] for i in rows]
+        picked = Rollouts([out.token_ids[i] for i in rows], [out.logprobs[i] for i in rows],
+                          [out.texts[i] for i in rows], [out.finish_reasons[i] for i in rows], out.weight_version,
+                          routed)
+        return Sampled([self.prompts[i] for i in rows], picked, [self.scores[i] for i in rows], self.rewards[rows])
+
+    @staticmethod
+    def concat(parts: list["Sampled"]) -> "Sampled":
+        outs = [p.out for p in parts]
+        routed = None if outs[0].routed_experts is None else [r for o in outs for r in o.routed_experts]
+        out = Rollouts([t for o in outs for t in o.token_ids], [lp for o in outs for lp in o.logprobs],
+                       [t for o in outs for t in o.texts], [f for o in outs for f in o.finish_reasons],
+                       outs[0].weight_version, routed)
+        return Sampled([p for s in parts for p in s.prompts], out, [x for s in parts for x in s.scores],
+                       torch.cat([s.rewards for s in parts]))
+
+
 class RLLoop:
     def __init__(self, cfg: Config, trainer: PolicyTrainer, rollout: RolloutEngineSide, task: Task,
                  encode_prompt: Callable[[Problem], list[int]], pad_id: int, fingerprint: str | None,
@@ -54,8 +91,12 @@ class RLLoop:
         self.kv_quantizer = kv_quantizer  # the trainer's FP8 KV quantizer (precision.kv_cache_fp8), or None
         self.correction = resolve_correction(cfg)
         # pi_old from the training forward itself: one update per rollout and per-sequence weights.
+        # (a KL penalty in the reward needs pi_old before the advantages: a separate forward)
+        self.kl_in_reward = cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "reward"
         self.old_logprobs_from_update = (cfg.algo.old_logprobs == "auto" and cfg.algo.ppo_epochs == 1
-                                         and self.correction in ROW_LOCAL)
+                                         and self.correction in ROW_LOCAL and not self.kl_in_reward)
+        self.with_reference = bool(cfg.algo.kl_coef or cfg.algo.log_ref_kl)
+        self._reference_bytes: float | None = None
         self.last_experience: Experience | None = None
         self._eval_problems: list[Problem] | None = None  # the held-out problems, drawn once
         self._eval_sync: dict[str, float] | None = None  # an evaluation's weight update, reported by the next step
@@ -115,6 +156,71 @@ class RLLoop:
             raise error
         return scores
 
+    def _sample(self, step: int, problems: list[Problem], prompts: list[list[int]], first: int,
+                round_: int) -> Sampled:
+        """Each prompt once (prompts: each problem's group_size times), scored; rewards with the overlong
+        punishment. Round r's requests are seeded after the step's earlier rounds' (round 0: as ever)."""
+        cfg, group = self.cfg, self.cfg.rollout.group_size
+        offset = round_ * cfg.train.prompts_per_step * group
+        seeds = [request_seed(cfg.run.seed, step, offset + first + i) for i in range(len(prompts))]
+        out = self.rollout.generate(prompts, seeds)
+        if out.weight_version != self.trainer.version:
+            raise StaleWeightsError(f"rollout used weight version {out.weight_version}, "
+                                    f"trainer is at {self.trainer.version}")
+        scores = self._score([problems[i // group] for i in range(len(out.texts))], out.texts)
+        rewards = torch.tensor([s.total for s in scores], dtype=torch.float32)  # (N,)
+        if cfg.algo.overlong_buffer:  # DAPO's soft overlong punishment
+            lengths = torch.tensor([len(t) for t in out.token_ids])
+            rewards = rewards + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
+                                                 cfg.algo.overlong_penalty)
+        return Sampled(prompts, out, scores, rewards)
+
+    def _gather(self, step: int, problems: list[Problem], prompts: list[list[int]], first: int,
+                metrics: dict[str, float]) -> tuple[Sampled, Sampled, int]:
+        """This step's training samples: the first round's, or under algo.dynamic_sampling its groups with
+        unequal rewards, refilled by rounds of new problems (at most dynamic_sampling_max_rounds more)
+        until there are as many groups as problems; a step still short trains on the groups it has (on the
+        first round's when none). Returns (the training samples, the first round's, tokens generated)."""
+        cfg, group = self.cfg, self.cfg.rollout.group_size
+        first_round = self._sample(step, problems, prompts, first, 0)
+        generated = sum(len(t) for t in first_round.out.token_ids)
+        if cfg.algo.overlong_buffer:  # the mean reward the punishment took from the policy's own samples
+            task_rewards = torch.tensor([s.total for s in first_round.scores], dtype=torch.float32)
+            metrics["reward/overlong_penalty"] = float((first_round.rewards - task_rewards).mean())
+        if not cfg.algo.dynamic_sampling:
+            return first_round, first_round, generated
+        kept: list[Sampled] = []
+        wanted, n_kept, n_generated, round_, batch = len(problems), 0, 0, 0, first_round
+        while True:
+            keep = informative_groups(batch.rewards, group).nonzero().flatten().tolist()
+            n_generated += len(problems)
+            n_kept += len(keep)
+            kept.append(batch.groups(keep[:wanted - sum(len(k.prompts) for k in kept) // group], group))
+            round_ += 1
+            if sum(len(k.prompts) for k in kept) // group >= wanted or round_ > cfg.algo.dynamic_sampling_max_rounds:
+                break
+            problems = self.task.problems(step * cfg.train.prompts_per_step + first // group, len(problems),
+                                          refill_seed(cfg.run.seed, round_))
+            batch = self._sample(step, problems, [self.encode_prompt(p) for p in problems for _ in range(group)],
+                                 first, round_)
+            generated += sum(len(t) for t in batch.out.token_ids)
+        sampled = Sampled.concat(kept)
+        groups = len(sampled.prompts) // group
+        metrics.update({"sampling/kept_group_frac": n_kept / n_generated, "sampling/rounds": float(round_),
+                        "sampling/batch_groups_frac": groups / wanted})
+        return (sampled if groups else first_round), first_round, generated
+
+    def _kl_into_rewards(self, exp: Experience) -> dict[str, float]:
+        """algo.kl_in=reward: each response's reward less kl_coef times its KL estimator summed over its
+        tokens (pi_old against the reference, as verl's apply_kl_penalty), then the group advantages again."""
+        cfg = self.cfg
+        kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.algo.kl_estimator) * exp.response_mask  # (B, R)
+        penalty = cfg.algo.kl_coef * kl.sum(dim=-1)  # (B,)
+        exp.rewards = exp.rewards - penalty
+        exp.advantages = group_advantages(exp.rewards.cpu(), cfg.rollout.group_size, cfg.algo.adv_norm).to(
+            exp.rewards.device)
+        return {"kl/reward_penalty": float(penalty.mean())}
+
     def step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         metrics: dict[str, float] = {}
@@ -131,28 +237,33 @@ class RLLoop:
         self._eval_sync = None
         metrics.update(synced)
 
-        # Rollout: each prompt group_size times.
+        # Rollout: each prompt group_size times (and dynamic sampling's refills).
         first = mine.start * group  # seeds follow the global request index: any rank count samples alike
-        seeds = [request_seed(cfg.run.seed, step, first + i) for i in range(len(prompts))]
         t0 = time.perf_counter()
-        out = self.rollout.generate(prompts, seeds)
+        sampled, first_round, generated = self._gather(step, problems, prompts, first, metrics)
         metrics["time/rollout"] = time.perf_counter() - t0
-        if out.weight_version != self.trainer.version:
-            raise StaleWeightsError(f"rollout used weight version {out.weight_version}, "
-                                    f"trainer is at {self.trainer.version}")
-
-        # Rewards and group advantages.
-        scores = self._score([problems[i // group] for i in range(len(out.texts))], out.texts)
-        rewards = torch.tensor([s.total for s in scores], dtype=torch.float32)
-        advantages = group_advantages(rewards, group, cfg.algo.adv_norm)
-        exp = pack_experience(prompts, out.token_ids, out.logprobs, rewards, advantages, self.pad_id,
-                              device=cfg.model.device, routed_experts=out.routed_experts)
+        out, scores = first_round.out, first_round.scores  # the policy's own samples, for its metrics
+        exp = pack_experience(sampled.prompts, sampled.out.token_ids, sampled.out.logprobs, sampled.rewards,
+                              group_advantages(sampled.rewards, group, cfg.algo.adv_norm), self.pad_id,
+                              device=cfg.model.device, routed_experts=sampled.out.routed_experts)
+        if self.with_reference:  # log pi_ref of the same tokens (the frozen reference policy)
+            t0 = time.perf_counter()
+            exp.ref_logprobs = self.trainer.reference_logprobs(exp, cfg.rollout.temperature)
+            metrics["time/ref_logprobs"] = time.perf_counter() - t0
+            if self._reference_bytes is None:
+                self._reference_bytes = float(reference_nbytes(self.trainer.reference))
+            metrics["ref/bytes"] = self._reference_bytes
 
         # The trainer's log-probs of the same tokens under the same weight version (pi_old), the
         # rollout correction from them, and the update(s).
         if self.kv_quantizer is not None:
             self.kv_quantizer.calibrating = True  # the next trainer forward's K/V amax sets the next step's scales
-        if self.old_logprobs_from_update:
+        if self.kl_in_reward:  # pi_old first, then the rewards less the KL, then the advantages
+            t0 = time.perf_counter()
+            exp.old_logprobs = self.trainer.compute_logprobs(exp, cfg.rollout.temperature)
+            metrics["time/old_logprobs"] = time.perf_counter() - t0
+            metrics.update(self._kl_into_rewards(exp))
+        elif self.old_logprobs_from_update:
             train_metrics, exp.old_logprobs = self.trainer.train_step_on_policy(
                 exp, cfg.rollout.temperature, self.correction, cfg.algo.correction_params)
             metrics["time/old_logprobs"] = 0.0  # came with the training forward
@@ -175,19 +286,21 @@ class RLLoop:
             for _ in range(cfg.algo.ppo_epochs):
                 metrics.update(self.trainer.train_step(exp, cfg.rollout.temperature))
         self.last_experience = exp
+        if exp.ref_logprobs is not None:  # the policy that sampled (pi_old) against the reference
+            kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.algo.kl_estimator)  # (B, R)
+            metrics["kl/ref"] = float((kl * exp.response_mask).sum() / exp.response_mask.sum().clamp(min=1))
 
         lengths = [len(t) for t in out.token_ids]
-        generated = sum(lengths)
         mask = exp.response_mask
         metrics.update({
             # the rollout's own log-perplexity of what it sampled (nats per token)
             "policy/rollout_log_ppl": float(-(exp.rollout_logprobs * mask).sum() / mask.sum().clamp(min=1)),
-            "reward/mean": rewards.mean().item(),
+            "reward/mean": sum(s.total for s in scores) / len(scores),
             "reward/accuracy": sum(s.correct for s in scores) / len(scores),
             "reward/format": sum(s.format_ok for s in scores) / len(scores),
             # a custom task's reward functions, each before weighting
             **{f"reward/fn/{name}": sum(s.parts[name] for s in scores) / len(scores) for name in scores[0].parts},
-            "response/length_mean": generated / len(lengths),
+            "response/length_mean": sum(lengths) / len(lengths),
             "response/length_max": float(max(lengths)),
             "response/truncated_frac": sum(r == "length" for r in out.finish_reasons) / len(lengths),
             "throughput/rollout_tokens_per_s": generated / max(metrics["time/rollout"], 1e-9),

@@ -4,6 +4,7 @@ alone, in a Ray rollout actor)."""
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state
 from jetflow.run.vllm_side import build_vllm_rollout
 from jetflow.run.warmup import Warmup
 from jetflow.train.checkpoint import checkpoint_name, checkpoint_weights, load_checkpoint, save_checkpoint
+from jetflow.train.reference import freeze_reference
 from jetflow.train.trainer import Trainer
 
 
@@ -38,7 +40,8 @@ class TrainerSide:
         self.encode = prompt_encoder(cfg, self.tokenizer, self.task)
         self.model = build_trainer_model(cfg, derived, model)  # the Decoder under the mode, or a MegatronPolicy of it
         self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
-        self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp)
+        self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp,
+                               loss_scale=cfg.algo.loss_scale_factor or cfg.rollout.max_new_tokens)
         self.kv_quantizer = attach_kv_fp8(self.model, cfg, "trainer")
         self.warmup: Warmup | None = None  # while the supervised warm-up runs
 
@@ -95,9 +98,32 @@ class TrainerSide:
     def rl_loop(self, run_dir: Path | None = None) -> RLLoop:
         """The RL loop of this process: this side's trainer and a rollout engine beside it (a vLLM engine
         starts from a checkpoint in `run_dir`)."""
+        if (self.cfg.algo.kl_coef or self.cfg.algo.log_ref_kl) and self.trainer.reference is None:
+            self.trainer.reference = build_reference(self.cfg, self.derived, self.model, run_dir, self.dp)
         rollout = build_rollout_side(self.cfg, self.derived, self, run_dir, self.dp)
         return RLLoop(self.cfg, self.trainer, rollout, self.task, self.encode, self.tokenizer.pad_token_id,
                       run_fingerprint(self.cfg), self.kv_quantizer, self.dp)
+
+
+REFERENCE_FILE = "reference.pt"
+
+
+def build_reference(cfg: Config, derived: Derived, model, run_dir: Path | None, dp: DataParallel = SINGLE):
+    """The frozen reference policy (jetflow.train.reference): the policy's weights when RL begins, after
+    any supervised warm-up. They are kept in the run directory (reference.pt, written once), so that a
+    run resumed in the middle of RL gets the same reference back and not its current weights."""
+    path = None if run_dir is None else Path(run_dir) / REFERENCE_FILE
+    if path is not None and path.is_file():
+        state = torch.load(path, map_location=cfg.model.device, weights_only=True)
+        reference = copy_model(model)
+        reference.load_state_dict(state, strict=False)
+    else:
+        reference = copy_model(model)  # this process's current weights (every data-parallel rank holds the same)
+        if path is not None and dp.is_main:
+            tmp = path.with_name(path.name + ".tmp")
+            torch.save(reference.state_dict(), tmp)
+            os.replace(tmp, path)  # atomic: a resume never reads half a file
+    return freeze_reference(apply_mode(reference, cfg, derived, "trainer"))
 
 
 def build_rollout_side(cfg: Config, derived: Derived, side: TrainerSide | None = None,

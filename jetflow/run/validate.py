@@ -73,8 +73,11 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algo.clip_low", lambda v: 0 <= v < 1, "in [0, 1) (the ratio is clipped below at 1 - clip_low)"),
     ("algo.clip_high", lambda v: v >= 0, ">= 0"),
     ("algo.router_aux_loss_coef", lambda v: v >= 0, ">= 0 (0 turns it off)"),
-    ("algo.kl_coef", lambda v: v == 0,
-     "0: a KL penalty needs a reference policy, which `jetflow train` does not keep yet"),
+    ("algo.kl_coef", lambda v: v >= 0, ">= 0 (0 turns the KL penalty off)"),
+    ("algo.loss_scale_factor", lambda v: v >= 0, ">= 0 (0: rollout.max_new_tokens)"),
+    ("algo.dynamic_sampling_max_rounds", lambda v: v >= 0, ">= 0 (extra rollout rounds a step may run)"),
+    ("algo.overlong_buffer", lambda v: v >= 0, ">= 0 (0 turns the overlong punishment off)"),
+    ("algo.overlong_penalty", lambda v: v >= 0, ">= 0"),
     ("eval.num_prompts", lambda v: v >= 0, ">= 0 (0 turns evaluation off)"),
     ("eval.every", lambda v: v >= 0, ">= 0 (0: before the first and after the last step only)"),
     ("run.num_threads", lambda v: v >= 0, ">= 0 (0: torch's default)"),
@@ -173,6 +176,7 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
             if value != "native":
                 raise ConfigError(f"algo.routing_replay=true with {key}={value}: routing replay runs with the native "
                                   f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
+    check_algorithm(cfg)
     if cfg.rollout.backend == "vllm" and cfg.precision.kv_cache_fp8 and derived.numerics != "exact":
         raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm needs precision.numerics=exact (or "
                           "auto): only jetflow's plugin loads the per-step FP8 KV scales")
@@ -182,6 +186,26 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
                           "but is not wired into the training loop yet")
     if unknown := [k for k in cfg.run.allow_changes if not _is_key(k)]:
         raise ConfigError(f"run.allow_changes: {', '.join(unknown)} is not a config key (e.g. train.steps)")
+
+
+def check_algorithm(cfg: Config) -> None:
+    """The objective's keys that are valid alone and not together (jetflow.rl)."""
+    a = cfg.algo
+    if a.kl_coef or a.log_ref_kl:  # a reference policy
+        key = "algo.kl_coef" if a.kl_coef else "algo.log_ref_kl"
+        value = a.kl_coef if a.kl_coef else "true"
+        if cfg.train.backend != "native":
+            raise ConfigError(f"{key}={value} with train.backend={cfg.train.backend}: the reference policy is "
+                              "native-only for now; use train.backend=native")
+        if cfg.run.orchestrator != "local":
+            raise ConfigError(f"{key}={value} with run.orchestrator={cfg.run.orchestrator}: the reference policy is "
+                              "native-only for now; use run.orchestrator=local")
+    if a.ratio_level == "sequence" and a.loss_agg != "seq_mean_token_mean":
+        raise ConfigError(f"algo.ratio_level=sequence with algo.loss_agg={a.loss_agg}: GSPO's sequence ratio is "
+                          "aggregated per sequence; set algo.loss_agg=seq_mean_token_mean")
+    if a.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algo.overlong_buffer={a.overlong_buffer} exceeds rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens}; it must be in [0, max_new_tokens]")
 
 
 def _is_key(dotted: str) -> bool:

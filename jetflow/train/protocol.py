@@ -37,6 +37,10 @@ class PolicyTrainer(Protocol):
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None) -> "WeightUpdate": ...
     """The payload for the rollout engines at the current weight version (jetflow.sync)."""
 
+    # With a reference policy (algo.kl_coef > 0 or algo.log_ref_kl; the native Trainer in this process
+    # only, jetflow.run.validate): `reference` (the frozen module, jetflow.train.reference) and
+    # `reference_logprobs(exp, temperature) -> (B, R)`, its log-probs of the rollout tokens, no grad.
+
 
 class KVCalibration(Protocol):
     calibrated: bool

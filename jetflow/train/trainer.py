@@ -122,8 +122,10 @@ class Trainer:
     its shards (gradient reductions and norm, collective forwards, its router loss)."""
 
     def __init__(self, model: nn.Module, train: TrainConfig, algo: AlgoConfig, total_steps: int | None = None,
-                 dp: DataParallel = SINGLE):
+                 dp: DataParallel = SINGLE, loss_scale: float | None = None):
         self.model, self.cfg, self.algo = model, train, algo
+        self.loss_scale = loss_scale  # the constant of loss_agg=seq_mean_token_sum_norm (None: the batch's width)
+        self.reference: nn.Module | None = None  # the frozen reference policy of a KL penalty (jetflow.train.reference)
         self.dp = dp  # data-parallel ranks: each holds part of the batch (jetflow.distributed)
         if train.activation_checkpointing:  # recompute each decoder layer in backward
             enable_activation_checkpointing(model)
@@ -161,6 +163,14 @@ class Trainer:
             raise NonFiniteError("trainer log-probs: an FP8 quantizer met NaN or Inf on an expert-parallel rank; "
                                  "every rank stops here")
         return out
+
+    @torch.no_grad()
+    def reference_logprobs(self, exp: Experience, temperature: float = 1.0) -> Tensor:
+        """log pi_ref of the rollout tokens under the reference policy: (B, R), micro-batched."""
+        if self.reference is None:
+            raise ValueError("reference_logprobs: this trainer keeps no reference policy")
+        return torch.cat([response_logprobs(self.reference, mb, temperature, chunk_tokens=self.cfg.logprob_chunk_tokens)
+                          for mb in exp.micro_batches(self.cfg.micro_batch_size)])
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None):
         """The payload for rollout engines at the current weight version (jetflow.sync)."""
@@ -279,7 +289,10 @@ class Trainer:
             is_weights = weigh(mb, old)
         loss, metrics = policy_loss(logprobs, old, mb.advantages, mb.response_mask,
                                     clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, agg=agg,
-                                    is_weights=is_weights)
+                                    is_weights=is_weights, ref_logprobs=mb.ref_logprobs,
+                                    kl_coef=self.algo.kl_coef if self.algo.kl_in == "loss" else 0.0,
+                                    kl_estimator=self.algo.kl_estimator, ratio_level=self.algo.ratio_level,
+                                    scale=self.loss_scale)
         if self.algo.router_aux_loss_coef:  # MoE: the router load-balancing loss of this forward
             sharded = isinstance(self.model, ShardedPolicy)  # its routers are not SparseMoeBlocks
             aux = self.model.load_balancing_loss() if sharded else model_load_balancing_loss(self.model)

@@ -188,3 +188,99 @@ def test_a_step_after_an_evaluation_reports_the_weight_update_the_evaluation_mad
     assert [c for c in engine.calls if c[0] == "load_weights"] == [("load_weights", 0)]
     assert m["sync/bytes"] == 12.0
     assert loop.step(1)["sync/bytes"] == 12.0  # its own update (version 1)
+
+
+class RefillTask(FakeTask):
+    """The run's own problem stream asks even problems for 'x', which no sample says (a group of equal
+    rewards); the refill streams (other seeds) ask every problem for 'a'."""
+
+    def __init__(self, run_seed: int):
+        self.run_seed = run_seed
+
+    def problems(self, start: int, n: int, seed: int) -> list[Problem]:
+        if seed != self.run_seed:
+            return [Problem(prompt=f"r{start + i}", answer="a") for i in range(n)]
+        return [Problem(prompt=f"p{start + i}", answer="x" if (start + i) % 2 == 0 else "a") for i in range(n)]
+
+
+def _dynamic_loop(*overrides: str):
+    cfg, _, engine, trainer = make_loop("unified", "algo.old_logprobs=recompute", "algo.dynamic_sampling=true",
+                                        *overrides)
+    loop = RLLoop(cfg, trainer, engine, RefillTask(cfg.run.seed), lambda p: [ord(c) for c in p.prompt], pad_id=0,
+                  fingerprint="fp")
+    return cfg, loop, engine, trainer
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_refills_them_with_new_problems():
+    cfg, loop, engine, trainer = _dynamic_loop()
+    m = loop.step(1)  # problems p2 (wants 'x': rewards 0, 0 -> dropped) and p3 (wants 'a': 1, 0 -> kept)
+    generates = [c for c in engine.calls if c[0] == "generate"]
+    assert len(generates) == 2  # one refill round filled the batch
+    _, prompts, seeds = generates[1]
+    assert prompts[0] == [ord("r"), ord("2")]  # the refill stream, at this step's position
+    assert seeds == [request_seed(cfg.run.seed, 1, 4 + i) for i in range(4)]  # after round 0's 4 requests
+    (exp,) = [c[1] for c in trainer.calls if c[0] == "train_step"]
+    assert exp.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]  # p3's group, then r2's
+    assert exp.input_ids[0, -4:-2].tolist() == [ord("p"), ord("3")] and exp.input_ids[2, -4:-2].tolist() == [ord("r"), ord("2")]
+    # 3 of the 4 generated groups had unequal rewards; two rounds; a full batch
+    assert m["sampling/kept_group_frac"] == 0.75 and m["sampling/rounds"] == 2.0
+    assert m["sampling/batch_groups_frac"] == 1.0
+    assert m["reward/mean"] == 0.25  # the first round's samples: the policy's own reward
+
+
+def test_dynamic_sampling_stops_at_its_round_cap_and_trains_on_the_groups_it_has():
+    _, loop, engine, trainer = _dynamic_loop("algo.dynamic_sampling_max_rounds=0")
+    m = loop.step(1)
+    assert len([c for c in engine.calls if c[0] == "generate"]) == 1
+    (exp,) = [c[1] for c in trainer.calls if c[0] == "train_step"]
+    assert exp.rewards.tolist() == [1.0, 0.0]
+    assert m["sampling/kept_group_frac"] == 0.5 and m["sampling/batch_groups_frac"] == 0.5
+
+
+class ReferenceTrainer(FakeTrainer):
+    """A FakeTrainer with a reference policy at log-prob -2.0 on every token (0.5 below pi_old)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reference = torch.nn.Linear(2, 3)  # 6 + 3 fp32 numbers: 36 bytes
+
+    def reference_logprobs(self, exp, temperature: float = 1.0) -> torch.Tensor:
+        self.calls.append(("reference_logprobs", temperature))
+        return torch.full(exp.response_ids.shape, -2.0) * exp.response_mask
+
+
+def _reference_loop(*overrides: str):
+    cfg = load_config("configs/tiny.yaml", ["train.prompts_per_step=2", "rollout.group_size=2",
+                                            "rollout.temperature=0.7", *overrides])
+    engine, trainer = FakeEngine(), ReferenceTrainer()
+    loop = RLLoop(cfg, trainer, engine, FakeTask(), lambda p: [ord(c) for c in p.prompt], pad_id=0, fingerprint="fp")
+    return loop, trainer
+
+
+def test_the_reference_log_probs_reach_the_update_and_the_kl_to_the_reference_is_logged():
+    loop, trainer = _reference_loop("algo.kl_coef=0.05", "algo.kl_estimator=k1")
+    m = loop.step(0)
+    assert ("reference_logprobs", 0.7) in trainer.calls
+    assert m["kl/ref"] == pytest.approx(0.5)  # k1: pi_old -1.5 against pi_ref -2.0
+    assert m["ref/bytes"] == 36.0 and m["time/ref_logprobs"] >= 0
+    assert "kl/reward_penalty" not in m  # kl_in=loss: the trainer adds it to the loss
+
+
+def test_kl_in_the_reward_lowers_each_reward_by_its_summed_estimator_before_the_advantages():
+    loop, trainer = _reference_loop("algo.kl_coef=0.1", "algo.kl_estimator=k1", "algo.kl_in=reward")
+    m = loop.step(0)
+    (exp,) = [c[1] for c in trainer.calls if c[0] == "train_step"]  # pi_old by a separate forward first
+    # k1 = 0.5 on each of 2 tokens: each reward loses 0.1 * 1.0
+    assert exp.rewards.tolist() == pytest.approx([0.9, -0.1, -0.1, 0.9])
+    assert m["kl/reward_penalty"] == pytest.approx(0.1) and m["reward/mean"] == 0.5  # the task's reward
+    assert exp.advantages[0] > 0 > exp.advantages[1]
+
+
+def test_the_overlong_punishment_lowers_the_rewards_of_long_responses():
+    # max_new_tokens 3, buffer 2: free up to 1 token; each response has 2, so -1 * (2 - 1) / 2 = -0.5
+    cfg, loop, engine, trainer = make_loop("unified", "algo.old_logprobs=recompute", "rollout.max_new_tokens=3",
+                                           "algo.overlong_buffer=2")
+    m = loop.step(3)
+    (exp,) = [c[1] for c in trainer.calls if c[0] == "train_step"]
+    assert exp.rewards.tolist() == [0.5, -0.5, -0.5, 0.5]
+    assert m["reward/overlong_penalty"] == -0.5 and m["reward/mean"] == 0.5  # the task's own reward

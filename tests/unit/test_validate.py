@@ -24,7 +24,9 @@ TINY = "configs/tiny.yaml"
     ("rollout.group_size=0", r"^rollout.group_size=0 is out of range"),
     ("rollout.top_p=1.5", r"^rollout.top_p=1.5 is out of range; it must be in \(0, 1\]"),
     ("rollout.kv_cache_gib=0", r"^rollout.kv_cache_gib=0.0 is out of range; it must be > 0 GiB, or null"),
-    ("algo.kl_coef=0.1", r"^algo.kl_coef=0.1 is out of range; it must be 0: a KL penalty needs a reference policy"),
+    ("algo.kl_coef=-0.1", r"^algo.kl_coef=-0.1 is out of range; it must be >= 0"),
+    ("algo.overlong_buffer=-1", r"^algo.overlong_buffer=-1 is out of range; it must be >= 0"),
+    ("algo.dynamic_sampling_max_rounds=-1", r"^algo.dynamic_sampling_max_rounds=-1 is out of range"),
     ("algo.clip_low=1.0", r"^algo.clip_low=1.0 is out of range; it must be in \[0, 1\)"),
     ("model.tiny.num_heads=0", r"^model.tiny.num_heads=0 is out of range; it must be >= 1$"),
 ])
@@ -144,3 +146,20 @@ def test_the_megatron_layout_is_checked_on_the_models_architecture():
     with pytest.raises(ConfigError, match=r"^train.backend=megatron: num_kv_heads=2 is not a multiple of "
                                           r"tensor_parallel_size=4"):
         validate_run(cfg, processes=4)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algo.kl_coef=0.05", "train.backend=megatron"],
+     r"^algo.kl_coef=0.05 with train.backend=megatron: the reference policy is native-only for now"),
+    (["algo.log_ref_kl=true", "run.orchestrator=ray"],
+     r"^algo.log_ref_kl=true with run.orchestrator=ray: the reference policy is native-only for now"),
+    (["algo.ratio_level=sequence"],
+     r"^algo.ratio_level=sequence with algo.loss_agg=token_mean: .* set algo.loss_agg=seq_mean_token_mean$"),
+    (["algo.overlong_buffer=9"], r"^algo.overlong_buffer=9 exceeds rollout.max_new_tokens=8"),
+])
+def test_objective_combinations_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config(load_config(TINY, overrides))
+    check_config(load_config(TINY, ["algo.kl_coef=0.05", "algo.kl_estimator=low_var_kl", "algo.kl_in=reward",
+                                    "algo.ratio_level=sequence", "algo.loss_agg=seq_mean_token_mean",
+                                    "algo.dynamic_sampling=true", "algo.overlong_buffer=4"]))

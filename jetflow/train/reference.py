@@ -1,0 +1,60 @@
+"""The reference policy of a KL penalty (algo.kl_coef > 0, or algo.log_ref_kl): the policy's weights at
+the start of RL, frozen, computing under the trainer's precision.
+
+`freeze_reference` takes a copy of the trainer's model already under the trainer's precision mode
+(jetflow.run.sides builds it). Under an FP8 trainer kind (precision.mode=unified) each FP8 linear's
+weight is quantized once by the recipe, exactly as the trainer's linear quantizes its own weight
+(PrecisionLinear.quantized_weight), and handed to the layer as fixed bytes (`load_quantized`, the
+rollout side's path); the layer's high-precision weight is then replaced by a zero-stride placeholder of
+its shape (one element of storage): an FP8 forward without autograd reads only the bytes
+(jetflow.precision.exact, fp8_function). Embeddings, norms and any linear the recipe keeps in high
+precision stay in the master dtype.
+
+The reference does not quantize K/V (precision.kv_cache_fp8 applies to the policy and its rollout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from jetflow.precision.linear import PrecisionLinear
+
+
+def freeze_reference(model: nn.Module) -> nn.Module:
+    """Freeze `model` in place as a reference policy (see the module docstring); returns it."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.modules():
+        if isinstance(layer, PrecisionLinear) and layer.kind == "fp8":
+            with torch.no_grad():
+                wq = layer.quantized_weight()  # the recipe's bytes of the initial weight, quantized once
+            layer.load_quantized(wq)
+            placeholder = torch.zeros((), dtype=layer.weight.dtype, device=layer.weight.device)
+            del layer.weight  # the parameter: the bytes are all the reference keeps
+            layer.weight = placeholder.expand(layer.out_features, layer.in_features)  # (N, K), one element stored
+            layer._cached = layer._cache_key = None
+    return model
+
+
+def reference_nbytes(model: nn.Module) -> int:
+    """Bytes the reference holds: its parameters and buffers (each storage once: tied weights and the
+    placeholders' single elements), the FP8 bytes and scales, and any GEMM panels cached on them."""
+    storages: dict[int, int] = {}
+
+    def add(t: torch.Tensor | None) -> None:
+        if t is not None:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+
+    for t in list(model.parameters()) + list(model.buffers()):
+        add(t)
+    for layer in model.modules():
+        if isinstance(layer, PrecisionLinear):
+            add(layer.weight)
+            wq = layer._loaded
+            if wq is not None:
+                for name in ("data", "scale_inv", "dequantized", "packed", "packed_t"):  # (MX / NVFP4: theirs)
+                    add(getattr(wq, name, None))
+            add(layer._exact_cache.get("packed"))
+    return sum(storages.values())

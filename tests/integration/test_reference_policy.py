@@ -1,0 +1,75 @@
+"""The reference policy of a KL penalty on the tiny model: built in the trainer's precision (under unified
+its FP8 bytes only), equal to the trainer bit for bit before the first update, frozen after it, kept in
+the run directory for a resume, and a tiny run with kl_coef > 0 whose rollout still equals its trainer."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from jetflow.config import load_config
+from jetflow.metrics_log import read_metrics
+from jetflow.precision.linear import PrecisionLinear
+from jetflow.rl.experience import pack_experience
+from jetflow.run.runner import train
+from jetflow.run.sides import REFERENCE_FILE, TrainerSide, build_reference
+from jetflow.run.validate import check_config
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["train.sft_warmup_steps=3", "train.prompts_per_step=4", "rollout.group_size=4", "run.progress=false",
+        "run.tensorboard=false", "run.num_threads=1", "eval.num_prompts=0"]
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(ROOT / "configs/tiny.yaml", [f"run.out_dir={tmp_path}", *FAST, *overrides])
+
+
+def _batch(side: TrainerSide):
+    problems = side.task.problems(0, 4, 0)
+    prompts = [side.encode(p) for p in problems]
+    responses = [list(p[-3:]) for p in prompts]  # any tokens: the two policies score the same ones
+    zeros = torch.zeros(len(prompts))
+    return pack_experience(prompts, responses, [[0.0] * len(r) for r in responses], zeros, zeros,
+                           side.tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("mode", ["unified", "bf16"])
+def test_the_reference_equals_the_trainer_bit_for_bit_until_the_first_update_and_stays_frozen(tmp_path, mode):
+    cfg = _cfg(tmp_path, f"precision.mode={mode}", "algo.kl_coef=0.05")
+    side = TrainerSide(cfg, check_config(cfg))
+    side.rl_loop(tmp_path)
+    reference, trainer = side.trainer.reference, side.trainer
+    fp8 = [m for m in reference.modules() if isinstance(m, PrecisionLinear) and m.kind == "fp8"]
+    if mode == "unified":  # the FP8 bytes only: each weight a one-element zero-stride placeholder
+        assert fp8 and all(m.weight.untyped_storage().nbytes() == m.weight.element_size() for m in fp8)
+        assert all(m._loaded is not None for m in fp8)
+    else:
+        assert not fp8
+    assert not any(p.requires_grad for p in reference.parameters())
+    exp = _batch(side)
+    ref = trainer.reference_logprobs(exp)
+    assert torch.equal(ref, trainer.compute_logprobs(exp))
+
+    exp.old_logprobs = trainer.compute_logprobs(exp)
+    exp.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    exp.ref_logprobs = ref
+    trainer.train_step(exp)  # the policy moves, the reference does not
+    assert not torch.equal(trainer.compute_logprobs(exp), ref)
+    assert torch.equal(trainer.reference_logprobs(exp), ref)
+
+    # a resumed run gets the reference of reference.pt back, not the trainer's current weights
+    assert (tmp_path / REFERENCE_FILE).is_file()
+    again = build_reference(cfg, side.derived, side.model, tmp_path)
+    side.trainer.reference = again
+    assert torch.equal(trainer.reference_logprobs(exp), ref)
+
+
+def test_a_tiny_unified_run_with_a_kl_penalty_keeps_the_rollout_equal_to_the_trainer(tmp_path):
+    run = train(_cfg(tmp_path, "run.name=kl", "train.steps=3", "train.sft_warmup_steps=5", "algo.kl_coef=0.05"))
+    rows = read_metrics(run)
+    assert len(rows) == 3
+    assert all(r["mismatch/equal_frac"] == 1.0 and r["mismatch/kl_k3"] == 0.0 for r in rows)
+    assert rows[0]["kl/ref"] == 0.0  # the reference is the policy RL starts from
+    assert rows[-1]["kl/ref"] > 0.0 and rows[-1]["loss/kl"] > 0.0
+    assert all(r["ref/bytes"] > 0 and r["time/ref_logprobs"] > 0 for r in rows)
+    assert (run / REFERENCE_FILE).is_file()
