@@ -25,15 +25,14 @@ from jetflow.run.warmup import Warmup
 from jetflow.model import CheckpointError
 from jetflow.train.checkpoint import (CHECKPOINTS_DIR, checkpoint_name, checkpoint_weights, load_checkpoint,
                                       save_checkpoint)
-from jetflow.train.fsdp import FSDPPolicy
-from jetflow.train.fsdp.state import OPTIMIZER_DIR, load_optimizers, save_optimizers, without_optimizers
 from jetflow.train.reference import freeze_reference
 from jetflow.train.trainer import Trainer
 
 
 def sharded_optimizer(model) -> bool:
-    """The FSDP backend: each rank holds its shards of the optimizer state (checkpointed with DCP)."""
-    return isinstance(model, FSDPPolicy)
+    """The FSDP backend: each rank holds its shards of the optimizer state (checkpointed with DCP,
+    jetflow.train.fsdp.state)."""
+    return getattr(model, "sharded_optimizer_state", False)
 
 
 class TrainerSide:
@@ -68,6 +67,7 @@ class TrainerSide:
         saved, state = load_checkpoint(checkpoint, self.model)
         saved = select_trainer_state(self.model, saved)
         if sharded_optimizer(self.model):  # FSDP: the moments from the checkpoint's DCP shards, resharded
+            from jetflow.train.fsdp.state import load_optimizers
             load_optimizers(self.model, self._optimizers(warmup="warmup" in saved), checkpoint)
         elif saved["optimizer"] is None:
             raise CheckpointError(f"{checkpoint} was written by train.backend=fsdp (sharded optimizer state): resume "
@@ -97,6 +97,7 @@ class TrainerSide:
         state = {"next_step": step, "sft_done": sft_done, **({} if warmup_step is None else {"warmup_step": warmup_step})}
         name, extra = checkpoint_name(step, warmup_step), {}
         if sharded_optimizer(self.model):  # FSDP: every rank writes its optimizer shards (DCP), rank 0 the rest
+            from jetflow.train.fsdp.state import OPTIMIZER_DIR, save_optimizers, without_optimizers
             staging = run_dir / CHECKPOINTS_DIR / f".dcp-{name}"
             save_optimizers(self.model, self._optimizers(warmup=self.warmup is not None), staging, self.dp.global_rank)
             self.dp.barrier()

@@ -52,6 +52,7 @@ class FSDPPolicy(nn.Module):
     state_rank = 0
     state_group = None
     collective_forward = True  # FSDP's all-gathers: every rank runs every micro-batch
+    sharded_optimizer_state = True  # each rank holds its shards of AdamW's moments (jetflow.train.fsdp.state)
 
     def __init__(self, decoder: nn.Module, device: str = "cpu"):
         from torch.distributed.device_mesh import init_device_mesh
