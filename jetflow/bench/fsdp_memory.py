@@ -5,8 +5,9 @@ Run under torchrun, one backend per launch (the numbers are this process's own):
 It builds the run's trainer side (jetflow.run.sides.TrainerSide: model under the precision mode,
 AdamW), takes two supervised warm-up steps, and rank 0 prints one JSON line per rank: the bytes this
 rank holds of parameters, gradients and optimizer state (DTensors counted by their local shard), the
-bytes its parameter all-gathers received in the second step, and the process's peak resident set (which also holds what the run loads before sharding: every rank
-builds the whole model first, as the native trainer does).
+bytes its parameter all-gathers received in the second step, and the process's peak resident set
+(which also holds what the run loads before sharding: every rank builds the whole model first, as the
+native trainer does).
 """
 
 from __future__ import annotations
