@@ -29,7 +29,8 @@ from torchrun_jobs import torchrun
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--config", "configs/tiny.yaml", "train.steps=3", "train.sft_warmup_steps=10", "train.prompts_per_step=4",
           "rollout.group_size=4", "run.progress=false", "run.tensorboard=false", "run.num_threads=1",
-          "eval.num_prompts=0", "train.checkpoint_every=1", "run.name=r"]
+          "eval.num_prompts=0", "train.checkpoint_every=1", "run.name=r",
+          "train.micro_batch_size=2"]  # 4 micro-batches per rank in an RL step: FSDP accumulates 4 reduce-scatters
 FP32_GAP = 1e-5  # as tests/integration/test_torchrun_dp.py: fp32 summation order over a few steps (numeric_bounds)
 
 
