@@ -7,14 +7,16 @@
 - deterministic: two identical unified runs log identical metrics;
 - checkpoints: the optimizer shards in a DCP directory; a resume at 2 ranks from the step before the end
   writes the same final weights bit for bit, a resume at 1 rank completes within summation-order noise;
-  the exported model directory loads as any run's.
+  the exported model directory loads as any run's; a run stopped in its warm-up at 2 ranks resumes at 1.
 """
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,27 @@ def test_fsdp_unified_is_exact_on_policy_and_deterministic(tmp_path):
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
                 for r in read_metrics(run)]
     assert numbers(first) == numbers(second)
+
+
+def test_fsdp_stopped_in_the_warmup_at_two_ranks_resumes_at_one_rank(tmp_path):
+    """A SIGTERM in the supervised warm-up: the checkpoint holds the warm-up optimizer's shards only (the RL
+    trainer's has not stepped), and a single process resumes it to completion."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    args = ["-m", "jetflow.cli", "train", *COMMON, "precision.mode=fp32", "train.backend=fsdp", "train.steps=1",
+            "train.sft_warmup_steps=60", "run.resume=true", f"run.out_dir={tmp_path}"]
+    proc = subprocess.Popen([*torchrun(2), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = tmp_path / "r" / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled in its warm-up"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    stopped = json.loads((tmp_path / "r" / "STOPPED").read_text())
+    assert stopped["phase"] == "warm-up", log[-3000:]
+    ckpt = tmp_path / "r" / "checkpoints" / (tmp_path / "r" / "checkpoints" / "latest").read_text().strip()
+    assert ckpt.name.startswith("warmup_") and (ckpt / "optimizer" / "__1_0.distcp").is_file()
+    resumed = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "r", "sft")] == list(range(60))
+    assert (tmp_path / "r" / COMPLETE).exists()

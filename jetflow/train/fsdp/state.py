@@ -44,12 +44,15 @@ def save_optimizers(policy: nn.Module, optimizers: dict[str, torch.optim.Optimiz
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)  # a killed writer's leftovers
     dist.barrier()
-    state = {name: get_optimizer_state_dict(policy, opt) for name, opt in optimizers.items()}
+    # an optimizer that has not stepped yet (the RL trainer's during the warm-up) has no state to save,
+    # and asking torch for its state dict would initialize it (a step of lr 0)
+    state = {name: get_optimizer_state_dict(policy, opt) for name, opt in optimizers.items() if opt.state}
     dcp.save(state, checkpoint_id=str(directory))
 
 
 def load_optimizers(policy: nn.Module, optimizers: dict[str, torch.optim.Optimizer], checkpoint: Path) -> None:
-    """Every rank: each optimizer's state from the checkpoint's DCP directory, resharded to this run's ranks."""
+    """Every rank: each optimizer's state from the checkpoint's DCP directory, resharded to this run's ranks
+    (an optimizer the checkpoint holds no state for, one that had not stepped, stays as it is)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -57,7 +60,8 @@ def load_optimizers(policy: nn.Module, optimizers: dict[str, torch.optim.Optimiz
     if not (directory / ".metadata").is_file():
         raise CheckpointError(f"{checkpoint} has no sharded optimizer state ({OPTIMIZER_DIR}/): it was not written by "
                               "train.backend=fsdp; resume it with the backend that wrote it")
-    state = {name: get_optimizer_state_dict(policy, opt) for name, opt in optimizers.items()}
+    saved = {key.split(".")[0] for key in dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata}
+    state = {name: get_optimizer_state_dict(policy, opt) for name, opt in optimizers.items() if name in saved}
     dcp.load(state, checkpoint_id=str(directory))
-    for name, opt in optimizers.items():
-        set_optimizer_state_dict(policy, opt, state[name])
+    for name in state:
+        set_optimizer_state_dict(policy, optimizers[name], state[name])
