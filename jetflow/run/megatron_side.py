@@ -54,10 +54,15 @@ def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder):
 
 
 def build_trainer_model(cfg: Config, derived: Derived, decoder: Decoder):
-    """What the Trainer trains: `decoder` under the precision mode, or a MegatronPolicy of it."""
+    """What the Trainer trains: `decoder` under the precision mode, a MegatronPolicy of it, or (fsdp) it
+    sharded over the data-parallel ranks (jetflow.train.fsdp)."""
     if cfg.train.backend == "megatron":
         return build_megatron_policy(cfg, derived, decoder)
-    return apply_mode(decoder, cfg, derived, "trainer")
+    model = apply_mode(decoder, cfg, derived, "trainer")
+    if cfg.train.backend == "fsdp":
+        from jetflow.train.fsdp import FSDPPolicy
+        return FSDPPolicy(model, cfg.model.device)
+    return model
 
 
 def model_data_parallel(model, dp):

@@ -405,8 +405,9 @@ def check_memory(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: i
     """Refuse a run whose estimate exceeds the memory its processes can have on this machine (MemoryTooSmall,
     one line: the estimate, the memory, the knobs); warn on stderr above WARN_FRACTION of it. Under
     torchrun each rank holds a whole trainer and engine for its share of the prompts (WORLD_SIZE), and
-    the LOCAL_WORLD_SIZE ranks of this machine share its RAM. Ray and Megatron runs are not estimated (None)."""
-    if cfg.run.orchestrator == "ray" or cfg.train.backend == "megatron":
+    the LOCAL_WORLD_SIZE ranks of this machine share its RAM. Ray, Megatron and FSDP runs (whose ranks shard
+    the trainer's state) are not estimated (None)."""
+    if cfg.run.orchestrator == "ray" or cfg.train.backend in ("megatron", "fsdp"):
         return None
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     estimate = estimate_run(cfg, derived, arch, prompt_len, int(os.environ.get("WORLD_SIZE", "1")))
@@ -431,8 +432,9 @@ def describe(cfg: Config, derived: Derived) -> str:
 
     arch = model_architecture(cfg)
     prompt_len = longest_prompt(cfg, build_tokenizer(cfg), build_task(cfg))
-    if cfg.run.orchestrator == "ray" or cfg.train.backend == "megatron":
-        return "not estimated: run.orchestrator=ray and train.backend=megatron split the run over processes"
+    if cfg.run.orchestrator == "ray" or cfg.train.backend in ("megatron", "fsdp"):
+        return ("not estimated: run.orchestrator=ray, train.backend=megatron and train.backend=fsdp split the run "
+                "over processes")
     estimate = estimate_run(cfg, derived, arch, prompt_len, int(os.environ.get("WORLD_SIZE", "1")))
     have, source = available_memory(cfg.model.device)
     verdict = ("does not fit" if estimate.total > have else

@@ -22,9 +22,17 @@ from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state
                                        select_trainer_state)
 from jetflow.run.vllm_side import build_vllm_rollout
 from jetflow.run.warmup import Warmup
-from jetflow.train.checkpoint import checkpoint_name, checkpoint_weights, load_checkpoint, save_checkpoint
+from jetflow.model import CheckpointError
+from jetflow.train.checkpoint import (CHECKPOINTS_DIR, checkpoint_name, checkpoint_weights, load_checkpoint,
+                                      save_checkpoint)
 from jetflow.train.reference import freeze_reference
 from jetflow.train.trainer import Trainer
+
+
+def sharded_optimizer(model) -> bool:
+    """The FSDP backend: each rank holds its shards of the optimizer state (checkpointed with DCP,
+    jetflow.train.fsdp.state)."""
+    return getattr(model, "sharded_optimizer_state", False)
 
 
 class TrainerSide:
@@ -58,6 +66,12 @@ class TrainerSide:
         the warm-up's optimizer); returns its state (next_step, sft_done[, warmup_step])."""
         saved, state = load_checkpoint(checkpoint, self.model)
         saved = select_trainer_state(self.model, saved)
+        if sharded_optimizer(self.model):  # FSDP: the moments from the checkpoint's DCP shards, resharded
+            from jetflow.train.fsdp.state import load_optimizers
+            load_optimizers(self.model, self._optimizers(warmup="warmup" in saved), checkpoint)
+        elif saved["optimizer"] is None:
+            raise CheckpointError(f"{checkpoint} was written by train.backend=fsdp (sharded optimizer state): resume "
+                                  "it with train.backend=fsdp")
         self.trainer.load_state_dict(saved)
         if self.kv_quantizer is not None and "kv_quantizer" in saved:
             self.kv_quantizer.load_state_dict(saved["kv_quantizer"])
@@ -81,10 +95,21 @@ class TrainerSide:
         weights = checkpoint_weights(self.model)  # every rank: gathering TP shards is a collective
         trainer_state = gather_trainer_state(self.model, self.state())
         state = {"next_step": step, "sft_done": sft_done, **({} if warmup_step is None else {"warmup_step": warmup_step})}
+        name, extra = checkpoint_name(step, warmup_step), {}
+        if sharded_optimizer(self.model):  # FSDP: every rank writes its optimizer shards (DCP), rank 0 the rest
+            from jetflow.train.fsdp.state import OPTIMIZER_DIR, save_optimizers, without_optimizers
+            staging = run_dir / CHECKPOINTS_DIR / f".dcp-{name}"
+            save_optimizers(self.model, self._optimizers(warmup=self.warmup is not None), staging, self.dp.global_rank)
+            self.dp.barrier()
+            trainer_state, extra = without_optimizers(trainer_state), {OPTIMIZER_DIR: staging}
         if self.dp.is_main:
             save_checkpoint(run_dir, step, self.model, trainer_state, state, model_state=weights, hf_config=True,
-                            tokenizer=self.tokenizer, name=checkpoint_name(step, warmup_step))  # self-describing
+                            tokenizer=self.tokenizer, name=name, extra_dirs=extra)  # self-describing
         self.dp.barrier()
+
+    def _optimizers(self, warmup: bool) -> dict:
+        """The optimizers whose state a checkpoint holds: the trainer's, and the warm-up's in its middle."""
+        return {"trainer": self.trainer.optimizer, **({"warmup": self._warmup().trainer.optimizer} if warmup else {})}
 
     def _warmup(self) -> Warmup:
         if self.warmup is None:

@@ -168,6 +168,14 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
             if getattr(t, key) != 1:
                 kind = "expert" if key == "expert_parallel_size" else "model"
                 raise ConfigError(f"train.{key}={getattr(t, key)}: {kind} parallelism needs train.backend=megatron")
+    if t.backend == "fsdp":
+        for key, value, why in (("run.orchestrator", cfg.run.orchestrator, "local"),
+                                ("rollout.backend", cfg.rollout.backend, "native"),
+                                ("train.activation_checkpointing", t.activation_checkpointing, False)):
+            if value != why:
+                raise ConfigError(f"train.backend=fsdp with {key}={value}: the FSDP trainer runs under torchrun "
+                                  f"(run.orchestrator=local) with the native rollout engine and without activation "
+                                  f"checkpointing today; use {key}={why} or train.backend=native")
     for key in ("logprob_chunk_tokens", "activation_checkpointing"):  # the native trainer's memory savers
         if t.backend == "megatron" and getattr(t, key):
             raise ConfigError(f"train.{key}={getattr(t, key)} runs on the native trainer only (train.backend=native)")

@@ -60,7 +60,7 @@ RESUME_HINT = "the same command with run.resume=true continues the run"
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
                     keep: int = 2, model_state: dict[str, torch.Tensor] | None = None, hf_config: bool = False,
-                    tokenizer=None, name: str | None = None) -> Path:
+                    tokenizer=None, name: str | None = None, extra_dirs: dict[str, Path] | None = None) -> Path:
     """`model_state`: the weights to write when the caller gathered them already (tensor parallelism:
     a collective every rank joins before rank 0 writes); default: the model's own.
     `hf_config`: also write the model's config.json, and `tokenizer` (a directory or a jetflow
@@ -68,7 +68,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     <it>` and transformers read it as a Hugging Face directory. Like every file, they are in the manifest.
     `name`: the directory's name (default step_NNNNNN; see `checkpoint_name`).
     A disk that fails the write (full, read-only, I/O error) is one WriteError naming the file, after the
-    partial checkpoint is removed; the older checkpoints are untouched (jetflow.writes)."""
+    partial checkpoint is removed; the older checkpoints are untouched (jetflow.writes).
+    `extra_dirs`: {name: directory} moved into the checkpoint under `name` before its manifest (which
+    then lists their files too): state other ranks wrote (jetflow.train.fsdp.state's sharded optimizer)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     with guarded(root, "the checkpoints directory", after=RESUME_HINT):
         root.mkdir(parents=True, exist_ok=True)
@@ -82,7 +84,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     shutil.rmtree(tmp, ignore_errors=True)
     kept = f"{existing[-1].name} and older are intact: " if existing else ""
     after = f"the partial {final.name} was removed; {kept}{RESUME_HINT}"
-    _write_checkpoint_files(tmp, step, model, trainer_state, state, model_state, hf_config, tokenizer, after)
+    _write_checkpoint_files(tmp, step, model, trainer_state, state, model_state, hf_config, tokenizer, after,
+                            extra_dirs or {})
     with guarded(final, "checkpoint", partial=tmp, after=after):
         if final.exists():  # replaced (a resume fell back past it): moved aside, deleted once the new one is in place
             aside = root / f".old-{final.name}"
@@ -107,12 +110,14 @@ def _estimate_bytes(model: nn.Module, model_state: dict[str, torch.Tensor] | Non
 
 def _write_checkpoint_files(tmp: Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
                             model_state: dict[str, torch.Tensor] | None, hf_config: bool = False,
-                            tokenizer=None, after: str = "") -> None:
+                            tokenizer=None, after: str = "", extra_dirs: dict[str, Path] | None = None) -> None:
     def writing(name: str):
         return guarded(tmp / name, "checkpoint file", partial=tmp, after=after)
 
     with writing(""):
         tmp.mkdir()
+        for name, directory in (extra_dirs or {}).items():
+            shutil.move(str(directory), str(tmp / name))
     state_dict = model_state if model_state is not None else checkpoint_weights(model)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
@@ -131,7 +136,8 @@ def _write_checkpoint_files(tmp: Path, step: int, model: nn.Module, trainer_stat
     with writing("state.json") as path:
         path.write_text(json.dumps({"step": step, **state}, indent=2))
     with writing(MANIFEST) as path:
-        path.write_text(json.dumps({f.name: file_sha256(f) for f in sorted(tmp.iterdir())}, indent=2))
+        files = sorted(f for f in tmp.rglob("*") if f.is_file())  # with extra_dirs: their files, by relative path
+        path.write_text(json.dumps({f.relative_to(tmp).as_posix(): file_sha256(f) for f in files}, indent=2))
 
 
 def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:

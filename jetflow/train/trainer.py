@@ -417,11 +417,13 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore optimizer moments, schedule position and counters. The hyperparameters are this
-        trainer's config (the same as the checkpoint's unless a resume allowed them to change)."""
+        trainer's config (the same as the checkpoint's unless a resume allowed them to change).
+        `optimizer: None`: the moments were loaded already (the FSDP backend's sharded state)."""
         optimizer = state["optimizer"]
-        if len(optimizer["param_groups"]) == 1 < len(self.optimizer.param_groups):
-            optimizer = self._regrouped(optimizer)  # saved before the weight-decay groups
-        self.optimizer.load_state_dict(optimizer)
+        if optimizer is not None:
+            if len(optimizer["param_groups"]) == 1 < len(self.optimizer.param_groups):
+                optimizer = self._regrouped(optimizer)  # saved before the weight-decay groups
+            self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scheduler.base_lrs = [self.cfg.lr for _ in self.optimizer.param_groups]
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)

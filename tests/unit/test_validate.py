@@ -163,3 +163,14 @@ def test_objective_combinations_are_refused_by_name(overrides, message):
     check_config(load_config(TINY, ["algo.kl_coef=0.05", "algo.kl_estimator=low_var_kl", "algo.kl_in=reward",
                                     "algo.ratio_level=sequence", "algo.loss_agg=seq_mean_token_mean",
                                     "algo.dynamic_sampling=true", "algo.overlong_buffer=4"]))
+
+
+@pytest.mark.parametrize("key", ["run.orchestrator=ray", "rollout.backend=vllm", "train.activation_checkpointing=true"])
+def test_the_fsdp_trainer_refuses_what_it_does_not_run_by_name(key):
+    with pytest.raises(ConfigError, match=rf"^train.backend=fsdp with {key.split('=')[0]}=.*use {key.split('=')[0]}="):
+        check_config(load_config(TINY, ["train.backend=fsdp", key]))
+
+
+def test_fsdp_refuses_megatron_parallelism():
+    with pytest.raises(ConfigError, match=r"^train.tensor_parallel_size=2: model parallelism needs train.backend=megatron"):
+        check_config(load_config(TINY, ["train.backend=fsdp", "train.tensor_parallel_size=2"]))

@@ -1,0 +1,181 @@
+"""The native Decoder sharded with PyTorch FSDP2 (`train.backend=fsdp`): every decoder layer and the
+root (embedding, final norm, lm_head) a `fully_shard` unit over a 1-D device mesh of the data-parallel
+ranks (gloo on the CPU, NCCL on GPUs). Each rank keeps 1/N of the fp32 master weights, gradients and
+AdamW moments; a unit's weights are all-gathered before its forward (and again in backward) and its
+gradients reduce-scattered after its backward.
+
+The arithmetic of every forward is the native trainer's: the all-gather moves the fp32 master
+weights (no MixedPrecisionPolicy), and the same PrecisionLinears then compute on the gathered tensor
+(bf16 GEMMs, or the recipe's FP8 quantization of the whole weight under `unified`), so the trainer's
+log-probs equal the rollout engine's exactly as with the replicated trainer. What differs from one
+process is the summation order of the gradients only: each micro-batch's gradient is reduce-scattered
+(SUM, no division: the loss is already scaled by the global denominator) in the backward's fixed unit
+order and accumulated into the shard, where the replicated trainer sums micro-batches first and
+all-reduces once.
+
+`FSDPPolicy` is a `jetflow.model.protocol.ShardedPolicy`, so the Trainer, weight sync and checkpoints
+take the Megatron backend's paths: gathered HF-named weights, the FP8 bytes of the gathered weights,
+a global gradient norm, and a collective forward (every rank runs every micro-batch: a rank that skipped
+one would leave the others waiting in its all-gather).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from jetflow.model.moe import model_load_balancing_loss
+from jetflow.precision import QuantizedTensor, quantized_weights
+from jetflow.precision.kv import attach_kv_quantizer
+from jetflow.precision.linear import PrecisionLinear
+
+
+def init_world(device: str) -> None:
+    """The default process group FSDP's mesh needs: torchrun's, or a world of one process."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+class FSDPPolicy(nn.Module):
+    """A Decoder (already under the precision mode) sharded over every rank of the world."""
+
+    tp_size = tp_rank = mp_size = state_size = 1
+    state_rank = 0
+    state_group = None
+    collective_forward = True  # FSDP's all-gathers: every rank runs every micro-batch
+    sharded_optimizer_state = True  # each rank holds its shards of AdamW's moments (jetflow.train.fsdp.state)
+
+    def __init__(self, decoder: nn.Module, device: str = "cpu"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__()
+        init_world(device)
+        self.decoder = decoder
+        self.config = decoder.config
+        self.mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+        for layer in decoder.model.layers:
+            fully_shard(layer, mesh=self.mesh)
+        fully_shard(self, mesh=self.mesh)  # the root: embedding, norm, lm_head (tied or not) in one unit
+        for unit in self._units():
+            # a plain SUM (no AVG / PREMUL_SUM, which gloo lacks): each rank's loss is already its share of
+            # the global-batch loss
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        # the sharded parameters (DTensors): inside a forward `parameters()` yields the gathered ones
+        self._shards: list[DTensor] = list(self.parameters())
+        self._seen_versions: tuple[int, ...] | None = None
+
+    def _units(self) -> list[nn.Module]:
+        return [self, *self.decoder.model.layers]
+
+    # The Decoder's trainer interface -----------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (B, T, C): the root unit's forward (FSDP's hooks run on `forward`)."""
+        self._forget_stale_weights()
+        return self.decoder.forward_hidden(input_ids, attention_mask=attention_mask, routed_experts=routed_experts)
+
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       **kwargs) -> torch.Tensor:
+        return self(input_ids, attention_mask, **kwargs)
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The Decoder's lm_head: its weight stays gathered after the root's forward (FSDP does not
+        reshard the root after forward), until the backward's end reshards it."""
+        return self.decoder.lm_head
+
+    def num_params(self) -> int:
+        return self.decoder.num_params()  # DTensor numel is the global size
+
+    def _forget_stale_weights(self) -> None:
+        """Drop the PrecisionLinears' per-weight-version caches (quantized bytes, bf16 copies, packed
+        panels) after the shards changed (an optimizer step, a restore). They are keyed by the weight
+        tensor's address and version counter, and FSDP refills one gathered buffer in place with the
+        version counter preserved: the key would not see a new step's weights."""
+        # an optimizer step on a DTensor bumps the DTensor's counter, an in-place copy into its local shard the shard's
+        versions = tuple((p._version, p._local_tensor._version) for p in self._shards)
+        if versions == self._seen_versions:
+            return
+        for m in self.decoder.modules():
+            if isinstance(m, PrecisionLinear):
+                m._cache_key, m._cached = None, None
+                m._exact_cache.clear()
+        self._seen_versions = versions
+
+    # ShardedPolicy: weights for sync, checkpoints and the rollout's copy --------------------------
+    @torch.no_grad()
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The Decoder's state dict with every tensor whole (an all-gather each, in name order: call it
+        on every rank). A tied lm_head is the embedding itself and is left out, as `named_parameters` does."""
+        out = {}
+        for name, t in self.decoder.state_dict(keep_vars=True).items():
+            if not (self.config.tie_word_embeddings and name == "lm_head.weight"):
+                out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        return out
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Whole HF-named tensors (every rank holds them) into this rank's shards."""
+        own = self.decoder.state_dict(keep_vars=True)
+        tied = self.config.tie_word_embeddings
+        missing = [k for k in own if k not in state_dict and not (tied and k == "lm_head.weight")]
+        unexpected = [k for k in state_dict if k not in own]
+        if missing or unexpected:
+            from jetflow.model import CheckpointError
+            raise CheckpointError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, full in state_dict.items():
+            param = own[name]
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements).to_local()
+                param.to_local().copy_(local)
+            else:
+                param.copy_(full)
+
+    def quantized_weights(self) -> dict[str, QuantizedTensor]:
+        """The FP8 bytes every FP8 linear computes with: quantized from the gathered weight, as in the
+        trainer's forward (a collective: every rank calls it)."""
+        self._forget_stale_weights()
+        for unit in self._units():
+            unit.unshard()
+        try:
+            return quantized_weights(self.decoder)
+        finally:
+            for unit in self._units():
+                unit.reshard()
+
+    # ShardedPolicy: gradients ------------------------------------------------------------------
+    def reduce_data_parallel_grads(self, dp) -> None:
+        """Nothing to do: FSDP reduce-scattered every gradient in the backward."""
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm: the squared norms of every rank's shards summed over ranks."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self._shards if p.grad is not None]
+        local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        total = local.to(self.mesh.device_type)
+        dist.all_reduce(total, group=self.mesh.get_group())
+        norm = total.sqrt().cpu()
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return norm
+
+    # ShardedPolicy: the rest -----------------------------------------------------------------
+    def load_balancing_loss(self) -> torch.Tensor | None:
+        return model_load_balancing_loss(self.decoder)
+
+    def attach_kv_quantizer(self, quantizer):
+        attach_kv_quantizer(self.decoder, quantizer)
+        return quantizer

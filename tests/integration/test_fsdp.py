@@ -1,0 +1,156 @@
+"""The FSDP2 trainer (`train.backend=fsdp`) under torchrun, 2 CPU processes over gloo (issue 41):
+
+- exact on-policy: the rollout engine's log-probs equal the sharded trainer's on every RL step (KL 0,
+  every token equal), in fp32 and unified;
+- fp32: per-step losses within summation-order noise of the native trainer's torchrun data parallelism
+  at the same world size (the bound of numeric_bounds: the two differ in summation order only);
+- deterministic: two identical unified runs log identical metrics;
+- checkpoints: the optimizer shards in a DCP directory; a resume at 2 ranks from the step before the end
+  writes the same final weights bit for bit, a resume at 1 rank completes within summation-order noise;
+  the exported model directory loads as any run's; a run stopped in its warm-up at 2 ranks resumes at 1.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jetflow.metrics_log import read_metrics
+from jetflow.run.files import COMPLETE
+from numeric_bounds import loss_gap
+from torchrun_jobs import torchrun
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ["--config", "configs/tiny.yaml", "train.steps=3", "train.sft_warmup_steps=10", "train.prompts_per_step=4",
+          "rollout.group_size=4", "run.progress=false", "run.tensorboard=false", "run.num_threads=1",
+          "eval.num_prompts=0", "train.checkpoint_every=1", "run.name=r",
+          "train.micro_batch_size=2"]  # 4 micro-batches per rank in an RL step: FSDP accumulates 4 reduce-scatters
+FP32_GAP = 1e-5  # as tests/integration/test_torchrun_dp.py: fp32 summation order over a few steps (numeric_bounds)
+
+
+def _run(launcher: list[str], out: Path, *overrides: str) -> Path:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.run([*launcher, "-m", "jetflow.cli", "train", *COMMON, f"run.out_dir={out}", *overrides],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out / "r"
+
+
+def _rl(run: Path) -> list[dict]:
+    return read_metrics(run, "rl")
+
+
+def _assert_exact_on_policy(run: Path) -> None:
+    rows = _rl(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["mismatch/kl_k3"] == 0.0 and r["mismatch/equal_frac"] == 1.0, r
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp_fp32")
+    fsdp = _run(torchrun(2), root / "fsdp", "precision.mode=fp32", "train.backend=fsdp")
+    native = _run(torchrun(2), root / "native", "precision.mode=fp32")
+    return fsdp, native
+
+
+def test_fsdp_fp32_is_exact_on_policy_and_within_summation_order_of_native_data_parallel(fp32_runs):
+    fsdp, native = fp32_runs
+    _assert_exact_on_policy(fsdp)
+    a, b = read_metrics(fsdp), read_metrics(native)
+    assert [(r["phase"], r["step"]) for r in a] == [(r["phase"], r["step"]) for r in b]
+    assert any(abs(r["train/loss"]) > 1e-3 for r in _rl(fsdp)), "no RL step had a learning signal: vacuous"
+    for x, y in zip(a, b):
+        assert loss_gap(x["train/loss"], y["train/loss"]) <= FP32_GAP, (x["phase"], x["step"], x["train/loss"],
+                                                                       y["train/loss"])
+        assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-4, abs=1e-6)
+    summary = json.loads((fsdp / "summary.json").read_text())
+    assert summary["data_parallel_size"] == 2 and (fsdp / COMPLETE).exists()
+
+
+def test_fsdp_checkpoint_holds_every_ranks_optimizer_shards_and_exports_the_model(fp32_runs):
+    fsdp, _ = fp32_runs
+    ckpt = fsdp / "checkpoints" / "step_000003"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert {"optimizer/.metadata", "optimizer/__0_0.distcp", "optimizer/__1_0.distcp"} <= set(manifest)
+    assert torch.load(ckpt / "trainer.pt", weights_only=True)["optimizer"] is None  # moved into the shards
+    from jetflow.model import load
+    exported = load(str(fsdp / "model"))  # the final HF directory, read by the model loader
+    weights = load_file(str(ckpt / "model.safetensors"))
+    for name, tensor in exported.state_dict().items():
+        if name in weights:
+            assert torch.equal(tensor, weights[name].to(torch.bfloat16).to(tensor.dtype)), name
+
+
+def _truncated_copy(run: Path, dest: Path) -> Path:
+    """The run as if killed after writing step 2's checkpoint: step_000003 and the end marker gone."""
+    shutil.copytree(run.parent, dest)
+    copy = dest / run.name
+    shutil.rmtree(copy / "checkpoints" / "step_000003")
+    (copy / COMPLETE).unlink()
+    (copy / "checkpoints" / "latest").write_text("step_000002")
+    return copy
+
+
+def test_fsdp_resumes_bit_for_bit_at_two_ranks_and_completes_at_one_rank(fp32_runs, tmp_path):
+    fsdp, _ = fp32_runs
+    final = load_file(str(fsdp / "checkpoints" / "step_000003" / "model.safetensors"))
+    two = _truncated_copy(fsdp, tmp_path / "two")
+    _run(torchrun(2), two.parent, "precision.mode=fp32", "train.backend=fsdp", "run.resume=true")
+    again = load_file(str(two / "checkpoints" / "step_000003" / "model.safetensors"))
+    assert all(torch.equal(final[k], again[k]) for k in final)
+    assert [r["train/loss"] for r in _rl(two)] == [r["train/loss"] for r in _rl(fsdp)]
+
+    one = _truncated_copy(fsdp, tmp_path / "one")
+    _run([sys.executable], one.parent, "precision.mode=fp32", "train.backend=fsdp", "run.resume=true")
+    assert (one / COMPLETE).exists()
+    for x, y in zip(_rl(one), _rl(fsdp)):
+        assert loss_gap(x["train/loss"], y["train/loss"]) <= FP32_GAP
+    resumed = load_file(str(one / "checkpoints" / "step_000003" / "model.safetensors"))
+    # one AdamW step from restored moments moves a weight by summation-order noise; from fresh moments (a
+    # lost optimizer state) by about lr = 5e-4 (Adam's first step is lr * sign)
+    assert max((final[k] - resumed[k]).abs().max().item() for k in final) < 1e-6
+
+
+def test_fsdp_unified_is_exact_on_policy_and_deterministic(tmp_path):
+    first = _run(torchrun(2), tmp_path / "a", "precision.mode=unified", "train.backend=fsdp")
+    second = _run(torchrun(2), tmp_path / "b", "precision.mode=unified", "train.backend=fsdp")
+    _assert_exact_on_policy(first)
+
+    def numbers(run: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+                for r in read_metrics(run)]
+    assert numbers(first) == numbers(second)
+
+
+def test_fsdp_stopped_in_the_warmup_at_two_ranks_resumes_at_one_rank(tmp_path):
+    """A SIGTERM in the supervised warm-up: the checkpoint holds the warm-up optimizer's shards only (the RL
+    trainer's has not stepped), and a single process resumes it to completion."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    args = ["-m", "jetflow.cli", "train", *COMMON, "precision.mode=fp32", "train.backend=fsdp", "train.steps=1",
+            "train.sft_warmup_steps=60", "run.resume=true", f"run.out_dir={tmp_path}"]
+    proc = subprocess.Popen([*torchrun(2), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = tmp_path / "r" / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled in its warm-up"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    stopped = json.loads((tmp_path / "r" / "STOPPED").read_text())
+    assert stopped["phase"] == "warm-up", log[-3000:]
+    ckpt = tmp_path / "r" / "checkpoints" / (tmp_path / "r" / "checkpoints" / "latest").read_text().strip()
+    assert ckpt.name.startswith("warmup_") and (ckpt / "optimizer" / "__1_0.distcp").is_file()
+    resumed = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "r", "sft")] == list(range(60))
+    assert (tmp_path / "r" / COMPLETE).exists()
