@@ -8,4 +8,4 @@ bash scripts/install.sh all
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ruff check --quiet jetflow  # the linter (pyproject's [tool.ruff]); a finding fails the run before the tests
-exec python -m pytest -q --durations=30 -n 2 --dist loadgroup --no-loadscope-reorder "$@"
+exec python -m pytest -q --durations=30 -n 2 --dist loadfile --no-loadscope-reorder "$@"

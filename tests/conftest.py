@@ -80,25 +80,22 @@ def smollm2_dir() -> Path:
     return convert_once(SMOLLM2_CACHE.parent)  # converted once, under a lock (parallel test workers)
 
 
-# Under pytest-xdist (scripts/test.sh runs two workers, `--dist loadgroup`): each file runs whole in one
+# Under pytest-xdist (scripts/test.sh runs two workers, `--dist loadfile`): each file runs whole in one
 # worker, so a module-scoped fixture (the Megatron files' torchrun jobs, up to 9 processes) runs once, not
-# once in each worker that got one of its tests; the files that start a local Ray cluster or the SLURM
-# daemons form one group, run one after another. Each worker's torch keeps to one thread, so two workers
-# share the two cores instead of four threads fighting over them.
+# once in each worker that got one of its tests. (`--dist loadgroup` with xdist_group marks does not group
+# under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest no longer reads.) Each worker's torch keeps
+# to one thread, so two workers share the two cores instead of four threads fighting over them.
 CLUSTER_FILES = {"test_ray.py", "test_slurm.py", "test_run_faults.py", "test_train_backends.py"}
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
 def _start_order(item) -> int:
-    """The cluster group (the longest unit), then the other integration files, then the unit tests: the
-    longest work is handed out first and the short files fill in at the end (scripts/test.sh keeps this
-    order with --no-loadscope-reorder)."""
+    """The files that start Ray clusters or SLURM daemons (the longest), then the other integration files,
+    then the unit tests: the longest work is handed out first and the short files fill in at the end
+    (scripts/test.sh keeps this order with --no-loadscope-reorder)."""
     return 0 if item.path.name in CLUSTER_FILES else 1 if item.path.parent.name == "integration" else 2
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = "cluster" if item.path.name in CLUSTER_FILES else str(item.path.relative_to(config.rootpath))
-        item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=_start_order)  # stable: each file's own order is kept
