@@ -111,6 +111,15 @@ def _fp8_model(model):
     return q
 
 
+def _assert_equal_to_the_full_forward(model, out) -> None:
+    """The engine's log-probs equal the trainer's: one full forward per sequence, no cache, bit for bit."""
+    with torch.inference_mode():
+        for p, toks, lps in zip(PROMPTS, out.token_ids, out.logprobs):
+            logits = model(torch.tensor([p + toks]))[0, len(p) - 1:-1]  # (N, V)
+            scores = filter_logits(logits, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)
+            assert torch.equal(token_logprobs(scores, torch.tensor(toks)), torch.tensor(lps))
+
+
 def test_fp8_pages_equal_the_fake_quantized_fp32_cache_and_the_full_forward(model):
     _fp8_model(model)
     try:
@@ -121,11 +130,7 @@ def test_fp8_pages_equal_the_fake_quantized_fp32_cache_and_the_full_forward(mode
         assert fp8.memory_stats()["kv_page_dtype"] == "float8_e4m3fn"
         assert fp8.memory_stats()["kv_bytes_per_token"] * 4 == ref.memory_stats()["kv_bytes_per_token"]
         _assert_same(out, (want.token_ids, want.logprobs))
-        with torch.inference_mode():  # the trainer's log-probs: one full forward per sequence, no cache
-            for p, toks, lps in zip(PROMPTS, out.token_ids, out.logprobs):
-                logits = model(torch.tensor([p + toks]))[0, len(p) - 1:-1]  # (N, V)
-                scores = filter_logits(logits, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)
-                assert torch.equal(token_logprobs(scores, torch.tensor(toks)), torch.tensor(lps))
+        _assert_equal_to_the_full_forward(model, out)
     finally:
         attach_kv_quantizer(model, None)
 
@@ -142,11 +147,7 @@ def test_bf16_pages_hold_the_bf16_modes_kv_and_equal_the_trainers_full_forward(m
         stats = eng.memory_stats()
         assert stats["kv_page_dtype"] == "bfloat16" and stats["kv_bytes_per_token"] * 2 == PAGE_BYTES // 64
         assert out.logprobs != fp32.logprobs
-        with torch.inference_mode():
-            for p, toks, lps in zip(PROMPTS, out.token_ids, out.logprobs):
-                logits = model(torch.tensor([p + toks]))[0, len(p) - 1:-1]  # (N, V)
-                scores = filter_logits(logits, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)
-                assert torch.equal(token_logprobs(scores, torch.tensor(toks)), torch.tensor(lps))
+        _assert_equal_to_the_full_forward(model, out)
     finally:
         attach_kv_quantizer(model, None)
 
