@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from jetflow.kernels import invariant
+
 E4M3_MAX = 448.0
 
 
@@ -125,7 +127,7 @@ class BF16KVRounding:
 
     page_dtype = torch.bfloat16
     values = "bf16 values"
-    apply = ready = calibrated = True
+    ready = True  # applies from the start: nothing to calibrate
     calibrating = False
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,8 +138,9 @@ class BF16KVRounding:
 
 
 def _round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x on the bf16 grid (round to nearest even), in x's dtype; straight-through gradient."""
-    return x.detach().bfloat16().to(x.dtype) + (x - x.detach())
+    """x on the bf16 grid (round to nearest even, invariant.round_to_bf16: one pass on the CPU), in x's
+    dtype; straight-through gradient."""
+    return invariant.round_to_bf16(x.detach()) + (x - x.detach())
 
 
 def attach_kv_quantizer(model, quantizer: KVQuantizer | BF16KVRounding | None) -> None:
