@@ -112,28 +112,49 @@ def test_a_nan_on_one_rank_is_a_skipped_step_on_every_rank(runs, run):
         assert nan["logprobs_nonfinite"], rank
 
 
-def test_jetflow_train_expert_parallel_equals_data_parallel(tmp_path):
+def test_jetflow_train_expert_parallel_equals_data_parallel_and_resumes(tmp_path):
     """`jetflow train` on configs/tiny-moe.yaml (unified FP8, router aux loss) with train.backend=megatron:
     under torchrun, 2 ranks with train.expert_parallel_size=2 give every step's loss, grad
-    norm and the final weights of 2 data-parallel ranks that each hold all experts, bit for bit."""
+    norm and the final weights of 2 data-parallel ranks that each hold all experts, bit for bit. Then the
+    EP run, cut back to its step-2 checkpoint as if killed after it, resumes (every EP rank gets its own
+    experts' AdamW moments back) to the uninterrupted run's final weights, bit for bit."""
+    import shutil
+
     from safetensors.torch import load_file
 
     from jetflow.metrics_log import read_metrics
+    from jetflow.run.files import COMPLETE
 
-    common = ["--config", "configs/tiny-moe.yaml", "train.backend=megatron", "train.steps=2",
-              "train.sft_warmup_steps=4", "train.prompts_per_step=4", "rollout.group_size=4", "run.progress=false",
-              "run.tensorboard=false", "run.num_threads=1", f"run.out_dir={tmp_path}"]
+    common = ["--config", "configs/tiny-moe.yaml", "train.backend=megatron", "train.steps=3",
+              "train.sft_warmup_steps=4", "train.prompts_per_step=4", "rollout.group_size=4", "algo.ppo_epochs=2",
+              "train.checkpoint_every=1", "run.progress=false", "run.tensorboard=false", "run.num_threads=1",
+              f"run.out_dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
 
-    runs = {"dp2": (torchrun(), []), "ep2": (torchrun(), ["train.expert_parallel_size=2"])}
-    wait_all({name: subprocess.Popen([*launcher, "-m", "jetflow.cli", "train", *common, f"run.name={name}", *extra],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for name, (launcher, extra) in runs.items()})
-    dp2, ep2 = (read_metrics(tmp_path / name) for name in runs)
-    assert [r["step"] for r in ep2] == [r["step"] for r in dp2] == [0, 1]
+    def start(name: str, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([*torchrun(), "-m", "jetflow.cli", "train", *common, f"run.name={name}", *extra],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    wait_all({"dp2": start("dp2"), "ep2": start("ep2", "train.expert_parallel_size=2")}, timeout=600)
+    dp2, ep2 = (read_metrics(tmp_path / name) for name in ("dp2", "ep2"))
+    assert [r["step"] for r in ep2] == [r["step"] for r in dp2] == [0, 1, 2]
     rl = [r for r in ep2 if "loss/router_aux" in r]
     assert rl and all(r["loss/router_aux"] > 0 for r in rl)  # the router load-balancing loss is on
     for a, b in zip(dp2, ep2):
         assert a.get("train/loss") == b.get("train/loss") and a.get("train/grad_norm") == b.get("train/grad_norm"), (a, b)
     w_dp, w_ep = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("dp2", "ep2"))
     assert w_dp.keys() == w_ep.keys() and all(torch.equal(w_dp[k], w_ep[k]) for k in w_dp)
+
+    run = tmp_path / "ep2"
+    saved = torch.load(run / "checkpoints" / "step_000003" / "trainer.pt", weights_only=False)
+    assert len(saved["tp_states"]) == 2  # one optimizer state per EP rank (different experts)
+    final = load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
+    shutil.rmtree(run / "checkpoints" / "step_000003")  # as if killed after step 2's checkpoint
+    (run / "checkpoints" / "latest").write_text("step_000002")
+    (run / COMPLETE).unlink()
+    wait_all({"ep2-resumed": start("ep2", "train.expert_parallel_size=2", "run.resume=true")}, timeout=600)
+    assert (run / COMPLETE).exists() and [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    resumed = load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
+    assert final.keys() == resumed.keys()
+    for name, tensor in final.items():  # the same layout and the same sums: bit for bit
+        assert torch.equal(resumed[name], tensor), name
