@@ -14,8 +14,8 @@ batch-invariant ones. HF runs fp32. vLLM (when it imports here) runs in this pro
 others, interleaved with them (jetflow.rollout.vllm.VLLMRollout, one engine per execution): vLLM's
 own kernels in fp32 and bf16, and the exact execution (jetflow's plugin: the native engine's
 arithmetic inside vLLM) per precision. vLLM's own executions keep its defaults but for what the
-adapter sets on the CPU (eager mode, no chunked prefill); the exact one also runs one KV block per
-sequence and no prefix caching (jetflow.rollout.vllm.adapter).
+adapter sets on the CPU (eager mode, no chunked prefill); the exact one also runs 64-position KV
+blocks in its K/V rounding's bytes and no prefix caching (jetflow.rollout.vllm.adapter).
 
 Memory: the engine's KV cache and model bytes (CUDA: peak allocated) and, on the CPU, the peak
 resident set growth during each run (sampled from /proc/self/statm every 20 ms).

@@ -30,14 +30,16 @@ def _ptr(t: Tensor) -> int:
 
 
 def _check_pages(k_pages: Tensor, v_pages: Tensor, hkv: int, d: int, table: Tensor, need: int) -> None:
-    """k_pages (N, H_kv, D, 64), v_pages (N, H_kv, 64, D), contiguous, one storage dtype; table (B, nb)
-    int32 with nb * 64 >= need slots and page ids in [0, N)."""
+    """k_pages (N, H_kv, D, 64), v_pages (N, H_kv, 64, D), one storage dtype, the last dim contiguous (the
+    kernel takes the other strides: vLLM's cache interleaves K and V blocks); table (B, nb) int32 with
+    nb * 64 >= need slots and page ids in [0, N)."""
     n = k_pages.shape[0]
     if k_pages.dtype not in FORMATS or v_pages.dtype != k_pages.dtype or k_pages.is_cuda \
             or tuple(k_pages.shape) != (n, hkv, d, PAGE) or tuple(v_pages.shape) != (n, hkv, PAGE, d) \
-            or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
+            or k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
         raise ValueError(f"pages: K {tuple(k_pages.shape)} {k_pages.dtype}, V {tuple(v_pages.shape)} "
-                         f"{v_pages.dtype}; want contiguous CPU (N, {hkv}, {d}, {PAGE}) and (N, {hkv}, {PAGE}, {d})")
+                         f"{v_pages.dtype}; want CPU (N, {hkv}, {d}, {PAGE}) and (N, {hkv}, {PAGE}, {d}), "
+                         "the last dim contiguous")
     if table.dtype != torch.int32 or table.dim() != 2 or not table.is_contiguous() or table.shape[1] * PAGE < need:
         raise ValueError(f"block table {tuple(table.shape)} {table.dtype}: contiguous int32 (B, >= {-(-need // PAGE)})")
     if table.numel() and (int(table.min()) < 0 or int(table.max()) >= n):

@@ -10,7 +10,8 @@ computed log-probs), travel to the rollout side with the weights, and the next s
 ones. Values beyond a stale amax saturate at +-448 * scale, as in any static-scale FP8 KV cache.
 
 The trainer keeps the rounded values in its dtype; the native rollout engine's paged cache
-(jetflow.model.paged_cache) stores the E4M3 codes themselves, one byte a value, and its kernels
+(jetflow.model.paged_cache) and the exact vLLM plugin's (vLLM's fp8 cache, jetflow.rollout.vllm.attention)
+store the E4M3 codes themselves (`encode`), one byte a value, and their kernels
 (jetflow.kernels.paged) compute code * scale at each load: the same values, so the same log-probs.
 """
 

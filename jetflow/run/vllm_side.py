@@ -61,11 +61,15 @@ def choose_execution(cfg: Config, derived: Derived, model_config) -> str:
     return "fp8_weights_dequantized"
 
 
-def kv_cache_bytes(model_config, max_batch: int, max_model_len: int, dtype_bytes: int) -> int:
-    """KV cache for max_batch full-length sequences (K and V of every layer), with a 25% margin.
+def kv_cache_bytes(model_config, max_batch: int, max_model_len: int, dtype_bytes: int,
+                   kv_cache_gib: float | None = None) -> int:
+    """rollout.kv_cache_gib when set, else a KV cache for max_batch full-length sequences (K and V of
+    every layer, `dtype_bytes` a value: the cache's storage), with a 25% margin.
 
     An explicit size instead of vLLM's gpu_memory_utilization on the CPU: there the engine shares its
     process with the trainer, and utilization minus the process's resident memory can leave nothing."""
+    if kv_cache_gib is not None:
+        return int(kv_cache_gib * 2**30)
     c = model_config
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
     return max(KV_CACHE_MIN_BYTES, int(1.25 * per_token * max_batch * max_model_len))
@@ -120,7 +124,11 @@ def build_vllm_rollout(cfg: Config, derived: Derived, model: Decoder, tokenizer,
     single_token_stops = {s for s in stop if len(tokenizer.encode(s)) == 1}  # already in eos_token_ids
     stops = tuple(s for s in (*stop, *r.stop) if s not in single_token_stops)
     path = write_engine_checkpoint(model, tokenizer, Path(engine_dir), execution, recipe)
-    kw = dict(kv_cache_bytes=kv_cache_bytes(model.config, r.max_batch, max_model_len, 2 if dtype == "bfloat16" else 4))
+    element = 2 if dtype == "bfloat16" else 4
+    if policy is not None:  # the exact engine's cache holds its K/V rounding's bytes (E4M3 codes, bf16)
+        from jetflow.rollout.vllm.attention import cache_dtype
+        element = {"fp8": 1, "bfloat16": 2}.get(cache_dtype(policy), element)
+    kw = dict(kv_cache_bytes=kv_cache_bytes(model.config, r.max_batch, max_model_len, element, r.kv_cache_gib))
     if torch.cuda.is_available() and cfg.model.device.startswith("cuda"):
         kw = dict(gpu_memory_utilization=r.vllm_gpu_memory_utilization)
     rollout = VLLMRollout(path, execution=execution, dtype=dtype, policy=policy,

@@ -1,7 +1,9 @@
 """vLLM with jetflow's exact plugin (`execution="exact"`, jetflow.rollout.vllm.plugin) on tiny models:
 its rollout log-probs equal the trainer's bit for bit (`torch.equal`) in fp32, bf16 and unified, with
-and without the FP8 KV cache, also for Qwen3-MoE and Mixtral; a request computes the same tokens and log-probs alone, inside a batch,
-arriving while others decode and with its prefill chunked; greedy log-probs equal the native engine's
+and without the FP8 KV cache, also for Qwen3-MoE and Mixtral, on vLLM's paged cache (64-position
+blocks holding each mode's bytes: fp32, bf16, E4M3 codes); a request computes the same tokens and
+log-probs alone, inside a batch, arriving while others decode, with its prefill chunked and preempted
+and recomputed when the blocks run out; greedy log-probs equal the native engine's
 (Llama, Llama 3 RoPE scaling, Qwen2 biases, Qwen3 q/k norms), also after in-place updates; updates the
 engine cannot take are refused untouched, and models it cannot serve before it starts.
 
@@ -133,6 +135,7 @@ def test_chunked_prefill_gives_the_native_engines_tokens(tmp_path):
     rollout = exact_rollout(model, cfg, tok, tmp_path, temperature=0.0,
                             engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": 24})
     try:
+        assert_kv_storage(rollout, model, "bfloat16", 2)  # the bf16 mode's K/V rounding, in its own bytes
         native = native_greedy(rollout.policy, prompts, 64)
         late = staggered(rollout, prompts, list(range(len(prompts))), late=5, after_steps=4)
         alone = rollout.generate([prompts[5]], seeds=[5], greedy=True)
@@ -142,6 +145,39 @@ def test_chunked_prefill_gives_the_native_engines_tokens(tmp_path):
         assert [late[i][1] for i in range(len(prompts))] == native.logprobs
     finally:
         rollout.close()
+
+
+def test_fp8_kv_in_one_byte_blocks_preempted_and_recomputed_gives_the_native_engines_tokens(tmp_path):
+    """unified + FP8 KV: vLLM's cache in 64-position blocks of one byte a value (vLLM's own figures), so
+    small (8 blocks) that requests wait for blocks and running ones are preempted and recomputed: every
+    request's greedy tokens and log-probs equal the native engine's (E4M3 pages) bit for bit."""
+    cfg, model, tok, _ = tiny("unified", True)
+    prompts = mixed_length_prompts(tok, 8, 3, 60, seed=4)
+    c = model.config
+    block_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 64  # K and V of 64 positions, every layer, 1 byte
+    rollout = exact_rollout(model, cfg, tok, tmp_path, temperature=0.0, max_new_tokens=96, kv_cache_bytes=8 * block_bytes)
+    try:
+        stats = rollout.kv_cache_stats()
+        assert stats == {"kv_cache_dtype": "uint8", "kv_block_size": 64, "kv_bytes_per_token": block_bytes // 64,
+                         "kv_num_blocks": 8, "kv_pool_bytes": 8 * block_bytes}
+        scheduler = rollout.llm.llm_engine.engine_core.engine_core.scheduler
+        preempted, preempt = [], scheduler._preempt_request
+        scheduler._preempt_request = lambda request, *a, **k: (preempted.append(request.request_id),
+                                                                preempt(request, *a, **k))[1]
+        out = rollout.generate(prompts, seeds=list(range(len(prompts))), greedy=True)
+        assert preempted, "the 8 blocks were enough: nothing was preempted"
+        native = native_greedy(rollout.policy, prompts, 96)
+        assert out.token_ids == native.token_ids and out.logprobs == native.logprobs
+    finally:
+        rollout.close()
+
+
+def assert_kv_storage(rollout: VLLMRollout, model, dtype: str, element_bytes: int) -> None:
+    """vLLM's own figures: 64-position blocks of `dtype`, K and V of every layer at `element_bytes` a value."""
+    c = model.config
+    stats = rollout.kv_cache_stats()
+    assert (stats["kv_cache_dtype"], stats["kv_block_size"]) == (dtype, 64)
+    assert stats["kv_bytes_per_token"] == 2 * c.num_layers * c.num_kv_heads * c.head_dim * element_bytes
 
 
 def native_greedy(policy, prompts, new_tokens: int):
@@ -159,6 +195,7 @@ def test_greedy_logprobs_equal_the_native_engine_also_after_updates(mode, tmp_pa
     rollout = exact_rollout(model, cfg, tok, tmp_path, temperature=0.0)
     trainer = apply_mode(copy_model(model), cfg, derive(cfg), "trainer")
     try:
+        assert_kv_storage(rollout, model, "float32", 4)
         for version in (1, 2):
             out = rollout.generate(prompts, seeds=list(range(len(prompts))), greedy=True)
             native = native_greedy(rollout.policy, prompts, 64)

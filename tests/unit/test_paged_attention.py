@@ -106,3 +106,22 @@ def test_paged_attention_refuses_a_short_table_and_bad_page_ids():
         paged.paged_attention(q, kp, vp, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([[PAGE]]), 0.1)
     with pytest.raises(ValueError, match="page ids"):
         paged.paged_attention(q, kp, vp, torch.full((1, 1), 5, dtype=torch.int32), torch.tensor([[3]]), 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_pages_interleaved_as_in_vllms_cache_give_the_bits_of_contiguous_pages(dtype):
+    """vLLM's CPU cache (N, H_kv, 64, 2 D): each (block, head) holds K^T (D, 64) then V (64, D), read by the
+    kernel in place through strided views (jetflow.rollout.vllm.attention.cache_views' layout)."""
+    gen = torch.Generator().manual_seed(7)
+    B, H, Hkv, T, D, S = 2, 4, 2, 3, 32, 128
+    q = torch.randn(B, H, T, D, generator=gen)
+    kp, vp, table = _paged_copy(torch.randn(B, Hkv, D, S, generator=gen), torch.randn(B, Hkv, S, D, generator=gen),
+                                dtype, gen)
+    n = kp.shape[0]
+    vllm_cache = torch.cat([kp.reshape(n, Hkv, 1, D * PAGE), vp.reshape(n, Hkv, 1, PAGE * D)], 2)  # (N, H_kv, 2, 64 D)
+    halves = vllm_cache.view(n, Hkv, PAGE, 2 * D).view(n, Hkv, 2, PAGE * D)
+    kt_view, v_view = halves[:, :, 0].view(n, Hkv, D, PAGE), halves[:, :, 1].view(n, Hkv, PAGE, D)
+    assert not kt_view.is_contiguous() and torch.equal(kt_view.float(), kp.float())
+    pos = torch.tensor([[5, 70, 127], [0, 64, 100]])
+    assert torch.equal(paged.paged_attention(q, kt_view, v_view, table, pos, 0.125, 0.5, 0.25),
+                       paged.paged_attention(q, kp, vp, table, pos, 0.125, 0.5, 0.25))

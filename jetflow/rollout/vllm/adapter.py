@@ -167,7 +167,7 @@ class VLLMRollout:
         engine_args.update(extra_args or {})
         self.description = self.execution
         if self.execution == "exact":
-            engine_args.update(self._exact_engine_args(policy, dtype, enforce_eager, max_model_len))
+            engine_args.update(self._exact_engine_args(policy, dtype, enforce_eager))
         try:
             self.llm = self._start_engine(engine_args)
             if self.execution == "exact":
@@ -218,13 +218,15 @@ class VLLMRollout:
             raise ValueError(f"execution={execution!r} with dtype={dtype!r}: they must agree")
         return execution
 
-    def _exact_engine_args(self, policy, dtype: str, enforce_eager: bool, max_model_len: int) -> dict:
+    def _exact_engine_args(self, policy, dtype: str, enforce_eager: bool) -> dict:
         """vLLM's arguments for an exact engine: the plugin's quantization config naming the policy, no
-        weights to read (they are the policy's), float32, eager, and one KV block per sequence (the
-        exact attention reads a sequence's keys where they lie; jetflow.rollout.vllm.attention), which
-        leaves prefix caching nothing to share: it is turned off."""
+        weights to read (they are the policy's), float32, eager, KV blocks of the exact attention's 64
+        positions in the bytes of the policy's K/V rounding (E4M3 under FP8 KV, bf16 under the bf16
+        mode: jetflow.rollout.vllm.attention), prefix caching off."""
         import_vllm()
+        from jetflow.kernels.paged import PAGE
         from jetflow.rollout.vllm import policies
+        from jetflow.rollout.vllm.attention import cache_dtype
 
         if policy is None:
             raise ValueError("execution='exact' computes with a jetflow policy: pass policy=")
@@ -232,7 +234,7 @@ class VLLMRollout:
             raise ValueError(f"execution='exact' runs float32 activations in eager mode (got dtype={dtype!r}, "
                              f"enforce_eager={enforce_eager}): vLLM's torch.compile would change the arithmetic")
         self.token = policies.serve(policy)
-        return dict(load_format="dummy", block_size=-(-max_model_len // 32) * 32, enable_prefix_caching=False,
+        return dict(load_format="dummy", block_size=PAGE, kv_cache_dtype=cache_dtype(policy), enable_prefix_caching=False,
                     hf_overrides={"quantization_config": {"quant_method": policies.QUANT_METHOD, "policy": self.token}})
 
     def _start_engine(self, engine_args: dict):
@@ -360,6 +362,18 @@ class VLLMRollout:
         if reason == "stop":
             text = text[:min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=len(text))]
         return text
+
+    def kv_cache_stats(self) -> dict:
+        """vLLM's own KV cache figures (its scheduler's KV cache config, in-process engine): kv_cache_dtype
+        (the storage dtype; uint8 = vLLM's fp8), kv_block_size (positions a block), kv_bytes_per_token
+        (K and V of one position over every layer, from its spec's page size), kv_num_blocks and
+        kv_pool_bytes (what it allocated). An FP8 cache's scales (two fp32 a layer) are the policy's."""
+        config = self.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        groups = [(g.kv_cache_spec, len(g.layer_names)) for g in config.kv_cache_groups]
+        return {"kv_cache_dtype": str(groups[0][0].dtype).replace("torch.", ""),
+                "kv_block_size": groups[0][0].block_size,
+                "kv_bytes_per_token": sum(s.page_size_bytes * n // s.block_size for s, n in groups),
+                "kv_num_blocks": config.num_blocks, "kv_pool_bytes": sum(t.size for t in config.kv_cache_tensors)}
 
     def close(self) -> None:
         """Shut the engine down (its memory is released once nothing refers to it)."""

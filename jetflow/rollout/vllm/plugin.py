@@ -8,7 +8,7 @@ scheduler, paged KV cache, batching and sampler; the plugin puts jetflow's funct
     vLLM op                                  computed by (module)
     linear layers, lm_head                   the policy's PrecisionLinears, one per HF sub-matrix (quant)
     embedding                                Decoder.embed (quant)
-    attention                                jetflow.kernels.invariant.attention on vLLM's paged cache (attention)
+    attention                                jetflow.kernels.paged.paged_attention on vLLM's blocks (attention)
     RMSNorm, SiluAndMul, rotary embedding    the policy's RMSNorm modules, silu_exact, rope_tables + apply_rope (ops)
     MoE block (router and experts)           the policy's SparseMoeBlock (moe)
 

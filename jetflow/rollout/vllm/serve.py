@@ -125,6 +125,9 @@ def describe(policy: Decoder) -> str:
                 f"weight blocks, 1x{recipe.group_size} activation groups; bf16: {others or 'none'})")
     else:
         what = f"{'/'.join(sorted(kinds))} linears with jetflow's kernels"
+    from jetflow.rollout.vllm.attention import cache_dtype
+
     kv = policy.model.layers[0].self_attn.kv_quantizer
-    return (f"{what}; jetflow's attention on vLLM's paged fp32 KV cache{f' ({kv.values})' if kv else ''}, one "
-            "block per sequence (prefix caching off: nothing to share); activations fp32; eager mode (no torch.compile)")
+    storage = {"fp8": "1-byte E4M3 codes x per-layer fp32 scales", "bfloat16": "bf16"}.get(cache_dtype(policy), "fp32")
+    return (f"{what}; jetflow's paged attention on vLLM's KV cache in 64-position blocks of {storage}"
+            f"{f' ({kv.values})' if kv else ''} (prefix caching off); activations fp32; eager mode (no torch.compile)")
