@@ -5,6 +5,8 @@
 - fp32: per-step losses within summation-order noise of the native trainer's torchrun data parallelism
   at the same world size (the bound of numeric_bounds: the two differ in summation order only);
 - deterministic: two identical unified runs log identical metrics;
+- the FP8 all-gather (unified): across 2 ranks the gathered bytes and scales are the whole weight's,
+  the gradients those of a replicated Decoder, and the all-gathers move 1 byte an FP8 weight;
 - checkpoints: the optimizer shards in a DCP directory; a resume at 2 ranks from the step before the end
   writes the same final weights bit for bit, a resume at 1 rank completes within summation-order noise;
   the exported model directory loads as any run's; a run stopped in its warm-up at 2 ranks resumes at 1.
@@ -26,7 +28,7 @@ from safetensors.torch import load_file
 from jetflow.metrics_log import read_metrics
 from jetflow.run.files import COMPLETE
 from numeric_bounds import loss_gap
-from torchrun_jobs import torchrun
+from torchrun_jobs import launch_worker, torchrun, wait_all
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--config", "configs/tiny.yaml", "train.steps=3", "train.sft_warmup_steps=10", "train.prompts_per_step=4",
@@ -154,3 +156,15 @@ def test_fsdp_stopped_in_the_warmup_at_two_ranks_resumes_at_one_rank(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "r", "sft")] == list(range(60))
     assert (tmp_path / "r" / COMPLETE).exists()
+
+
+def test_fsdp_fp8_all_gather_moves_the_whole_weights_bytes_and_gives_the_replicated_gradients(tmp_path):
+    """fsdp_fp8_gather_worker.py at 2 ranks: weights split on and off the 128-row block boundaries."""
+    out = tmp_path / "result.json"
+    wait_all({"fp8-gather": launch_worker(2, Path(__file__).parent / "fsdp_fp8_gather_worker.py", "--out", out)})
+    result = json.loads(out.read_text())
+    assert result["wrapped"] == 14 and result["world"] == 2
+    assert result["bytes_equal"] and all(result["bytes_equal"].values()), result["bytes_equal"]
+    assert all(result["bytes_equal_after_step"].values()), result["bytes_equal_after_step"]
+    assert all(result["grads_equal"].values()), result["grads_equal"]
+    assert result["gathered_bytes"] == result["expected_fp8_bytes"] < 0.3 * result["fp32_bytes"]

@@ -14,14 +14,16 @@ instead of 4), as torchao's float8 all-gather does, through FSDP2's extension po
                    tensor (the FP8 wgrad), which FSDP reduce-scatters into the fp32 master shards: the
                    straight-through update of the native unified trainer.
 
-Scales: a block's scale is a function of that block's amax alone. Where c is a multiple of 128 each rank
-owns whole blocks and knows their amax; where it is not (hidden 576 at 2 ranks: 288 rows a rank, blocks
-split between ranks) the ranks first agree on every block's amax with one MAX all-reduce of the (N/128,
-K/128) amax grid (jetflow.precision.quant.row_shard_amax). Either way each rank then quantizes its rows with
-the whole weight's scales, so the gathered bytes are the bytes quantize_blocks gives the whole weight
-(tests/unit/test_fsdp_fp8_gather.py checks it with torch.equal) and the forward equals the rollout's. The
-scales travel in that all-reduce (4 bytes a block, every rank gets the whole grid), not in the all-gather:
-an all-gather input of another size than FSDP's padded shard is refused for unevenly sharded weights.
+Scales: a block's scale is a function of that block's amax alone. The ranks first agree on every block's
+amax with one MAX all-reduce of the weight's (N/128, K/128) amax grid, each rank filling in the blocks its
+rows touch (jetflow.precision.quant.row_shard_amax). Where c is a multiple of 128 every block is one rank's
+and the all-reduce just hands the scales round; where it is not (hidden 576 at 2 ranks: 288 rows a rank)
+the ranks sharing a block take the larger amax. Each rank then quantizes its rows with the whole weight's
+scales, so the gathered bytes are the bytes quantize_blocks gives the whole weight (torch.equal in
+tests/unit/test_fsdp_fp8_gather.py and, across 2 ranks, tests/integration/fsdp_fp8_gather_worker.py) and the
+forward equals the rollout's. No weight is refused or padded beyond FSDP's own padding. The scales travel
+in that all-reduce (4 bytes a block), not in the all-gather, because FSDP refuses an unevenly sharded
+weight's all-gather inputs of any size but its padded shard's.
 
 Both are computed once per optimizer step: the forward's and backward's all-gathers of a step reuse the
 bytes until FSDPPolicy sees the shards change (`forget_quantized`, from the DTensors' version counters,
@@ -98,8 +100,7 @@ class FP8ShardWeight(torch.Tensor):
         recipe, offset = self._recipe, mesh.get_local_rank() * rows
         local = self._tensor.detach()  # (r, K), r <= rows
         amax = row_shard_amax(local, offset, n, recipe.weight_block, f"{self._name}.weight")  # (nr, nc)
-        if rows % recipe.weight_block[0]:  # blocks split between ranks: agree on their amax
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())  # every block's: all ranks
         scale_inv = compute_scale_inv(amax, recipe.forward_format, recipe.scale_rule, recipe.margin)
         data = torch.zeros(rows, local.shape[1], dtype=torch.uint8, device=local.device)  # (c, K)
         data[:local.shape[0]] = quantize_row_shard(local, offset, scale_inv, recipe.weight_block,
