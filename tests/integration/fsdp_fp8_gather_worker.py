@@ -7,7 +7,7 @@ rank at 2 ranks) and on them (intermediate 512: 256 rows a rank), under `unified
 Rank 0 writes what it saw: whether the gathered FP8 bytes and scales equal the recipe's quantization of the whole
 weight (before and after an optimizer step), whether the sharded gradients equal a replicated Decoder's
 (every rank runs the same batch: the reduce-scatter sums 2 equal values, exactly twice one), and the bytes
-FSDP's all-gathers received against the bytes of an FP8 shard + fp32 everything else.
+FSDP's all-gathers received against FP8 weights' 1 byte, the bf16 embedding's 2 and the norms' 4.
 """
 
 from __future__ import annotations
@@ -43,13 +43,15 @@ def bytes_equal(policy: FSDPPolicy, recipe) -> dict[str, bool]:
 
 
 def expected_gather_bytes(policy: FSDPPolicy, world: int) -> int:
-    """One all-gather of every unit: FP8 weights 1 byte an element, everything else its dtype's size, each
-    over FSDP's padded shard (ceil(rows / world) rows a rank)."""
+    """One all-gather of every unit: FP8 weights 1 byte an element, the embedding (tied to a bf16 lm_head) 2,
+    the norms 4, each over FSDP's padded shard (ceil(rows / world) rows a rank)."""
     fp8 = {id(m.weight) for m in fp8_linears(policy.decoder).values()}
+    embedding = policy.decoder.model.embed_tokens.weight
     total = 0
     for p in policy.parameters():
         rows = -(-p.shape[0] // world)
-        total += world * rows * (p[0].numel() if p.dim() > 1 else 1) * (1 if id(p) in fp8 else p.element_size())
+        size = 1 if id(p) in fp8 else 2 if p is embedding else 4
+        total += world * rows * (p[0].numel() if p.dim() > 1 else 1) * size
     return total
 
 
@@ -67,7 +69,7 @@ def main() -> None:
                          cfg, derive(cfg), "trainer")
     reference = copy.deepcopy(decoder)
     policy = FSDPPolicy(decoder)
-    result = {"wrapped": policy.fp8_all_gathered, "world": world}
+    result = {"wrapped": policy.low_precision_gathered, "world": world}
 
     with counted_all_gathers() as seen:
         result["bytes_equal"] = bytes_equal(policy, cfg.precision.recipe())

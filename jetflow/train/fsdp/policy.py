@@ -7,7 +7,7 @@ gradients reduce-scattered after its backward.
 The arithmetic of every forward is the native trainer's: the all-gather moves the fp32 master
 weights (no MixedPrecisionPolicy) and the same PrecisionLinears compute on the gathered tensor (fp32 or
 bf16 GEMMs), except the FP8 linears' weights under `unified`, which each rank quantizes on its own shard
-and the all-gather moves as E4M3 bytes (jetflow.train.fsdp.fp8_gather): the bytes quantizing the whole
+and the all-gather moves as E4M3 bytes (jetflow.train.fsdp.gather): the bytes quantizing the whole
 weight gives, which the linears compute with and the weight sync ships. So the trainer's log-probs equal
 the rollout engine's exactly as with the replicated trainer. What differs from one
 process is the summation order of the gradients only: each micro-batch's gradient is reduce-scattered
@@ -34,7 +34,7 @@ from jetflow.model.moe import model_load_balancing_loss
 from jetflow.precision import QuantizedTensor, quantized_weights
 from jetflow.precision.kv import attach_kv_quantizer
 from jetflow.precision.linear import PrecisionLinear
-from jetflow.train.fsdp.fp8_gather import FP8ShardWeight, wrap_for_fp8_all_gather
+from jetflow.train.fsdp.gather import FP8ShardWeight, wrap_for_low_precision_all_gather
 
 
 def init_world(device: str) -> None:
@@ -66,7 +66,8 @@ class FSDPPolicy(nn.Module):
         self.decoder = decoder
         self.config = decoder.config
         self.mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
-        self.fp8_all_gathered = wrap_for_fp8_all_gather(decoder)  # FP8 linears' weights gather as FP8 bytes
+        # FP8 linears' weights gather as FP8 bytes, weights read on the bf16 grid as bf16 (jetflow.train.fsdp.gather)
+        self.low_precision_gathered = wrap_for_low_precision_all_gather(decoder)
         for layer in decoder.model.layers:
             fully_shard(layer, mesh=self.mesh)
         fully_shard(self, mesh=self.mesh)  # the root: embedding, norm, lm_head (tied or not) in one unit
