@@ -49,10 +49,10 @@ from jetflow.precision.recipe import FP8_DTYPES, FP8Recipe
 
 aten = torch.ops.aten
 # ops whose result is (a view or a copy of) the weight itself: FSDP shards, pads and slices it with them
+# (a copy in another dtype or a clone is a plain tensor: what a checkpoint or an export reads)
 _PRESERVE = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.new_zeros.default,
              aten.slice.Tensor, aten.narrow.default, aten.view.default, aten._unsafe_view.default,
-             aten.as_strided.default, aten.detach.default, aten.alias.default, aten.clone.default,
-             aten._to_copy.default}
+             aten.as_strided.default, aten.detach.default, aten.alias.default}
 
 
 class _ShardWeight(torch.Tensor):
@@ -214,3 +214,9 @@ def wrap_for_low_precision_all_gather(decoder: nn.Module) -> dict[str, int]:
                     wrapped[id(param)] = nn.Parameter(BF16ShardWeight(param.data, name), requires_grad=param.requires_grad)
                 setattr(module, attr, wrapped[id(param)])
     return {"fp8": len(fp8), "bf16": len(wrapped)}
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The fp32 tensor inside a shard wrapper (a weight read whole: DTensor.full_tensor of a world of one
+    is a view of the shard), else t."""
+    return t._tensor if isinstance(t, _ShardWeight) else t

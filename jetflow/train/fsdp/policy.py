@@ -34,7 +34,7 @@ from jetflow.model.moe import model_load_balancing_loss
 from jetflow.precision import QuantizedTensor, quantized_weights
 from jetflow.precision.kv import attach_kv_quantizer
 from jetflow.precision.linear import PrecisionLinear
-from jetflow.train.fsdp.gather import FP8ShardWeight, wrap_for_low_precision_all_gather
+from jetflow.train.fsdp.gather import FP8ShardWeight, plain, wrap_for_low_precision_all_gather
 
 
 def init_world(device: str) -> None:
@@ -129,7 +129,7 @@ class FSDPPolicy(nn.Module):
         out = {}
         for name, t in self.decoder.state_dict(keep_vars=True).items():
             if not (self.config.tie_word_embeddings and name == "lm_head.weight"):
-                out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+                out[name] = plain(t.full_tensor() if isinstance(t, DTensor) else t).detach()
         return out
 
     @torch.no_grad()
