@@ -5,7 +5,8 @@ Run under torchrun, one backend per launch (the numbers are this process's own):
 It builds the run's trainer side (jetflow.run.sides.TrainerSide: model under the precision mode,
 AdamW), takes two supervised warm-up steps, and rank 0 prints one JSON line per rank: the bytes this
 rank holds of parameters, gradients and optimizer state (DTensors counted by their local shard), the
-bytes its parameter all-gathers received in the second step, and the process's peak resident set
+bytes its parameter all-gathers received in the second step (and the bytes it all-reduced: the FP8
+all-gather's block amax, the gradient norm), and the process's peak resident set
 (which also holds what the run loads before sharding: every rank builds the whole model first, as the
 native trainer does).
 """
@@ -42,20 +43,25 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 @contextlib.contextmanager
 def counted_all_gathers():
-    """{"bytes": ...}: the bytes this rank receives from `all_gather_single` (the collective FSDP2's
-    parameter all-gathers call, torch 2.13) while the block runs."""
-    seen = {"bytes": 0}
-    original = dist.all_gather_single
+    """{"bytes": ..., "all_reduce_bytes": ...}: the bytes this rank receives from `all_gather_single` (the
+    collective FSDP2's parameter all-gathers call, torch 2.13) and the bytes it all-reduces (the FP8
+    all-gather's block amax grids, the gradient norm) while the block runs."""
+    seen = {"bytes": 0, "all_reduce_bytes": 0}
+    original_gather, original_reduce = dist.all_gather_single, dist.all_reduce
 
-    def counting(output, input, *args, **kwargs):
+    def gathering(output, input, *args, **kwargs):
         seen["bytes"] += output.numel() * output.element_size()
-        return original(output, input, *args, **kwargs)
+        return original_gather(output, input, *args, **kwargs)
 
-    dist.all_gather_single = counting
+    def reducing(tensor, *args, **kwargs):
+        seen["all_reduce_bytes"] += tensor.numel() * tensor.element_size()
+        return original_reduce(tensor, *args, **kwargs)
+
+    dist.all_gather_single, dist.all_reduce = gathering, reducing
     try:
         yield seen
     finally:
-        dist.all_gather_single = original
+        dist.all_gather_single, dist.all_reduce = original_gather, original_reduce
 
 
 def main(argv: list[str]) -> None:
@@ -78,7 +84,7 @@ def main(argv: list[str]) -> None:
     row = {"backend": cfg.train.backend, "model": cfg.model.path, "mode": cfg.precision.mode,
            "world_size": dist.get_world_size() if dist.is_initialized() else 1, "rank": dp.global_rank,
            **state_bytes(side.model, side.warmup.trainer.optimizer),
-           "all_gather_bytes_per_step": gathered["bytes"],
+           "all_gather_bytes_per_step": gathered["bytes"], "all_reduce_bytes_per_step": gathered["all_reduce_bytes"],
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     rows = [None] * row["world_size"]
     if dist.is_initialized():

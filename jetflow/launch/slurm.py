@@ -32,6 +32,7 @@ from jetflow.run.validate import check_config
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 KINDS = ("torchrun", "ray")
+KIND_OVERRIDES = {"torchrun": (), "ray": ("run.orchestrator=ray",)}  # what each template adds to the command
 # `#SBATCH` lines with one of these placeholders are dropped when the option is not given (None / 0)
 OPTIONAL = ("gpus_per_node", "partition", "time")
 STOP_SIGNAL_S = 600  # time to finish the current RL step and write a checkpoint
@@ -75,8 +76,9 @@ def render_slurm(kind: str, cfg_path: str | Path, overrides: list[str] | tuple[s
     many seconds before the time limit; the run checkpoints at its next step boundary, and the job
     requeues itself and resumes (templates/requeue.sh).
     """
-    cfg = load_config(cfg_path, overrides)
-    check_config(cfg)  # a bad key or value fails here, before anything is written
+    # a bad key or value fails here, before anything is written; checked with what the kind's template adds
+    cfg = load_config(cfg_path, [*overrides, *KIND_OVERRIDES[kind]] if kind in KIND_OVERRIDES else overrides)
+    check_config(cfg)
     for name, value in (("nodes", nodes), ("nproc_per_node", nproc_per_node), ("cpus_per_task", cpus_per_task),
                         ("stop_signal_s", stop_signal_s)):
         if value is not None and value < 1:

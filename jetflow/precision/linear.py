@@ -73,6 +73,11 @@ class PrecisionLinear(nn.Linear):
         if self._loaded is not None:
             return self._loaded
         w = self.weight
+        gathered = getattr(w, "gathered_fp8", None)  # the bytes FSDP's FP8 all-gather brought (train.fsdp.fp8_gather)
+        if gathered is not None:
+            if self._multiplies_dequantized(gathered.data.device):
+                gathered.with_dequantized_cache()
+            return gathered
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if key != self._cache_key:
             wq = quantize_weight_for_recipe(w, self.recipe, f"{self.name}.weight")

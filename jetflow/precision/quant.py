@@ -203,6 +203,41 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3", 
     return QuantizedTensor(data, scale_inv, tuple(block))
 
 
+def row_shard_amax(rows: torch.Tensor, row_offset: int, total_rows: int, block: tuple[int, int],
+                   name: str = "tensor") -> torch.Tensor:
+    """The per-block amax (nr, nc) of a (R, C) tensor's rows [row_offset, row_offset + r) given as `rows`
+    (r, C): the blocks those rows touch hold their part's amax, the others 0. The elementwise MAX of every
+    row shard's grid is the whole tensor's block amax, from which each shard quantizes its own rows to the
+    bytes `quantize_blocks` gives the whole tensor (`quantize_row_shard`): a block's scale depends on the
+    block alone, so shards need agree only on the amax of the blocks they split."""
+    br, bc = block
+    nr, nc = _ceil_div(total_rows, br), _ceil_div(rows.shape[1], bc)
+    amax = torch.zeros(nr, nc, dtype=torch.float32, device=rows.device)
+    if rows.shape[0] == 0:
+        return amax
+    first = row_offset // br
+    top = row_offset - first * br  # rows of the first block above this shard
+    padded = F.pad(rows.float(), (0, 0, top, 0))  # (top + r, C): starts on a block boundary
+    _, _, _, part = checked_blocks(padded, block, name, "FP8")  # (blocks touched, nc)
+    amax[first:first + part.shape[0]] = part
+    return amax
+
+
+def quantize_row_shard(rows: torch.Tensor, row_offset: int, scale_inv: torch.Tensor, block: tuple[int, int],
+                       fmt: str = "e4m3") -> torch.Tensor:
+    """`rows` (r, C), rows [row_offset, row_offset + r) of a tensor whose block scales are `scale_inv`
+    (nr, nc), to FP8 (r, C): each element divided by its block's scale, clamped and cast, as
+    `quantize_blocks` does, so the shards' bytes stacked are the whole tensor's bytes."""
+    br, bc = block
+    first = row_offset // br
+    last = _ceil_div(row_offset + rows.shape[0], br)
+    s = scale_inv[first:last].repeat_interleave(br, 0).repeat_interleave(bc, 1)  # (blocks * br, nc * bc)
+    top = row_offset - first * br
+    s = s[top:top + rows.shape[0], :rows.shape[1]]  # (r, C)
+    fp8_max = FP8_MAX[fmt]
+    return (rows.float() / s).clamp_(-fp8_max, fp8_max).to(FP8_DTYPES[fmt])
+
+
 def _quantize_1x128_cuda(x: torch.Tensor, scale_rule: str, margin: int, name: str,
                          check_finite: bool) -> QuantizedTensor:
     """Activations on CUDA: jetflow's Triton kernel, byte-identical to the computation above (one

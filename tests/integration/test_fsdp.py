@@ -5,9 +5,13 @@
 - fp32: per-step losses within summation-order noise of the native trainer's torchrun data parallelism
   at the same world size (the bound of numeric_bounds: the two differ in summation order only);
 - deterministic: two identical unified runs log identical metrics;
+- the FP8 all-gather (unified): across 2 ranks the gathered bytes and scales are the whole weight's,
+  the gradients those of a replicated Decoder, and the all-gathers move 1 byte an FP8 weight;
 - checkpoints: the optimizer shards in a DCP directory; a resume at 2 ranks from the step before the end
   writes the same final weights bit for bit, a resume at 1 rank completes within summation-order noise;
-  the exported model directory loads as any run's; a run stopped in its warm-up at 2 ranks resumes at 1.
+  the exported model directory loads as any run's; a rank SIGKILLed in the warm-up ends the run in one line
+  (jetflow.launch.torchrun) and the directory resumes at 2 ranks; a run stopped in its warm-up at 2 ranks
+  resumes at 1.
 """
 
 import json
@@ -23,10 +27,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from jetflow.launch.torchrun import RESUME
 from jetflow.metrics_log import read_metrics
+from jetflow.run.stop import EXIT_FAULT
 from jetflow.run.files import COMPLETE
 from numeric_bounds import loss_gap
-from torchrun_jobs import torchrun
+from torchrun_jobs import launch_worker, torchrun, wait_all
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--config", "configs/tiny.yaml", "train.steps=3", "train.sft_warmup_steps=10", "train.prompts_per_step=4",
@@ -132,25 +138,62 @@ def test_fsdp_unified_is_exact_on_policy_and_deterministic(tmp_path):
     assert numbers(first) == numbers(second)
 
 
-def test_fsdp_stopped_in_the_warmup_at_two_ranks_resumes_at_one_rank(tmp_path):
-    """A SIGTERM in the supervised warm-up: the checkpoint holds the warm-up optimizer's shards only (the RL
+def _launcher() -> list[str]:
+    """jetflow's torchrun (jetflow.launch.torchrun: one line where a rank fails), 2 ranks."""
+    return [sys.executable, "-m", "jetflow.launch.torchrun", *torchrun(2)[3:]]
+
+
+def _start_and_wait(args: list[str], env: dict, metrics: Path, rows: int) -> subprocess.Popen:
+    """The 2-rank run, once metrics.jsonl has `rows` rows."""
+    proc = subprocess.Popen([*_launcher(), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled in its warm-up"
+        time.sleep(0.05)
+    return proc
+
+
+def test_fsdp_rank_killed_then_stopped_in_the_warmup_resumes_at_two_ranks_then_at_one(tmp_path):
+    """A rank SIGKILLed in the supervised warm-up: the run ends with one line per side (the surviving rank's
+    fault, the launcher's naming the killed rank), no traceback, and its directory resumes at 2 ranks. That
+    resumed run stopped by SIGTERM: the checkpoint holds the warm-up optimizer's shards only (the RL
     trainer's has not stepped), and a single process resumes it to completion."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     args = ["-m", "jetflow.cli", "train", *COMMON, "precision.mode=fp32", "train.backend=fsdp", "train.steps=1",
             "train.sft_warmup_steps=60", "run.resume=true", f"run.out_dir={tmp_path}"]
-    proc = subprocess.Popen([*torchrun(2), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    metrics, deadline = tmp_path / "r" / "metrics.jsonl", time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled in its warm-up"
-        time.sleep(0.05)
+    run, metrics = tmp_path / "r", tmp_path / "r" / "metrics.jsonl"
+
+    proc = _start_and_wait(args, env, metrics, 3)
+    ranks = subprocess.run(["ps", "--ppid", str(proc.pid), "-o", "pid="], capture_output=True, text=True).stdout.split()
+    os.kill(int(ranks[-1]), signal.SIGKILL)  # a rank this test started, by its pid
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_FAULT and "Traceback" not in log, log[-3000:]
+    assert f"was killed by SIGKILL; the other ranks stopped; {RESUME}" in log, log[-3000:]
+    killed_at = (run / "checkpoints" / "latest").read_text().strip()
+    assert killed_at.startswith("warmup_") and not (run / COMPLETE).exists()
+
+    proc = _start_and_wait(args, env, metrics, int(killed_at.split("_")[1]) + 3)  # resumed, then 2 more steps
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=120)
-    stopped = json.loads((tmp_path / "r" / "STOPPED").read_text())
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in log, log[-3000:]
+    stopped = json.loads((run / "STOPPED").read_text())
     assert stopped["phase"] == "warm-up", log[-3000:]
-    ckpt = tmp_path / "r" / "checkpoints" / (tmp_path / "r" / "checkpoints" / "latest").read_text().strip()
-    assert ckpt.name.startswith("warmup_") and (ckpt / "optimizer" / "__1_0.distcp").is_file()
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    assert ckpt.name.startswith("warmup_") and ckpt.name > killed_at and (ckpt / "optimizer" / "__1_0.distcp").is_file()
     resumed = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(tmp_path / "r", "sft")] == list(range(60))
-    assert (tmp_path / "r" / COMPLETE).exists()
+    assert [r["step"] for r in read_metrics(run, "sft")] == list(range(60))
+    assert (run / COMPLETE).exists()
+
+
+def test_fsdp_fp8_all_gather_moves_the_whole_weights_bytes_and_gives_the_replicated_gradients(tmp_path):
+    """fsdp_fp8_gather_worker.py at 2 ranks: weights split on and off the 128-row block boundaries."""
+    out = tmp_path / "result.json"
+    wait_all({"fp8-gather": launch_worker(2, Path(__file__).parent / "fsdp_fp8_gather_worker.py", "--out", out)})
+    result = json.loads(out.read_text())
+    assert result["wrapped"] == {"fp8": 14, "bf16": 1} and result["world"] == 2  # the tied embedding
+    assert result["bytes_equal"] and all(result["bytes_equal"].values()), result["bytes_equal"]
+    assert all(result["bytes_equal_after_step"].values()), result["bytes_equal_after_step"]
+    assert all(result["grads_equal"].values()), result["grads_equal"]
+    assert result["gathered_bytes"] == result["expected_fp8_bytes"] < 0.3 * result["fp32_bytes"]

@@ -144,6 +144,26 @@ def test_ray_template():
     assert 'run.orchestrator=ray' in text and "start --head --block" in text and "run.ray_address=" in text
 
 
+def test_fsdp_job_renders_under_torchrun_and_is_refused_under_ray(tmp_path):
+    """train.backend=fsdp (issue 41) runs under torchrun: the torchrun job carries it to every node's
+    torchrun.sh; the ray kind's own `run.orchestrator=ray` is checked too, so that job fails here, in one
+    line, not in the queue."""
+    overrides = ["train.backend=fsdp", "precision.mode=unified", "run.name=f"]
+    text = render_slurm("torchrun", TINY, overrides, nodes=2, nproc_per_node=4, gpus_per_node=4)
+    assert not PLACEHOLDER.search(text)
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "export NPROC_PER_NODE=4"):
+        assert line in text.splitlines(), line
+    script = tmp_path / "fsdp.sbatch"
+    script.write_text(text)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    line = next(x for x in text.splitlines() if x.startswith("OVERRIDES="))
+    got = subprocess.run(["bash", "-c", f'{line}\nprintf "%s\\n" "${{OVERRIDES[@]}}"'], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert got == overrides and 'bash "$TEMPLATES/torchrun.sh" --config' in text
+    with pytest.raises(ConfigError, match="train.backend=fsdp with run.orchestrator=ray"):
+        render_slurm("ray", TINY, overrides, nodes=2)
+
+
 def test_overrides_reach_bash_intact(rendered):
     """Values with spaces and braces are shell-quoted: bash reads back exactly the override list."""
     line = next(x for x in rendered["torchrun-full"].read_text().splitlines() if x.startswith("OVERRIDES="))

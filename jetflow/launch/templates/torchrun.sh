@@ -16,6 +16,8 @@
 # Stop requests: torchrun passes SIGTERM, SIGINT and SIGUSR1 on to its workers, which checkpoint at
 # the next step boundary and exit, and waits JETFLOW_STOP_TIMEOUT_S (default 600) seconds for them
 # before it kills them (torchrun's own default, 30 s, is shorter than one RL step of a real model).
+# jetflow.launch.torchrun is torchrun with a one-line error where a rank fails (a rank killed by SIGKILL
+# is named with its signal) instead of torchrun's traceback.
 set -euo pipefail
 
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
@@ -31,7 +33,7 @@ if [[ -z ${JETFLOW_PYTHON:-} && -x $ROOT/.venv/bin/python ]]; then
     PYTHON=$ROOT/.venv/bin/python
 fi
 
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" -m jetflow.launch.torchrun \
     --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
     --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     --signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown_timeout="${JETFLOW_STOP_TIMEOUT_S:-600}" \

@@ -5,9 +5,11 @@ AdamW moments; a unit's weights are all-gathered before its forward (and again i
 gradients reduce-scattered after its backward.
 
 The arithmetic of every forward is the native trainer's: the all-gather moves the fp32 master
-weights (no MixedPrecisionPolicy), and the same PrecisionLinears then compute on the gathered tensor
-(bf16 GEMMs, or the recipe's FP8 quantization of the whole weight under `unified`), so the trainer's
-log-probs equal the rollout engine's exactly as with the replicated trainer. What differs from one
+weights (no MixedPrecisionPolicy) and the same PrecisionLinears compute on the gathered tensor (fp32 or
+bf16 GEMMs), except the FP8 linears' weights under `unified`, which each rank quantizes on its own shard
+and the all-gather moves as E4M3 bytes (jetflow.train.fsdp.gather): the bytes quantizing the whole
+weight gives, which the linears compute with and the weight sync ships. So the trainer's log-probs equal
+the rollout engine's exactly as with the replicated trainer. What differs from one
 process is the summation order of the gradients only: each micro-batch's gradient is reduce-scattered
 (SUM, no division: the loss is already scaled by the global denominator) in the backward's fixed unit
 order and accumulated into the shard, where the replicated trainer sums micro-batches first and
@@ -32,6 +34,7 @@ from jetflow.model.moe import model_load_balancing_loss
 from jetflow.precision import QuantizedTensor, quantized_weights
 from jetflow.precision.kv import attach_kv_quantizer
 from jetflow.precision.linear import PrecisionLinear
+from jetflow.train.fsdp.gather import FP8ShardWeight, plain, wrap_for_low_precision_all_gather
 
 
 def init_world(device: str) -> None:
@@ -63,6 +66,8 @@ class FSDPPolicy(nn.Module):
         self.decoder = decoder
         self.config = decoder.config
         self.mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+        # FP8 linears' weights gather as FP8 bytes, weights read on the bf16 grid as bf16 (jetflow.train.fsdp.gather)
+        self.low_precision_gathered = wrap_for_low_precision_all_gather(decoder)
         for layer in decoder.model.layers:
             fully_shard(layer, mesh=self.mesh)
         fully_shard(self, mesh=self.mesh)  # the root: embedding, norm, lm_head (tied or not) in one unit
@@ -107,6 +112,9 @@ class FSDPPolicy(nn.Module):
         versions = tuple((p._version, p._local_tensor._version) for p in self._shards)
         if versions == self._seen_versions:
             return
+        for p in self._shards:
+            if isinstance(p._local_tensor, FP8ShardWeight):
+                p._local_tensor.forget_quantized()
         for m in self.decoder.modules():
             if isinstance(m, PrecisionLinear):
                 m._cache_key, m._cached = None, None
@@ -121,7 +129,7 @@ class FSDPPolicy(nn.Module):
         out = {}
         for name, t in self.decoder.state_dict(keep_vars=True).items():
             if not (self.config.tie_word_embeddings and name == "lm_head.weight"):
-                out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+                out[name] = plain(t.full_tensor() if isinstance(t, DTensor) else t).detach()
         return out
 
     @torch.no_grad()
@@ -149,7 +157,9 @@ class FSDPPolicy(nn.Module):
         for unit in self._units():
             unit.unshard()
         try:
-            return quantized_weights(self.decoder)
+            # copies: the FP8 all-gather's bytes live in FSDP's buffers, freed at the reshard
+            return {name: QuantizedTensor(wq.data.clone(), wq.scale_inv.clone(), wq.block)
+                    if isinstance(wq, QuantizedTensor) else wq for name, wq in quantized_weights(self.decoder).items()}
         finally:
             for unit in self._units():
                 unit.reshard()
