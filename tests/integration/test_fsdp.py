@@ -10,8 +10,7 @@
 - checkpoints: the optimizer shards in a DCP directory; a resume at 2 ranks from the step before the end
   writes the same final weights bit for bit, a resume at 1 rank completes within summation-order noise;
   the exported model directory loads as any run's; a rank SIGKILLed in the warm-up ends the run in one line
-  (jetflow.launch.torchrun) and the directory resumes at 2 ranks; a run stopped in its warm-up at 2 ranks
-  resumes at 1.
+  (jetflow.launch.torchrun) and the directory resumes at 1 rank (-m long: a SIGTERM in the warm-up at 2 ranks).
 """
 
 import json
@@ -154,37 +153,49 @@ def _start_and_wait(args: list[str], env: dict, metrics: Path, rows: int) -> sub
     return proc
 
 
-def test_fsdp_rank_killed_then_stopped_in_the_warmup_resumes_at_two_ranks_then_at_one(tmp_path):
-    """A rank SIGKILLed in the supervised warm-up: the run ends with one line per side (the surviving rank's
-    fault, the launcher's naming the killed rank), no traceback, and its directory resumes at 2 ranks. That
-    resumed run stopped by SIGTERM: the checkpoint holds the warm-up optimizer's shards only (the RL
-    trainer's has not stepped), and a single process resumes it to completion."""
+def _warmup_args(out: Path) -> tuple[dict, list[str]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    args = ["-m", "jetflow.cli", "train", *COMMON, "precision.mode=fp32", "train.backend=fsdp", "train.steps=1",
-            "train.sft_warmup_steps=60", "run.resume=true", f"run.out_dir={tmp_path}"]
-    run, metrics = tmp_path / "r", tmp_path / "r" / "metrics.jsonl"
+    return env, ["-m", "jetflow.cli", "train", *COMMON, "precision.mode=fp32", "train.backend=fsdp", "train.steps=1",
+                 "train.sft_warmup_steps=60", "run.resume=true", f"run.out_dir={out}"]
 
+
+def test_fsdp_rank_killed_in_the_warmup_ends_in_one_line_and_resumes_at_one_rank(tmp_path):
+    """A rank SIGKILLed in the supervised warm-up: the run ends with one line per side (the surviving rank's
+    fault, the launcher's naming the killed rank), no traceback; its last warm-up checkpoint holds both
+    ranks' optimizer shards (the RL trainer's has not stepped), and a single process resumes it to
+    completion."""
+    env, args = _warmup_args(tmp_path)
+    run, metrics = tmp_path / "r", tmp_path / "r" / "metrics.jsonl"
     proc = _start_and_wait(args, env, metrics, 3)
     ranks = subprocess.run(["ps", "--ppid", str(proc.pid), "-o", "pid="], capture_output=True, text=True).stdout.split()
     os.kill(int(ranks[-1]), signal.SIGKILL)  # a rank this test started, by its pid
     log, _ = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_FAULT and "Traceback" not in log, log[-3000:]
     assert f"was killed by SIGKILL; the other ranks stopped; {RESUME}" in log, log[-3000:]
-    killed_at = (run / "checkpoints" / "latest").read_text().strip()
-    assert killed_at.startswith("warmup_") and not (run / COMPLETE).exists()
+    killed_at = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    assert killed_at.name.startswith("warmup_") and not (run / COMPLETE).exists()
+    assert (killed_at / "optimizer" / "__1_0.distcp").is_file()
+    resumed = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run, "sft")] == list(range(60))
+    assert (run / COMPLETE).exists()
 
-    proc = _start_and_wait(args, env, metrics, int(killed_at.split("_")[1]) + 3)  # resumed, then 2 more steps
+
+@pytest.mark.long  # a third 2-rank launch; SIGTERM under torchrun is test_run_faults' (native DP), the
+# warm-up shards' resume the test above
+def test_fsdp_stopped_in_the_warmup_at_two_ranks_writes_the_warmup_shards(tmp_path):
+    """SIGTERM in the supervised warm-up at 2 ranks: exit 128 + SIGTERM without a traceback, STOPPED says
+    warm-up, the checkpoint holds rank 1's warm-up optimizer shard."""
+    env, args = _warmup_args(tmp_path)
+    run = tmp_path / "r"
+    proc = _start_and_wait(args, env, run / "metrics.jsonl", 3)
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in log, log[-3000:]
     stopped = json.loads((run / "STOPPED").read_text())
     assert stopped["phase"] == "warm-up", log[-3000:]
     ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
-    assert ckpt.name.startswith("warmup_") and ckpt.name > killed_at and (ckpt / "optimizer" / "__1_0.distcp").is_file()
-    resumed = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(run, "sft")] == list(range(60))
-    assert (run / COMPLETE).exists()
+    assert ckpt.name.startswith("warmup_") and (ckpt / "optimizer" / "__1_0.distcp").is_file()
 
 
 def test_fsdp_fp8_all_gather_moves_the_whole_weights_bytes_and_gives_the_replicated_gradients(tmp_path):
