@@ -100,6 +100,13 @@ class Decoder(nn.Module):
         as the recipe keeps embeddings in bf16): trainer and rollout then agree on them, and the
         embedding can ship in bf16 (jetflow.sync)."""
 
+    def set_numerics(self, numerics: str, embed_grid: torch.dtype | None) -> None:
+        """How the forward computes, set with the precision of its linears (jetflow.run.build.apply_mode):
+        `numerics` (NUMERICS) and the embeddings' grid (`embed_grid`)."""
+        if numerics not in NUMERICS:
+            raise ValueError(f"Decoder numerics={numerics!r}: valid modes are {NUMERICS}")
+        self.numerics, self.embed_grid = numerics, embed_grid
+
     def _apply(self, fn, recurse=True):
         """After .to() / .cuda() / .bfloat16(): recompute rope_inv_freq in fp32 on its new device, so
         that a bf16 model does not rotate with bf16-rounded frequencies."""

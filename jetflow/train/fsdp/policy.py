@@ -109,8 +109,7 @@ class FSDPPolicy(nn.Module):
             return
         for m in self.decoder.modules():
             if isinstance(m, PrecisionLinear):
-                m._cache_key, m._cached = None, None
-                m._exact_cache.clear()
+                m.drop_caches()
         self._seen_versions = versions
 
     # ShardedPolicy: weights for sync, checkpoints and the rollout's copy --------------------------
