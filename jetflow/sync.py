@@ -128,7 +128,7 @@ def apply_update(model: nn.Module, update: WeightUpdate, current_version: int, f
     for name, q in update.quantized.items():
         layers[name].load_quantized(q)
     if update.kv_scales is not None:
-        quantizer = getattr(model.model.layers[0].self_attn, "kv_quantizer", None)
+        quantizer = model.model.layers[0].self_attn.kv_quantizer
         if quantizer is None:
             raise ValueError("weight update carries FP8 KV scales but the rollout model has no KV quantizer")
         quantizer.load_scales(update.kv_scales)

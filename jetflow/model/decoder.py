@@ -41,12 +41,9 @@ from jetflow.model.kv_cache import KVCache
 from jetflow.model.model_config import SUPPORTED, ModelConfig, UnsupportedModelError  # noqa: F401  (re-exported)
 from jetflow.model.layers import MLP, RMSNorm, silu_exact  # noqa: F401  (re-exported)
 from jetflow.model.moe import SparseMoeBlock
+from jetflow.precision.modes import NUMERICS
 
 # model_type -> HF architecture class name
-NUMERICS = ("fast", "exact")
-"""fast: torch's kernels (SDPA, BLAS). exact: the batch-invariant kernels (jetflow.kernels.invariant),
-so a token's hidden states come out bit for bit the same in a full forward, a prefill and a cached
-decode, whatever else is in the batch."""
 
 
 class DecoderLayer(nn.Module):

@@ -37,12 +37,10 @@ from torch import Tensor
 
 from jetflow.kernels import invariant
 from jetflow.precision import microscaled
+from jetflow.precision.modes import LINEAR_KINDS
 from jetflow.precision.fp8_function import exact_fp8_fprop, exact_fp8_product, fp8_linear
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8Recipe
-
-EXACT_KINDS = ("fp32", "bf16", "fp8")
-
 
 @dataclass
 class SiblingPanels:
@@ -156,7 +154,7 @@ def _product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq,
             return fp8_linear(x.float(), weight, None, wq, recipe, name=name, numerics="exact", groups=groups)
         y = exact_fp8_product(x.reshape(-1, x.shape[-1]).float(), wq, recipe, name, groups)  # no autograd graph
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    raise ValueError(f"exact linear kind {kind!r}: valid kinds are {EXACT_KINDS}")
+    raise ValueError(f"exact linear kind {kind!r}: valid kinds are {LINEAR_KINDS}")
 
 
 def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, recipe: FP8Recipe | None = None,
@@ -182,7 +180,7 @@ def _cached_call(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None,
     """The product's prepared kernel call (`_prepare_call`), kept in `cache` per weight version, where the
     product runs on the CPU outside autograd (a rollout's decode step, no-grad log-probs); None elsewhere.
     The same kernel on the same operands as `_product`: it only skips the checks of each call."""
-    if cache is None or x.is_cuda or kind not in EXACT_KINDS or \
+    if cache is None or x.is_cuda or kind not in LINEAR_KINDS or \
             (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return None
     if kind == "fp8":

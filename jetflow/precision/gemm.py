@@ -36,7 +36,6 @@ from jetflow.kernels import invariant
 from jetflow.precision.quant import QuantizedTensor
 
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulate", "triton")
-NUMERICS = ("fast", "exact")
 
 
 @functools.lru_cache(maxsize=None)

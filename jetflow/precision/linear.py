@@ -28,13 +28,12 @@ import torch.nn.functional as F
 
 from jetflow.precision.exact import ExactCache, exact_linear, exact_linears
 from jetflow.precision.fp8_function import fp8_linear, quantize_weight_for_recipe
-from jetflow.precision.gemm import NUMERICS, bf16_linear, resolve_backend
+from jetflow.precision.gemm import bf16_linear, resolve_backend
+from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8Recipe
 
 __all__ = ["LINEAR_KINDS", "PrecisionLinear", "apply_precision", "fp8_linear", "fp8_linears", "quantize_weight_for_recipe"]
-
-LINEAR_KINDS = ("fp32", "bf16", "fp8")
 
 
 class PrecisionLinear(nn.Linear):

@@ -199,7 +199,7 @@ class RolloutEngine:
             raise ValueError("record_routing=True: the model has no mixture-of-experts layers")
         if record_routing and compile:
             raise ValueError("record_routing=True reads each MoE block's choice after every step: not with compile=True")
-        if compile and getattr(model, "numerics", "fast") == "exact":
+        if compile and model.numerics == "exact":
             raise ValueError("compile=True is for fast numerics; the exact kernels are already compiled C++")
         # prepacked CPU weights (not with compile: the compiled graph keeps ATen's linears)
         self._packed = (PackedLinears(model, max_batch) if pack_linears and not compile and self.device.type == "cpu"
@@ -287,7 +287,7 @@ class RolloutEngine:
 
     def _new_pool(self) -> PagePool:
         return PagePool.for_budget(self.model.config, self.kv_pool_bytes, self.kv_page_dtype(),
-                                   exact=getattr(self.model, "numerics", "fast") == "exact", buffer=self._kv_buffer)
+                                   exact=self.model.numerics == "exact", buffer=self._kv_buffer)
 
     def memory_stats(self) -> dict:
         """Memory for the bench. kv_cache_bytes: the peak bytes of pages held by requests during the last

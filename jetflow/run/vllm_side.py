@@ -88,7 +88,7 @@ def write_engine_checkpoint(model: Decoder, tokenizer, out_dir: Path, execution:
             save_hf_dir(model, out_dir)
         if isinstance(tokenizer, CharTokenizer):
             tokenizer.save(out_dir)
-        elif getattr(tokenizer, "path", None) is not None:
+        elif tokenizer.path is not None:
             from jetflow.export import TOKENIZER_FILES
             for name in TOKENIZER_FILES:
                 src = Path(tokenizer.path) / name

@@ -122,6 +122,7 @@ class VLLMRollout:
         """
         from jetflow.model import load_tokenizer
 
+        self.llm, self.token, self.starting = None, None, False  # what close() releases, whenever it runs
         if policy is not None:  # an exact engine: refuse what the plugin cannot serve before anything else
             from jetflow.rollout.vllm.serve import check_servable
             check_servable(policy)
@@ -140,7 +141,7 @@ class VLLMRollout:
         self.num_layers = int(config["num_hidden_layers"])
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.moe = config.get("model_type") in MOE_TYPES
-        self.policy, self.token = policy, None
+        self.policy = policy
         self.checkpoint = checkpoint_shapes(self.model_dir) if self.execution != "exact" else {}
         eos = config.get("eos_token_id") if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
@@ -349,13 +350,13 @@ class VLLMRollout:
 
     def close(self) -> None:
         """Shut the engine down (its memory is released once nothing refers to it)."""
-        llm, self.llm = getattr(self, "llm", None), None
-        if getattr(self, "token", None) is not None:
+        llm, self.llm = self.llm, None
+        if self.token is not None:
             from jetflow.rollout.vllm import policies
             policies.release(self.token)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        if llm is not None or getattr(self, "starting", False):
+        if llm is not None or self.starting:
             # The CPU engine runs in this process and keeps its TP / PP / EP groups (also when it failed
             # to start); the next engine would reuse them, and a dense model's have no expert-parallel group.
             from vllm.distributed.parallel_state import destroy_model_parallel

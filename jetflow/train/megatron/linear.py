@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from jetflow.precision import FP8Recipe, QuantizedTensor, bf16_linear, fp8_linear, resolve_backend
 from jetflow.precision.exact import ExactCache
 from jetflow.precision.fp8_function import quantize_weight_for_recipe
+from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
 
 from .reduce import tp_tree_combine
 
@@ -70,7 +71,7 @@ def _dense(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) 
         return F.linear(x, w, b)
     if kind == "bf16":
         return bf16_linear(x, w, b)
-    raise ValueError(f"linear kind {kind!r}: valid kinds are fp32, bf16, fp8")
+    raise ValueError(f"linear kind {kind!r}: valid kinds are {LINEAR_KINDS}")
 
 
 class _JetflowLinearMixin:
@@ -97,8 +98,8 @@ class _JetflowLinearMixin:
             raise ValueError(f"segments must share `groups` and tile the rows in order: {segments}")
         if any(s.kind == "fp8" for s in segments) and recipe is None:
             raise ValueError(f"{segments[0].name}: an fp8 segment needs an FP8Recipe")
-        if numerics not in ("fast", "exact"):
-            raise ValueError(f"{segments[0].name}: numerics={numerics!r}; valid: fast, exact")
+        if numerics not in NUMERICS:
+            raise ValueError(f"{segments[0].name}: numerics={numerics!r}; valid: {NUMERICS}")
         self.segments, self.recipe, self.gemm_backend = tuple(segments), recipe, gemm_backend
         self.numerics, self._exact_caches = numerics, WeightCaches()
         self._wq_key, self._wq = None, {}

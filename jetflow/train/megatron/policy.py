@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from jetflow.model.attention import align_rows
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
-from jetflow.precision import FP8Recipe
+from jetflow.precision import LINEAR_KINDS, NUMERICS, FP8Recipe
 from jetflow.precision.kv import KVQuantizer
 
 from .attention import ModelParallelKVQuantizer, core_attention_modules, unalign_rows
@@ -58,10 +58,10 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
                  init_weights: bool = True, seed: int = 0, expert_parallel_size: int = 1, numerics: str = "fast",
                  embed_grid: torch.dtype | None = None):
         super().__init__()
-        if numerics not in ("fast", "exact"):
-            raise ValueError(f"MegatronPolicy numerics={numerics!r}: valid modes are fast, exact")
-        if kind not in ("fp32", "bf16", "fp8"):
-            raise ValueError(f"MegatronPolicy kind={kind!r}: valid kinds are fp32, bf16, fp8")
+        if numerics not in NUMERICS:
+            raise ValueError(f"MegatronPolicy numerics={numerics!r}: valid modes are {NUMERICS}")
+        if kind not in LINEAR_KINDS:
+            raise ValueError(f"MegatronPolicy kind={kind!r}: valid kinds are {LINEAR_KINDS}")
         if kind == "fp8" and recipe is None:
             raise ValueError("MegatronPolicy kind='fp8' needs an FP8Recipe")
         tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
