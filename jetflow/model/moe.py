@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from jetflow.model.layers import silu_exact
 
 if TYPE_CHECKING:
-    from jetflow.model.decoder import Decoder
     from jetflow.model.model_config import ModelConfig
 
 EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
@@ -217,9 +216,9 @@ def replay_flip_fraction(model: nn.Module) -> float | None:
     return sum(int(b.last_replay_flips.sum()) for b in blocks) / replayed
 
 
-def model_load_balancing_loss(model: Decoder) -> torch.Tensor | None:
-    """`load_balancing_loss` of the model's last forward over its real tokens (the Decoder's
-    `last_token_mask`, in the order its MoE layers saw them); None for a model without MoE layers."""
+def model_load_balancing_loss(model: nn.Module) -> torch.Tensor | None:
+    """`load_balancing_loss` of a Decoder's last forward over its real tokens (its `last_token_mask`, in
+    the order its MoE layers saw them); None for a model without MoE layers."""
     blocks = [b for b in moe_blocks(model) if b.last_router_logits is not None]
     if not blocks:
         return None
