@@ -358,7 +358,7 @@ def _explain(e: OmegaConfBaseException) -> ConfigError:
         parent = Config()
         parts = str(key).split(".")
         for part in parts[:-1]:
-            parent = getattr(parent, part, None)
+            parent = vars(parent).get(part) if dataclasses.is_dataclass(parent) else None  # None: not a section
         choices = _choices(parent, parts[-1])
         if choices and "expected one of" in msg:
             return ConfigError(f"{key}={getattr(e, 'value', None)!r} is not valid; choose one of {list(choices)}")

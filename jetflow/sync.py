@@ -95,33 +95,40 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
     return update
 
 
-def apply_update(model: nn.Module, update: WeightUpdate, current_version: int, fingerprint: str | None) -> int:
-    """Load an update into a rollout-side model; returns the new version."""
+def check_update(update: WeightUpdate, current_version: int, fingerprint: str | None) -> None:
+    """The checks every receiver runs before it touches its weights (the native rollout, the vLLM
+    adapter): the version is newer than `current_version`, the checksum (when sent) holds, FP8
+    payloads were made under the receiver's recipe `fingerprint`, and no scale is damaged."""
     if update.version <= current_version:
         raise StaleWeightsError(f"weight update version {update.version} is not newer than the "
                                 f"rollout's version {current_version}; refusing it")
     if update.checksum and update.compute_checksum() != update.checksum:
         raise CorruptWeightsError(f"weight update v{update.version}: checksum mismatch")
+    if update.quantized:
+        check_fingerprint(fingerprint or "", update.fingerprint or "", "shipped FP8 weights")
+        for name, q in update.quantized.items():
+            if problem := q.scale_error():
+                raise CorruptWeightsError(f"{name}: {problem} in update v{update.version}")
+
+
+def apply_update(model: nn.Module, update: WeightUpdate, current_version: int, fingerprint: str | None) -> int:
+    """Load an update into a rollout-side model; returns the new version."""
+    check_update(update, current_version, fingerprint)
     params = dict(model.named_parameters(remove_duplicate=True))
     missing = set(update.tensors) - set(params)
     if missing:
         raise KeyError(f"weight update has tensors the rollout model lacks: {sorted(missing)[:5]}")
-    if update.quantized:
-        check_fingerprint(fingerprint or "", update.fingerprint or "", "shipped FP8 weights")
-        layers = fp8_linears(model)
-        unknown = set(update.quantized) - set(layers)
-        if unknown:
-            raise KeyError(f"quantized weights for modules that are not FP8 linears here: {sorted(unknown)[:5]}")
-        for name, q in update.quantized.items():
-            if problem := q.scale_error():
-                raise CorruptWeightsError(f"{name}: {problem} in update v{update.version}")
+    layers = fp8_linears(model) if update.quantized else {}
+    unknown = set(update.quantized) - set(layers)
+    if unknown:
+        raise KeyError(f"quantized weights for modules that are not FP8 linears here: {sorted(unknown)[:5]}")
     with torch.no_grad():
         for name, tensor in update.tensors.items():
             params[name].copy_(tensor)
     for name, q in update.quantized.items():
         layers[name].load_quantized(q)
     if update.kv_scales is not None:
-        quantizer = getattr(model.model.layers[0].self_attn, "kv_quantizer", None)
+        quantizer = model.model.layers[0].self_attn.kv_quantizer
         if quantizer is None:
             raise ValueError("weight update carries FP8 KV scales but the rollout model has no KV quantizer")
         quantizer.load_scales(update.kv_scales)

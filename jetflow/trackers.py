@@ -95,7 +95,7 @@ class Trackers:
     def __init__(self, run_dir: str | Path, loggers: Iterable[str] = (), config: dict | None = None,
                  project: str = "jetflow", run_name: str | None = None, mlflow_tracking_uri: str = ""):
         self.run_dir = Path(run_dir)
-        self.sinks: dict[str, object] = {}
+        self.sinks: dict[str, _TensorBoard | _Wandb | _Mlflow] = {}
         ids = read_ids(self.run_dir)
         name = run_name or self.run_dir.name
         for logger in dict.fromkeys(loggers):
@@ -107,8 +107,8 @@ class Trackers:
                                             ids.get(logger, {}))
             except Exception as e:  # noqa: BLE001 - a tracker is derived: the run goes on without it
                 warn(f"{logger} could not start ({type(e).__name__}: {e}); it is off for this run")
-        ids = {**ids, **{k: s.ids for k, s in self.sinks.items() if getattr(s, "ids", None)}}
-        if any(getattr(s, "ids", None) for s in self.sinks.values()):
+        ids = {**ids, **{k: s.ids for k, s in self.sinks.items() if s.ids}}
+        if any(s.ids for s in self.sinks.values()):
             write_ids(self.run_dir, ids)
 
     def log(self, step: int, metrics: dict[str, float | None], phase: str = "rl") -> None:

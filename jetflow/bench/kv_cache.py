@@ -67,7 +67,7 @@ def _model(model_path: str, precision: str, numerics: str, kv_fp8: bool, calib_p
     model = load(model_path, device="cpu").eval()
     if precision != "fp32" or numerics == "exact":
         apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None, numerics=numerics)
-        model.numerics = numerics
+        model.set_numerics(numerics, model.embed_grid)
     if precision == "bf16":  # the bf16 mode's K/V rounding: bf16 pages (jetflow.run.build.kv_rounding)
         attach_kv_quantizer(model, BF16KVRounding())
     if kv_fp8:  # calibrate the K/V scales on the prompts (a run calibrates on the trainer's forward)

@@ -79,7 +79,7 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
         trainer_lp = torch.cat([response_logprobs(trainer_model, mb, cfg.rollout.temperature)
                                 for mb in exp.micro_batches(micro_batch)])
     timings = {"rollout_s": t_rollout, "trainer_s": time.perf_counter() - t0}
-    if hasattr(rollout, "close"):  # a vLLM engine: its memory and parallel groups go now, not at exit
+    if cfg.rollout.backend == "vllm":  # a vLLM engine: its memory and parallel groups go now, not at exit
         rollout.close()
     if rollout_model is not None and moe_blocks(trainer_model):
         timings["router_flip_frac"] = router_flip_frac(rollout_model, trainer_model, exp)

@@ -139,9 +139,8 @@ def _jetflow_runner(model_path: str, precision: str, batch: int, prompt_len: int
     model = load(model_path, device=device).eval()
     if precision != "fp32" or numerics == "exact":
         apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None, numerics=numerics)
-        model.numerics = numerics
-        if numerics == "exact" and precision != "fp32":
-            model.embed_grid = torch.bfloat16  # as jetflow.run.build.apply_mode
+        grid = torch.bfloat16 if numerics == "exact" and precision != "fp32" else None  # as run.build.apply_mode
+        model.set_numerics(numerics, grid)
     if precision == "bf16":  # the bf16 mode's K/V rounding: bf16 pages (jetflow.run.build.kv_rounding)
         attach_kv_quantizer(model, BF16KVRounding())
     tok = load_tokenizer(model_path)
@@ -213,7 +212,7 @@ def _vllm_runner(model_path: str, execution: str, batch: int, prompt_len: int, n
     if execution.startswith("exact"):
         kind = execution.split()[1]
         policy = load(model_path).eval()
-        policy.numerics, policy.embed_grid = "exact", None if kind == "fp32" else torch.bfloat16  # as run.build.apply_mode
+        policy.set_numerics("exact", None if kind == "fp32" else torch.bfloat16)  # as run.build.apply_mode
         attach_kv_quantizer(policy, BF16KVRounding() if kind == "bf16" else None)  # as run.build.kv_rounding
         recipe = FP8Recipe() if kind == "fp8" else None
         apply_precision(policy, kind, recipe, numerics="exact")

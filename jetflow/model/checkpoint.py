@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from jetflow.errors import UserError
 from jetflow.model.decoder import Decoder, ModelConfig
 from jetflow.model.moe import EXPERT_NAMES
+from jetflow.model.tokenizer import CharTokenizer, Tokenizer
 from jetflow.precision import FP8Recipe, apply_precision
 from jetflow.precision.export import (
     SCALE_SUFFIX,
@@ -104,10 +105,10 @@ def write_tokenizer(tokenizer, path: str | Path) -> None:
     d = Path(path)
     if tokenizer is None:
         return
-    if hasattr(tokenizer, "save"):  # CharTokenizer: it is its own file
+    if isinstance(tokenizer, CharTokenizer):  # it is its own file
         tokenizer.save(d)
         return
-    src = Path(getattr(tokenizer, "path", tokenizer))  # a Tokenizer knows its directory
+    src = Path(tokenizer.path if isinstance(tokenizer, Tokenizer) else tokenizer)  # a Tokenizer knows its directory
     if src.resolve() == d.resolve():
         return
     for name in TOKENIZER_FILES:

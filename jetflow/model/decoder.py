@@ -41,12 +41,9 @@ from jetflow.model.kv_cache import KVCache
 from jetflow.model.model_config import SUPPORTED, ModelConfig, UnsupportedModelError  # noqa: F401  (re-exported)
 from jetflow.model.layers import MLP, RMSNorm, silu_exact  # noqa: F401  (re-exported)
 from jetflow.model.moe import SparseMoeBlock
+from jetflow.precision.modes import NUMERICS
 
 # model_type -> HF architecture class name
-NUMERICS = ("fast", "exact")
-"""fast: torch's kernels (SDPA, BLAS). exact: the batch-invariant kernels (jetflow.kernels.invariant),
-so a token's hidden states come out bit for bit the same in a full forward, a prefill and a cached
-decode, whatever else is in the batch."""
 
 
 class DecoderLayer(nn.Module):
@@ -99,6 +96,13 @@ class Decoder(nn.Module):
         """Round embedding outputs to this dtype's grid (bf16 under the bf16 / mixed / unified modes,
         as the recipe keeps embeddings in bf16): trainer and rollout then agree on them, and the
         embedding can ship in bf16 (jetflow.sync)."""
+
+    def set_numerics(self, numerics: str, embed_grid: torch.dtype | None) -> None:
+        """How the forward computes, set with the precision of its linears (jetflow.run.build.apply_mode):
+        `numerics` (NUMERICS) and the embeddings' grid (`embed_grid`)."""
+        if numerics not in NUMERICS:
+            raise ValueError(f"Decoder numerics={numerics!r}: valid modes are {NUMERICS}")
+        self.numerics, self.embed_grid = numerics, embed_grid
 
     def _apply(self, fn, recurse=True):
         """After .to() / .cuda() / .bfloat16(): recompute rope_inv_freq in fp32 on its new device, so

@@ -217,11 +217,11 @@ def replay_flip_fraction(model: nn.Module) -> float | None:
 
 
 def model_load_balancing_loss(model: nn.Module) -> torch.Tensor | None:
-    """`load_balancing_loss` of the model's last forward over its real tokens (the Decoder's
-    `last_token_mask`, in the order its MoE layers saw them); None for a model without MoE layers."""
+    """`load_balancing_loss` of a Decoder's last forward over its real tokens (its `last_token_mask`, in
+    the order its MoE layers saw them); None for a model without MoE layers."""
     blocks = [b for b in moe_blocks(model) if b.last_router_logits is not None]
     if not blocks:
         return None
-    mask = getattr(model, "last_token_mask", None)
+    mask = model.last_token_mask
     return load_balancing_loss([b.last_router_logits for b in blocks], blocks[0].num_experts, blocks[0].top_k,
                                attention_mask=mask)

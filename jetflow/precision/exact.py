@@ -19,14 +19,17 @@ produce a token's row with the same operations whichever engine or trainer runs 
     epilogue  bias, the bf16 kind's rounding of the output, the output dtype (`linear_epilogue`).
 
 Differentiable in x and weight: backward runs torch's GEMMs (fp32 / bf16) or the recipe's FP8 dgrad and
-wgrad; only the forward must be exact. `cache` is a dict the caller keeps per layer: the packed weight
-panels live there (fp32 / bf16), rebuilt when the weight's version changes; FP8 panels live on `wq`
-(jetflow.precision.gemm.packed_fp8_weight). Outside autograd on the CPU the cache also keeps the product's
+wgrad; only the forward must be exact. `cache` is an `ExactCache` the caller keeps per layer: the packed
+weight panels live there (fp32 / bf16), rebuilt when the weight's version changes; FP8 panels live on `wq`
+(`QuantizedTensor.panels`). Outside autograd on the CPU the cache also keeps the product's
 kernel call prepared for those panels (`invariant.prepare_gemm`: the weight's checks once per version,
 not once per call, which a decode step's small GEMMs would pay four times a layer).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,28 +37,50 @@ from torch import Tensor
 
 from jetflow.kernels import invariant
 from jetflow.precision import microscaled
+from jetflow.precision.modes import LINEAR_KINDS
 from jetflow.precision.fp8_function import exact_fp8_fprop, exact_fp8_product, fp8_linear
-from jetflow.precision.gemm import packed_fp8_weight
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8Recipe
 
-EXACT_KINDS = ("fp32", "bf16", "fp8")
+@dataclass
+class SiblingPanels:
+    """What `exact_linears` keeps between calls for one group of sibling linears (q / k / v, gate / up):
+    their panels side by side, rebuilt when any linear's own panels change."""
+    parts: list[Tensor] = field(default_factory=list)  # each linear's panels: views into `packed`
+    packed: Tensor | None = None  # (sum P_i, K or K/2, NR) the siblings' panels side by side
+    scales: Tensor | None = None  # FP8: (sum P_i * NR, K / 128) each weight row's block scale
+    call: Callable | None = None  # the prepared kernel call for `packed` (CPU), or None
+
+
+@dataclass
+class ExactCache:
+    """What `exact_linear` keeps for one weight between calls (its caller holds one per layer)."""
+    key: tuple | None = None  # (kind, data_ptr, version, dtype, device, shape) of the weight `packed` was made from
+    packed: Tensor | None = None  # the canonical GEMM's panels of the weight as the kind reads it (fp32 / bf16)
+    call: Callable | None = None  # the product's prepared kernel call (CPU, outside autograd) ...
+    call_operands: tuple = ()  # ... for these (panels, weight scales, groups), compared by identity
+    siblings: SiblingPanels = field(default_factory=SiblingPanels)  # exact_linears, when this layer leads a group
+
+    def clear(self) -> None:
+        """Forget everything (the weight changed in a way its version counter does not show)."""
+        self.key = self.packed = self.call = None
+        self.call_operands, self.siblings = (), SiblingPanels()
 
 
 def _weight_key(weight: Tensor) -> tuple:
     return weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape)
 
 
-def packed_weight(cache: dict | None, weight: Tensor, kind: str) -> Tensor:
+def packed_weight(cache: ExactCache | None, weight: Tensor, kind: str) -> Tensor:
     """The canonical GEMM's panels of `weight` as `kind` reads it (fp32, or its bf16 bytes), once per
-    weight version when a cache dict is given."""
+    weight version when a cache is given."""
     key = (kind, *_weight_key(weight))
-    if cache is not None and cache.get("key") == key:
-        return cache["packed"]
+    if cache is not None and cache.key == key:
+        return cache.packed
     w = weight.detach().float() if kind == "fp32" else weight.detach().bfloat16()
     packed = invariant.pack_weight(w)
     if cache is not None:
-        cache.update(key=key, packed=packed)
+        cache.key, cache.packed = key, packed
     return packed
 
 
@@ -92,13 +117,13 @@ def linear_epilogue(y: Tensor, bias: Tensor | None, kind: str, dtype: torch.dtyp
 
 
 def exact_product(x: Tensor, weight: Tensor, kind: str, *, recipe: FP8Recipe | None = None,
-                  wq: QuantizedTensor | None = None, cache: dict | None = None, groups: int | None = None,
+                  wq: QuantizedTensor | None = None, cache: ExactCache | None = None, groups: int | None = None,
                   name: str = "linear") -> Tensor:
     """The canonical product of x (..., K) and weight (N, K) under `kind`: (..., N) fp32, no bias."""
     return _combined_product(x, weight, kind, recipe, wq, cache, groups, None, name)
 
 
-def _combined_product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: dict | None,
+def _combined_product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: ExactCache | None,
                       groups: int | None, combine, name: str) -> Tensor:
     """exact_product, then `combine`; the mxfp8 / nvfp4 products apply it themselves (NVFP4's tensor-scale
     alpha must multiply the combined sum, jetflow.precision.microscaled)."""
@@ -113,7 +138,7 @@ def _combined_product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | 
     return y if combine is None else combine(y)
 
 
-def _product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: dict | None,
+def _product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: ExactCache | None,
              groups: int | None, name: str) -> Tensor:
     if kind == "fp32":
         return invariant.matmul(x.float(), weight, packed_weight(cache, weight, "fp32"), groups=groups)
@@ -129,11 +154,11 @@ def _product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq,
             return fp8_linear(x.float(), weight, None, wq, recipe, name=name, numerics="exact", groups=groups)
         y = exact_fp8_product(x.reshape(-1, x.shape[-1]).float(), wq, recipe, name, groups)  # no autograd graph
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    raise ValueError(f"exact linear kind {kind!r}: valid kinds are {EXACT_KINDS}")
+    raise ValueError(f"exact linear kind {kind!r}: valid kinds are {LINEAR_KINDS}")
 
 
 def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, recipe: FP8Recipe | None = None,
-                 wq: QuantizedTensor | None = None, cache: dict | None = None, groups: int | None = None,
+                 wq: QuantizedTensor | None = None, cache: ExactCache | None = None, groups: int | None = None,
                  combine=None, name: str = "linear") -> Tensor:
     """x (..., K) -> (..., N) in x's dtype: product, optional combine, epilogue (see the module docstring).
 
@@ -150,26 +175,26 @@ def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, r
     return linear_epilogue(y, bias, kind, x.dtype)
 
 
-def _cached_call(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: dict | None,
+def _cached_call(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: ExactCache | None,
                  groups: int | None):
     """The product's prepared kernel call (`_prepare_call`), kept in `cache` per weight version, where the
     product runs on the CPU outside autograd (a rollout's decode step, no-grad log-probs); None elsewhere.
     The same kernel on the same operands as `_product`: it only skips the checks of each call."""
-    if cache is None or x.is_cuda or kind not in EXACT_KINDS or \
+    if cache is None or x.is_cuda or kind not in LINEAR_KINDS or \
             (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return None
     if kind == "fp8":
         if recipe is None or wq is None or recipe.family != "fp8_block" or recipe.group_size != 128 \
                 or wq.block != (128, 128) or wq.fmt != "e4m3":
             return None
-        packed, sw = packed_fp8_weight(wq), wq.scale_inv
+        packed, sw = wq.panels(), wq.scale_inv
     else:
         packed, sw = packed_weight(cache, weight, kind), None
-    held = cache.get("call")
-    if held is None or held[0] is not packed or held[1] is not sw or held[2] != groups:
-        held = (packed, sw, groups, _prepare_call(kind, recipe, packed, sw, weight.shape[0], weight.shape[1], groups))
-        cache["call"] = held
-    return held[3]
+    held = cache.call_operands
+    if cache.call is None or held[0] is not packed or held[1] is not sw or held[2] != groups:
+        cache.call = _prepare_call(kind, recipe, packed, sw, weight.shape[0], weight.shape[1], groups)
+        cache.call_operands = (packed, sw, groups)
+    return cache.call
 
 
 def _prepare_call(kind: str, recipe: FP8Recipe | None, packed: Tensor, sw: Tensor | None, n: int, k: int,
@@ -185,7 +210,8 @@ def _prepare_call(kind: str, recipe: FP8Recipe | None, packed: Tensor, sw: Tenso
 
 def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], kind: str, *,
                   recipe: FP8Recipe | None = None, wqs: list[QuantizedTensor] | None = None,
-                  caches: list[dict] | None = None, fused: dict | None = None, name: str = "linear") -> list[Tensor]:
+                  caches: list[ExactCache] | None = None, fused: SiblingPanels | None = None,
+                  name: str = "linear") -> list[Tensor]:
     """Several exact linears of one input (q / k / v, gate / up) by one GEMM: [exact_linear(x, w_i, b_i,
     kind, ...) for each i], bit for bit, without autograd (rollout, no-grad log-probs).
 
@@ -198,23 +224,22 @@ def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None],
     range) cannot sit side by side: then each linear runs alone."""
     x2 = x.reshape(-1, x.shape[-1])
     if kind == "fp8":
-        panels = [packed_fp8_weight(wq) for wq in wqs]
+        panels = [wq.panels() for wq in wqs]
     else:
         panels = [packed_weight(cache, w, kind) for w, cache in zip(weights, caches)]
     if len({(p.dtype, p.shape[1:]) for p in panels}) > 1:  # e.g. a bf16 weight too tiny for the pair layout
         return [exact_linear(x, w, b, kind, recipe=recipe, wq=wqs[i] if wqs else None, cache=caches[i], name=name)
                 for i, (w, b) in enumerate(zip(weights, biases))]
-    if fused is not None and len(fused.get("parts", ())) == len(panels) and \
-            all(a is b for a, b in zip(fused["parts"], panels)):
-        packed, scales, call = fused["packed"], fused["scales"], fused["call"]
+    if fused is not None and len(fused.parts) == len(panels) and all(a is b for a, b in zip(fused.parts, panels)):
+        packed, scales, call = fused.packed, fused.scales, fused.call
     else:
         packed = torch.cat(panels)  # (sum P_i, K or K/2, NR)
         panels = list(torch.split(packed, [p.shape[0] for p in panels]))  # each linear's panels: views, no 2nd copy
         for i, view in enumerate(panels):
             if kind == "fp8":
-                wqs[i].packed = view
+                wqs[i].share_panels(view)
             else:
-                caches[i]["packed"] = view
+                caches[i].packed = view
         scales = None
         if kind == "fp8":  # (sum P_i * NR, K / 128): weight row n's block scale, zero in padded columns, kept
             # as the transpose of (K / 128, sum P_i * NR) rows, the layout fp8_gemm reads (no copy per call)
@@ -226,7 +251,7 @@ def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None],
             call = _prepare_call(kind, recipe, packed, scales, packed.shape[0] * packed.shape[2], x2.shape[1],
                                  weight_rows_per_scale=1)
         if fused is not None:
-            fused.update(parts=panels, packed=packed, scales=scales, call=call)
+            fused.parts, fused.packed, fused.scales, fused.call = panels, packed, scales, call
     width = packed.shape[0] * packed.shape[2]
     y = call(x2) if call is not None else None
     if y is None and kind == "fp8":  # CUDA, or an input group with NaN / Inf, which quantize_input reports

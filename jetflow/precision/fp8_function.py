@@ -15,7 +15,7 @@ import torch
 
 from jetflow.kernels import invariant
 from jetflow.precision import microscaled
-from jetflow.precision.gemm import fp8_kernel_matmul, fp8_matmul, packed_fp8_weight, packed_fp8_weight_t
+from jetflow.precision.gemm import fp8_kernel_matmul, fp8_matmul
 from jetflow.precision.quant import QuantizedTensor, quantize_blocks
 from jetflow.precision.recipe import FP8Recipe
 
@@ -103,7 +103,7 @@ def _backward_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dt
     kernels (E4M3 operands): gradients need not be exact, but the kernels that read the FP8 bytes are the
     fastest FP8 GEMM this CPU has. Elsewhere (and for E5M2 gradients) the recipe's `backend`."""
     if numerics == "exact" and not a.data.is_cuda and a.fmt == b.fmt == "e4m3" and a.block == (1, 128):
-        packed = packed_fp8_weight_t(transposed_of) if transposed_of is not None else None
+        packed = transposed_of.panels_t() if transposed_of is not None else None
         return fp8_kernel_matmul(a, b, packed).to(out_dtype)
     return fp8_matmul(a, b, out_dtype=out_dtype, backend=backend)
 
@@ -112,7 +112,7 @@ def exact_fp8_product(x2: torch.Tensor, wq: QuantizedTensor, recipe: FP8Recipe, 
                       groups: int | None = None) -> torch.Tensor:
     """The exact fprop without autograd (rollout, no-grad forwards): x2 (M, K) -> (M, N) fp32."""
     if wq.block == (128, 128) and wq.fmt == "e4m3":
-        return exact_fp8_fprop(x2, recipe, name, packed_fp8_weight(wq), wq.scale_inv, wq.shape[0], groups)
+        return exact_fp8_fprop(x2, recipe, name, wq.panels(), wq.scale_inv, wq.shape[0], groups)
     return fp8_matmul(quantize_input(x2, recipe, name, "exact"), wq, torch.float32, numerics="exact", groups=groups)
 
 

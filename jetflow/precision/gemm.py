@@ -36,7 +36,6 @@ from jetflow.kernels import invariant
 from jetflow.precision.quant import QuantizedTensor
 
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulate", "triton")
-NUMERICS = ("fast", "exact")
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +62,7 @@ def fp8_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = 
                backend: str = "auto", numerics: str = "fast", groups: int | None = None) -> torch.Tensor:
     """a @ b.T -> (M, N) in out_dtype; a (M, K) with (1, g) groups, b (N, K) with (128, 128) or (1, g).
     numerics="exact": the canonical FP8 GEMM with `groups` groups over K (default tree_width(K)); b's
-    panels are cached on b (`packed_fp8_weight`)."""
+    panels are cached on b (`QuantizedTensor.panels`)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_matmul: contraction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if a.block[0] != 1:
@@ -73,7 +72,7 @@ def fp8_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = 
         if a.block != (1, 128) or b.block != (128, 128) or a.fmt != "e4m3" or b.fmt != "e4m3":
             raise ValueError(f"exact fp8_matmul runs the fprop (E4M3 1x128 x 128x128), got {a.fmt} {a.block} x "
                              f"{b.fmt} {b.block}")
-        out = invariant.fp8_gemm(a.data, a.scale_inv, packed_fp8_weight(b), b.scale_inv, b.shape[0], groups=groups)
+        out = invariant.fp8_gemm(a.data, a.scale_inv, b.panels(), b.scale_inv, b.shape[0], groups=groups)
         return out.to(out_dtype)
     backend = resolve_backend(backend, a.data.device)
     if backend == "triton":
@@ -87,27 +86,12 @@ def fp8_kernel_matmul(a: QuantizedTensor, b: QuantizedTensor, packed: torch.Tens
     """a @ b.T -> (M, N) fp32 on the CPU's FP8 kernels (jetflow.kernels.invariant.fp8_gemm: the FP8 bytes
     read as they are), for E4M3 a in 1x128 groups and b in 128x128 blocks or 1x128 groups, any K (one
     group: no tree). The backward GEMMs of exact linears (dgrad: b = W^T, `packed` its cached panels,
-    `packed_fp8_weight_t`; wgrad: b = X^T)."""
+    `QuantizedTensor.panels_t`; wgrad: b = X^T)."""
     if packed is None:
         packed = invariant.pack_weight(b.data)
     rows = 128 if b.block == (128, 128) else 1
     return invariant.fp8_gemm(a.data, a.scale_inv, packed, b.scale_inv, b.shape[0], groups=1,
                               weight_rows_per_scale=rows)
-
-
-def packed_fp8_weight(wq: QuantizedTensor) -> torch.Tensor:
-    """The canonical GEMM's panels of an FP8 weight's bytes, kept on the QuantizedTensor (one per weight
-    version: PrecisionLinear caches the QuantizedTensor per version, a rollout keeps the shipped one)."""
-    if wq.packed is None:
-        wq.packed = invariant.pack_weight(wq.data)
-    return wq.packed
-
-
-def packed_fp8_weight_t(wq: QuantizedTensor) -> torch.Tensor:
-    """The panels of W^T's bytes (the dgrad GEMM's weight), kept on W's QuantizedTensor."""
-    if wq.packed_t is None:
-        wq.packed_t = invariant.pack_weight(wq.data.t())
-    return wq.packed_t
 
 
 def _triton_blockwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:

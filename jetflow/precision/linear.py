@@ -20,19 +20,20 @@ weight version (fp32, bf16 or FP8 bytes), so a row's output is the same bits whe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetflow.precision.exact import exact_linear, exact_linears
+from jetflow.precision.exact import ExactCache, exact_linear, exact_linears
 from jetflow.precision.fp8_function import fp8_linear, quantize_weight_for_recipe
-from jetflow.precision.gemm import NUMERICS, bf16_linear, resolve_backend
+from jetflow.precision.gemm import bf16_linear, resolve_backend
+from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8Recipe
 
 __all__ = ["LINEAR_KINDS", "PrecisionLinear", "apply_precision", "fp8_linear", "fp8_linears", "quantize_weight_for_recipe"]
-
-LINEAR_KINDS = ("fp32", "bf16", "fp8")
 
 
 class PrecisionLinear(nn.Linear):
@@ -47,7 +48,7 @@ class PrecisionLinear(nn.Linear):
         if numerics not in NUMERICS:
             raise ValueError(f"PrecisionLinear numerics={numerics!r}: valid modes are {NUMERICS}")
         self.numerics = numerics
-        self._exact_cache: dict = {}  # exact numerics: panels of the weight as the kind reads it (exact_linear)
+        self._exact_cache = ExactCache()  # exact numerics: panels of the weight as the kind reads it (exact_linear)
         if kind == "fp8" and recipe is None:
             raise ValueError(f"{name}: an fp8 linear needs an FP8Recipe")
         self.kind, self.recipe, self.gemm_backend, self.name = kind, recipe, gemm_backend, name
@@ -63,6 +64,27 @@ class PrecisionLinear(nn.Linear):
         if linear.bias is not None:
             new.bias = linear.bias
         return new
+
+    def set_precision(self, kind: str, recipe: FP8Recipe | None, gemm_backend: str, numerics: str) -> None:
+        """Compute under another kind / recipe / numerics from now on (apply_precision over a model already
+        converted): every cache and any loaded bytes are dropped."""
+        if numerics not in NUMERICS:
+            raise ValueError(f"apply_precision numerics={numerics!r}: valid modes are {NUMERICS}")
+        self.kind, self.recipe, self.gemm_backend, self.numerics = kind, recipe, gemm_backend, numerics
+        self._loaded = None
+        self.drop_caches()
+
+    def drop_caches(self) -> None:
+        """Forget what was computed from the weight (its quantized bytes or bf16 copy, the exact panels):
+        the next forward computes it again. Bytes handed in by `load_quantized` stay."""
+        self._cache_key = self._cached = None
+        self._exact_cache.clear()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors it keeps beside its parameters: the loaded bytes, their scales and cached forms
+        (dequantized values, GEMM panels), and the exact path's panels of the weight."""
+        held = [] if self._loaded is None else [getattr(self._loaded, f.name) for f in dataclasses.fields(self._loaded)]
+        return [t for t in [*held, self._exact_cache.packed] if isinstance(t, torch.Tensor)]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kind={self.kind}, numerics={self.numerics}"
@@ -148,7 +170,7 @@ def sibling_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[tor
     wqs = [m.quantized_weight() for m in linears] if first.kind == "fp8" else None
     return exact_linears(x, [m.weight for m in linears], [m.bias for m in linears], first.kind, recipe=first.recipe,
                          wqs=wqs, caches=[m._exact_cache for m in linears],
-                         fused=first._exact_cache.setdefault("siblings", {}), name=first.name)
+                         fused=first._exact_cache.siblings, name=first.name)
 
 
 def _layer_index(module_name: str) -> int | None:
@@ -183,11 +205,7 @@ def apply_precision(model: nn.Module, kind: str, recipe: FP8Recipe | None = None
         replacements.append((name, module, module_kind))
     for name, module, module_kind in replacements:
         if isinstance(module, PrecisionLinear):
-            if numerics not in NUMERICS:
-                raise ValueError(f"apply_precision numerics={numerics!r}: valid modes are {NUMERICS}")
-            module.kind, module.recipe, module.gemm_backend, module.numerics = module_kind, recipe, gemm_backend, numerics
-            module._cache_key = module._cached = module._loaded = None
-            module._exact_cache = {}
+            module.set_precision(module_kind, recipe, gemm_backend, numerics)
             continue
         new = PrecisionLinear.from_linear(module, kind=module_kind, recipe=recipe, gemm_backend=gemm_backend,
                                           name=name, numerics=numerics)

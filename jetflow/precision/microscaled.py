@@ -14,7 +14,7 @@ parallel ranks draw independently for their different gradients.
 Exact forward (`product(..., numerics="exact")`): each operand's values are exact in fp32 (MXFP8:
 E4M3 times a power of two; NVFP4: E2M1 times its E4M3 block scale), so the product is the canonical
 fp32 GEMM (jetflow.kernels.invariant: 128-K block chains, groups, the pairwise tree) on them, the
-weight's panels packed once per weight version (`packed_values`). NVFP4 then multiplies each output
+weight's panels packed once per weight version (`panels` of MXTensor / NVFP4Tensor). NVFP4 then multiplies each output
 row by alpha = fp32(d_x[m] * d_w), its two tensor scales, once: the cuBLAS / vLLM epilogue's alpha.
 A row's bits thus depend on the row and the weight only. A row-parallel shard's `combine` (the TP
 tree over the ranks' partial sums) runs before alpha, so that TP = T multiplies the same full sum.
@@ -82,14 +82,6 @@ def values(q: Microscaled) -> torch.Tensor:
     return q.dequantize() if isinstance(q, MXTensor) else q.block_values()
 
 
-def packed_values(wq: Microscaled) -> torch.Tensor:
-    """The canonical GEMM's panels of the weight's exact values, cached on wq (once per weight version)."""
-    if wq.packed is None:
-        wq.with_dequantized_cache()
-        wq.packed = invariant.pack_weight(values(wq))
-    return wq.packed
-
-
 def product(aq: Microscaled, bq: Microscaled, numerics: str = "fast", groups: int | None = None,
             packed: torch.Tensor | None = None, combine=None) -> torch.Tensor:
     """aq (M, K) @ bq (N, K)^T -> (M, N) fp32: the exact values' product (exact: the canonical GEMM on
@@ -101,7 +93,7 @@ def product(aq: Microscaled, bq: Microscaled, numerics: str = "fast", groups: in
     a = values(aq)
     if numerics == "exact":
         invariant.check_device(a.device)
-        y = invariant.gemm(a, packed if packed is not None else packed_values(bq), bq.shape[0], groups=groups)
+        y = invariant.gemm(a, packed if packed is not None else bq.panels(), bq.shape[0], groups=groups)
     else:
         y = a @ values(bq).t()
     if combine is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from jetflow.kernels import invariant
 from jetflow.precision.quant import checked_blocks, expand_scales
 from jetflow.precision.recipe import FP8_DTYPES, FP8_MAX
 
@@ -56,7 +57,7 @@ class MXTensor:
     dequantized: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional cached fp32 values (the exact GEMM's operand; kept with a weight for a step)."""
     packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    """Optional cached panels of the dequantized weight for the canonical GEMM."""
+    """Cached panels of the dequantized weight for the canonical GEMM (`panels`)."""
 
     kind = "mxfp8"
 
@@ -78,6 +79,12 @@ class MXTensor:
         if self.dequantized is None:
             self.dequantized = self.dequantize()
         return self
+
+    def panels(self) -> torch.Tensor:
+        """The canonical GEMM's panels of the exact fp32 values (jetflow.precision.microscaled), packed once."""
+        if self.packed is None:
+            self.packed = invariant.pack_weight(self.with_dequantized_cache().dequantize())
+        return self.packed
 
     def t(self) -> "MXTensor":
         """The same bytes and scales, transposed (blocks transposed with them)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from jetflow.kernels import invariant
 from jetflow.precision import fp4
 from jetflow.precision.quant import _nonfinite, expand_scales
 
@@ -55,7 +56,7 @@ class NVFP4Tensor:
     values: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional cached code * block scale in fp32 (exact): the exact GEMM's operand."""
     packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    """Optional cached panels of `values` for the canonical GEMM."""
+    """Cached panels of `values` for the canonical GEMM (`panels`)."""
 
     kind = "nvfp4"
     fmt = "e2m1"
@@ -83,6 +84,12 @@ class NVFP4Tensor:
         if self.values is None:
             self.values = self.block_values()
         return self
+
+    def panels(self) -> torch.Tensor:
+        """The canonical GEMM's panels of `block_values` (jetflow.precision.microscaled), packed once."""
+        if self.packed is None:
+            self.packed = invariant.pack_weight(self.with_dequantized_cache().block_values())
+        return self.packed
 
     def t(self) -> "NVFP4Tensor":
         """W^T with the same codes and scales (16x16 blocks: each tile's scale serves both)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from jetflow.kernels import invariant
 from jetflow.precision.recipe import FP8_DTYPES, FP8_MAX
 
 
@@ -80,9 +81,9 @@ class QuantizedTensor:
     """Optional cached fp32 dequantization (the CPU emulation of a GEMM reads it instead of
     dequantizing the same weight again for every call)."""
     packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    """Optional cached panels of the FP8 bytes for the canonical GEMM (exact numerics: gemm.packed_fp8_weight)."""
+    """Cached panels of the FP8 bytes for the canonical GEMM (exact numerics: `panels`)."""
     packed_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    """Optional cached panels of the transposed bytes (the dgrad GEMM of an exact linear: gemm.packed_fp8_weight_t)."""
+    """Cached panels of the transposed bytes (the dgrad GEMM of an exact linear: `panels_t`)."""
 
     kind = "fp8_block"
     """The recipe family whose bytes these are (jetflow.precision.mx.MXTensor and
@@ -106,6 +107,25 @@ class QuantizedTensor:
     @property
     def fmt(self) -> str:
         return "e5m2" if self.data.dtype == torch.float8_e5m2 else "e4m3"
+
+    def panels(self) -> torch.Tensor:
+        """The canonical GEMM's panels of the bytes (jetflow.kernels.invariant.pack_weight), packed once:
+        a weight's QuantizedTensor lives one weight version (PrecisionLinear caches it per version, a
+        rollout keeps the shipped one)."""
+        if self.packed is None:
+            self.packed = invariant.pack_weight(self.data)
+        return self.packed
+
+    def panels_t(self) -> torch.Tensor:
+        """The panels of the transposed bytes (the dgrad GEMM's weight), packed once."""
+        if self.packed_t is None:
+            self.packed_t = invariant.pack_weight(self.data.t())
+        return self.packed_t
+
+    def share_panels(self, view: torch.Tensor) -> None:
+        """Use `view` (its panels, already packed, inside a larger tensor: the sibling linears' panels
+        side by side, jetflow.precision.exact.exact_linears) instead of a copy of its own."""
+        self.packed = view
 
     def __getstate__(self) -> dict:
         """Pickle (Ray's object store, torch.save) as raw bytes: float8 storages do not unpickle in every

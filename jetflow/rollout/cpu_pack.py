@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from jetflow.precision.linear import PrecisionLinear
+
 
 def packable(module: nn.Module) -> bool:
     """A plain fp32 linear on the CPU (nn.Linear, or a PrecisionLinear of kind fp32 under fast numerics:
@@ -26,7 +28,7 @@ def packable(module: nn.Module) -> bool:
     return (isinstance(module, nn.Linear) and module.weight.device.type == "cpu"
             and module.weight.dtype == torch.float32
             and (type(module) is nn.Linear
-                 or (getattr(module, "kind", None) == "fp32" and getattr(module, "numerics", "fast") == "fast")))
+                 or (isinstance(module, PrecisionLinear) and module.kind == "fp32" and module.numerics == "fast")))
 
 
 class PackedLinears:

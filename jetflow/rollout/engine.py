@@ -55,6 +55,7 @@ from jetflow.model.paged_cache import PagePool
 from jetflow.rollout.cpu_pack import PackedLinears
 from jetflow.rollout.sampling import sample
 from jetflow.rollout.scheduler import Scheduler, Sequence, pages_for
+from jetflow.rollout.stop import final_text, hits_stop, stop_window
 
 FINISH_REASONS = ("eos", "stop", "length")
 
@@ -198,7 +199,7 @@ class RolloutEngine:
             raise ValueError("record_routing=True: the model has no mixture-of-experts layers")
         if record_routing and compile:
             raise ValueError("record_routing=True reads each MoE block's choice after every step: not with compile=True")
-        if compile and getattr(model, "numerics", "fast") == "exact":
+        if compile and model.numerics == "exact":
             raise ValueError("compile=True is for fast numerics; the exact kernels are already compiled C++")
         # prepacked CPU weights (not with compile: the compiled graph keeps ATen's linears)
         self._packed = (PackedLinears(model, max_batch) if pack_linears and not compile and self.device.type == "cpu"
@@ -261,7 +262,7 @@ class RolloutEngine:
                      preemptions=sched.preemptions, kv_pages_peak=pool.peak_held)
         text = None
         if self.tokenizer is not None:
-            text = [self._final_text(r, params.stop) for r in requests]
+            text = [final_text(self.tokenizer, r.tokens, params.stop, r.finish_reason == "stop") for r in requests]
         return RolloutOutput(
             prompt_ids=[r.prompt for r in requests],
             token_ids=[r.tokens for r in requests],
@@ -286,7 +287,7 @@ class RolloutEngine:
 
     def _new_pool(self) -> PagePool:
         return PagePool.for_budget(self.model.config, self.kv_pool_bytes, self.kv_page_dtype(),
-                                   exact=getattr(self.model, "numerics", "fast") == "exact", buffer=self._kv_buffer)
+                                   exact=self.model.numerics == "exact", buffer=self._kv_buffer)
 
     def memory_stats(self) -> dict:
         """Memory for the bench. kv_cache_bytes: the peak bytes of pages held by requests during the last
@@ -365,14 +366,14 @@ class RolloutEngine:
         """Each row's next token from its own generator; finished requests leave the batch."""
         gens = [s.request.generator for s in seqs] if params.temperature > 0 else None
         tokens, logprobs = sample(logits, params.temperature, params.top_k, params.top_p, gens)  # (B,), (B,)
-        stop_window = self._stop_window(params.stop)
+        window = stop_window(params.stop)
         for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             r = s.request
             r.tokens.append(t)
             r.logprobs.append(lp)
             if t in self.eos_token_ids and not params.ignore_eos:
                 r.finish_reason = "eos"
-            elif stop_window and self._hits_stop(r.tokens, params.stop, stop_window):
+            elif window and hits_stop(self.tokenizer, r.tokens, params.stop, window):
                 r.finish_reason = "stop"
             elif len(r.tokens) >= r.max_new_tokens:
                 r.finish_reason = "length"
@@ -401,28 +402,6 @@ class RolloutEngine:
         (norms, RoPE, SwiGLU); the GEMMs themselves stay ATen's. The first call compiles (tens of
         seconds on a CPU)."""
         return torch.compile(self.model.forward_hidden, mode="default", dynamic=True)
-
-    # ------------------------------------------------------------------------------------------
-    # stop strings and text
-
-    def _stop_window(self, stop: tuple[str, ...]) -> int:
-        """How many trailing tokens to decode to see any stop string that the newest token may have
-        completed: a text token decodes to at least one character, plus slack for tokens that only
-        complete a multi-byte character."""
-        return max((len(s) for s in stop), default=0) + 2 if stop else 0
-
-    def _hits_stop(self, tokens: list[int], stop: tuple[str, ...], window: int) -> bool:
-        """Stop strings are matched in the text as `text` reports it (special tokens skipped); only
-        the tail is decoded, so the check costs the same at every step."""
-        tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
-        return any(s in tail for s in stop)
-
-    def _final_text(self, r: _Request, stop: tuple[str, ...]) -> str:
-        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
-        if r.finish_reason == "stop":
-            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
-            text = text[:cut]
-        return text
 
 
 def _elapsed(t0: float, device: torch.device) -> float:

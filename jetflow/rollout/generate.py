@@ -6,9 +6,10 @@ import torch
 
 from jetflow.errors import UsageError
 from jetflow.model.tokenizer import TokenizerError, render_prompt
+from jetflow.precision.modes import LINEAR_KINDS
 from jetflow.rollout.engine import RolloutEngine, SamplingParams
 
-PRECISIONS = ("fp32", "bf16", "fp8")
+PRECISIONS = LINEAR_KINDS  # --precision: the linears' GEMM kind
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -233,10 +233,8 @@ def apply_mode(model: Decoder, cfg: Config, derived: Derived, side: str) -> Deco
     in place."""
     mode = cfg.precision.precision_mode
     kind = mode.trainer_kind if side == "trainer" else mode.rollout_kind
-    model.embed_grid = embedding_grid(kind)
+    model.set_numerics(derived.numerics, embedding_grid(kind))
     attach_kv(model, kv_rounding(mode))
-    if isinstance(model, Decoder):
-        model.numerics = derived.numerics
     return apply_precision(model, kind, derived.recipe, cfg.precision.gemm_backend,
                            num_layers=model.config.num_layers, numerics=derived.numerics)
 

@@ -47,8 +47,8 @@ def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder):
         decoder, kind=kind, recipe=derived.recipe,
         gemm_backend=cfg.precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
         pipeline_parallel_size=cfg.train.pipeline_parallel_size,
-        expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=derived.numerics)
-    policy.embed_grid = embedding_grid(kind)
+        expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=derived.numerics,
+        embed_grid=embedding_grid(kind))
     policy.attach_kv_quantizer(kv_rounding(cfg.precision.precision_mode))
     return policy
 

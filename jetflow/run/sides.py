@@ -32,7 +32,9 @@ from jetflow.train.trainer import Trainer
 def sharded_optimizer(model) -> bool:
     """The FSDP backend: each rank holds its shards of the optimizer state (checkpointed with DCP,
     jetflow.train.fsdp.state)."""
-    return getattr(model, "sharded_optimizer_state", False)
+    from jetflow.train.fsdp import FSDPPolicy  # torch's FSDP2, imported where the backend is asked about
+
+    return isinstance(model, FSDPPolicy)
 
 
 class TrainerSide:

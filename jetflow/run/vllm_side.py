@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from jetflow.config import Config, ConfigError, Derived
-from jetflow.model import CharTokenizer, Decoder, save_hf_dir
+from jetflow.model import CharTokenizer, Decoder, Tokenizer, save_hf_dir
 from jetflow.model.checkpoint import write_config
 from jetflow.run.build import apply_mode, attach_kv_fp8
 from jetflow.writes import guarded
@@ -92,7 +92,7 @@ def write_engine_checkpoint(model: Decoder, tokenizer, out_dir: Path, execution:
             save_hf_dir(model, out_dir)
         if isinstance(tokenizer, CharTokenizer):
             tokenizer.save(out_dir)
-        elif getattr(tokenizer, "path", None) is not None:
+        elif isinstance(tokenizer, Tokenizer):  # (None: no tokenizer files to copy)
             from jetflow.export import TOKENIZER_FILES
             for name in TOKENIZER_FILES:
                 src = Path(tokenizer.path) / name

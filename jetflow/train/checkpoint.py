@@ -120,7 +120,7 @@ def _write_checkpoint_files(tmp: Path, step: int, model: nn.Module, trainer_stat
             shutil.move(str(directory), str(tmp / name))
     state_dict = model_state if model_state is not None else checkpoint_weights(model)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+    if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied: the embedding is the one copy
     with writing("model.safetensors") as path:
         save_file(tensors, str(path))
@@ -243,7 +243,7 @@ def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
             first = str(e).strip().splitlines()[-1].strip()
             raise CheckpointError(f"checkpoint {path} does not match the model ({first}); was the run's model "
                                   "changed?") from None
-    missing = [k for k in missing if k != "lm_head.weight" or not getattr(model.config, "tie_word_embeddings", False)]
+    missing = [k for k in missing if k != "lm_head.weight" or not model.config.tie_word_embeddings]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}; was the run's model changed?")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from jetflow.model import Decoder
+
 
 def _records(layer: nn.Module) -> list[tuple[nn.Module, str, object]]:
     """(module, name, value) of every `last_*` attribute of the layer's modules."""
@@ -51,7 +53,7 @@ def checkpointed_layer_call(layer: nn.Module, *args):
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """Checkpoint each decoder layer of `model` (a Decoder, whose forward calls its layers through
     `layer_call`) in forwards with grad enabled and no KV cache."""
-    if not hasattr(model, "layer_call"):
+    if not isinstance(model, Decoder):
         raise ValueError(f"train.activation_checkpointing: {type(model).__name__} has no per-layer hook "
                          "(the native Decoder has); use train.backend=native")
     model.layer_call = checkpointed_layer_call

@@ -33,7 +33,7 @@ def freeze_reference(model: nn.Module) -> nn.Module:
             placeholder = torch.zeros((), dtype=layer.weight.dtype, device=layer.weight.device)
             del layer.weight  # the parameter: the bytes are all the reference keeps
             layer.weight = placeholder.expand(layer.out_features, layer.in_features)  # (N, K), one element stored
-            layer._cached = layer._cache_key = None
+            layer.drop_caches()
     return model
 
 
@@ -52,9 +52,6 @@ def reference_nbytes(model: nn.Module) -> int:
     for layer in model.modules():
         if isinstance(layer, PrecisionLinear):
             add(layer.weight)
-            wq = layer._loaded
-            if wq is not None:
-                for name in ("data", "scale_inv", "dequantized", "packed", "packed_t"):  # (MX / NVFP4: theirs)
-                    add(getattr(wq, name, None))
-            add(layer._exact_cache.get("packed"))
+            for t in layer.held_tensors():
+                add(t)
     return sum(storages.values())

@@ -10,6 +10,8 @@ its chat template and HF tokenizer. Skipped where vLLM cannot be imported.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -20,7 +22,7 @@ from jetflow.run.build import copy_model
 from jetflow.precision import FP8Recipe, RecipeMismatchError, apply_precision
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.vllm import VLLMRollout, check_payload, checkpoint_shapes, engine_payload, import_vllm
-from jetflow.sync import StaleWeightsError, apply_update, build_update
+from jetflow.sync import CorruptWeightsError, StaleWeightsError, apply_update, build_update
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -248,6 +250,32 @@ def test_stale_and_foreign_updates_are_refused_untouched(fp8_side):
     after = rollout.generate(PROMPTS, seeds=[0, 1, 2])
     assert rollout.weight_version == version and after.weight_version == version
     assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+
+
+@pytest.mark.parametrize("damage", ["zero scale", "nan scale", "stale", "checksum"])
+def test_adapter_refuses_the_bad_updates_the_native_rollout_refuses(fp8_side, damage):
+    """The same bad update is refused by the native path (jetflow.sync.apply_update) and by the vLLM
+    adapter, with the same error and message, and leaves the engine's version untouched."""
+    trainer, rollout = fp8_side
+    fingerprint = RECIPE.fingerprint()
+    version = rollout.weight_version
+    update = build_update(trainer, "unified", version + (0 if damage == "stale" else 1), fingerprint,
+                          with_checksum=damage == "checksum")
+    name = next(iter(update.quantized))
+    update.quantized[name] = copy.deepcopy(update.quantized[name])  # the trainer's own bytes stay as they are
+    if damage == "zero scale":
+        update.quantized[name].scale_inv[0, 0] = 0.0
+    elif damage == "nan scale":
+        update.quantized[name].scale_inv[-1, -1] = float("nan")
+    elif damage == "checksum":
+        update.tensors["model.norm.weight"] = update.tensors["model.norm.weight"] + 1
+    native = apply_precision(copy_model(trainer), "fp8", RECIPE, "emulate", num_layers=trainer.config.num_layers)
+    with pytest.raises((StaleWeightsError, CorruptWeightsError)) as refused_natively:
+        apply_update(native, update, version, fingerprint)
+    with pytest.raises(refused_natively.type) as refused_by_vllm:
+        rollout.load_weights(update)
+    assert str(refused_by_vllm.value) == str(refused_natively.value)
+    assert rollout.weight_version == version
 
 
 def test_mixed_update_is_quantized_on_the_rollout_side(fp8_side):

@@ -10,7 +10,7 @@ import torch
 
 from jetflow.kernels import canonical
 from jetflow.precision import FP8Recipe, NonFiniteError
-from jetflow.precision.exact import exact_linear
+from jetflow.precision.exact import ExactCache, exact_linear
 from jetflow.precision.fp8_function import quantize_weight_for_recipe
 
 
@@ -28,7 +28,7 @@ def _wq(w, recipe):
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
 def test_cached_call_equals_the_general_path_and_follows_weight_updates(kind):
     w, b, recipe = _operands(kind)
-    cache = {}
+    cache = ExactCache()
     with torch.no_grad():
         for step in range(2):
             wq = _wq(w, recipe)
@@ -36,9 +36,9 @@ def test_cached_call_equals_the_general_path_and_follows_weight_updates(kind):
                 want = exact_linear(x, w, b, kind, recipe=recipe, wq=wq, cache=None)  # no cache: the general path
                 got = exact_linear(x, w, b, kind, recipe=recipe, wq=wq, cache=cache)
                 assert got.shape == want.shape and torch.equal(got, want), (kind, step, tuple(x.shape))
-            held = cache["call"]
+            held = cache.call
             exact_linear(torch.randn(3, 512), w, b, kind, recipe=recipe, wq=wq, cache=cache)
-            assert cache["call"] is held  # kept while the weight stays
+            assert cache.call is held  # kept while the weight stays
             w.mul_(1.5)  # in place: a new weight version (and a new quantized weight)
         assert not torch.equal(exact_linear(x, w, b, kind, recipe=recipe, wq=_wq(w, recipe), cache=cache), got)
 
@@ -52,18 +52,18 @@ def test_cached_call_of_tensor_parallel_shards_combines_into_the_full_result(kin
     groups = canonical.tree_width(1024) // 2
     shard = [(x[:, i * 512:(i + 1) * 512], w[:, i * 512:(i + 1) * 512].contiguous()) for i in range(2)]
     with torch.no_grad():
-        full = exact_linear(x, w, b, kind, recipe=recipe, wq=_wq(w, recipe), cache={})
+        full = exact_linear(x, w, b, kind, recipe=recipe, wq=_wq(w, recipe), cache=ExactCache())
         (x0, w0), (x1, w1) = shard
-        partial1 = exact_linear(x1, w1, None, kind, recipe=recipe, wq=_wq(w1, recipe), cache={}, groups=groups)
+        partial1 = exact_linear(x1, w1, None, kind, recipe=recipe, wq=_wq(w1, recipe), cache=ExactCache(), groups=groups)
         # rank 0's view: its subtree, the other rank's partial gathered, the tree finished, then the epilogue
-        got = exact_linear(x0, w0, b, kind, recipe=recipe, wq=_wq(w0, recipe), cache={}, groups=groups,
+        got = exact_linear(x0, w0, b, kind, recipe=recipe, wq=_wq(w0, recipe), cache=ExactCache(), groups=groups,
                            combine=lambda y: canonical.tree_sum([y, partial1]))
     assert torch.equal(got, full)
 
 
 def test_cached_fp8_call_leaves_nan_to_the_quantizer():
     w, b, recipe = _operands("fp8")
-    wq, cache = _wq(w, recipe), {}
+    wq, cache = _wq(w, recipe), ExactCache()
     x = torch.randn(3, 512)
     with torch.no_grad():
         exact_linear(x, w, b, "fp8", recipe=recipe, wq=wq, cache=cache, name="probe")

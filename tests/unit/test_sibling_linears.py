@@ -52,9 +52,9 @@ def test_one_gemm_gives_each_linears_bits(kind, monkeypatch):
             assert calls["n"] == 1
             for g, w in zip(got, want):
                 assert g.shape == w.shape and torch.equal(g, w)
-        fused = linears[0]._exact_cache["siblings"]["packed"]
+        fused = linears[0]._exact_cache.siblings.packed
         sibling_linears(torch.randn(3, 384), linears)
-        assert linears[0]._exact_cache["siblings"]["packed"] is fused  # kept between calls
+        assert linears[0]._exact_cache.siblings.packed is fused  # kept between calls
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])

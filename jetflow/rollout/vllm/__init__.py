@@ -1,6 +1,6 @@
 """The vLLM rollout side (`rollout.backend=vllm`); the only package of jetflow that imports vllm, lazily.
 
-    adapter    VLLMRollout: jetflow's RolloutSide protocol over an in-process vLLM engine
+    adapter    VLLMRollout: jetflow's RolloutEngineSide protocol over an in-process vLLM engine
     payload    what an engine running vLLM's own kernels loads for an update; the exact engine's update check
     plugin     the exact-numerics plugin's registration with vLLM
     policies   the policies the plugin serves, by token; which engine is exact

@@ -1,4 +1,4 @@
-"""The vLLM rollout side (`rollout.backend=vllm`): jetflow's RolloutSide protocol over an in-process vLLM.
+"""The vLLM rollout side (`rollout.backend=vllm`): jetflow's RolloutEngineSide protocol over an in-process vLLM.
 
     rollout = VLLMRollout("hf_dir", execution="exact", policy=rollout_model)   # or execution="fp32", ...
     rollout.load_weights(build_update(trainer_model, "unified", version, recipe.fingerprint()))
@@ -64,10 +64,11 @@ import torch
 from jetflow.errors import MissingDependencyError
 from jetflow.model.model_config import MOE_TYPES
 from jetflow.precision import FP8Recipe, check_fingerprint
+from jetflow.rollout.stop import final_text, hits_stop, stop_window
 from jetflow.rollout.types import Rollouts
 from jetflow.rollout.vllm.payload import (check_exact_update, check_payload, checkpoint_shapes, engine_payload,
                                           reprocess_cpu_moe_experts, reprocess_tied_lm_head, unfusable_projections)
-from jetflow.sync import CorruptWeightsError, StaleWeightsError, WeightUpdate, apply_update
+from jetflow.sync import WeightUpdate, apply_update, check_update
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def import_vllm():
 
 
 class VLLMRollout:
-    """jetflow's RolloutSide protocol (`weight_version`, `load_weights`, `generate`) on vLLM."""
+    """jetflow's RolloutEngineSide protocol (`weight_version`, `load_weights`, `generate`) on vLLM."""
 
     def __init__(self, model_dir: str | Path, *, execution: str = "auto", dtype: str = "float32",
                  recipe: FP8Recipe | None = None, eos_token_ids: list[int] | None = None,
@@ -121,6 +122,7 @@ class VLLMRollout:
         """
         from jetflow.model import load_tokenizer
 
+        self.llm, self.token, self.starting = None, None, False  # what close() releases, whenever it runs
         if policy is not None:  # an exact engine: refuse what the plugin cannot serve before anything else
             from jetflow.rollout.vllm.serve import check_servable
             check_servable(policy)
@@ -139,7 +141,7 @@ class VLLMRollout:
         self.num_layers = int(config["num_hidden_layers"])
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.moe = config.get("model_type") in MOE_TYPES
-        self.policy, self.token = policy, None
+        self.policy = policy
         self.checkpoint = checkpoint_shapes(self.model_dir) if self.execution != "exact" else {}
         eos = config.get("eos_token_id") if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
@@ -271,17 +273,7 @@ class VLLMRollout:
             self.weight_version = apply_update(self.policy, update, self.weight_version, self.fingerprint)
             self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
             return
-        if update.version <= self.weight_version:
-            raise StaleWeightsError(f"weight update version {update.version} is not newer than the "
-                                    f"vLLM rollout's version {self.weight_version}; refusing it")
-        if update.checksum and update.compute_checksum() != update.checksum:
-            raise CorruptWeightsError(f"weight update v{update.version}: checksum mismatch")
-        if update.quantized:
-            check_fingerprint(self.fingerprint or "", update.fingerprint or "", "shipped FP8 weights")
-            for name, q in update.quantized.items():
-                if not bool(torch.isfinite(q.scale_inv).all()) or bool((q.scale_inv <= 0).any()):
-                    raise CorruptWeightsError(f"{name}: zero, negative or non-finite scale_inv in update "
-                                              f"v{update.version}")
+        check_update(update, self.weight_version, self.fingerprint)
         tensors = self.engine_tensors(update)
         check_payload(tensors, self.checkpoint, update.version)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(tensors.items())),
@@ -343,25 +335,20 @@ class VLLMRollout:
                         weight_version=version)
 
     def _stop_cut(self, tokens: list[int]) -> int | None:
-        """Length up to the token that completed a stop string (the native engine's rule), or None."""
-        if not self.stop:
+        """Length up to the token that completed a stop string, or None: the native engine's rule
+        (jetflow.rollout.stop) replayed over the tokens vLLM returned; an EOS id ends the request first."""
+        window = stop_window(self.stop)
+        if not window:
             return None
-        window = max(len(s) for s in self.stop) + 2
         for n in range(1, len(tokens) + 1):
             if tokens[n - 1] in self.eos_token_ids:
                 return None
-            tail = self.tokenizer.decode(tokens[max(0, n - window):n])
-            if any(s in tail for s in self.stop):
+            if hits_stop(self.tokenizer, tokens[:n], self.stop, window):
                 return n
         return None
 
     def _text(self, tokens: list[int], reason: str) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if reason == "stop":
-            text = text[:min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=len(text))]
-        return text
+        return "" if self.tokenizer is None else final_text(self.tokenizer, tokens, self.stop, reason == "stop")
 
     def kv_cache_stats(self) -> dict:
         """vLLM's own KV cache figures (its scheduler's KV cache config, in-process engine): kv_cache_dtype
@@ -377,13 +364,13 @@ class VLLMRollout:
 
     def close(self) -> None:
         """Shut the engine down (its memory is released once nothing refers to it)."""
-        llm, self.llm = getattr(self, "llm", None), None
-        if getattr(self, "token", None) is not None:
+        llm, self.llm = self.llm, None
+        if self.token is not None:
             from jetflow.rollout.vllm import policies
             policies.release(self.token)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        if llm is not None or getattr(self, "starting", False):
+        if llm is not None or self.starting:
             # The CPU engine runs in this process and keeps its TP / PP / EP groups (also when it failed
             # to start); the next engine would reuse them, and a dense model's have no expert-parallel group.
             from vllm.distributed.parallel_state import destroy_model_parallel

@@ -89,8 +89,8 @@ def _linear(policy, name: str, prefix: str) -> PrecisionLinear:
     except AttributeError:
         raise UnservedError(f"exact vLLM plugin: {prefix} has no jetflow module {name!r} to compute it") from None
     if not isinstance(module, PrecisionLinear) or module.numerics != "exact":
-        raise UnservedError(f"exact vLLM plugin: {name} is {type(module).__name__} "
-                            f"(numerics {getattr(module, 'numerics', None)}), not an exact PrecisionLinear")
+        what = f"a {module.numerics} PrecisionLinear" if isinstance(module, PrecisionLinear) else type(module).__name__
+        raise UnservedError(f"exact vLLM plugin: {name} is {what}, not an exact PrecisionLinear")
     return module
 
 

@@ -28,8 +28,8 @@ def check_servable(policy: Decoder) -> None:
     if model_type not in SERVED:
         raise UnservedError(f"exact vLLM plugin: cannot serve model_type {model_type!r} yet (served: "
                             f"{', '.join(SERVED)}); use rollout.backend=native or precision.numerics=fast")
-    if getattr(policy, "numerics", None) != "exact":
-        raise UnservedError(f"exact vLLM plugin: the policy runs numerics={getattr(policy, 'numerics', None)!r}; "
+    if policy.numerics != "exact":
+        raise UnservedError(f"exact vLLM plugin: the policy runs numerics={policy.numerics!r}; "
                             "build it with numerics='exact' (jetflow.run.build.apply_mode)")
 
 

@@ -117,8 +117,7 @@ class FSDPPolicy(nn.Module):
                 p._local_tensor.forget_quantized()
         for m in self.decoder.modules():
             if isinstance(m, PrecisionLinear):
-                m._cache_key, m._cached = None, None
-                m._exact_cache.clear()
+                m.drop_caches()
         self._seen_versions = versions
 
     # ShardedPolicy: weights for sync, checkpoints and the rollout's copy --------------------------

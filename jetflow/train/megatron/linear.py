@@ -20,7 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from jetflow.precision import FP8Recipe, QuantizedTensor, bf16_linear, fp8_linear, resolve_backend
+from jetflow.precision.exact import ExactCache
 from jetflow.precision.fp8_function import quantize_weight_for_recipe
+from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
 
 from .reduce import tp_tree_combine
 
@@ -46,16 +48,22 @@ def _segment_rows(t: torch.Tensor, seg: Segment) -> torch.Tensor:
     return t.reshape(seg.groups, -1, *rest)[:, seg.start:seg.stop].reshape(-1, *rest)
 
 
-def weight_cache(owner, weight: torch.Tensor, name: str) -> dict:
-    """The dict `exact_linear` keeps for one GEMM of `owner` (packed panels), emptied whenever `weight`
-    (the owner's full parameter) changes version, i.e. after every optimizer step. exact_linear checks
-    the panels against the tensor it is given; a segment of a fused weight is a fresh copy every call
-    (linear_qkv's interleaved rows), which a later copy can meet at the same address and version:
-    emptying the dicts with the full weight's version keeps such panels from outliving their values."""
-    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-    if getattr(owner, "_exact_key", None) != key:
-        owner._exact_caches, owner._exact_key = {}, key
-    return owner._exact_caches.setdefault(name, {})
+class WeightCaches:
+    """The `ExactCache`s `exact_linear` keeps for one module's GEMMs (one per segment name), emptied
+    whenever the module's full weight changes version, i.e. after every optimizer step. exact_linear
+    checks the panels against the tensor it is given; a segment of a fused weight is a fresh copy every
+    call (linear_qkv's interleaved rows), which a later copy can meet at the same address and version:
+    emptying the caches with the full weight's version keeps such panels from outliving their values."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None  # (data_ptr, version, dtype, device) of the weight the caches belong to
+        self.caches: dict[str, ExactCache] = {}
+
+    def get(self, weight: torch.Tensor, name: str) -> ExactCache:
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if key != self.key:
+            self.caches, self.key = {}, key
+        return self.caches.setdefault(name, ExactCache())
 
 
 def _dense(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -63,7 +71,7 @@ def _dense(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) 
         return F.linear(x, w, b)
     if kind == "bf16":
         return bf16_linear(x, w, b)
-    raise ValueError(f"linear kind {kind!r}: valid kinds are fp32, bf16, fp8")
+    raise ValueError(f"linear kind {kind!r}: valid kinds are {LINEAR_KINDS}")
 
 
 class _JetflowLinearMixin:
@@ -81,8 +89,7 @@ class _JetflowLinearMixin:
     numerics = "fast"  # fast | exact (see the module docstring)
     _wq_key: tuple | None = None  # (data_ptr, version, dtype, device) of the weight _wq was made from
     _wq: dict[str, QuantizedTensor] = {}
-    _exact_key: tuple | None = None  # the weight version the caches below belong to
-    _exact_caches: dict[str, dict] = {}  # exact_linear's per-weight caches, one per GEMM (segment name or "*")
+    _exact_caches: WeightCaches  # exact_linear's caches, one per GEMM (segment name or "*"), made by configure
 
     def configure(self, segments: list[Segment], recipe: FP8Recipe | None, gemm_backend: str = "auto",
                   numerics: str = "fast") -> None:
@@ -91,10 +98,10 @@ class _JetflowLinearMixin:
             raise ValueError(f"segments must share `groups` and tile the rows in order: {segments}")
         if any(s.kind == "fp8" for s in segments) and recipe is None:
             raise ValueError(f"{segments[0].name}: an fp8 segment needs an FP8Recipe")
-        if numerics not in ("fast", "exact"):
-            raise ValueError(f"{segments[0].name}: numerics={numerics!r}; valid: fast, exact")
+        if numerics not in NUMERICS:
+            raise ValueError(f"{segments[0].name}: numerics={numerics!r}; valid: {NUMERICS}")
         self.segments, self.recipe, self.gemm_backend = tuple(segments), recipe, gemm_backend
-        self.numerics, self._exact_caches = numerics, {}
+        self.numerics, self._exact_caches = numerics, WeightCaches()
         self._wq_key, self._wq = None, {}
 
     def forward(self, input_, *args, **kwargs):
@@ -133,13 +140,13 @@ class _JetflowLinearMixin:
         kinds = {s.kind for s in self.segments} or {"fp32"}
         if len(kinds) == 1 and "fp8" not in kinds:
             name = "+".join(s.name for s in self.segments) or "linear"
-            return exact_linear(x, weight, bias, kinds.pop(), recipe=self.recipe, cache=weight_cache(self, weight, "*"),
+            return exact_linear(x, weight, bias, kinds.pop(), recipe=self.recipe, cache=self._exact_caches.get(weight, "*"),
                                 groups=groups, combine=combine, name=name)
         wq = self.quantized_segments(weight)
         outs = []
         for seg in self.segments:
             y = exact_linear(x, _segment_rows(weight, seg), None if bias is None else _segment_rows(bias, seg),
-                             seg.kind, recipe=self.recipe, wq=wq.get(seg.name), cache=weight_cache(self, weight, seg.name),
+                             seg.kind, recipe=self.recipe, wq=wq.get(seg.name), cache=self._exact_caches.get(weight, seg.name),
                              groups=groups, combine=combine, name=seg.name)
             outs.append(y.unflatten(-1, (seg.groups, seg.stop - seg.start)))  # (..., groups, rows)
         return torch.cat(outs, dim=-1).flatten(-2)  # (..., N_local)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .linear import _dense, weight_cache
+from .linear import WeightCaches, _dense
 
 _CLASSES: dict[str, type] = {}
 
@@ -133,14 +133,21 @@ def _moe_classes() -> dict[str, type]:
 
         kind = "fp32"
         numerics = "fast"
-        norm_topk_prob = True  # set by MegatronPolicy from the model config
+        norm_topk_prob = True
+        last_logits: torch.Tensor | None = None  # (T, B, E) fp32: the last forward's (load_balancing_loss)
+
+        def configure(self, kind: str, numerics: str, norm_topk_prob: bool) -> None:
+            """The native router's GEMM kind (fp32, or bf16 where the recipe keeps it: checks.py), the
+            numerics and the model config's norm_topk_prob (MegatronPolicy)."""
+            self.kind, self.numerics, self.norm_topk_prob = kind, numerics, norm_topk_prob
+            self._exact_caches = WeightCaches()
 
         def gating(self, input: torch.Tensor) -> torch.Tensor:
             """(T, B, C) -> logits (T, B, E) in fp32: `SparseMoeBlock.route`'s `self.gate(x)`."""
             if self.numerics == "exact":
                 from jetflow.precision.exact import exact_linear
                 logits = exact_linear(input, self.weight, self.bias, self.kind,
-                                      cache=weight_cache(self, self.weight, "gate"), name="router")
+                                      cache=self._exact_caches.get(self.weight, "gate"), name="router")
             else:
                 logits = _dense(self.kind, input, self.weight, self.bias)
             self.last_logits = logits.float()

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from jetflow.model.attention import align_rows
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
-from jetflow.precision import FP8Recipe
+from jetflow.precision import LINEAR_KINDS, NUMERICS, FP8Recipe
 from jetflow.precision.kv import KVQuantizer
 
 from .attention import ModelParallelKVQuantizer, core_attention_modules, unalign_rows
@@ -55,12 +55,13 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
     def __init__(self, config: ModelConfig, *, kind: str = "fp32", recipe: FP8Recipe | None = None,
                  gemm_backend: str = "auto", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  device: torch.device | str = "cpu", params_dtype: torch.dtype = torch.float32,
-                 init_weights: bool = True, seed: int = 0, expert_parallel_size: int = 1, numerics: str = "fast"):
+                 init_weights: bool = True, seed: int = 0, expert_parallel_size: int = 1, numerics: str = "fast",
+                 embed_grid: torch.dtype | None = None):
         super().__init__()
-        if numerics not in ("fast", "exact"):
-            raise ValueError(f"MegatronPolicy numerics={numerics!r}: valid modes are fast, exact")
-        if kind not in ("fp32", "bf16", "fp8"):
-            raise ValueError(f"MegatronPolicy kind={kind!r}: valid kinds are fp32, bf16, fp8")
+        if numerics not in NUMERICS:
+            raise ValueError(f"MegatronPolicy numerics={numerics!r}: valid modes are {NUMERICS}")
+        if kind not in LINEAR_KINDS:
+            raise ValueError(f"MegatronPolicy kind={kind!r}: valid kinds are {LINEAR_KINDS}")
         if kind == "fp8" and recipe is None:
             raise ValueError("MegatronPolicy kind='fp8' needs an FP8Recipe")
         tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
@@ -128,7 +129,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
             self._global_names["output_layer.weight"] = None
         self._configure_linears()
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
-        self.embed_grid: torch.dtype | None = None  # see Decoder.embed_grid
+        self.embed_grid = embed_grid  # see Decoder.embed_grid
         self._last_mask: torch.Tensor | None = None
         self.to(device)
         if self._tied_copy:
@@ -196,8 +197,8 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
 
         c, inter = self.config, self.config.moe_intermediate_size
         b = f"model.layers.{i}.{c.moe_attr}."
-        moe.router.kind = segment_kind(self.kind, self.recipe, b + "gate", i, c.num_layers)
-        moe.router.numerics, moe.router.norm_topk_prob = self.numerics, c.norm_topk_prob  # bf16 or fp32 (checks.py)
+        moe.router.configure(segment_kind(self.kind, self.recipe, b + "gate", i, c.num_layers), self.numerics,
+                             c.norm_topk_prob)
         gate, up, down = EXPERT_NAMES[c.model_type]
         for j, expert in enumerate(moe.experts.local_experts):
             x = f"{b}experts.{self._expert_offset() + j}."
@@ -435,7 +436,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         One pipeline stage only (the routers of other stages are not here)."""
         from jetflow.model.moe import load_balancing_loss
 
-        routers = [r for r in router_modules(self.gpt) if getattr(r, "last_logits", None) is not None]
+        routers = [r for r in router_modules(self.gpt) if r.last_logits is not None]
         if not routers:
             return None
         if self.pp_size > 1:
