@@ -5,6 +5,7 @@ gradients agree to the bound the module docstring states (they are sums over tok
 order packing changes); the layout, the grouping and the validation are checked by hand."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ TINY = "configs/tiny.yaml"
 LENGTHS = [(4, 40), (7, 3), (2, 70), (9, 12), (5, 20)]  # (prompt, response): 44, 10, 72, 21, 25 tokens
 
 
+@functools.cache
 def model_for(mode: str, numerics: str = "exact"):
+    """(model, cfg), built once per mode: callers copy both (`trainer`)."""
     cfg = load_config(TINY, [f"precision.mode={mode}", f"precision.numerics={numerics}", "train.grad_clip=0",
                              "train.lr=1e-2", "train.micro_batch_size=2"])
     torch.manual_seed(0)
@@ -70,13 +73,12 @@ def test_a_packed_row_holds_each_sequence_whole_and_points_at_its_response():
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "unified"])
-@pytest.mark.parametrize("chunk", [0, 16])
-def test_packed_logprobs_equal_the_padded_ones_bit_for_bit(mode, chunk):
+def test_packed_logprobs_equal_the_padded_ones_bit_for_bit(mode):
     model, cfg = model_for(mode)
     exp = batch(model.config.vocab_size)
     real = exp.response_mask.bool()
     padded = trainer(model, cfg, 0).compute_logprobs(exp)
-    for budget in (80, 30, 1000):  # three rows, one per sequence, one for all
+    for budget, chunk in ((80, 16), (30, 0), (1000, 0)):  # three rows, one per sequence, one for all
         packed = trainer(model, cfg, budget, chunk).compute_logprobs(exp)
         assert torch.equal(packed[real], padded[real]), budget
         assert not packed[~real].any()  # padding: 0, not computed
@@ -124,10 +126,11 @@ def test_loss_agg_means_the_same_packed(agg):
     """Every aggregation over the same sequences: with the padded micro-batches' grouping the loss is the
     same float; with another grouping (one row for everything) the same value up to the order of the sum."""
     model, cfg = model_for("fp32")
+    cfg = copy.deepcopy(cfg)
     cfg.algo.loss_agg = agg
-    exp = batch(model.config.vocab_size)
+    exp = batch(model.config.vocab_size, LENGTHS[:3])  # 44, 10, 72 tokens: rows [0, 1], [2] as padded
     padded = step(model, cfg, exp, 0)[0]["train/loss"]
-    assert step(model, cfg, exp, 100)[0]["train/loss"] == padded
+    assert step(model, cfg, exp, 60)[0]["train/loss"] == padded
     assert step(model, cfg, exp, 10_000)[0]["train/loss"] == pytest.approx(padded, rel=1e-6, abs=1e-9)
 
 
@@ -149,3 +152,10 @@ def test_packing_is_refused_off_the_native_trainer_by_name(backend):
         check_config(load_config(TINY, ["train.max_tokens_per_micro_batch=-1"]))
     check_config(load_config(TINY, ["train.max_tokens_per_micro_batch=2048"]))
     check_config(load_config(TINY, ["train.max_tokens_per_micro_batch=null"]))
+
+
+def test_the_memory_estimate_sizes_a_packed_micro_batch_by_its_budget():
+    from jetflow.run.memory_estimate import _micro_rows
+    assert _micro_rows(load_config(TINY, ["train.max_tokens_per_micro_batch=4096"]), 8, 1088) == 3
+    assert _micro_rows(load_config(TINY, ["train.max_tokens_per_micro_batch=512"]), 8, 1088) == 1  # alone
+    assert _micro_rows(load_config(TINY, ["train.micro_batch_size=2"]), 8, 1088) == 2
