@@ -93,6 +93,9 @@ def packed_response_logprobs(model: nn.Module, mb: PackedBatch, temperature: flo
                              chunk_tokens: int = 0) -> Tensor | tuple[Tensor, Tensor]:
     """`jetflow.train.trainer.response_logprobs` of a packed micro-batch: (b, R) fp32 log-probs [and
     entropies], 0 at padding; only the M response positions go through lm_head."""
+    if not hasattr(model, "forward_packed"):
+        raise ValueError(f"train.max_tokens_per_micro_batch: {type(model).__name__} has no packed forward (the "
+                         "native Decoder has); use train.backend=native or train.max_tokens_per_micro_batch=0")
     replay = {} if mb.packed_routing is None else {"routed_experts": mb.packed_routing}
     hidden = model.forward_packed(mb.packed_ids, mb.lengths, **replay)[0]  # (N, C)
     tokens = mb.response_ids.reshape(-1)[mb.response_at]  # (M,)
