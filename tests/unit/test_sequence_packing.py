@@ -159,3 +159,22 @@ def test_the_memory_estimate_sizes_a_packed_micro_batch_by_its_budget():
     assert _micro_rows(load_config(TINY, ["train.max_tokens_per_micro_batch=4096"]), 8, 1088) == 3
     assert _micro_rows(load_config(TINY, ["train.max_tokens_per_micro_batch=512"]), 8, 1088) == 1  # alone
     assert _micro_rows(load_config(TINY, ["train.micro_batch_size=2"]), 8, 1088) == 2
+
+
+def test_an_moe_models_packed_logprobs_equal_the_padded_ones_with_routing_replay():
+    """Qwen3-MoE-style tiny model: the routers (and a replayed routing, moved into the packed columns) see
+    the same rows packed and padded."""
+    cfg = load_config("configs/tiny-moe.yaml", ["precision.mode=fp32", "precision.numerics=exact"])
+    torch.manual_seed(0)
+    model, _ = build_policy(cfg)
+    model = apply_mode(model, cfg, derive(cfg), "trainer")
+    exp = batch(model.config.vocab_size, LENGTHS[:3])
+    c = model.config
+    n_moe = sum(c.is_moe_layer(i) for i in range(c.num_layers))
+    g = torch.Generator().manual_seed(2)
+    exp.routed_experts = torch.randint(0, c.num_experts, (3, exp.input_ids.shape[1], n_moe, c.num_experts_per_tok),
+                                       generator=g)
+    real = exp.response_mask.bool()
+    padded = trainer(model, cfg, 0).compute_logprobs(exp)
+    packed = trainer(model, cfg, 60).compute_logprobs(exp)
+    assert torch.equal(packed[real], padded[real])
