@@ -134,6 +134,13 @@ def test_loss_agg_means_the_same_packed(agg):
     assert step(model, cfg, exp, 10_000)[0]["train/loss"] == pytest.approx(padded, rel=1e-6, abs=1e-9)
 
 
+def test_the_sft_step_packs_too():
+    model, cfg = model_for("fp32")
+    exp = batch(model.config.vocab_size, LENGTHS[:3])
+    padded = trainer(model, cfg, 0).sft_step(exp)["loss/sft"]
+    assert trainer(model, cfg, 60).sft_step(exp)["loss/sft"] == padded  # the same grouping: the same float
+
+
 def test_fast_numerics_packed_logprobs_match_closely():
     model, cfg = model_for("fp32", "fast")
     exp = batch(model.config.vocab_size)
