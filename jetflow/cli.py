@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--response-len", type=int, default=128, help="train-step: most response tokens per sequence")
     bench.add_argument("--modes", default="fp32,bf16,unified", help="train-step: comma-separated precision modes")
     bench.add_argument("--warmup", type=int, default=1, help="train-step: warm-up steps per mode")
+    bench.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="train-step: sequence packing, "
+                       "rows of at most this many tokens (train.max_tokens_per_micro_batch; default: the config's)")
     bench.add_argument("--out-dir", default="results/bench")
     bench.set_defaults(func=_cmd_bench)
 

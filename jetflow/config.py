@@ -251,6 +251,11 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Native backend: keep only each decoder layer's input in the forward and recompute the layer in
     the backward (torch.utils.checkpoint); memory for time, the same gradients under exact numerics."""
+    max_tokens_per_micro_batch: int | None = 0
+    """Native backend: sequence packing. Each micro-batch is one row of whole sequences (prompt + response)
+    side by side without padding, up to this many tokens, in batch order (a longer sequence alone); each
+    sequence keeps its own positions and attention (jetflow.train.packing). Replaces micro_batch_size.
+    The same log-probs bit for bit under exact numerics; algo.loss_agg unchanged. 0 / null: padded rows."""
 
 
 @dataclass

@@ -116,9 +116,11 @@ def run_from_cli(args) -> int:
     if args.what == "train-step":
         if args.lengths not in (None, *LENGTHS):
             raise UsageError(f"bench train-step --lengths {args.lengths}: one of {', '.join(LENGTHS)}")
+        budget = args.max_tokens_per_micro_batch
+        packing = () if budget is None else (f"train.max_tokens_per_micro_batch={budget}",)
         train_step.run(model, modes=tuple(args.modes.split(",")), batch=args.batch or 8, prompt_len=args.prompt_len,
                        response_len=args.response_len, lengths=args.lengths or "fixed", warmup=args.warmup,
-                       overrides=tuple(args.overrides), device=args.device, out_dir=args.out_dir, name=args.name,
+                       overrides=(*args.overrides, *packing), device=args.device, out_dir=args.out_dir, name=args.name,
                        **reps)
     elif args.what == "rl-step":
         rl_step.run(model, out_dir=args.out_dir, **rl_options)

@@ -16,7 +16,10 @@ every 8th at response_len (jetflow.bench.workload.response_lengths). `overrides`
 train.logprob_chunk_tokens=1024 train.activation_checkpointing=true.
 
 Peak RSS: this process's high-water mark (ru_maxrss) when the bench ends, model loading and every mode
-included: a configuration's own figure needs one mode in a fresh process (jetflow.bench.train_step_sweep).
+included, and per row after that mode's last step: a configuration's own figure needs one mode in a fresh
+process (jetflow.bench.train_step_sweep). `train.max_tokens_per_micro_batch=N` in `overrides` (the CLI's
+--max-tokens-per-micro-batch) packs the sequences (jetflow.train.packing); the payload records the
+micro-batch count.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from jetflow.config import derive
 from jetflow.run.build import apply_mode, build_policy, copy_model
 from jetflow.precision import PrecisionMode
 from jetflow.rl.experience import Experience
+from jetflow.train.packing import micro_batches
 from jetflow.train.trainer import Trainer
 
 MODES = ("fp32", "bf16", "unified")
@@ -87,6 +91,7 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
     samples: dict[str, list[float]] = {mode: [] for mode in trainers}
     cpu_samples: dict[str, list[float]] = {mode: [] for mode in trainers}
     last: dict[str, dict] = {}
+    rss: dict[str, float] = {}
     with LoadAverage() as load:
         for _ in range(warmup):  # first-call allocations, optimizer state
             for mode, trainer in trainers.items():
@@ -96,7 +101,9 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
                 dt, cpu, last[mode] = timed_step(trainer, batches[mode])
                 samples[mode].append(dt)
                 cpu_samples[mode].append(cpu)
-                print(f"  rep {rep}: {mode:8s} {dt * 1e3:9.1f} ms/step  {tokens / dt:8.1f} tokens/s", flush=True)
+                print(f"  rep {rep}: {mode:8s} {dt * 1e3:9.1f} ms/step  {tokens / dt:8.1f} tokens/s  "
+                      f"peak RSS {peak_rss_gb():.2f} GB", flush=True)
+                rss[mode] = peak_rss_gb()  # the high-water mark after this mode's step
     rows = []
     for mode, times in samples.items():
         sec = statistics.median(times)
@@ -104,7 +111,7 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
                      "tokens_per_s": tokens / sec, "ms_all": [round(t * 1e3, 1) for t in times],
                      "cpu_ms_per_step": statistics.median(cpu_samples[mode]) * 1e3,
                      "loss": last[mode]["train/loss"], "grad_norm": last[mode]["train/grad_norm"],
-                     "skipped_steps": trainers[mode].skipped_steps})
+                     "skipped_steps": trainers[mode].skipped_steps, "peak_rss_gb": rss.get(mode, peak_rss_gb())})
     by_mode = {r["mode"]: r for r in rows}
     ratios = {}
     for num, den in (("bf16", "fp32"), ("unified", "fp32"), ("unified", "bf16")):
@@ -125,6 +132,8 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
                             "lengths": lengths, "overrides": list(overrides), "warmup": warmup,
                             "logprob_chunk_tokens": cfg.train.logprob_chunk_tokens,
                             "activation_checkpointing": cfg.train.activation_checkpointing,
+                            "max_tokens_per_micro_batch": cfg.train.max_tokens_per_micro_batch,
+                            "micro_batches": len(micro_batches(exp, cfg.train)),
                             "tokens_per_step": tokens, "reps": reps, "micro_batch_size": cfg.train.micro_batch_size,
                             "optimizer": "AdamW (fp32 master weights)", "loss": cfg.algo.loss_agg},
                "rows": rows, "ratios": ratios, "headline": headline, "loadavg_1m": load.record(),
@@ -136,7 +145,7 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
           f"GB (every mode and the model load included). On the CPU bf16 / FP8 GEMMs are emulated in "
           f"fp32 (the recipe's overhead, not FP8 hardware). {load.sentence()}\n\n"
           + markdown_table(rows, ["mode", "trainer_linear", "ms_per_step", "tokens_per_s", "vs_fp32", "cpu_ms_per_step",
-                                  "loss", "skipped_steps"])
+                                  "peak_rss_gb", "loss", "skipped_steps"])
           + "\n\nRatios of speed (above 1: the first is faster); `_cpu`: from this process's CPU time per step "
             "(all threads), less sensitive to other processes on a shared machine.\n\n"
           + "\n".join(f"- {k}: {v:.3f}" for k, v in ratios.items()))

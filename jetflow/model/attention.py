@@ -79,6 +79,7 @@ class AttentionPlan:
     start: int | None = None  # cache writes: slots [start, start + T) of every row ...
     row_slots: torch.Tensor | None = None  # ... or slot row_slots[b] of row b (one token per row)
     end: int | None = None  # key slots [0, end) after the write
+    segments: list[tuple[int, int]] | None = None  # packed rows: columns [a, b) of the one row are a sequence
 
 
 def attention_plan(positions: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -136,6 +137,16 @@ def attention_plan(positions: torch.Tensor, attention_mask: torch.Tensor | None,
     return plan
 
 
+def packed_plan(lengths: list[int], exact: bool, device=None) -> AttentionPlan:
+    """The plan of one packed row (B = 1, no cache): sequences of `lengths` tokens side by side, each at
+    its own positions 0..n-1 (RoPE from 0) and attending only to itself, so its KV blocks start at its
+    first token as in the rollout engine's cache (a sequence shifted inside a block changes its bits)."""
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]  # (1, N)
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    return AttentionPlan(exact=exact, positions=positions,
+                         segments=[(e - n, e) for n, e in zip(lengths, ends)])
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -179,6 +190,10 @@ class Attention(nn.Module):
             return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         if self.kv_quantizer is not None:
             k, v = self.kv_quantizer(self.layer_idx, k, v)
+        if plan.segments is not None:  # packed sequences: each one's own attention, as if it were alone
+            y = torch.cat([self._attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], plan.positions[:, a:b], plan.exact)
+                           for a, b in plan.segments], dim=2)  # (1, H, N, D)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         if cache is not None:
             # (B, H_kv, S, D); K is (B, H_kv, D, S) in an exact-numerics cache
             k, v = cache.update(self.layer_idx, k, v, plan.start, plan.row_slots, plan.end)
@@ -192,6 +207,15 @@ class Attention(nn.Module):
                 enable_gqa=self.num_kv_heads != self.num_heads)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)  # (B, T, C)
+
+    def _attend(self, q, k, v, positions, exact: bool):
+        """One whole sequence without a cache, q (B, H, T, D), k and v (B, H_kv, T, D) at positions 0..T-1:
+        the kernel the unpadded forward calls (exact: the invariant kernel, whose query results do not depend
+        on T or the other rows; fast: SDPA's causal square)."""
+        if exact:
+            return invariant.attention(q, k.transpose(-1, -2).contiguous(), v, positions, self.scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1,
+                                              enable_gqa=self.num_kv_heads != self.num_heads)
 
     def _fused_decode(self, plan: AttentionPlan, cache: KVCache | None, q, k, v, cos) -> bool:
         """A CPU decode step under exact numerics (one token per row, fp32, an fp32 cache, no K/V

@@ -33,6 +33,7 @@ from jetflow.model.attention import (  # noqa: F401  (re-exported: jetflow.model
     align_rows,
     apply_rope,
     attention_plan,
+    packed_plan,
     rope_inv_freq,
     rope_tables,
     rotate_half,
@@ -187,8 +188,31 @@ class Decoder(nn.Module):
         # the real tokens of this forward in the order its layers see them (MoE: the load-balancing loss)
         self.last_token_mask = attention_mask[:, L:] if attention_mask is not None else None  # (B, T)
 
+        return self._layers(input_ids, plan, cache, routed_experts)
+
+    def forward_packed(self, input_ids: torch.Tensor, lengths: list[int],
+                       routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (1, N, C) of sequences packed side by side in one row without padding:
+        input_ids (1, N), N = sum(lengths), each sequence whole (prompt + response) at its own positions
+        from 0 and attending only to itself (jetflow.model.attention.packed_plan). Under exact numerics a
+        token's hidden state is the same bits as in `forward_hidden` of the padded batch: the linears,
+        norms and RoPE are row-local, the attention runs per sequence with the same kernel.
+        routed_experts: (1, N, L_moe, K) as in `forward_hidden`."""
+        exact = self.numerics == "exact"
+        if exact:
+            invariant.check_device(input_ids.device)
+        if input_ids.shape != (1, sum(lengths)):
+            raise ValueError(f"packed input_ids must be (1, sum(lengths)) = (1, {sum(lengths)}), "
+                             f"got {tuple(input_ids.shape)}")
+        self.last_token_mask = None  # every token real
+        return self._layers(input_ids, packed_plan(lengths, exact, input_ids.device), None, routed_experts)
+
+    def _layers(self, input_ids: torch.Tensor, plan: AttentionPlan, cache: KVCache | None,
+                routed_experts: torch.Tensor | None) -> torch.Tensor:
+        """Embedding, every decoder layer under `plan`, the final norm: (B, T, C)."""
+        B, T = input_ids.shape
         x = self.embed(input_ids)  # (B, T, C)
-        cos, sin = rope_tables(position_ids, self.rope_inv_freq, x.dtype)  # (B, T, D) each
+        cos, sin = rope_tables(plan.positions, self.rope_inv_freq, x.dtype)  # (B, T, D) each
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
 
         replay = self._replay_per_layer(routed_experts, B, T)

@@ -248,8 +248,11 @@ def _runtime(cfg: Config) -> Term:
     return Term("runtime", RUNTIME_BYTES, "Python, torch, jetflow, allocator slack (measured floor)")
 
 
-def _micro_rows(cfg: Config, batch: int) -> int:
-    return min(cfg.train.micro_batch_size, batch)
+def _micro_rows(cfg: Config, batch: int, seq_len: int) -> int:
+    """Sequences of seq_len positions in one micro-batch: train.micro_batch_size, or under packing as many
+    as train.max_tokens_per_micro_batch holds (at least one)."""
+    budget = cfg.train.max_tokens_per_micro_batch
+    return min(max(1, budget // seq_len) if budget else cfg.train.micro_batch_size, batch)
 
 
 def estimate_train_step(cfg: Config, derived: Derived, arch: ModelConfig, batch: int, prompt_len: int,
@@ -261,7 +264,8 @@ def estimate_train_step(cfg: Config, derived: Derived, arch: ModelConfig, batch:
     m = 4 if cfg.model.dtype == "float32" else 2
     terms = [_runtime(cfg),
              Term("bench source model", num_params(arch) * m, f"P x {m} B (the copy the bench builds trainers from)"),
-             *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, batch), prompt_len, response_len)]
+             *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, batch, prompt_len + response_len), prompt_len,
+                            response_len)]
     if first_step_only:
         freed = sum(t.bytes for t in terms if t.name in ("activations", "backward working set", "logits"))
         adam = next(t for t in terms if t.name == "AdamW state")
@@ -279,7 +283,7 @@ def estimate_run(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: i
     P, new = num_params(arch), r.max_new_tokens
     trained = t.prompts_per_step // max(data_parallel, 1) * r.group_size
     sequences = max(trained, cfg.eval.num_prompts)  # what the engine decodes at once, at most
-    terms = [_runtime(cfg), *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, trained), prompt_len, new)]
+    terms = [_runtime(cfg), *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, trained, prompt_len + new), prompt_len, new)]
     cuda = cfg.model.device.startswith("cuda")
     copies, copies_formula = weight_copies(arch, cfg.precision.precision_mode.rollout_kind, derived, cuda, trainer=False)
     terms += [Term("rollout weights", P * m, f"P x {m} B (the engine's own copy)"),

@@ -58,6 +58,7 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("train.checkpoint_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("train.max_bad_steps", lambda v: v >= 0, ">= 0"),
     ("train.logprob_chunk_tokens", lambda v: v >= 0, ">= 0 (0: one lm_head call)"),
+    ("train.max_tokens_per_micro_batch", lambda v: v is None or v >= 0, ">= 0 (0 or null: no packing)"),
     ("rollout.group_size", lambda v: v >= 2,
      ">= 2: GRPO's advantage is a reward minus its group's mean, so one sample per prompt learns nothing"),
     ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
@@ -179,6 +180,9 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
     for key in ("logprob_chunk_tokens", "activation_checkpointing"):  # the native trainer's memory savers
         if t.backend == "megatron" and getattr(t, key):
             raise ConfigError(f"train.{key}={getattr(t, key)} runs on the native trainer only (train.backend=native)")
+    if t.max_tokens_per_micro_batch and t.backend != "native":  # packing: the native Decoder's packed forward
+        raise ConfigError(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} (sequence packing) runs "
+                          f"on the native trainer only; use train.backend=native or train.max_tokens_per_micro_batch=0")
     if a.routing_replay:
         for key, value in (("rollout.backend", cfg.rollout.backend), ("train.backend", t.backend)):
             if value != "native":

@@ -28,6 +28,7 @@ from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
 from jetflow.train.checkpointing import enable_activation_checkpointing
+from jetflow.train.packing import PackedBatch, micro_batches, packed_response_logprobs
 
 
 class TrainingDiverged(UserError, RuntimeError):
@@ -72,8 +73,10 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
     `chunk_tokens` > 0: that many positions through lm_head at a time (train.logprob_chunk_tokens), 0: all
     at once; both through jetflow.model.chunked_logprobs, whose backward sums the head's gradient over
     fixed groups: the same log-probs, gradients and updated weights with chunking on and off. A head that
-    is no module (Megatron's vocabulary-parallel method, which refuses chunking) takes the plain path.
-    """
+    is no module (Megatron's vocabulary-parallel method, which refuses chunking) takes the plain path. A
+    PackedBatch (train.max_tokens_per_micro_batch) runs its packed row (jetflow.train.packing)."""
+    if isinstance(exp, PackedBatch):
+        return packed_response_logprobs(model, exp, temperature, with_entropy, chunk_tokens)
     P, R = exp.prompt_len, exp.response_ids.shape[1]
     if hidden is None:
         replay = {} if exp.routed_experts is None else {"routed_experts": exp.routed_experts}  # MoE routing replay
@@ -136,19 +139,17 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(train.warmup_steps, total, train.min_lr_ratio))
         self.version = 0  # optimizer steps applied: the weight version rollouts are tagged with
-        self.skipped_steps = 0
-        self.consecutive_bad = 0
+        self.skipped_steps = self.consecutive_bad = 0
 
     # Log-probs -----------------------------------------------------------------------------
     def _logprobs(self, mb: Experience, temperature: float = 1.0, **kw) -> Tensor | tuple[Tensor, Tensor]:
-        """`response_logprobs` of `mb` under this trainer's model, train.logprob_chunk_tokens at a time."""
         return response_logprobs(self.model, mb, temperature, chunk_tokens=self.cfg.logprob_chunk_tokens, **kw)
 
     @torch.no_grad()
     def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> Tensor:
         """Trainer log-probs of the rollout tokens under the current weights (no grad): (B, R).
         On a pipeline every stage gets them (from the last stage)."""
-        micro = exp.micro_batches(self.cfg.micro_batch_size)
+        micro = micro_batches(exp, self.cfg)
 
         def logprobs() -> Tensor:
             if pipelined(self.model):
@@ -170,7 +171,7 @@ class Trainer:
         if self.reference is None:
             raise ValueError("reference_logprobs: this trainer keeps no reference policy")
         return torch.cat([response_logprobs(self.reference, mb, temperature, chunk_tokens=self.cfg.logprob_chunk_tokens)
-                          for mb in exp.micro_batches(self.cfg.micro_batch_size)])
+                          for mb in micro_batches(exp, self.cfg)])
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None):
         """The payload for rollout engines at the current weight version (jetflow.sync)."""
@@ -211,10 +212,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         agg = self.algo.loss_agg
-        micro = exp.micro_batches(self.cfg.micro_batch_size)
+        micro = micro_batches(exp, self.cfg)
         total_denominator = self.dp.sum(sum(agg_denominator(mb.response_mask, agg) for mb in micro)) or 1.0
         sums: dict[str, float] = {}
-        loss_total = 0.0
         olds: list[Tensor] = []
         # pipelined: the same steps through the model's pipeline schedule
         steps = self._pipeline_micro_steps if pipelined(self.model) else self._micro_steps
@@ -341,7 +341,7 @@ class Trainer:
         """Supervised step: mean negative log-likelihood of the response tokens."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        micro = exp.micro_batches(self.cfg.micro_batch_size)
+        micro = micro_batches(exp, self.cfg)
         total_tokens = self.dp.sum(float(exp.response_mask.sum())) or 1.0
         loss_total = 0.0
 

@@ -36,6 +36,20 @@ def test_train_step_bench_writes_modes_and_ratios(tmp_path):
     assert result["workload"]["tokens_per_step"] == 2 * 16
 
 
+def test_train_step_bench_packs_through_the_cli(tmp_path):
+    """--max-tokens-per-micro-batch reaches the trainer: 8 long-tail rows of 4 + (16 | 2) tokens in rows of
+    at most 32 tokens: [20, 6, 6], [6 x 5] by next-fit; the peak RSS stands beside tokens/s."""
+    from jetflow.cli import main
+    assert main(["bench", "train-step", "--model", "tiny", "--modes", "fp32", "--batch", "8", "--prompt-len", "4",
+                 "--response-len", "16", "--lengths", "longtail", "--reps", "1", "--warmup", "0",
+                 "--max-tokens-per-micro-batch", "32", "--out-dir", str(tmp_path)]) == 0
+    result = read_json(tmp_path / "train-step-cpu.json")
+    workload, (row,) = result["workload"], result["rows"]
+    assert workload["max_tokens_per_micro_batch"] == 32 and workload["micro_batches"] == 2
+    assert workload["tokens_per_step"] == 20 + 7 * 6 and row["peak_rss_gb"] > 0 and math.isfinite(row["loss"])
+    assert "peak_rss_gb" in (tmp_path / "train-step-cpu.md").read_text()
+
+
 def test_train_step_sweep_runs_each_configuration_in_its_own_process(tmp_path):
     """The long-response sweep: one mode per fresh process, long-tail lengths (8 rows: one at the max,
     seven at max / 8), the memory savers' overrides reaching the trainer, peak RSS reported."""
