@@ -128,12 +128,11 @@ class RolloutConfig:
     max_batch: int = 64
     """Largest batch the engine decodes at once."""
     kv_cache_gib: float | None = None
-    """The KV cache's memory budget in GiB, a pool of 64-position pages shared by the requests (memory
-    follows the tokens held; a waiting request starts when pages free up, the youngest is preempted and
-    recomputed when they run out). FP8 K/V pages take a quarter of fp32's bytes. Native engine and
-    vLLM on the CPU (its kv_cache_memory_bytes; on a GPU vLLM takes rollout.vllm_gpu_memory_utilization).
+    """The KV cache's budget in GiB: a pool of 64-position pages shared by the requests (memory follows the
+    tokens held; a waiting request starts when pages free up, the youngest is preempted and recomputed when
+    they run out). Native engine, and vLLM on the CPU (on a GPU vLLM takes vllm_gpu_memory_utilization).
     null: native, room for max_batch sequences of the run's longest prompt + max_new_tokens at fp32;
-    vLLM, max_batch full-length sequences in its cache's bytes, plus 25%."""
+    vLLM, max_batch full-length sequences in its cache's bytes (FP8: 1 byte), plus 25%."""
     num_engines: int = 1
     """run.orchestrator=ray: rollout engine replicas (Ray actors); each step's requests are split among them."""
     vllm_gpu_memory_utilization: float = 0.2
