@@ -30,8 +30,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_dir = train(cfg)  # it answers stop requests itself
     with StopRequests(after_run=True):  # a signal once the run is complete: the report is finished
         if os.environ.get("RANK", "0") == "0":
-            from jetflow.run.report import report_at_end
-            report = report_at_end(run_dir)  # presentation, not the run: a failure here is one warning line
+            report = None
+            if not args.no_report:
+                from jetflow.run.report import report_at_end
+                report = report_at_end(run_dir)  # presentation, not the run: a failure here is one warning line
             print(f"run complete: {run_dir}" + (f"\nreport: {report}" if report else ""))
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from jetflow.distributed import exit_process
@@ -163,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="run GRPO (default: the embedded default config)")
     train.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
+    train.add_argument("--no-report", action="store_true", help="skip the end-of-run report (figures and "
+                       "report.md, a few seconds; `jetflow report RUN_DIR` draws it later)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. precision.mode=mixed")
     train.set_defaults(func=_cmd_train)
 

@@ -50,8 +50,10 @@ class SlurmTemplate(string.Template):
     shell variables (`$SLURM_NNODES`, `${NODES[0]}`, `${MASTER_PORT:-29500}`) without escaping.
     """
 
-    flags = 0  # not IGNORECASE: ${MASTER_PORT} is the shell's
-    pattern = r"\$(?:(?P<escaped>\$)|(?P<named>(?!))|\{(?P<braced>[a-z_][a-z0-9_]*)\}|(?P<invalid>(?!)))"
+    flags = 0  # type: ignore[assignment]  # not IGNORECASE: ${MASTER_PORT} is the shell's
+    # string.Template's documented override points (typeshed types the compiled forms of these attributes)
+    pattern = (
+        r"\$(?:(?P<escaped>\$)|(?P<named>(?!))|\{(?P<braced>[a-z_][a-z0-9_]*)\}|(?P<invalid>(?!)))")  # type: ignore[assignment]
 
 
 def template_path(kind: str) -> Path:

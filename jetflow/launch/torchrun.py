@@ -19,13 +19,17 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from jetflow.run.stop import EXIT_FAULT, EXIT_STOPPED
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 RESUME = "the run directory resumes from its newest checkpoint: the same command with run.resume=true continues it"
 
 
-def _root_cause(failures: dict) -> tuple[int, object]:
+def _root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """(rank, failure) that started it: a rank killed by a signal torchrun did not send (it sends SIGTERM to
     the others once one failed), else the first by time (torchrun's timestamps are whole seconds)."""
     killed = [r for r, f in failures.items() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
@@ -36,7 +40,7 @@ def _root_cause(failures: dict) -> tuple[int, object]:
     return rank, failures[rank]
 
 
-def describe(failures: dict) -> tuple[str | None, int]:
+def describe(failures: dict[int, ProcessFailure]) -> tuple[str | None, int]:
     """The one line for these worker failures (None where the rank said it itself) and the exit code."""
     rank, failure = _root_cause(failures)
     if failure.exitcode < 0:

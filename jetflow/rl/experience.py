@@ -8,6 +8,7 @@ at column P - 1 + r. Positions come from the attention mask, exactly as in the r
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,7 +35,7 @@ class Experience:
 
     def select(self, index: slice | Tensor) -> "Experience":
         """Rows of the batch (a micro-batch); the prompt length stays P."""
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             values[f.name] = v[index] if isinstance(v, Tensor) else v

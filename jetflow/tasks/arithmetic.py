@@ -99,14 +99,14 @@ class ArithmeticTask(Task):
             raise ValueError(f"arithmetic: digits must be an int >= 1, got {digits!r}")
         if not isinstance(num_operands, int) or num_operands < 2:
             raise ValueError(f"arithmetic: num_operands must be an int >= 2, got {num_operands!r}")
-        ops = tuple(ops)
-        if not ops or any(op not in OPS for op in ops):
-            raise ValueError(f"arithmetic: ops must be a non-empty subset of {OPS}, got {ops!r}")
+        op_tuple = tuple(ops)
+        if not op_tuple or any(op not in OPS for op in op_tuple):
+            raise ValueError(f"arithmetic: ops must be a non-empty subset of {OPS}, got {op_tuple!r}")
         if style not in STYLES:
             raise ValueError(f"arithmetic: style must be one of {STYLES}, got {style!r}")
         self.digits = digits
         self.num_operands = num_operands
-        self.ops = tuple(dict.fromkeys(ops))  # dedupe, keep order: draws stay uniform over ops
+        self.ops = tuple(dict.fromkeys(op_tuple))  # dedupe, keep order: draws stay uniform over ops
         self.style = style
         self.show_work = bool(show_work)
         self.chat = style == "chat"

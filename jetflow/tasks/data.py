@@ -41,11 +41,11 @@ def _read_jsonl(path: Path) -> list[tuple[int, object]]:
     except UnicodeDecodeError as e:
         line = path.read_bytes()[:e.start].count(b"\n") + 1
         raise DataError(f"{path}: row {line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
-        if not line.strip():
+    for number, row_text in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
+        if not row_text.strip():
             continue
         try:
-            rows.append((number, json.loads(line)))
+            rows.append((number, json.loads(row_text)))
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: row {number}: invalid JSON ({e.msg} at column {e.colno})") from None
     return rows
@@ -104,7 +104,7 @@ def read_rows(path: str | Path, split: str = "train") -> list[tuple[int, dict]]:
             raise DataError(f"{path}: row {number}: expected a JSON object, got {type(row).__name__}")
     if not rows:
         raise DataError(f"{path} has no rows")
-    return rows
+    return [(number, row) for number, row in rows if isinstance(row, dict)]  # all of them, checked above
 
 
 def field(path: Path, number: int, row: dict, key: str, param: str) -> object:

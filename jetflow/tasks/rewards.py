@@ -93,6 +93,7 @@ def _import_file(path: Path, spec: str):
     if module_name in sys.modules:
         return sys.modules[module_name]
     file_spec = importlib.util.spec_from_file_location(module_name, resolved)
+    assert file_spec is not None and file_spec.loader is not None, resolved  # a .py path always has a loader
     module = importlib.util.module_from_spec(file_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look their module up there
     try:

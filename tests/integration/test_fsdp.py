@@ -43,7 +43,7 @@ FP32_GAP = 1e-5  # as tests/integration/test_torchrun_dp.py: fp32 summation orde
 
 def _run(launcher: list[str], out: Path, *overrides: str) -> Path:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.run([*launcher, "-m", "jetflow.cli", "train", *COMMON, f"run.out_dir={out}", *overrides],
+    proc = subprocess.run([*launcher, "-m", "jetflow.cli", "train", "--no-report", *COMMON, f"run.out_dir={out}", *overrides],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out / "r"
@@ -155,8 +155,8 @@ def _start_and_wait(args: list[str], env: dict, metrics: Path, rows: int) -> sub
 
 def _warmup_args(out: Path) -> tuple[dict, list[str]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    return env, ["-m", "jetflow.cli", "train", *COMMON, "precision.mode=fp32", "train.backend=fsdp", "train.steps=1",
-                 "train.sft_warmup_steps=60", "run.resume=true", f"run.out_dir={out}"]
+    return env, ["-m", "jetflow.cli", "train", "--no-report", *COMMON, "precision.mode=fp32", "train.backend=fsdp",
+                 "train.steps=1", "train.sft_warmup_steps=60", "run.resume=true", f"run.out_dir={out}"]
 
 
 def test_fsdp_rank_killed_in_the_warmup_ends_in_one_line_and_resumes_at_one_rank(tmp_path):

@@ -132,7 +132,7 @@ def test_jetflow_train_expert_parallel_equals_data_parallel_and_resumes(tmp_path
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
 
     def start(name: str, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen([*torchrun(), "-m", "jetflow.cli", "train", *common, f"run.name={name}", *extra],
+        return subprocess.Popen([*torchrun(), "-m", "jetflow.cli", "train", "--no-report", *common, f"run.name={name}", *extra],
                                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     wait_all({"dp2": start("dp2"), "ep2": start("ep2", "train.expert_parallel_size=2")}, timeout=600)

@@ -92,8 +92,8 @@ def test_jetflow_train_tensor_parallel_is_exactly_on_policy(tmp_path):
             "precision.kv_cache_fp8=true", "train.steps=2", "train.sft_warmup_steps=0", "run.progress=false",
             "run.tensorboard=false", "run.num_threads=1", f"run.out_dir={tmp_path}", "run.name=tp2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([*torchrun(), "-m", "jetflow.cli", "train", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([*torchrun(), "-m", "jetflow.cli", "train", "--no-report", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [r for r in read_metrics(tmp_path / "tp2") if "mismatch/kl_k3" in r]
     print(json.dumps([{k: r[k] for k in ("step", "mismatch/kl_k3", "mismatch/equal_frac", "mismatch/num_tokens")}

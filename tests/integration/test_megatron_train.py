@@ -37,7 +37,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYT
 
 
 def _start(launcher: list[str], *overrides: str, common: list[str] = COMMON) -> subprocess.Popen:
-    return subprocess.Popen([*launcher, "-m", "jetflow.cli", "train", *common, *overrides], cwd=ROOT, env=ENV,
+    return subprocess.Popen([*launcher, "-m", "jetflow.cli", "train", "--no-report", *common, *overrides], cwd=ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -30,7 +30,7 @@ COMMON = ["--config", "configs/tiny.yaml", "precision.mode=fp32", "train.steps=1
 
 def test_sigterm_to_torchrun_in_the_warmup_stops_every_rank_at_one_step_and_resumes(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    command = [*torchrun(2), "-m", "jetflow.cli", "train", *COMMON, "train.sft_warmup_steps=200",
+    command = [*torchrun(2), "-m", "jetflow.cli", "train", "--no-report", *COMMON, "train.sft_warmup_steps=200",
                f"run.out_dir={tmp_path}"]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, deadline = tmp_path / "r" / "metrics.jsonl", time.monotonic() + 300
@@ -76,7 +76,7 @@ def test_a_ray_trainer_worker_killed_or_the_driver_signalled_in_the_warmup_and_t
         return warmup_step(self, step)
 
     monkeypatch.setattr(RayPlacement, "warmup_step", kill_worker_at_step_3)
-    args = ["train", *COMMON, "train.sft_warmup_steps=6", "train.checkpoint_every=2", "run.orchestrator=ray",
+    args = ["train", "--no-report", *COMMON, "train.sft_warmup_steps=6", "train.checkpoint_every=2", "run.orchestrator=ray",
             "rollout.num_engines=1", "run.ray_num_cpus=2", f"run.out_dir={tmp_path}"]
     assert main(args) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]

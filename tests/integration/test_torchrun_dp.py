@@ -23,8 +23,8 @@ COMMON = ["--config", "configs/tiny.yaml", "precision.mode=fp32", "train.steps=5
 
 def _run(launcher: list[str], out: Path, name: str) -> Path:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.run([*launcher, "-m", "jetflow.cli", "train", *COMMON, f"run.out_dir={out}", f"run.name={name}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*launcher, "-m", "jetflow.cli", "train", "--no-report", *COMMON, f"run.out_dir={out}",
+                           f"run.name={name}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out / name
 

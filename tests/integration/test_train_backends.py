@@ -45,8 +45,8 @@ def cli_train(tmp_path: Path, name: str, *overrides: str, timeout: int = 300) ->
     """Run `jetflow train` on the tiny config in a subprocess; (run dir, RL metric rows, output)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "jetflow.cli", "train", "--config", "configs/tiny.yaml", f"run.out_dir={tmp_path}",
-           f"run.name={name}", *FAST, *overrides]
+    cmd = [sys.executable, "-m", "jetflow.cli", "train", "--no-report", "--config", "configs/tiny.yaml",
+           f"run.out_dir={tmp_path}", f"run.name={name}", *FAST, *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]

@@ -304,7 +304,8 @@ def test_a_reward_that_raises_mid_run_checkpoints_then_one_line_and_the_fixed_ru
     reward.write_text("import os\ndef f(prompts, completions, n, **kw):\n"
                       "    if 17 in n and os.path.exists('armed'):\n        raise ValueError('bad row')\n"
                       "    return [0.5] * len(completions)\n")
-    args = ["train", "--config", str(REPO / "examples/own_task/config.yaml"), f"task.params.path={workdir}/long.jsonl",
+    args = ["train", "--no-report", "--config", str(REPO / "examples/own_task/config.yaml"),
+            f"task.params.path={workdir}/long.jsonl",
             "task.params.reward=[lib/flaky.py:f]", "task.params.reward_weights=[1.0]", "eval.num_prompts=0",
             f"run.out_dir={workdir}", "run.name=flaky", "run.resume=true", "train.prompts_per_step=20",
             *[a for a in QUICK if not a.startswith(("eval", "train.prompts_per_step"))]]

@@ -30,7 +30,7 @@ def rows_text(rows: list[dict]) -> str:
 def test_a_garbled_middle_metrics_line_is_reported_and_set_aside_and_the_run_resumes(tmp_path, capsys):
     """Before (5091338): `run.resume=true` exited 1 with `ValueError: .../metrics.jsonl: line 2 is not
     JSON` (a traceback), and the run could not go on until the file was repaired by hand."""
-    assert main(["train", *RUN, f"run.out_dir={tmp_path}"]) == 0
+    assert main(["train", "--no-report", *RUN, f"run.out_dir={tmp_path}"]) == 0
     run_dir = tmp_path / "r"
     # as if stopped after step 2's checkpoint, with the row of step 1 garbled on disk
     for name in ("COMPLETE", "summary.json"):
@@ -42,7 +42,7 @@ def test_a_garbled_middle_metrics_line_is_reported_and_set_aside_and_the_run_res
     (run_dir / "metrics.jsonl").write_text(lines[0] + garbled + "".join(lines[2:]))
     capsys.readouterr()
 
-    assert main(["train", *RUN, f"run.out_dir={tmp_path}", "run.resume=true"]) == 0
+    assert main(["train", "--no-report", *RUN, f"run.out_dir={tmp_path}", "run.resume=true"]) == 0
     err = capsys.readouterr().err
     assert "1 damaged line(s) in" in err and "metrics.jsonl line 2 (not JSON" in err
     assert "set aside in metrics.jsonl.damaged; the run goes on without it" in err
@@ -144,7 +144,7 @@ def test_a_damaged_config_yaml_on_resume_says_how_to_go_on(tmp_path, capsys):
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("model: [unclosed\n")
-    assert main(["train", *RUN, f"run.out_dir={tmp_path}", "run.resume=true"]) == 2
+    assert main(["train", "--no-report", *RUN, f"run.out_dir={tmp_path}", "run.resume=true"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config.yaml is damaged" in err and "delete it to resume" in err
 

@@ -24,7 +24,7 @@ from jetflow.model import Decoder, ModelConfig
 from jetflow.train.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 from jetflow.writes import WriteError, check_free_space
 
-RUN = ["train", "--config", "configs/tiny.yaml", "train.sft_warmup_steps=0", "train.prompts_per_step=2",
+RUN = ["train", "--no-report", "--config", "configs/tiny.yaml", "train.sft_warmup_steps=0", "train.prompts_per_step=2",
        "rollout.group_size=2", "eval.num_prompts=0", "run.progress=false", "run.num_threads=1", "run.loggers=[]",
        "run.name=r", "run.resume=true", "train.checkpoint_every=1"]
 

@@ -33,7 +33,7 @@ IDS = torch.tensor([[5, 6, 13, 7, 15, 9], [12, 4, 13, 3, 15, 8]])  # characters 
 def run_dir(tmp_path_factory):
     """A finished tiny unified run (SFT warm-up, 2 RL steps): checkpoints step_000000 and step_000002."""
     out = tmp_path_factory.mktemp("runs")
-    assert main(["train", "--config", "configs/tiny.yaml", "train.steps=2", "train.sft_warmup_steps=5",
+    assert main(["train", "--no-report", "--config", "configs/tiny.yaml", "train.steps=2", "train.sft_warmup_steps=5",
                  f"run.out_dir={out}", "run.name=r", "run.progress=false", "run.tensorboard=false"]) == 0
     return out / "r"
 

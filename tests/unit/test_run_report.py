@@ -89,3 +89,12 @@ def test_jetflow_train_ends_with_the_report_and_prints_its_path(tmp_path, monkey
     out = capsys.readouterr().out.splitlines()
     assert out == [f"run complete: {run}", f"report: {run / 'report' / 'report.md'}"]
     assert (run / "report" / "reward.png").read_bytes().startswith(PNG)
+
+
+def test_jetflow_train_no_report_skips_it(tmp_path, monkeypatch, capsys):
+    import jetflow.run.runner as runner
+    run = make_run(tmp_path, kl=[0.0] * 6)
+    monkeypatch.setattr(runner, "train", lambda cfg: run)
+    assert main(["train", "--no-report", "--config", str(Path(__file__).parents[2] / "configs/tiny.yaml")]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"run complete: {run}"]
+    assert not (run / "report").exists()

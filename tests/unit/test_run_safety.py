@@ -181,7 +181,7 @@ def test_a_run_directory_has_one_owner_and_a_dead_owners_lock_is_taken_over(tmp_
 
 def _cli_train(tmp_path, name: str, *extra: str) -> list[str]:
     import sys
-    return [sys.executable, "-m", "jetflow.cli", "train", "--config", "configs/tiny.yaml", "train.sft_warmup_steps=0",
+    return [sys.executable, "-m", "jetflow.cli", "train", "--no-report", "--config", "configs/tiny.yaml", "train.sft_warmup_steps=0",
             "train.prompts_per_step=2", "rollout.group_size=2", "train.steps=60", "run.num_threads=1",
             "run.progress=false", "run.tensorboard=false", f"run.out_dir={tmp_path}", f"run.name={name}",
             "run.resume=true", *extra]
@@ -297,7 +297,7 @@ def test_a_mapping_override_replaces_the_free_form_params():
 def test_runs_that_cannot_do_what_was_asked_are_refused(tmp_path, capsys, overrides, message):
     if "cuda" in overrides[0] and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    args = ["train", "--config", "configs/tiny.yaml", f"run.out_dir={tmp_path}", "train.sft_warmup_steps=2",
+    args = ["train", "--no-report", "--config", "configs/tiny.yaml", f"run.out_dir={tmp_path}", "train.sft_warmup_steps=2",
             "train.steps=1", "run.progress=false", "run.tensorboard=false", *overrides]
     assert main(args) == 2
     err = capsys.readouterr().err
