@@ -44,6 +44,7 @@ def test_tiny_nvfp4_sequence_alone_equals_inside_the_batch():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 30-45 s each on 2 cores: the tiny cases above make the claim in the default suite
 @pytest.mark.parametrize("family", ["mxfp8", "nvfp4"])
 def test_smollm2_unified_exact_short(smollm2_dir, family):
     """The real model (576 = 18 x 32 = 36 x 16 wide): 4 sequences x 48 new tokens, unified."""

@@ -115,8 +115,8 @@ def test_tiny_sequence_alone_equals_inside_the_batch(mode, kv_fp8):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_fp8", [False, True])
-def test_smollm2_unified_exact_short(smollm2_dir, kv_fp8):
+@pytest.mark.parametrize("kv_fp8", [False, pytest.param(True, marks=pytest.mark.long)])  # the default run's path;
+def test_smollm2_unified_exact_short(smollm2_dir, kv_fp8):  # the FP8 KV cache's in the tiny cases (20 s each)
     """A short real-model check in the default suite: 4 sequences x 48 new tokens, unified."""
     cfg, model, tok, task = setup(None, [f"model.path={smollm2_dir}", "precision.mode=unified",
                                          f"precision.kv_cache_fp8={str(kv_fp8).lower()}", "precision.numerics=exact"])
