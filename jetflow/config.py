@@ -1,10 +1,7 @@
 """Configuration: one dataclass per component, YAML files, and `key=value` overrides (omegaconf).
-
-`load_config("configs/tiny.yaml", ["precision.mode=mixed", "train.steps=5"])` starts from the
-dataclass defaults below, merges the YAML, then the overrides. The schema is typed: an unknown key, a
-value of the wrong type, or a choice outside a field's `Literal` is an error that names the key and
-lists what is valid. Ranges and combinations of values are checked by the one pre-run pass,
-jetflow.run.validate. `save_config` writes the resolved config beside a run.
+`load_config("configs/tiny.yaml", ["precision.mode=mixed"])` merges defaults <- YAML <- overrides. The schema
+is typed: an unknown key, a wrong type, or a choice outside a `Literal` is an error that names the key and
+lists what is valid; ranges and combinations are jetflow.run.validate's. `save_config` writes it beside a run.
 """
 
 from __future__ import annotations
@@ -402,12 +399,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad}")
-        for override in overrides:
-            key = override.split("=", 1)[0].strip()
+        batch: dict[str, str] = {}  # overrides of unrelated keys, merged at once (a merge copies the whole config)
+        for key, override in [(o.split("=", 1)[0].strip(), o) for o in overrides] + [("", "")]:
+            related = any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in batch)
+            if batch and (not key or key in REPLACED_BY_OVERRIDE or related):
+                base, batch = OmegaConf.merge(base, OmegaConf.from_dotlist(list(batch.values()))), {}
             if key in REPLACED_BY_OVERRIDE:
                 OmegaConf.update(base, key, OmegaConf.select(OmegaConf.from_dotlist([override]), key), merge=False)
-            else:
-                base = OmegaConf.merge(base, OmegaConf.from_dotlist([override]))
+            elif key:
+                batch[key] = override
         cfg = OmegaConf.to_object(base)
     except OmegaConfBaseException as e:
         raise _explain(e) from None

@@ -75,3 +75,16 @@ def test_choices_are_typed_at_their_fields():
         with pytest.raises(ConfigError, match=rf"{key}='nope' is not valid; choose one of"):
             load_config(None, [f"{key}=nope"])
         assert load_config(None, [f"{key}={choices[-1]}"])  # and each choice loads
+
+
+def test_overrides_apply_in_order_whatever_their_keys():
+    """Overrides of unrelated keys are merged together (load_config's speed); one whose key contains or is
+    contained in an earlier one's still lands after it, as if applied one at a time."""
+    cfg = load_config("configs/tiny.yaml", ["train.steps=5", "model.tiny.num_layers=3", "train.steps=7",
+                                            "model.tiny={hidden_size: 64}", "task.params.digits=2",
+                                            "task.params={num_operands: 3}", "task.params.style=plain"])
+    assert cfg.train.steps == 7
+    assert (cfg.model.tiny.num_layers, cfg.model.tiny.hidden_size, cfg.model.tiny.num_heads) == (3, 64, 4)
+    assert cfg.task.params == {"num_operands": 3, "style": "plain"}  # `task.params=` replaces the mapping
+    cfg = load_config("configs/tiny.yaml", ["model.tiny={hidden_size: 64}", "model.tiny.hidden_size=32"])
+    assert cfg.model.tiny.hidden_size == 32
