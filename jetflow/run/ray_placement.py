@@ -431,8 +431,8 @@ class RayPlacement:
         tokenizer = build_tokenizer(cfg)
         kv_quantizer = RemoteKVQuantizer(self.ray, self.workers) if cfg.precision.kv_cache_fp8 else None
         if cfg.algo.kl_coef or cfg.algo.log_ref_kl:  # every worker keeps its part of the reference policy
-            self.trainer.reference_size = trainer_results(
-                self.ray, [wk.keep_reference.remote(str(self.run_dir)) for wk in self.workers], "while building the reference policy")[0]
+            sizes = [wk.keep_reference.remote(str(self.run_dir)) for wk in self.workers]
+            self.trainer.reference_size = trainer_results(self.ray, sizes, "while building the reference policy")[0]
         return RLLoop(cfg, self.trainer, self.rollout, task, prompt_encoder(cfg, tokenizer, task),
                       tokenizer.pad_token_id, run_fingerprint(cfg), kv_quantizer)
 
