@@ -26,7 +26,6 @@ from jetflow.rollout.types import RolloutEngineSide, Rollouts
 from jetflow.sync import StaleWeightsError
 from jetflow.tasks import Problem, Reward, RewardError, Task
 from jetflow.train.protocol import KVCalibration, PolicyTrainer
-from jetflow.train.reference import reference_nbytes
 
 
 def observe_kv_amax(logprobs_fn: Callable[[Experience], torch.Tensor], quantizer: KVCalibration, prompts: list[list[int]],
@@ -248,10 +247,10 @@ class RLLoop:
                               device=cfg.model.device, routed_experts=sampled.out.routed_experts)
         if self.with_reference:  # log pi_ref of the same tokens (the frozen reference policy)
             t0 = time.perf_counter()
-            exp.ref_logprobs = self.trainer.reference_logprobs(exp, cfg.rollout.temperature)
+            exp.ref_logprobs = self.trainer.compute_logprobs(exp, cfg.rollout.temperature, reference=True)
             metrics["time/ref_logprobs"] = time.perf_counter() - t0
             if self._reference_bytes is None:
-                self._reference_bytes = float(reference_nbytes(self.trainer.reference))
+                self._reference_bytes = float(self.trainer.reference_bytes())
             metrics["ref/bytes"] = self._reference_bytes
 
         # The trainer's log-probs of the same tokens under the same weight version (pi_old), the

@@ -109,8 +109,13 @@ class TrainerWorker:
     def save_checkpoint(self, run_dir: str, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
         self.side.save(Path(run_dir), step, sft_done, warmup_step)
 
-    def compute_logprobs(self, exp: Experience, temperature: float) -> torch.Tensor:
-        return self.side.trainer.compute_logprobs(exp, temperature)
+    def compute_logprobs(self, exp: Experience, temperature: float, reference: bool = False) -> torch.Tensor:
+        return self.side.trainer.compute_logprobs(exp, temperature, reference)
+
+    def keep_reference(self, run_dir: str) -> int:
+        """This worker's part of the reference policy (a KL penalty); returns the bytes it holds."""
+        self.side.keep_reference(Path(run_dir))
+        return self.side.trainer.reference_bytes()
 
     def train_step(self, exp: Experience, temperature: float) -> tuple[dict, int]:
         metrics = self.side.trainer.train_step(exp, temperature)
@@ -204,6 +209,7 @@ class TrainerGroup:
         self.dp_size = max(dp_ranks) + 1
         self.version = 0
         self.skipped_steps = 0
+        self.reference_size = 0
 
     def _shards(self, exp: Experience) -> list[Experience]:
         """Worker i's rows: its data-parallel rank's share of the batch. (Advantages are computed on the
@@ -221,9 +227,12 @@ class TrainerGroup:
             first.setdefault(r, part)
         return torch.cat([first[r] for r in range(self.dp_size)])
 
-    def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> torch.Tensor:
-        parts = [w.compute_logprobs.remote(s, temperature) for w, s in zip(self.workers, self._shards(exp))]
+    def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
+        parts = [w.compute_logprobs.remote(s, temperature, reference) for w, s in zip(self.workers, self._shards(exp))]
         return self._rows(trainer_results(self.ray, parts, "during an RL step"))
+
+    def reference_bytes(self) -> int:
+        return self.reference_size  # worker 0's part, measured when RayPlacement.build_loop built it
 
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
         results = trainer_results(self.ray, [w.train_step.remote(s, temperature)
@@ -421,6 +430,9 @@ class RayPlacement:
         task = build_task(cfg)
         tokenizer = build_tokenizer(cfg)
         kv_quantizer = RemoteKVQuantizer(self.ray, self.workers) if cfg.precision.kv_cache_fp8 else None
+        if cfg.algo.kl_coef or cfg.algo.log_ref_kl:  # every worker keeps its part of the reference policy
+            sizes = [wk.keep_reference.remote(str(self.run_dir)) for wk in self.workers]
+            self.trainer.reference_size = trainer_results(self.ray, sizes, "while building the reference policy")[0]
         return RLLoop(cfg, self.trainer, self.rollout, task, prompt_encoder(cfg, tokenizer, task),
                       tokenizer.pad_token_id, run_fingerprint(cfg), kv_quantizer)
 

@@ -18,8 +18,8 @@ from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_ta
                                prompt_encoder, run_fingerprint, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.loop import RLLoop
-from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
-                                       select_trainer_state)
+from jetflow.run.megatron_side import (build_megatron_policy, build_trainer_model, gather_trainer_state,
+                                       model_data_parallel, select_trainer_state)
 from jetflow.run.vllm_side import build_vllm_rollout
 from jetflow.run.warmup import Warmup
 from jetflow.model import CheckpointError
@@ -122,11 +122,16 @@ class TrainerSide:
         """Supervised warm-up step `step`; returns its metrics."""
         return self._warmup().step(step)
 
+    def keep_reference(self, run_dir: Path | None) -> None:
+        """The frozen reference policy of a KL penalty (algo.kl_coef > 0 or algo.log_ref_kl), built once
+        when RL begins (this process's part of it, under model parallelism)."""
+        if (self.cfg.algo.kl_coef or self.cfg.algo.log_ref_kl) and self.trainer.reference is None:
+            self.trainer.reference = build_reference(self.cfg, self.derived, self.model, run_dir, self.dp)
+
     def rl_loop(self, run_dir: Path | None = None) -> RLLoop:
         """The RL loop of this process: this side's trainer and a rollout engine beside it (a vLLM engine
         starts from a checkpoint in `run_dir`)."""
-        if (self.cfg.algo.kl_coef or self.cfg.algo.log_ref_kl) and self.trainer.reference is None:
-            self.trainer.reference = build_reference(self.cfg, self.derived, self.model, run_dir, self.dp)
+        self.keep_reference(run_dir)
         rollout = build_rollout_side(self.cfg, self.derived, self, run_dir, self.dp)
         return RLLoop(self.cfg, self.trainer, rollout, self.task, self.encode, self.tokenizer.pad_token_id,
                       run_fingerprint(self.cfg), self.kv_quantizer, self.dp)
@@ -137,19 +142,25 @@ REFERENCE_FILE = "reference.pt"
 
 def build_reference(cfg: Config, derived: Derived, model, run_dir: Path | None, dp: DataParallel = SINGLE):
     """The frozen reference policy (jetflow.train.reference): the policy's weights when RL begins, after
-    any supervised warm-up. They are kept in the run directory (reference.pt, written once), so that a
-    run resumed in the middle of RL gets the same reference back and not its current weights."""
-    path = None if run_dir is None else Path(run_dir) / REFERENCE_FILE
+    any supervised warm-up. They are kept in the run directory (reference.pt, written once, HF-named and
+    whole whichever backend wrote it), so that a run resumed in the middle of RL gets the same reference
+    back and not its current weights. On the Megatron backend the reference is a MegatronPolicy of the
+    policy's layout: each TP / PP / EP rank keeps its own shard, and its forward is the policy's."""
+    cuda = [torch.cuda.current_device()] if torch.device(cfg.model.device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # the copies' init and MegatronPolicy draw: the run's RNG goes on
+        return _frozen_reference(cfg, derived, model, None if run_dir is None else Path(run_dir) / REFERENCE_FILE, dp)
+
+
+def _frozen_reference(cfg: Config, derived: Derived, model, path: Path | None, dp: DataParallel):
+    reference = copy_model(model)  # this process's current weights (gathered under TP / PP / EP: a collective)
     if path is not None and path.is_file():
-        state = torch.load(path, map_location=cfg.model.device, weights_only=True)
-        reference = copy_model(model)
-        reference.load_state_dict(state, strict=False)
-    else:
-        reference = copy_model(model)  # this process's current weights (every data-parallel rank holds the same)
-        if path is not None and dp.is_main:
-            tmp = path.with_name(path.name + ".tmp")
-            torch.save(reference.state_dict(), tmp)
-            os.replace(tmp, path)  # atomic: a resume never reads half a file
+        reference.load_state_dict(torch.load(path, map_location=cfg.model.device, weights_only=True), strict=False)
+    elif path is not None and dp.is_main:
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(reference.state_dict(), tmp)
+        os.replace(tmp, path)  # atomic: a resume never reads half a file
+    if cfg.train.backend == "megatron":
+        return freeze_reference(build_megatron_policy(cfg, derived, reference))
     return freeze_reference(apply_mode(reference, cfg, derived, "trainer"))
 
 

@@ -206,12 +206,9 @@ def check_algorithm(cfg: Config) -> None:
     if a.kl_coef or a.log_ref_kl:  # a reference policy
         key = "algo.kl_coef" if a.kl_coef else "algo.log_ref_kl"
         value = a.kl_coef if a.kl_coef else "true"
-        if cfg.train.backend != "native":
-            raise ConfigError(f"{key}={value} with train.backend={cfg.train.backend}: the reference policy is "
-                              "native-only for now; use train.backend=native")
-        if cfg.run.orchestrator != "local":
-            raise ConfigError(f"{key}={value} with run.orchestrator={cfg.run.orchestrator}: the reference policy is "
-                              "native-only for now; use run.orchestrator=local")
+        if cfg.train.backend == "fsdp":
+            raise ConfigError(f"{key}={value} with train.backend=fsdp: the reference policy is built for the native "
+                              "and megatron backends only; use train.backend=native or megatron")
     if a.ratio_level == "sequence" and a.loss_agg != "seq_mean_token_mean":
         raise ConfigError(f"algo.ratio_level=sequence with algo.loss_agg={a.loss_agg}: GSPO's sequence ratio is "
                           "aggregated per sequence; set algo.loss_agg=seq_mean_token_mean")

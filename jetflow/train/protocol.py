@@ -23,8 +23,9 @@ class PolicyTrainer(Protocol):
     version: int
     """Optimizer steps applied: the weight version rollouts must have been sampled with."""
 
-    def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> Tensor: ...
-    """log pi_old of the rollout tokens under the current weights, no grad: (B, R)."""
+    def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False) -> Tensor: ...
+    """log pi_old of the rollout tokens under the current weights, no grad: (B, R); with `reference`,
+    log pi_ref under the frozen reference policy (algo.kl_coef > 0 or algo.log_ref_kl)."""
 
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]: ...
     """One optimizer step of the policy loss against exp.old_logprobs and exp.is_weights; its metrics."""
@@ -37,9 +38,8 @@ class PolicyTrainer(Protocol):
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None) -> "WeightUpdate": ...
     """The payload for the rollout engines at the current weight version (jetflow.sync)."""
 
-    # With a reference policy (algo.kl_coef > 0 or algo.log_ref_kl; the native Trainer in this process
-    # only, jetflow.run.validate): `reference` (the frozen module, jetflow.train.reference) and
-    # `reference_logprobs(exp, temperature) -> (B, R)`, its log-probs of the rollout tokens, no grad.
+    def reference_bytes(self) -> int: ...
+    """Bytes the reference policy holds (one process's: under model parallelism its shard)."""
 
 
 class KVCalibration(Protocol):

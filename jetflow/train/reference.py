@@ -10,15 +10,31 @@ its shape (one element of storage): an FP8 forward without autograd reads only t
 (jetflow.precision.exact, fp8_function). Embeddings, norms and any linear the recipe keeps in high
 precision stay in the master dtype.
 
+On the Megatron backend the reference is a second MegatronPolicy of the same TP / PP / EP layout (each
+rank keeps its own shard of it, jetflow.run.megatron_side builds it); its parallel linears keep their FP8
+segments' bytes the same way (`freeze_quantized`, jetflow.train.megatron.linear).
+
 The reference does not quantize K/V (precision.kv_cache_fp8 applies to the policy and its rollout).
 """
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn as nn
 
 from jetflow.precision.linear import PrecisionLinear
+
+
+@runtime_checkable
+class FreezableLinear(Protocol):
+    """A linear that is no PrecisionLinear but keeps fixed FP8 bytes when asked (the Megatron backend's
+    parallel linears)."""
+
+    def freeze_quantized(self) -> None: ...
+
+    def held_tensors(self) -> list[torch.Tensor]: ...
 
 
 def freeze_reference(model: nn.Module) -> nn.Module:
@@ -34,6 +50,8 @@ def freeze_reference(model: nn.Module) -> nn.Module:
             del layer.weight  # the parameter: the bytes are all the reference keeps
             layer.weight = placeholder.expand(layer.out_features, layer.in_features)  # (N, K), one element stored
             layer.drop_caches()
+        elif isinstance(layer, FreezableLinear):
+            layer.freeze_quantized()
     return model
 
 
@@ -50,7 +68,7 @@ def reference_nbytes(model: nn.Module) -> int:
     for t in list(model.parameters()) + list(model.buffers()):
         add(t)
     for layer in model.modules():
-        if isinstance(layer, PrecisionLinear):
+        if isinstance(layer, (PrecisionLinear, FreezableLinear)):
             add(layer.weight)
             for t in layer.held_tensors():
                 add(t)

@@ -29,6 +29,7 @@ from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
 from jetflow.train.checkpointing import enable_activation_checkpointing
 from jetflow.train.packing import PackedBatch, micro_batches, packed_response_logprobs
+from jetflow.train.reference import reference_nbytes
 
 
 class TrainingDiverged(UserError, RuntimeError):
@@ -142,22 +143,26 @@ class Trainer:
         self.skipped_steps = self.consecutive_bad = 0
 
     # Log-probs -----------------------------------------------------------------------------
-    def _logprobs(self, mb: Experience, temperature: float = 1.0, **kw) -> Tensor | tuple[Tensor, Tensor]:
-        return response_logprobs(self.model, mb, temperature, chunk_tokens=self.cfg.logprob_chunk_tokens, **kw)
+    def _logprobs(self, mb: Experience, temperature: float = 1.0, model: nn.Module | None = None,
+                  **kw) -> Tensor | tuple[Tensor, Tensor]:
+        model = self.model if model is None else model
+        return response_logprobs(model, mb, temperature, chunk_tokens=self.cfg.logprob_chunk_tokens, **kw)
 
     @torch.no_grad()
-    def compute_logprobs(self, exp: Experience, temperature: float = 1.0) -> Tensor:
-        """Trainer log-probs of the rollout tokens under the current weights (no grad): (B, R).
-        On a pipeline every stage gets them (from the last stage)."""
-        micro = micro_batches(exp, self.cfg)
+    def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False) -> Tensor:
+        """Log-probs of the rollout tokens (no grad): (B, R), under the current weights or the frozen reference
+        (the same forward, sharded and pipelined alike); on a pipeline every stage gets them."""
+        if reference and self.reference is None:
+            raise ValueError("reference log-probs: this trainer keeps no reference policy")
+        model, micro = self.reference if reference else self.model, micro_batches(exp, self.cfg)
 
         def logprobs() -> Tensor:
-            if pipelined(self.model):
-                return torch.cat(self.model.pipeline_forward_backward(
-                    _stage_inputs(micro), lambda i, hidden: (None, self._logprobs(micro[i], temperature,
+            if pipelined(model):
+                return torch.cat(model.pipeline_forward_backward(
+                    _stage_inputs(micro), lambda i, hidden: (None, self._logprobs(micro[i], temperature, model,
                                                                                     hidden=hidden)),
                     forward_only=True))
-            return torch.cat([self._logprobs(mb, temperature) for mb in micro])
+            return torch.cat([self._logprobs(mb, temperature, model) for mb in micro])
 
         out, bad = self._agreeing_on_nonfinite(logprobs)
         if bad:
@@ -165,13 +170,8 @@ class Trainer:
                                  "every rank stops here")
         return out
 
-    @torch.no_grad()
-    def reference_logprobs(self, exp: Experience, temperature: float = 1.0) -> Tensor:
-        """log pi_ref of the rollout tokens under the reference policy: (B, R), micro-batched."""
-        if self.reference is None:
-            raise ValueError("reference_logprobs: this trainer keeps no reference policy")
-        return torch.cat([response_logprobs(self.reference, mb, temperature, chunk_tokens=self.cfg.logprob_chunk_tokens)
-                          for mb in micro_batches(exp, self.cfg)])
+    def reference_bytes(self) -> int:  # what the reference policy holds in this process (jetflow.train.reference)
+        return reference_nbytes(self.reference)
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None):
         """The payload for rollout engines at the current weight version (jetflow.sync)."""

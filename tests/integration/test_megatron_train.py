@@ -4,8 +4,10 @@ One module fixture runs the same fp32 config four ways: Megatron in one process,
 one process, Megatron TP=2 and Megatron PP=2 (2 ranks each). Checked: TP=2 and PP=2 give one process's
 per-step losses (TP <= 1e-5: its partial sums; PP <= 1e-6: the same sums per stage), Megatron in one
 process gives the native trainer's losses and the same rollouts; a TP=2 resume from a mid-run checkpoint
-(every TP rank gets its own optimizer shard back) ends at the uninterrupted run's weights. The same
-resume with expert parallelism 2: tests/integration/test_megatron_ep.py."""
+(every TP rank gets its own optimizer shard back) ends at the uninterrupted run's weights. The TP=2 and
+PP=2 runs also keep a reference policy (algo.log_ref_kl, sharded like the policy; the loss unchanged):
+kl/ref is 0 before the first update and > 0 after it, and the resume gets the reference of reference.pt
+back. The same resume with expert parallelism 2: tests/integration/test_megatron_ep.py."""
 
 import os
 import shutil
@@ -33,6 +35,7 @@ COMMON = ["--config", "configs/tiny.yaml", "precision.mode=fp32", "train.steps=3
           "train.prompts_per_step=4", "rollout.group_size=4", "algo.ppo_epochs=2", "train.checkpoint_every=1",
           "eval.num_prompts=0", "run.progress=false", "run.tensorboard=false", "run.num_threads=1"]
 MEGATRON = ["train.backend=megatron"]
+REFERENCE = ["algo.log_ref_kl=true"]  # a reference policy and its kl/ref, no KL term in the loss
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONWARNINGS": "ignore"}
 
 
@@ -58,8 +61,8 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("megatron-train")
     _finish(_start([sys.executable], f"run.out_dir={root}", "run.name=tp1", *MEGATRON),
             _start([sys.executable], f"run.out_dir={root}", "run.name=native"))
-    _train(torchrun(), f"run.out_dir={root}", "run.name=tp2", *MEGATRON, "train.tensor_parallel_size=2")
-    _train(torchrun(), f"run.out_dir={root}", "run.name=pp2", *MEGATRON, "train.pipeline_parallel_size=2")
+    _train(torchrun(), f"run.out_dir={root}", "run.name=tp2", *MEGATRON, *REFERENCE, "train.tensor_parallel_size=2")
+    _train(torchrun(), f"run.out_dir={root}", "run.name=pp2", *MEGATRON, *REFERENCE, "train.pipeline_parallel_size=2")
     return root
 
 
@@ -86,6 +89,15 @@ def test_pipeline_parallel_run_matches_one_process(runs):
     assert any(abs(r["train/loss"]) > 1e-3 for r in one), "no learning signal: the comparison would be vacuous"
     for a, b in zip(one, two):
         assert loss_gap(a["train/loss"], b["train/loss"]) <= 1e-6, (a["step"], a["train/loss"], b["train/loss"])
+    assert_reference_kl(two)
+
+
+def assert_reference_kl(rows: list[dict]) -> None:
+    """The reference policy of a model-parallel run (the k3 estimator, algo.kl_estimator's default): no KL
+    to the trainer before the first update (the same weights, sharded alike, the same exact forward), some
+    after it."""
+    assert rows[0]["kl/ref"] == 0.0 and all(r["kl/ref"] > 0.0 for r in rows[1:]), [r["kl/ref"] for r in rows]
+    assert all(r["ref/bytes"] > 0 for r in rows)
 
 
 def test_tensor_parallel_run_matches_one_process_and_resumes(runs):
@@ -97,6 +109,8 @@ def test_tensor_parallel_run_matches_one_process_and_resumes(runs):
         # gradient norms after 30 warm-up and the RL updates: AdamW's per-entry scaling (see the native test)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-2, abs=1e-6)
 
+    assert_reference_kl(two)
+
     run = runs / "tp2"  # resumed in place: no other test reads it
     saved = torch.load(run / "checkpoints" / "step_000003" / "trainer.pt", weights_only=False)
     assert len(saved["tp_states"]) == 2  # one optimizer shard per tensor-parallel rank
@@ -105,9 +119,12 @@ def test_tensor_parallel_run_matches_one_process_and_resumes(runs):
     assert any(not torch.equal(before[k], final[k]) for k in final), "the last step changed nothing"
 
     resumed = interrupt_and_resume(run, lambda: _train(torchrun(), f"run.out_dir={runs}", "run.name=tp2",
-                                                       *MEGATRON, "train.tensor_parallel_size=2", "run.resume=true"))
+                                                       *MEGATRON, *REFERENCE, "train.tensor_parallel_size=2",
+                                                       "run.resume=true"))
     for name, tensor in final.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
+    # the resumed step 2 measured its KL to reference.pt's weights (its current ones would give 0)
+    assert read_metrics(run)[2]["kl/ref"] == pytest.approx(two[2]["kl/ref"], rel=1e-3)
 
 
 def interrupt_and_resume(run: Path, resume) -> dict[str, torch.Tensor]:

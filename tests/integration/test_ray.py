@@ -142,12 +142,13 @@ def test_vllm_engines_as_ray_actors(tmp_path, monkeypatch):
 def test_megatron_model_parallel_workers_match_native(tmp_path, layout):
     """train.backend=megatron under Ray: 2 trainer workers form one TP=2 group or one PP=2 pipeline
     (same rows, different shards or stages; the update gathered from both); the run equals the native
-    trainer's in one process."""
+    trainer's in one process. The workers also keep a reference policy (algo.log_ref_kl, each its shard
+    or stage; the loss unchanged): no KL to it before the first update, some after."""
     pytest.importorskip("megatron.core", reason="Megatron-Core is not installed (pip install -e '.[megatron]')")
     common = [*COMMON, "train.steps=2", "train.sft_warmup_steps=10", f"run.out_dir={tmp_path}"]
     ray_dir = train(load_config(ROOT / "configs/tiny.yaml", [
         *common, "run.name=ray-mp2", "run.orchestrator=ray", "train.backend=megatron", "train.num_workers=2",
-        layout, "run.ray_num_cpus=2"]))
+        layout, "run.ray_num_cpus=2", "algo.log_ref_kl=true"]))
     local_dir = train(load_config(ROOT / "configs/tiny.yaml", [*common, "run.name=native"]))
     ray_rows, local_rows = read_metrics(ray_dir), read_metrics(local_dir)
     assert (ray_dir / COMPLETE).exists() and [r["step"] for r in ray_rows] == [0, 1]
@@ -155,6 +156,8 @@ def test_megatron_model_parallel_workers_match_native(tmp_path, layout):
         assert a["reward/mean"] == b["reward/mean"] and a["sync/bytes"] == b["sync/bytes"]
         assert loss_gap(a["train/loss"], b["train/loss"]) <= 1e-5, (a["train/loss"], b["train/loss"])
         assert a["mismatch/kl_k3"] < 1e-6
+    assert [r["kl/ref"] == 0.0 for r in ray_rows] == [True, False] and ray_rows[1]["kl/ref"] > 0
+    assert ray_rows[0]["ref/bytes"] > 0
     import torch
     from jetflow.train.checkpoint import latest_checkpoint
     trainer_state = torch.load(latest_checkpoint(ray_dir) / "trainer.pt", weights_only=False)

@@ -47,7 +47,7 @@ def test_the_reference_equals_the_trainer_bit_for_bit_until_the_first_update_and
         assert not fp8
     assert not any(p.requires_grad for p in reference.parameters())
     exp = _batch(side)
-    ref = trainer.reference_logprobs(exp)
+    ref = trainer.compute_logprobs(exp, reference=True)
     assert torch.equal(ref, trainer.compute_logprobs(exp))
 
     exp.old_logprobs = trainer.compute_logprobs(exp)
@@ -55,13 +55,13 @@ def test_the_reference_equals_the_trainer_bit_for_bit_until_the_first_update_and
     exp.ref_logprobs = ref
     trainer.train_step(exp)  # the policy moves, the reference does not
     assert not torch.equal(trainer.compute_logprobs(exp), ref)
-    assert torch.equal(trainer.reference_logprobs(exp), ref)
+    assert torch.equal(trainer.compute_logprobs(exp, reference=True), ref)
 
     # a resumed run gets the reference of reference.pt back, not the trainer's current weights
     assert (tmp_path / REFERENCE_FILE).is_file()
     again = build_reference(cfg, side.derived, side.model, tmp_path)
     side.trainer.reference = again
-    assert torch.equal(trainer.reference_logprobs(exp), ref)
+    assert torch.equal(trainer.compute_logprobs(exp, reference=True), ref)
 
 
 def test_a_tiny_unified_run_with_a_kl_penalty_keeps_the_rollout_equal_to_the_trainer(tmp_path):
@@ -73,3 +73,61 @@ def test_a_tiny_unified_run_with_a_kl_penalty_keeps_the_rollout_equal_to_the_tra
     assert rows[-1]["kl/ref"] > 0.0 and rows[-1]["loss/kl"] > 0.0
     assert all(r["ref/bytes"] > 0 and r["time/ref_logprobs"] > 0 for r in rows)
     assert (run / REFERENCE_FILE).is_file()
+
+
+@pytest.fixture
+def megatron_world():
+    """Megatron in this process (a gloo world of size 1), torn down after the test so that other test
+    files start clean."""
+    pytest.importorskip("megatron.core", reason="Megatron-Core is not installed (pip install -e '.[megatron]')")
+    yield
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_on_megatron_the_reference_is_a_frozen_policy_of_fp8_bytes_equal_to_the_trainer_until_the_update(
+        tmp_path, megatron_world):
+    """train.backend=megatron, unified, exact numerics, one process: the reference is a second
+    MegatronPolicy whose all-FP8 parallel linears keep only their bytes; its log-probs equal the
+    trainer's bit for bit before the first update; after it the policy moves and the reference does not;
+    reference.pt gives the same reference back."""
+    from jetflow.train.megatron import MegatronPolicy
+    from jetflow.train.reference import FreezableLinear, reference_nbytes
+
+    cfg = _cfg(tmp_path, "precision.mode=unified", "train.backend=megatron", "algo.kl_coef=0.05")
+    side = TrainerSide(cfg, check_config(cfg))
+    rng = torch.get_rng_state()
+    side.trainer.reference = build_reference(cfg, side.derived, side.model, tmp_path)  # what rl_loop does
+    assert torch.equal(torch.get_rng_state(), rng)  # building the reference leaves the run's RNG stream alone
+    reference, trainer = side.trainer.reference, side.trainer
+    assert isinstance(reference, MegatronPolicy) and reference is not side.model
+    linears = [m for m in reference.modules() if isinstance(m, FreezableLinear)]
+    fp8 = [m for m in linears if all(s.kind == "fp8" for s in m.segments)]
+    assert len(fp8) == 4 * side.model.config.num_layers  # qkv, proj, fc1, fc2 of every layer
+    assert all(m.weight.untyped_storage().nbytes() == m.weight.element_size() for m in fp8)  # placeholders
+    assert not any(p.requires_grad for p in reference.parameters())
+    assert reference_nbytes(reference) < reference_nbytes(side.model)
+
+    exp = _batch(side)
+    ref = trainer.compute_logprobs(exp, reference=True)
+    assert torch.equal(ref, trainer.compute_logprobs(exp))
+
+    exp.old_logprobs = trainer.compute_logprobs(exp)
+    exp.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    exp.ref_logprobs = ref
+    metrics = trainer.train_step(exp)
+    assert metrics["loss/kl"] == 0.0  # pi = pi_ref in this first update
+    after = trainer.compute_logprobs(exp)
+    assert not torch.equal(after, ref)
+    assert torch.equal(trainer.compute_logprobs(exp, reference=True), ref)
+    kl = (torch.exp(ref - after) - (ref - after) - 1)[exp.response_mask.bool()]  # k3, per token
+    assert kl.mean() > 0
+
+    again = build_reference(cfg, side.derived, side.model, tmp_path)  # a resume: from reference.pt
+    assert isinstance(again, MegatronPolicy)
+    side.trainer.reference = again
+    assert torch.equal(trainer.compute_logprobs(exp, reference=True), ref)

@@ -240,13 +240,14 @@ def test_dynamic_sampling_stops_at_its_round_cap_and_trains_on_the_groups_it_has
 class ReferenceTrainer(FakeTrainer):
     """A FakeTrainer with a reference policy at log-prob -2.0 on every token (0.5 below pi_old)."""
 
-    def __init__(self):
-        super().__init__()
-        self.reference = torch.nn.Linear(2, 3)  # 6 + 3 fp32 numbers: 36 bytes
-
-    def reference_logprobs(self, exp, temperature: float = 1.0) -> torch.Tensor:
+    def compute_logprobs(self, exp, temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
+        if not reference:
+            return super().compute_logprobs(exp, temperature)
         self.calls.append(("reference_logprobs", temperature))
         return torch.full(exp.response_ids.shape, -2.0) * exp.response_mask
+
+    def reference_bytes(self) -> int:
+        return 36
 
 
 def _reference_loop(*overrides: str):

@@ -149,10 +149,8 @@ def test_the_megatron_layout_is_checked_on_the_models_architecture():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["algo.kl_coef=0.05", "train.backend=megatron"],
-     r"^algo.kl_coef=0.05 with train.backend=megatron: the reference policy is native-only for now"),
-    (["algo.log_ref_kl=true", "run.orchestrator=ray"],
-     r"^algo.log_ref_kl=true with run.orchestrator=ray: the reference policy is native-only for now"),
+    (["algo.kl_coef=0.05", "train.backend=fsdp"],
+     r"^algo.kl_coef=0.05 with train.backend=fsdp: the reference policy is built for the native and megatron"),
     (["algo.ratio_level=sequence"],
      r"^algo.ratio_level=sequence with algo.loss_agg=token_mean: .* set algo.loss_agg=seq_mean_token_mean$"),
     (["algo.overlong_buffer=9"], r"^algo.overlong_buffer=9 exceeds rollout.max_new_tokens=8"),
@@ -163,6 +161,8 @@ def test_objective_combinations_are_refused_by_name(overrides, message):
     check_config(load_config(TINY, ["algo.kl_coef=0.05", "algo.kl_estimator=low_var_kl", "algo.kl_in=reward",
                                     "algo.ratio_level=sequence", "algo.loss_agg=seq_mean_token_mean",
                                     "algo.dynamic_sampling=true", "algo.overlong_buffer=4"]))
+    check_config(load_config(TINY, ["algo.kl_coef=0.05", "train.backend=megatron"]))  # sharded like the policy
+    check_config(load_config(TINY, ["algo.log_ref_kl=true", "run.orchestrator=ray"]))  # kept by the trainer workers
 
 
 @pytest.mark.parametrize("key", ["run.orchestrator=ray", "rollout.backend=vllm", "train.activation_checkpointing=true"])

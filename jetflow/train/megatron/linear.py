@@ -13,6 +13,7 @@ Two numerics, as the native PrecisionLinear (`precision.numerics`):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,7 @@ class _JetflowLinearMixin:
     numerics = "fast"  # fast | exact (see the module docstring)
     _wq_key: tuple | None = None  # (data_ptr, version, dtype, device) of the weight _wq was made from
     _wq: dict[str, QuantizedTensor] = {}
+    _wq_frozen = False  # a reference policy's linear: _wq are fixed bytes (freeze_quantized)
     _exact_caches: WeightCaches  # exact_linear's caches, one per GEMM (segment name or "*"), made by configure
 
     def configure(self, segments: list[Segment], recipe: FP8Recipe | None, gemm_backend: str = "auto",
@@ -178,11 +180,16 @@ class _JetflowLinearMixin:
 
     def quantized_segments(self, weight: torch.Tensor | None = None) -> dict[str, QuantizedTensor]:
         """{HF module name: this rank's FP8 shard} of the fp8 segments, quantized once per weight version."""
+        if self._wq_frozen:
+            return self._wq
         weight = self.weight if weight is None else weight
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
         if key != self._wq_key:
             r = self.recipe
-            emulate = resolve_backend(self.gemm_backend, weight.device) == "emulate"
+            # the CPU emulation of the fast path multiplies a cached fp32 dequantization; the exact fp8_block
+            # GEMM reads the bytes' panels (as PrecisionLinear._multiplies_dequantized)
+            emulate = resolve_backend(self.gemm_backend, weight.device) == "emulate" and not (
+                self.numerics == "exact" and r.family == "fp8_block")
             self._wq = {}
             for seg in self.segments:
                 if seg.kind != "fp8":
@@ -191,6 +198,29 @@ class _JetflowLinearMixin:
                 self._wq[seg.name] = q.with_dequantized_cache() if emulate else q
             self._wq_key = key
         return self._wq
+
+    @torch.no_grad()
+    def freeze_quantized(self) -> None:
+        """A reference policy's linear (jetflow.train.reference): its FP8 segments' bytes quantized once and
+        kept. When every segment is FP8 its weight is then replaced by a zero-stride placeholder of its
+        shape: a no-grad forward reads only the bytes (exact_linear their panels, fp8_linear the bytes).
+        An lm_head tied to the embedding (no weight of its own) is left as it is."""
+        if self.weight is None or not any(s.kind == "fp8" for s in self.segments):
+            return
+        self._wq, self._wq_frozen = dict(self.quantized_segments()), True
+        if all(s.kind == "fp8" for s in self.segments):
+            shape, placeholder = self.weight.shape, torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
+            del self.weight  # the parameter
+            self.weight = placeholder.expand(shape)  # (N_local, K_local), one element stored
+            self._exact_caches = WeightCaches()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors it keeps beside its parameters: the FP8 bytes, scales and cached forms of its
+        segments, and the exact path's GEMM panels."""
+        held = [getattr(q, f.name) for q in self._wq.values() for f in dataclasses.fields(q)]
+        held += [c.packed for c in self._exact_caches.caches.values()] if self.numerics == "exact" else []
+        return [t for t in held if isinstance(t, torch.Tensor)]
+
 
 _CLASSES: dict[str, type] = {}
 
