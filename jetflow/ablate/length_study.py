@@ -107,6 +107,11 @@ def _num(v: float | None, fmt: str = ".3f") -> str:
     return "" if v is None else format(v, fmt)
 
 
+def _mean_of(values) -> str:
+    vals = [v for v in values if v is not None]
+    return _num(statistics.fmean(vals), ".3g") if vals else ""
+
+
 def arm_table(results: dict[tuple[str, str], dict[int, CellResult]]) -> list[dict]:
     rows = []
     for (setting, arm), seeds in results.items():
@@ -116,9 +121,6 @@ def arm_table(results: dict[tuple[str, str], dict[int, CellResult]]) -> list[dic
         st = seed_stats([c.final for c in cells])
         steps = [c.collapse_step for c in cells if c.collapse_step is not None]
 
-        def mean(key: str) -> str:
-            vals = [getattr(c, key) for c in cells if getattr(c, key) is not None]
-            return _num(statistics.fmean(vals), ".3g") if vals else ""
         rows.append({
             "length": setting, "arm": arm, "seeds": st["n"],
             "final held-out pass@1": _num(st["mean"]) + (f" ± {st['sd']:.3f}" if st["sd"] is not None else ""),
@@ -126,8 +128,8 @@ def arm_table(results: dict[tuple[str, str], dict[int, CellResult]]) -> list[dic
             "best (mean)": _num(statistics.fmean(c.best for c in cells)),
             "collapsed": f"{len(steps)} of {st['n']}",
             "collapse steps": ", ".join(map(str, sorted(steps))),
-            "entropy start -> end": f"{mean('entropy_start')} -> {mean('entropy_end')}",
-            "resp len start -> end": f"{mean('length_start')} -> {mean('length_end')}",
+            "entropy start -> end": f"{_mean_of(c.entropy_start for c in cells)} -> {_mean_of(c.entropy_end for c in cells)}",
+            "resp len start -> end": f"{_mean_of(c.length_start for c in cells)} -> {_mean_of(c.length_end for c in cells)}",
         })
     return rows
 
