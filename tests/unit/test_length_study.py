@@ -117,7 +117,7 @@ def test_the_grid_config(tmp_path):
     for cell, target in (("seed0-len16-bf16", 16), ("seed0-len64-mixed-ais", 64), ("seed0-len256-unified", 256)):
         cfg = cell_config(ab, next(c for c in ab.cells if c.id == cell))
         task = make_task(cfg.task.name, **cfg.task.params)
-        problems = [task._problem(i, 0) for i in range(50)]
+        problems = [task._problem(i, 0) for i in range(1000)]
         lengths = [len(p.answer) + 1 for p in problems]
         assert 0.8 * target <= sum(lengths) / len(lengths) <= 1.2 * target, (cell, lengths)
         assert max(lengths) <= cfg.rollout.max_new_tokens
