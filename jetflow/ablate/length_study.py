@@ -195,6 +195,7 @@ def draw_accuracy_vs_length(ab: Ablation, path: Path) -> bool:
         plots.band(ax, xs, [min(finals[i]) for i in xs], [max(finals[i]) for i in xs], color=color)
     plots.style_axis(ax, "final held-out pass@1 by response length", "setting", "held-out pass@1 (greedy)")
     ax.set_xticks(range(len(settings)), settings)
+    ax.set_ylim(-0.02, 1.02)
     plots.legend(fig, [ax])
     plots.save(fig, path)
     return True
