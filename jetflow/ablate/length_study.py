@@ -172,7 +172,7 @@ def tables_markdown(ab: Ablation) -> str:
         markdown_table(pairs, pair_cols) if pairs else "(no pair has a common complete seed yet)", "",
         "Final held-out pass@1 of a minus b over the seeds both completed: the mean of the per-seed differences "
         "± their sample standard deviation / sqrt(n), and how many seeds have a above, below and equal to b.", "",
-        f"![final held-out pass@1 by length]({FIGURE})", "",
+        *([f"![final held-out pass@1 by length]({FIGURE})", ""] if arms else []),
         TABLES_END,
     ])
 

@@ -94,6 +94,7 @@ def test_tables_by_hand(tmp_path):
     assert text.startswith("# Study\n\nProse before.\n\n") and text.endswith("\n\nProse after.\n")
     assert text.count(TABLES_BEGIN) == 1 and "old" not in text
     assert (ab.out_dir / "accuracy_vs_length.png").read_bytes().startswith(b"\x89PNG")
+    assert "![final held-out pass@1 by length](accuracy_vs_length.png)" in text
     # bf16 at lenA: finals 0.9, 0.5, 0.7 -> mean 0.7, sd 0.2; bests 0.9, 0.8, 0.7 -> 0.8; collapsed
     # seed 1 at step 10; entropy 2 -> 3, response length 20 -> 30 on every seed
     assert "| lenA | bf16 | 3 | 0.700 ± 0.200 | 0.50 .. 0.90 | 0.800 | 1 of 3 | 10 | 2 -> 3 | 20 -> 30 |" in text
