@@ -102,7 +102,8 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict:
     seeds with a > b, a < b, a = b."""
     diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
     st = seed_stats(diffs)
-    se = st["sd"] / st["n"] ** 0.5 if st["sd"] is not None else None
+    sd, n = st["sd"], len(diffs)
+    se = sd / n ** 0.5 if sd is not None else None
     return {"n": st["n"], "mean": st["mean"], "se": se, "above": sum(d > 0 for d in diffs),
             "below": sum(d < 0 for d in diffs), "equal": sum(d == 0 for d in diffs)}
 
