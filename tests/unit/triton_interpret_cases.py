@@ -12,6 +12,8 @@ Interpreter workarounds (triton 3.6.0 and 3.9.0, measured):
 - in the kernels (jetflow/kernels/triton/_bits.py): fp32 -> bf16 and fp32 -> fp8 are rounded on the
   bits, because the interpreter's casts truncate (bf16) or round ties away and lose the carry (fp8,
   triton PR #11897). The GPU runs the same code, so nothing here is interpreter-only.
+- here, test-only (`patch_interpreter_fma`): the interpreter's `tl.fma` rounds twice (x * y + z in
+  fp32); it is replaced by a correctly rounded fma (float64, round to odd, then fp32), as the GPU's.
 - here, test-only (`patch_interpreter_dot`): the interpreter's `tl.dot` is replaced by a fixed-order
   sum of exact products in float64, rounded once to fp32. The interpreter's own dot reads bf16
   operands as integers (triton #11584), and it calls numpy's BLAS (OpenBLAS), whose result for a row
@@ -63,6 +65,29 @@ def patch_interpreter_dot() -> None:
         return interpreter.TensorHandle(s.astype(np.float32) + d.data, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+def fma_f32(x, y, z) -> np.ndarray:
+    """fp32 fma(x, y, z) with one rounding: x * y is exact in float64, the float64 sum is rounded to odd
+    (TwoSum's error moves an even result one ulp toward the true value), and rounding that to fp32 is
+    then the single correct rounding (53 >= 24 + 2 bits)."""
+    x, y, z = (np.asarray(a, dtype=np.float64) for a in (x, y, z))
+    p = x * y
+    s = p + z
+    bb = s - p
+    err = (p - (s - bb)) + (z - bb)  # p + z == s + err exactly
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even & np.isfinite(s), np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def patch_interpreter_fma() -> None:
+    """tl.fma with one rounding, as the GPU's fma.rn.f32 (the interpreter computes x * y + z in fp32:
+    two roundings)."""
+    def create_fma(self, x, y, z):
+        return interpreter.TensorHandle(fma_f32(x.data, y.data, z.data), z.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_fma = create_fma
 
 
 # --- a kernel to check the bit-level roundings one by one --------------------------------------
@@ -331,6 +356,7 @@ def microscaled_gemm():
 
 def main(out_dir: str, names: list[str]) -> None:
     patch_interpreter_dot()
+    patch_interpreter_fma()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings = {}
