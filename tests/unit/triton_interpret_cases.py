@@ -38,7 +38,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from jetflow.kernels.triton import _bits, attn as tattn, gemm as tgemm, quant as tquant, rmsnorm  # noqa: E402
+from jetflow.kernels.triton import _bits, attn as tattn, gemm as tgemm, paged_exact as tpaged, quant as tquant, rmsnorm  # noqa: E402
 from jetflow.precision.quant import quantize_blocks  # noqa: E402
 
 
@@ -314,6 +314,43 @@ def attention_paged_fp8():
         out[f"fp8_{name}"] = tattn.attention(qq, k8p, v8p, pos, D**-0.5, block_table=table, k_scale=ks, v_scale=vs)
         out[f"fp8_{name}_decode_69"] = tattn.attention(qq[:, :, 69:70], k8p, v8p, pos[:, 69:70], D**-0.5,
                                                        block_table=table, k_scale=ks, v_scale=vs)
+    return out
+
+
+def _exact_pages(fmt: str, seed: int):
+    """Pages in jetflow.model.paged_cache's layout: K (N, H_kv, D, 64), V (N, H_kv, 64, D), one KV head
+    (the interpreter runs a program per KV head: seconds each), D = 8, 5 pages (one spare); fp32, bf16 or
+    E4M3 codes with their scales."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(5, 1, 8, 64, generator=gen), torch.randn(5, 1, 64, 8, generator=gen)
+    if fmt == "bf16":
+        return k.bfloat16(), v.bfloat16(), 1.0, 1.0
+    if fmt == "fp8":
+        ks, vs = 0.0107, 0.0093
+        return (k / ks).to(torch.float8_e4m3fn), (v / vs).to(torch.float8_e4m3fn), ks, vs
+    return k, v, 1.0, 1.0
+
+
+@case
+def paged_exact():
+    """paged_exact.paged_attention: a 6-query chunk at positions 62..67 (across a page boundary, 2 query
+    heads on 1 KV head) per page format, and with E4M3 pages a decode step of two rows at positions 67
+    and 20."""
+    gen = torch.Generator().manual_seed(20)
+    table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)  # shuffled pages; page 4 unused
+    q = torch.randn(2, 2, 6, 8, generator=gen)
+    pos = torch.arange(62, 68).expand(2, 6).contiguous()
+    x, y, z = (torch.randn(300, generator=gen) * 2.0 ** torch.randint(-12, 12, (300,), generator=gen) for _ in range(3))
+    out = {"table": table, "q": q, "pos": pos, "fma": (x, y, z, torch.from_numpy(fma_f32(x.numpy(), y.numpy(), z.numpy())))}
+    for fmt in ("fp32", "bf16", "fp8"):
+        k, v, ks, vs = _exact_pages(fmt, 21)
+        out[fmt] = {"k": k, "v": v, "ks": ks, "vs": vs,
+                    "chunk": tpaged.paged_attention(q[:1], k, v, table[:1], pos[:1], 8**-0.5, ks, vs)}
+        if fmt == "fp8":
+            dq = torch.stack([q[0, :, 5:6], q[1, :, 0:1]])  # (2, 2, 1, 8): row 0 = the chunk's last query
+            out[fmt]["decode_q"] = dq
+            out[fmt]["decode"] = tpaged.paged_attention(dq, k, v, table, torch.tensor([[67], [20]]), 8**-0.5,
+                                                             ks, vs)
     return out
 
 
