@@ -118,7 +118,7 @@ def _paged_exact_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, table_ptr, scales_p
     # pass 2: the same scores, their weights, and the two sums in key order
     d = tl.arange(0, D_PAD)
     d_ok = d < D
-    l = tl.zeros((BLOCK_M,), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)  # l: the sum of the weights
     acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
     for start in range(0, nmax, BLOCK_N):
         s = _scores(q_row, row_ok, k_ptr, table_ptr, b, hk, start, nmax, scale, k_scale, stride_kp, stride_kh,
@@ -133,9 +133,9 @@ def _paged_exact_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, table_ptr, scales_p
         for jj in tl.static_range(BLOCK_N):  # key by key: both sums in key order
             pj = tl.sum(tl.where(cols[None, :] == jj, p, 0.0), axis=1)  # (BM,) column jj, exactly
             vj = tl.sum(tl.where(cols[:, None] == jj, v, 0.0), axis=0)  # (D_PAD,) row jj, exactly
-            l = l + pj
+            total = total + pj
             acc = tl.fma(pj[:, None], vj[None, :], acc)
-    o = tl.math.div_rn(acc, l[:, None])
+    o = tl.math.div_rn(acc, total[:, None])
     tl.store(o_ptr + row[:, None] + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
 
 
