@@ -233,6 +233,14 @@ def test_attention_paged_equals_contiguous_and_fp8_kv(interp):
         assert torch.equal(r[f"fp8_{name}_decode_69"][:, :, 0], r[f"fp8_{name}"][:, :, 69])
 
 
+def test_attention_reads_the_exact_pools_pages(interp):
+    """What jetflow.model.paged_attention runs on CUDA for fp32 / bf16 pages: attn.attention on the pool's
+    K^T pages (a transposed view) through a block table gives the bits of the same slots contiguous."""
+    r = interp("attention_pool_pages")
+    for name in ("fp32", "bf16"):
+        assert torch.equal(r[name], r[f"{name}_contiguous"]), name
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
 def test_paged_exact_attention_equals_the_cpp_paged_kernel(interp, fmt):
     """The Triton paged kernel with the C++ arithmetic (paged_exact) gives jf_attention_paged's bits

@@ -317,6 +317,27 @@ def attention_paged_fp8():
     return out
 
 
+@case
+def attention_pool_pages():
+    """attn.attention reading the exact pool's layout (K^T pages (N, H_kv, D, 64), V (N, H_kv, 64, D)) through
+    a block table, as jetflow.model.paged_attention does on CUDA, vs the same slots contiguous: decode rows
+    at positions 70 and 5, fp32 and bf16 queries."""
+    gen = torch.Generator().manual_seed(22)
+    k, v = torch.randn(2, 1, 128, 16, generator=gen), torch.randn(2, 1, 128, 16, generator=gen)  # (B, H_kv, S, D)
+    table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+    kt_pages, v_pages = torch.zeros(4, 1, 16, 64), torch.zeros(4, 1, 64, 16)
+    for b in range(2):
+        for j in range(2):
+            kt_pages[table[b, j]] = k[b, :, j * 64:(j + 1) * 64].transpose(-1, -2)
+            v_pages[table[b, j]] = v[b, :, j * 64:(j + 1) * 64]
+    q, pos = torch.randn(2, 2, 1, 16, generator=gen), torch.tensor([[70], [5]])
+    out = {}
+    for name, qq in (("fp32", q), ("bf16", q.bfloat16())):
+        out[name] = tattn.attention(qq, kt_pages.transpose(-1, -2), v_pages, pos, 0.25, block_table=table)
+        out[f"{name}_contiguous"] = tattn.attention(qq, k, v, pos, 0.25)
+    return out
+
+
 def _exact_pages(fmt: str, seed: int):
     """Pages in jetflow.model.paged_cache's layout: K (N, H_kv, D, 64), V (N, H_kv, 64, D), one KV head
     (the interpreter runs a program per KV head: seconds each), D = 8, 5 pages (one spare); fp32, bf16 or
