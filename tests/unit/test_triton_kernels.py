@@ -235,9 +235,10 @@ def test_attention_paged_equals_contiguous_and_fp8_kv(interp):
 
 def test_attention_reads_the_exact_pools_pages(interp):
     """What jetflow.model.paged_attention runs on CUDA for fp32 / bf16 pages: attn.attention on the pool's
-    K^T pages (a transposed view) through a block table gives the bits of the same slots contiguous."""
+    K^T pages (a transposed view) through a block table gives the bits of the same slots contiguous; E4M3
+    pages give the bits of their values (code * scale in fp32, the K/V fake-quantizer's) stored densely."""
     r = interp("attention_pool_pages")
-    for name in ("fp32", "bf16"):
+    for name in ("fp32", "bf16", "fp8_fp32", "fp8_bf16"):
         assert torch.equal(r[name], r[f"{name}_contiguous"]), name
 
 

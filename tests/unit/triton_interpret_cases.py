@@ -321,7 +321,7 @@ def attention_paged_fp8():
 def attention_pool_pages():
     """attn.attention reading the exact pool's layout (K^T pages (N, H_kv, D, 64), V (N, H_kv, 64, D)) through
     a block table, as jetflow.model.paged_attention does on CUDA, vs the same slots contiguous: decode rows
-    at positions 70 and 5, fp32 and bf16 queries."""
+    at positions 70 and 5, fp32 and bf16 queries; fp32 and E4M3 pages (vs code * scale, dense)."""
     gen = torch.Generator().manual_seed(22)
     k, v = torch.randn(2, 1, 128, 16, generator=gen), torch.randn(2, 1, 128, 16, generator=gen)  # (B, H_kv, S, D)
     table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
@@ -335,6 +335,15 @@ def attention_pool_pages():
     for name, qq in (("fp32", q), ("bf16", q.bfloat16())):
         out[name] = tattn.attention(qq, kt_pages.transpose(-1, -2), v_pages, pos, 0.25, block_table=table)
         out[f"{name}_contiguous"] = tattn.attention(qq, k, v, pos, 0.25)
+    # E4M3 pages vs their values code * scale stored densely (what PagedKVCache.gather gives)
+    ks, vs = 0.0107, 0.0093
+    k8, v8 = (k / ks).to(torch.float8_e4m3fn), (v / vs).to(torch.float8_e4m3fn)
+    kt8, v8p = (kt_pages / ks).to(torch.float8_e4m3fn), (v_pages / vs).to(torch.float8_e4m3fn)
+    for name, qq in (("fp32", q), ("bf16", q.bfloat16())):
+        out[f"fp8_{name}"] = tattn.attention(qq, kt8.transpose(-1, -2), v8p, pos, 0.25, block_table=table,
+                                             k_scale=ks, v_scale=vs)
+        kd, vd = (k8.float() * ks).to(qq.dtype), (v8.float() * vs).to(qq.dtype)
+        out[f"fp8_{name}_contiguous"] = tattn.attention(qq, kd, vd, pos, 0.25)
     return out
 
 
