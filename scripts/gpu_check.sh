@@ -8,7 +8,9 @@
 # installed from a registry; the GPU machines reach no network) and writes into OUT_DIR:
 #   env.txt              GPU, driver, torch / CUDA / triton versions, block-scaled scaled_mm probe
 #   tests-gpu.log, .xml  pytest tests/gpu (Triton kernels on the hardware, scaled_mm, rollout
-#                        log-probs == trainer log-probs for a random-init model)
+#                        log-probs == trainer log-probs for a random-init model; the paged Triton attention
+#                        with the CPU's arithmetic == the C++ kernel's bits on fp32 / bf16 / E4M3 pages:
+#                        test_paged_exact_attention_equals_the_cpu_kernel)
 #   bench/gemm-gpu.*     jetflow bench gemm: 8192^3 and Llama-3-8B's linear shapes at M = 16 and
 #                        8192; cuBLAS bf16, torch._scaled_mm block FP8, Triton FP8 (+ act quant),
 #                        Triton bf16, in TFLOP/s

@@ -3,9 +3,12 @@ quantizer, the write into the pages and attention, for `Attention.forward` when 
 
 Exact numerics: the paged kernels (jetflow.kernels.paged), the same bits as the dense cache's path
 (`invariant.attention` / `decode_attention`); a CPU decode step in fp32 runs fused (RoPE, the write
-and attention in two kernel calls), E4M3 pages included. On CUDA the pages are gathered into dense K/V
-for the Triton kernel (no paged Triton kernel yet). Fast numerics: the pages gathered into dense
-K/V and torch's SDPA (simple rather than fast: a copy of the attended slots per layer and step).
+and attention in two kernel calls), E4M3 pages included. On CUDA the trainer's Triton kernel
+(jetflow.kernels.triton.attn, online softmax) reads the pages through the block table (E4M3 codes times
+their scales in registers): the bits of the same values gathered densely. kernels/triton/paged_exact.py
+(the CPU kernel's arithmetic on a GPU, bit for bit) is not used here: the CUDA trainer computes the
+online-softmax order. Fast numerics: the pages gathered into dense K/V and torch's SDPA (simple rather
+than fast: a copy of the attended slots per layer and step).
 
 E4M3 pages store the attached FP8 K/V quantizer's codes (it must be calibrated); fp32 / bf16 pages store
 its rounded values when one is attached, as the dense cache does.
@@ -16,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jetflow.kernels import invariant, paged
+from jetflow.kernels import paged
+from jetflow.kernels import triton as triton_kernels  # imports no triton until a kernel is used
 from jetflow.model.paged_cache import PagedKVCache
 
 
@@ -54,9 +58,12 @@ def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, cache:
     elif quantizer is not None:
         k, v = quantizer(layer, k, v)
     cache.write(layer, k, v, plan.positions)
-    if plan.exact and q.is_cuda:  # the Triton kernel on the gathered slots: the same bits as a dense cache
-        kd, vd = cache.gather(layer, plan.end, q.dtype, ks, vs)  # (B, H_kv, S, D)
-        return invariant.attention(q, kd.transpose(-1, -2), vd, plan.positions, attn.scale)
+    if plan.exact and q.is_cuda:  # the Triton kernel on the pages: the bits of a dense cache
+        dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32  # invariant.attention's
+        kp, vp = cache.pool.k[layer], cache.pool.v[layer]  # (N, H_kv, D, 64) K^T pages, (N, H_kv, 64, D)
+        return triton_kernels.attention(q.to(dtype), kp.transpose(-1, -2), vp, plan.positions, attn.scale,
+                                        block_table=cache.table, k_scale=ks if fp8 else None,
+                                        v_scale=vs if fp8 else None).to(q.dtype)
     if plan.exact:
         return paged.paged_attention(q, cache.pool.k[layer], cache.pool.v[layer], cache.table, plan.positions,
                                      attn.scale, ks, vs)

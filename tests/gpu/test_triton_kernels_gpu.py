@@ -3,7 +3,8 @@ under the interpreter (tests/unit/test_triton_kernels.py), now on the hardware.
 
 Exact claims (torch.equal): the bit roundings equal the hardware's conversions; the quantizer's bytes
 equal the CPU quantizer's; a GEMM row does not depend on M or on its position in the tile; a decoded
-attention row equals its prefill row; paged KV equals contiguous KV. Bounds: the FP8 GEMM against
+attention row equals its prefill row; paged KV equals contiguous KV; the paged attention with the
+C++ arithmetic (paged_exact) gives the CPU kernel's bits. Bounds: the FP8 GEMM against
 its reference arithmetic and the exact product (the MMA sums a block's products in its own order and
 precision), attention against float64.
 """
@@ -18,7 +19,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from jetflow.kernels.invariant import reference_attention  # noqa: E402
-from jetflow.kernels.triton import _bits, attn, gemm, quant, reference  # noqa: E402
+from jetflow.kernels.triton import _bits, attn, gemm, paged_exact, quant, reference  # noqa: E402
 from jetflow.precision import FP8Recipe, PrecisionLinear, quantize_blocks  # noqa: E402
 from jetflow.precision.quant import NonFiniteError, QuantizedTensor  # noqa: E402
 
@@ -181,6 +182,31 @@ def test_attention_decode_rows_equal_prefill_rows(dtype):
     ref = reference_attention(q.double(), k.double(), v.double(), pos, D**-0.5)
     bound = (2.0**-7 if dtype == torch.bfloat16 else 2.0**-16) * v.double().abs().max().item()
     assert (prefill.double() - ref).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_paged_exact_attention_equals_the_cpu_kernel(page_dtype):
+    """The Triton paged kernel with the C++ arithmetic (paged_exact) on the GPU gives the CPU's
+    jf_attention_paged bits (SmolLM2's heads: 9 on 3 KV heads, D = 64), for a 300-token prefill of
+    three rows over shuffled 64-slot pages and for a decode step at three different positions."""
+    from jetflow.kernels import paged
+
+    gen = torch.Generator().manual_seed(8)
+    B, H, Hkv, T, D, nb = 3, 9, 3, 300, 64, 5
+    q = torch.randn(B, H, T, D, generator=gen)
+    k, v = torch.randn(B * nb + 2, Hkv, D, 64, generator=gen), torch.randn(B * nb + 2, Hkv, 64, D, generator=gen)
+    ks, vs = (0.0107, 0.0093) if page_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    k, v = (k / ks).to(page_dtype), (v / vs).to(page_dtype)
+    table = torch.randperm(B * nb + 2, generator=gen)[:B * nb].view(B, nb).to(torch.int32)
+    pos = torch.arange(T).expand(B, T).contiguous()
+    cpu = paged.paged_attention(q, k, v, table, pos, D**-0.5, ks, vs)
+    gpu = paged_exact.paged_attention(q.to(CUDA), k.to(CUDA), v.to(CUDA), table.to(CUDA), pos.to(CUDA), D**-0.5, ks, vs)
+    assert torch.equal(gpu.cpu(), cpu)
+    dpos = torch.tensor([[299], [64], [7]])
+    dq = q[torch.arange(B), :, dpos[:, 0]][:, :, None]  # (B, H, 1, D)
+    step = paged_exact.paged_attention(dq.to(CUDA), k.to(CUDA), v.to(CUDA), table.to(CUDA), dpos.to(CUDA), D**-0.5,
+                                       ks, vs)
+    assert torch.equal(step.cpu()[:, :, 0], cpu[torch.arange(B), :, dpos[:, 0]])
 
 
 def test_attention_fp8_kv():

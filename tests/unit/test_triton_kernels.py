@@ -33,7 +33,7 @@ U8 = torch.uint8
 
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory):
-    """Runs every interpreter case once (about 4 s); returns a loader of one case's tensors."""
+    """Runs every interpreter case once (about 90 s on 2 contended cores); returns a loader of one case's tensors."""
     out = tmp_path_factory.mktemp("triton_interpret")
     path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
@@ -231,6 +231,51 @@ def test_attention_paged_equals_contiguous_and_fp8_kv(interp):
         err = (r[f"fp8_{name}"].double() - ref).abs().max().item()
         assert err <= ATTENTION_BOUND[name] * vd.abs().max().item(), (name, err)
         assert torch.equal(r[f"fp8_{name}_decode_69"][:, :, 0], r[f"fp8_{name}"][:, :, 69])
+
+
+def test_attention_reads_the_exact_pools_pages(interp):
+    """What jetflow.model.paged_attention runs on CUDA for fp32 / bf16 pages: attn.attention on the pool's
+    K^T pages (a transposed view) through a block table gives the bits of the same slots contiguous; E4M3
+    pages give the bits of their values (code * scale in fp32, the K/V fake-quantizer's) stored densely."""
+    r = interp("attention_pool_pages")
+    for name in ("fp32", "bf16", "fp8_fp32", "fp8_bf16"):
+        assert torch.equal(r[name], r[f"{name}_contiguous"]), name
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
+def test_paged_exact_attention_equals_the_cpp_paged_kernel(interp, fmt):
+    """The Triton paged kernel with the C++ arithmetic (paged_exact) gives jf_attention_paged's bits
+    (jetflow.kernels.paged.paged_attention) on fp32, bf16 and E4M3 pages read through a shuffled block
+    table, for a 6-query chunk across a page boundary; with E4M3 pages also a decode step of two rows at
+    different positions, whose first row equals the same query in the chunk."""
+    from jetflow.kernels import paged
+
+    r = interp("paged_exact")
+    c = r[fmt]
+    table, q, pos = r["table"], r["q"], r["pos"]
+    ref = paged.paged_attention(q[:1], c["k"], c["v"], table[:1], pos[:1], 8**-0.5, c["ks"], c["vs"])
+    assert torch.equal(c["chunk"], ref)
+    if fmt == "fp8":
+        ref = paged.paged_attention(c["decode_q"], c["k"], c["v"], table, torch.tensor([[67], [20]]), 8**-0.5,
+                                    c["ks"], c["vs"])
+        assert torch.equal(c["decode"], ref)
+        assert torch.equal(c["decode"][0, :, 0], c["chunk"][0, :, 5])
+
+
+def test_interpreter_fma_patch_rounds_once(interp):
+    """The harness's fma (triton_interpret_cases.fma_f32) against exact rational arithmetic, rounded to
+    nearest even by hand, on values whose products and sums need more than fp32's bits."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    x, y, z, got = (t.numpy() for t in interp("paged_exact")["fma"])
+    for a, b, c, g in zip(x, y, z, got):
+        exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+        near = np.float32(float(exact))  # within an ulp; the correct rounding is it or a neighbour
+        cands = [near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))]
+        best = min(cands, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.array(v).view(np.int32)) & 1))
+        assert best == g, (a, b, c)
 
 
 def test_rms_norm_within_bound_and_row_invariant(interp):

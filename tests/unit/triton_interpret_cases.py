@@ -12,6 +12,8 @@ Interpreter workarounds (triton 3.6.0 and 3.9.0, measured):
 - in the kernels (jetflow/kernels/triton/_bits.py): fp32 -> bf16 and fp32 -> fp8 are rounded on the
   bits, because the interpreter's casts truncate (bf16) or round ties away and lose the carry (fp8,
   triton PR #11897). The GPU runs the same code, so nothing here is interpreter-only.
+- here, test-only (`patch_interpreter_fma`): the interpreter's `tl.fma` rounds twice (x * y + z in
+  fp32); it is replaced by a correctly rounded fma (float64, round to odd, then fp32), as the GPU's.
 - here, test-only (`patch_interpreter_dot`): the interpreter's `tl.dot` is replaced by a fixed-order
   sum of exact products in float64, rounded once to fp32. The interpreter's own dot reads bf16
   operands as integers (triton #11584), and it calls numpy's BLAS (OpenBLAS), whose result for a row
@@ -36,7 +38,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from jetflow.kernels.triton import _bits, attn as tattn, gemm as tgemm, quant as tquant, rmsnorm  # noqa: E402
+from jetflow.kernels.triton import _bits, attn as tattn, gemm as tgemm, paged_exact as tpaged, quant as tquant, rmsnorm  # noqa: E402
 from jetflow.precision.quant import quantize_blocks  # noqa: E402
 
 
@@ -63,6 +65,29 @@ def patch_interpreter_dot() -> None:
         return interpreter.TensorHandle(s.astype(np.float32) + d.data, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+def fma_f32(x, y, z) -> np.ndarray:
+    """fp32 fma(x, y, z) with one rounding: x * y is exact in float64, the float64 sum is rounded to odd
+    (TwoSum's error moves an even result one ulp toward the true value), and rounding that to fp32 is
+    then the single correct rounding (53 >= 24 + 2 bits)."""
+    x, y, z = (np.asarray(a, dtype=np.float64) for a in (x, y, z))
+    p = x * y
+    s = p + z
+    bb = s - p
+    err = (p - (s - bb)) + (z - bb)  # p + z == s + err exactly
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even & np.isfinite(s), np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def patch_interpreter_fma() -> None:
+    """tl.fma with one rounding, as the GPU's fma.rn.f32 (the interpreter computes x * y + z in fp32:
+    two roundings)."""
+    def create_fma(self, x, y, z):
+        return interpreter.TensorHandle(fma_f32(x.data, y.data, z.data), z.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_fma = create_fma
 
 
 # --- a kernel to check the bit-level roundings one by one --------------------------------------
@@ -293,6 +318,73 @@ def attention_paged_fp8():
 
 
 @case
+def attention_pool_pages():
+    """attn.attention reading the exact pool's layout (K^T pages (N, H_kv, D, 64), V (N, H_kv, 64, D)) through
+    a block table, as jetflow.model.paged_attention does on CUDA, vs the same slots contiguous: decode rows
+    at positions 70 and 5, fp32 and bf16 queries; fp32 and E4M3 pages (vs code * scale, dense)."""
+    gen = torch.Generator().manual_seed(22)
+    k, v = torch.randn(2, 1, 128, 16, generator=gen), torch.randn(2, 1, 128, 16, generator=gen)  # (B, H_kv, S, D)
+    table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+    kt_pages, v_pages = torch.zeros(4, 1, 16, 64), torch.zeros(4, 1, 64, 16)
+    for b in range(2):
+        for j in range(2):
+            kt_pages[table[b, j]] = k[b, :, j * 64:(j + 1) * 64].transpose(-1, -2)
+            v_pages[table[b, j]] = v[b, :, j * 64:(j + 1) * 64]
+    q, pos = torch.randn(2, 2, 1, 16, generator=gen), torch.tensor([[70], [5]])
+    out = {}
+    for name, qq in (("fp32", q), ("bf16", q.bfloat16())):
+        out[name] = tattn.attention(qq, kt_pages.transpose(-1, -2), v_pages, pos, 0.25, block_table=table)
+        out[f"{name}_contiguous"] = tattn.attention(qq, k, v, pos, 0.25)
+    # E4M3 pages vs their values code * scale stored densely (what PagedKVCache.gather gives)
+    ks, vs = 0.0107, 0.0093
+    k8, v8 = (k / ks).to(torch.float8_e4m3fn), (v / vs).to(torch.float8_e4m3fn)
+    kt8, v8p = (kt_pages / ks).to(torch.float8_e4m3fn), (v_pages / vs).to(torch.float8_e4m3fn)
+    for name, qq in (("fp32", q), ("bf16", q.bfloat16())):
+        out[f"fp8_{name}"] = tattn.attention(qq, kt8.transpose(-1, -2), v8p, pos, 0.25, block_table=table,
+                                             k_scale=ks, v_scale=vs)
+        kd, vd = (k8.float() * ks).to(qq.dtype), (v8.float() * vs).to(qq.dtype)
+        out[f"fp8_{name}_contiguous"] = tattn.attention(qq, kd, vd, pos, 0.25)
+    return out
+
+
+def _exact_pages(fmt: str, seed: int):
+    """Pages in jetflow.model.paged_cache's layout: K (N, H_kv, D, 64), V (N, H_kv, 64, D), one KV head
+    (the interpreter runs a program per KV head: seconds each), D = 8, 5 pages (one spare); fp32, bf16 or
+    E4M3 codes with their scales."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(5, 1, 8, 64, generator=gen), torch.randn(5, 1, 64, 8, generator=gen)
+    if fmt == "bf16":
+        return k.bfloat16(), v.bfloat16(), 1.0, 1.0
+    if fmt == "fp8":
+        ks, vs = 0.0107, 0.0093
+        return (k / ks).to(torch.float8_e4m3fn), (v / vs).to(torch.float8_e4m3fn), ks, vs
+    return k, v, 1.0, 1.0
+
+
+@case
+def paged_exact():
+    """paged_exact.paged_attention: a 6-query chunk at positions 62..67 (across a page boundary, 2 query
+    heads on 1 KV head) per page format, and with E4M3 pages a decode step of two rows at positions 67
+    and 20."""
+    gen = torch.Generator().manual_seed(20)
+    table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)  # shuffled pages; page 4 unused
+    q = torch.randn(2, 2, 6, 8, generator=gen)
+    pos = torch.arange(62, 68).expand(2, 6).contiguous()
+    x, y, z = (torch.randn(300, generator=gen) * 2.0 ** torch.randint(-12, 12, (300,), generator=gen) for _ in range(3))
+    out = {"table": table, "q": q, "pos": pos, "fma": (x, y, z, torch.from_numpy(fma_f32(x.numpy(), y.numpy(), z.numpy())))}
+    for fmt in ("fp32", "bf16", "fp8"):
+        k, v, ks, vs = _exact_pages(fmt, 21)
+        out[fmt] = {"k": k, "v": v, "ks": ks, "vs": vs,
+                    "chunk": tpaged.paged_attention(q[:1], k, v, table[:1], pos[:1], 8**-0.5, ks, vs)}
+        if fmt == "fp8":
+            dq = torch.stack([q[0, :, 5:6], q[1, :, 0:1]])  # (2, 2, 1, 8): row 0 = the chunk's last query
+            out[fmt]["decode_q"] = dq
+            out[fmt]["decode"] = tpaged.paged_attention(dq, k, v, table, torch.tensor([[67], [20]]), 8**-0.5,
+                                                             ks, vs)
+    return out
+
+
+@case
 def rms_norm():
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(40, 576, generator=gen) * 3  # 576: a width that is not a power of two (SmolLM2)
@@ -331,6 +423,7 @@ def microscaled_gemm():
 
 def main(out_dir: str, names: list[str]) -> None:
     patch_interpreter_dot()
+    patch_interpreter_fma()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings = {}

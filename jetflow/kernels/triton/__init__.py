@@ -5,6 +5,8 @@ batch or whether it is decoded from a KV cache (see jetflow.kernels.invariant fo
     gemm.fp8_gemm            block-scaled FP8 GEMM (1x128 x 128x128 or 1x128 x 1x128), the canonical K order
     gemm.dense_gemm          dense GEMM (bf16 or fp32 operands), the canonical K order
     attn.attention           causal attention, prefill and decode, contiguous or paged, bf16/fp32/FP8 KV
+    paged_exact.paged_attention
+                             paged attention with the CPU kernel's arithmetic (csrc/attention.cpp's bits)
     rmsnorm.rms_norm         RMSNorm with one reduction tree per row (torch's CUDA reduction is not)
 
 Triton is optional: this package imports it only when a kernel is asked for (`require()`), and a
@@ -71,6 +73,13 @@ def attention(q, k, v, pos, scale: float, block_table=None, k_scale=None, v_scal
     require()
     from jetflow.kernels.triton import attn
     return attn.attention(q, k, v, pos, scale, block_table, k_scale, v_scale)
+
+
+def paged_attention(q, k_pages, v_pages, table, pos, scale: float, k_scale: float = 1.0, v_scale: float = 1.0):
+    """See paged_exact.paged_attention."""
+    require()
+    from jetflow.kernels.triton import paged_exact
+    return paged_exact.paged_attention(q, k_pages, v_pages, table, pos, scale, k_scale, v_scale)
 
 
 def rms_norm(x, weight, eps: float):

@@ -12,18 +12,19 @@ Returns (B, H, T, D) in q's dtype.
 
 Arithmetic, per query row (its own position p):
     for each KV block j = 0, 1, ... of BLOCK_N slots from slot 0, in order, up to the block holding p:
-        s   = (q . k_slot) [* k_scale] * (scale * log2 e)    slots past p: -inf
+        s   = (q . k_slot) * (scale * log2 e)                 slots past p: -inf
         m'  = max(m, max_slot s);  alpha = 1 if m' == m else 2^(m - m')
         pr  = 2^(s - m')                                      (exactly 0 past p)
         l   = l * alpha + sum(pr);  acc = acc * alpha + pr . v
-    o = acc [* v_scale] / l                                   (IEEE division)
+    o = acc / l                                               (IEEE division)
 One KV-split order: every query walks the same fixed blocks from slot 0, with no split of the KV
 range (no flash-decoding split-K). A block wholly past p is an exact no-op (alpha = 1, pr = 0), so a
 query computed in a decode step (T = 1, its G query heads share a tile) and the same query inside a
 prefill tile give the same bits; the tile shape (BLOCK_M, BLOCK_N), warps and stages never depend on
 T, B or the batch. Dots: bf16 q -> bf16 operands (pr rounded to bf16 for pr . v, as FlashAttention
-does), fp32 q -> fp32 operands with input_precision="ieee". FP8 K/V enter the dot as their exact
-values (their scales multiply the fp32 results).
+does), fp32 q -> fp32 operands with input_precision="ieee". FP8 K/V enter the dot as code * scale
+(one fp32 multiply, converted in registers): the values the FP8 K/V fake-quantizer gives, so FP8 pages
+give the bits of those values stored densely (jetflow.model.paged_attention relies on it).
 """
 
 from __future__ import annotations
@@ -87,12 +88,13 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, table_ptr, k_scale_pt
                      mask=load_ok[None, :] & d_ok[:, None], other=0.0)  # (D, BN)
         v = tl.load(v_ptr + hk * stride_vh + v_rows[:, None] + d[None, :] * stride_vd,
                     mask=load_ok[:, None] & d_ok[None, :], other=0.0)  # (BN, D)
+        if KV_FP8:  # code * scale in fp32: the FP8 K/V fake-quantizer's values
+            kt = kt.to(tl.float32) * k_scale
+            v = v.to(tl.float32) * v_scale
         if DOT_BF16:
             qk = tl.dot(q, to_bf16(kt))  # (BM, BN) fp32
         else:
             qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        if KV_FP8:
-            qk = qk * k_scale
         s = qk * qk_scale
         s = tl.where(slots[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # (BM,)
@@ -105,8 +107,6 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, table_ptr, k_scale_pt
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
         m = m_new
-    if KV_FP8:
-        acc = acc * v_scale
     o = tl.math.div_rn(acc, l[:, None])
     o_ptrs = o_ptr + b * stride_ob + h[:, None] * stride_oh + t[:, None] * stride_ot + d[None, :] * stride_od
     mask = row_ok[:, None] & d_ok[None, :]

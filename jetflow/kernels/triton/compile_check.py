@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jetflow.kernels.triton import attn, gemm, microscaled, quant, rmsnorm
+from jetflow.kernels.triton import attn, gemm, microscaled, paged_exact, quant, rmsnorm
 
 HOPPER = ("cuda", 90, 32)  # backend, compute capability, warp size
 BLACKWELL = ("cuda", 100, 32)
@@ -69,6 +69,17 @@ def _attention(q: str, kv: str, paged: bool) -> Spec:
                 4, 2, floats=("qk_scale",), expect=("wgmma",) if q == "bf16" else ())
 
 
+def _paged_exact(kv: str) -> Spec:
+    """The paged attention with the C++ arithmetic (fp32 CUDA-core fma, no MMA): `fma.rn.f32` must
+    appear (the chains are fused multiply-adds, one rounding each) and `div.rn.f32`."""
+    fmt = {"fp32": 0, "bf16": 1, "fp8e4nv": 2}[kv]
+    return Spec(f"paged_exact_attention_kv_{kv}", paged_exact._paged_exact_kernel,
+                {"q_ptr": "fp32", "k_ptr": kv, "v_ptr": kv, "o_ptr": "fp32", "pos_ptr": "i64", "table_ptr": "i32",
+                 "scales_ptr": "fp32"},
+                {"D": 64, "D_PAD": 64, "FMT": fmt, "PAGE": 64, "BLOCK_M": paged_exact.BLOCK_M,
+                 "BLOCK_N": paged_exact.BLOCK_N}, 4, 1, expect=("fma.rn.f32", "div.rn.f32"))
+
+
 def _quant(x: str, pow2: bool) -> Spec:
     return Spec(f"quantize_1x128_{x}_{'pow2' if pow2 else 'fp32'}_scales", quant._quantize_1x128_kernel,
                 {"x_ptr": x, "q_ptr": "fp8e4nv", "s_ptr": "fp32"},
@@ -110,6 +121,7 @@ SPECS: list[Spec] = [
     _dense("bf16", "bf16", "fp32", groups=1),
     _attention("bf16", "bf16", False), _attention("fp32", "fp32", False), _attention("bf16", "fp8e4nv", True),
     _attention("fp32", "fp8e4nv", True),
+    _paged_exact("fp32"), _paged_exact("bf16"), _paged_exact("fp8e4nv"),
     _rms_norm("fp32", "fp32"), _rms_norm("bf16", "fp32"),
     _microscaled(False, False), _microscaled(True, False), _microscaled(False, False, groups=1),
     _microscaled(True, False, "bf16", groups=1),

@@ -42,8 +42,8 @@ CACHE_DTYPES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bfloat16"}
 
 def cache_dtype(policy) -> str:
     """vLLM's kv_cache_dtype for an exact engine computing with `policy`: its K/V rounding's own bytes."""
-    quantizer = policy.model.layers[0].self_attn.kv_quantizer
-    return CACHE_DTYPES.get(getattr(quantizer, "page_dtype", None), "auto")
+    quantizer = policy.model.layers[0].self_attn.kv_quantizer  # KVQuantizer | BF16KVRounding | None
+    return "auto" if quantizer is None else CACHE_DTYPES.get(quantizer.page_dtype, "auto")
 
 
 @dataclass
