@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from jetflow.model.decoder import Decoder
 from jetflow.model.moe import model_load_balancing_loss
 from jetflow.precision import QuantizedTensor, quantized_weights
 from jetflow.precision.kv import attach_kv_quantizer
@@ -57,7 +58,7 @@ class FSDPPolicy(nn.Module):
     collective_forward = True  # FSDP's all-gathers: every rank runs every micro-batch
     sharded_optimizer_state = True  # each rank holds its shards of AdamW's moments (jetflow.train.fsdp.state)
 
-    def __init__(self, decoder: nn.Module, device: str = "cpu"):
+    def __init__(self, decoder: Decoder, device: str = "cpu"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
