@@ -209,10 +209,10 @@ class TrainConfig:
     """Megatron backend: pipeline stages (under torchrun or as Ray trainer workers; jetflow's GPipe
     schedule over Megatron's stages)."""
     expert_parallel_size: int = 1
-    """Megatron backend, mixture-of-experts models: expert-parallel ranks (under torchrun or as Ray
-    trainer workers), each holding
-    num_experts / EP experts; they are data-parallel ranks (own prompts), so the process count must be a
-    multiple of EP x pipeline_parallel_size."""
+    """Megatron backend, mixture-of-experts models: expert-parallel ranks (torchrun or Ray trainer workers), each
+    holding num_experts / EP experts; data-parallel ranks too, so processes are a multiple of EP x PP."""
+    data_parallel_shard_size: int = 0
+    """FSDP backend: ranks one shard group spans (0: all); fewer gives HSDP, world / this many replicas."""
     fp8_backend: Literal["jetflow", "te"] = "jetflow"
     """jetflow (this recipe's own GEMMs) | te (Transformer Engine Float8BlockScaling)."""
     steps: int = 12

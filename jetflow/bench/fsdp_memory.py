@@ -6,7 +6,7 @@ It builds the run's trainer side (jetflow.run.sides.TrainerSide: model under the
 AdamW), takes two supervised warm-up steps, and rank 0 prints one JSON line per rank: the bytes this
 rank holds of parameters, gradients and optimizer state (DTensors counted by their local shard), the
 bytes its parameter all-gathers received in the second step (and the bytes it all-reduced: the FP8
-all-gather's block amax, the gradient norm), and the process's peak resident set
+all-gather's block amax, the gradient norm, under HSDP the replicas' gradients), and the process's peak resident set
 (which also holds what the run loads before sharding: every rank builds the whole model first, as the
 native trainer does).
 """

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from jetflow.precision.exact import ExactCache, exact_linear, exact_linears
 from jetflow.precision.fp8_function import fp8_linear, quantize_weight_for_recipe
+from jetflow.precision.gathered import GatheredFP8Weight
 from jetflow.precision.gemm import bf16_linear, resolve_backend
 from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
 from jetflow.precision.quant import QuantizedTensor
@@ -95,8 +96,8 @@ class PrecisionLinear(nn.Linear):
         if self._loaded is not None:
             return self._loaded
         w = self.weight
-        gathered = getattr(w, "gathered_fp8", None)  # the bytes FSDP's FP8 all-gather brought (train.fsdp.fp8_gather)
-        if gathered is not None:
+        if isinstance(w, GatheredFP8Weight):  # the bytes FSDP's FP8 all-gather brought (jetflow.train.fsdp.gather)
+            gathered = w.gathered_fp8
             if self._multiplies_dequantized(gathered.data.device):
                 gathered.with_dequantized_cache()
             return gathered

@@ -61,7 +61,7 @@ def build_trainer_model(cfg: Config, derived: Derived, decoder: Decoder):
     model = apply_mode(decoder, cfg, derived, "trainer")
     if cfg.train.backend == "fsdp":
         from jetflow.train.fsdp import FSDPPolicy
-        return FSDPPolicy(model, cfg.model.device)
+        return FSDPPolicy(model, cfg.model.device, cfg.train.data_parallel_shard_size)
     return model
 
 

@@ -48,6 +48,7 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("train.tensor_parallel_size", lambda v: v >= 1, ">= 1"),
     ("train.pipeline_parallel_size", lambda v: v >= 1, ">= 1"),
     ("train.expert_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("train.data_parallel_shard_size", lambda v: v >= 0, ">= 0 (0: one shard group of all ranks)"),
     ("train.lr", lambda v: v > 0, "> 0"),
     ("train.sft_lr", lambda v: v > 0, "> 0"),
     ("train.grad_clip", lambda v: v >= 0, ">= 0 (0 turns clipping off)"),
@@ -169,6 +170,9 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
             if getattr(t, key) != 1:
                 kind = "expert" if key == "expert_parallel_size" else "model"
                 raise ConfigError(f"train.{key}={getattr(t, key)}: {kind} parallelism needs train.backend=megatron")
+    if t.data_parallel_shard_size and t.backend != "fsdp":
+        raise ConfigError(f"train.data_parallel_shard_size={t.data_parallel_shard_size} sizes the FSDP trainer's shard "
+                          "groups (HSDP); use train.backend=fsdp or leave it 0")
     if t.backend == "fsdp":
         for key, value, why in (("run.orchestrator", cfg.run.orchestrator, "local"),
                                 ("rollout.backend", cfg.rollout.backend, "native"),
@@ -250,6 +254,11 @@ def check_processes(cfg: Config, processes: int) -> None:
                               f"`torchrun --nproc_per_node {layout} -m jetflow.cli train ...` (or the launch "
                               "templates' torchrun.sh), or under run.orchestrator=ray set train.num_workers to a "
                               "multiple of it")
+    shard = t.data_parallel_shard_size
+    if t.backend == "fsdp" and shard and processes % shard:
+        raise ConfigError(f"train.data_parallel_shard_size={shard} must divide the {processes} trainer processes (HSDP: "
+                          f"processes / shard size replicas); launch a multiple of {shard} ranks, or set a divisor of "
+                          f"{processes} (0: all)")
     mp = t.tensor_parallel_size * t.pipeline_parallel_size if t.backend == "megatron" else 1
     dp = max(processes // mp, 1)
     if t.prompts_per_step % dp or t.sft_batch_size % dp:

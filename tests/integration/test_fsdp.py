@@ -5,6 +5,8 @@
 - fp32: per-step losses within summation-order noise of the native trainer's torchrun data parallelism
   at the same world size (the bound of numeric_bounds: the two differ in summation order only);
 - deterministic: two identical unified runs log identical metrics;
+- HSDP (train.data_parallel_shard_size=2 at 4 ranks): exact on-policy, fp32 losses within summation-order
+  noise of the 2-rank FSDP run;
 - the FP8 all-gather (unified): across 2 ranks the gathered bytes and scales are the whole weight's,
   the gradients those of a replicated Decoder, and the all-gathers move 1 byte an FP8 weight;
 - checkpoints: the optimizer shards in a DCP directory; a resume at 2 ranks from the step before the end
@@ -94,6 +96,24 @@ def test_fsdp_checkpoint_holds_every_ranks_optimizer_shards_and_exports_the_mode
     for name, tensor in exported.state_dict().items():
         if name in weights:
             assert torch.equal(tensor, weights[name].to(torch.bfloat16).to(tensor.dtype)), name
+
+
+def test_hsdp_two_by_two_is_exact_on_policy_and_within_summation_order_of_fsdp(fp32_runs, tmp_path):
+    """HSDP at 4 ranks (train.data_parallel_shard_size=2: 2 replicas of 2 shards): KL 0 on every RL step, and
+    every loss within fp32 summation-order noise of the 2-rank FSDP run (the fixture's: the same global
+    batches; the two sum the same per-rank gradient terms grouped otherwise, jetflow.train.fsdp.policy)."""
+    fsdp, _ = fp32_runs
+    hsdp = _run(torchrun(4), tmp_path, "precision.mode=fp32", "train.backend=fsdp", "train.data_parallel_shard_size=2")
+    _assert_exact_on_policy(hsdp)
+    a, b = read_metrics(hsdp, "sft") + _rl(hsdp), read_metrics(fsdp, "sft") + _rl(fsdp)
+    assert [(r["phase"], r["step"]) for r in a] == [(r["phase"], r["step"]) for r in b] and len(a) == 13
+    for x, y in zip(a, b):
+        assert loss_gap(x["train/loss"], y["train/loss"]) <= FP32_GAP, (x["phase"], x["step"], x["train/loss"],
+                                                                       y["train/loss"])
+    summary = json.loads((hsdp / "summary.json").read_text())
+    assert summary["data_parallel_size"] == 4 and summary["config"]["train"]["data_parallel_shard_size"] == 2
+    assert {f"optimizer/__{r}_0.distcp" for r in range(4)} <= set(
+        json.loads((hsdp / "checkpoints" / "step_000003" / "manifest.json").read_text()))
 
 
 def _truncated_copy(run: Path, dest: Path) -> Path:

@@ -174,3 +174,18 @@ def test_the_fsdp_trainer_refuses_what_it_does_not_run_by_name(key):
 def test_fsdp_refuses_megatron_parallelism():
     with pytest.raises(ConfigError, match=r"^train.tensor_parallel_size=2: model parallelism needs train.backend=megatron"):
         check_config(load_config(TINY, ["train.backend=fsdp", "train.tensor_parallel_size=2"]))
+
+
+@pytest.mark.parametrize("overrides, processes, message", [
+    (["train.backend=fsdp", "train.data_parallel_shard_size=3"], 4,
+     r"^train.data_parallel_shard_size=3 must divide the 4 trainer processes"),
+    (["train.backend=fsdp", "train.data_parallel_shard_size=4"], 2,
+     r"^train.data_parallel_shard_size=4 must divide the 2 trainer processes"),
+    (["train.data_parallel_shard_size=2"], 4, r"^train.data_parallel_shard_size=2 sizes the FSDP trainer's shard groups"),
+    (["train.backend=fsdp", "train.data_parallel_shard_size=-1"], 4, r"^train.data_parallel_shard_size=-1"),
+])
+def test_hsdp_shard_sizes_the_world_cannot_hold_are_refused_by_name(tmp_path, overrides, processes, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_run(load_config(TINY, [f"run.out_dir={tmp_path}", *overrides]), processes=processes)
+    validate_run(load_config(TINY, [f"run.out_dir={tmp_path}", "train.backend=fsdp", "train.data_parallel_shard_size=2"]),
+                 processes=4)

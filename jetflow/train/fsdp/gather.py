@@ -43,6 +43,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
+from jetflow.model.decoder import Decoder
+from jetflow.precision.gathered import GatheredFP8Weight
 from jetflow.precision.linear import PrecisionLinear
 from jetflow.precision.quant import QuantizedTensor, compute_scale_inv, quantize_row_shard, row_shard_amax
 from jetflow.precision.recipe import FP8_DTYPES, FP8Recipe
@@ -148,43 +150,14 @@ class FP8ShardWeight(_ShardWeight):
         return GatheredFP8Weight(wq, param_dtype, self.requires_grad), ()
 
 
-class GatheredFP8Weight(torch.Tensor):
-    """The unsharded weight of an FP8 linear under the FP8 all-gather: its FP8 bytes and scales
-    (`gathered_fp8`), the fp32 weight's shape and dtype. Only the linear reads it, through `gathered_fp8`;
-    any other op on its values is an error (there are no fp32 values here to compute with)."""
-
-    @staticmethod
-    def __new__(cls, wq: QuantizedTensor, dtype: torch.dtype, requires_grad: bool = False):
-        return torch.Tensor._make_wrapper_subclass(cls, wq.shape, dtype=dtype, device=wq.data.device,
-                                                   requires_grad=requires_grad)
-
-    def __init__(self, wq: QuantizedTensor, dtype: torch.dtype, requires_grad: bool = False):
-        self.gathered_fp8 = wq
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    def __repr__(self) -> str:
-        return f"GatheredFP8Weight({tuple(self.shape)})"
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        src = args[0]
-        same = func in (aten.detach.default, aten.alias.default) or (
-            func in (aten.as_strided.default, aten.view.default) and tuple(args[1]) == tuple(src.shape))
-        if same:  # FSDP's as_strided to the weight's shape, nn.Parameter's detach
-            return GatheredFP8Weight(src.gathered_fp8, src.dtype, False)
-        raise NotImplementedError(f"{func} on an FP8-gathered weight (train.backend=fsdp, precision.mode=unified): "
-                                  "only its FP8 bytes were all-gathered; read them through `gathered_fp8`")
-
-
-def fp8_gathered_linears(decoder: nn.Module) -> list[PrecisionLinear]:
+def fp8_gathered_linears(decoder: Decoder) -> list[PrecisionLinear]:
     """The linears whose weights the all-gather moves in FP8: the fp8 kind under an fp8_block recipe
     (mxfp8 / nvfp4 weights gather in fp32)."""
     return [m for m in decoder.modules() if isinstance(m, PrecisionLinear) and m.kind == "fp8"
             and m.recipe.family == "fp8_block" and m.weight.dim() == 2]
 
 
-def bf16_gathered_weights(decoder: nn.Module) -> dict[str, nn.Parameter]:
+def bf16_gathered_weights(decoder: Decoder) -> dict[str, nn.Parameter]:
     """The weights every reader rounds to bf16: bf16-kind linears', and the embedding's when the Decoder
     rounds its rows to bf16 (`embed_grid`) and, if tied, the lm_head reading it is a bf16 linear too."""
     out = {m.name: m.weight for m in decoder.modules()
@@ -192,14 +165,14 @@ def bf16_gathered_weights(decoder: nn.Module) -> dict[str, nn.Parameter]:
     embedding = decoder.model.embed_tokens.weight
     readers_round = all(m.kind == "bf16" for m in decoder.modules()
                         if isinstance(m, PrecisionLinear) and m.weight is embedding)
-    if getattr(decoder, "embed_grid", None) == torch.bfloat16 and readers_round:
+    if decoder.embed_grid == torch.bfloat16 and readers_round:
         out["model.embed_tokens"] = embedding
     elif any(w is embedding for w in out.values()):  # a tied lm_head whose embedding is read in fp32
         out = {name: w for name, w in out.items() if w is not embedding}
     return out
 
 
-def wrap_for_low_precision_all_gather(decoder: nn.Module) -> dict[str, int]:
+def wrap_for_low_precision_all_gather(decoder: Decoder) -> dict[str, int]:
     """Put every weight the all-gather can move in FP8 or bf16 into an FP8ShardWeight / BF16ShardWeight
     (before `fully_shard`); how many of each."""
     fp8, bf16 = fp8_gathered_linears(decoder), bf16_gathered_weights(decoder)

@@ -15,6 +15,13 @@ process is the summation order of the gradients only: each micro-batch's gradien
 order and accumulated into the shard, where the replicated trainer sums micro-batches first and
 all-reduces once.
 
+HSDP (`train.data_parallel_shard_size` = S < world W): a 2-D (W / S replicas, S shards) mesh. Each rank
+keeps 1/S of the state, all-gathers within its shard group (the same bytes as FSDP over S ranks), and a
+micro-batch's gradients are reduce-scattered (SUM) within the shard group, then all-reduced (SUM) across
+the replicas: the same W per-rank terms as FSDP over W ranks sums, grouped differently, so its updates
+differ from FSDP's only in fp32 summation order (per element and micro-batch at most 2 * gamma_(W-1) *
+sum |g_r|, gamma_n = n u / (1 - n u), u = 2^-24).
+
 `FSDPPolicy` is a `jetflow.model.protocol.ShardedPolicy`, so the Trainer, weight sync and checkpoints
 take the Megatron backend's paths: gathered HF-named weights, the FP8 bytes of the gathered weights,
 a global gradient norm, and a collective forward (every rank runs every micro-batch: a rank that skipped
@@ -30,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from jetflow.model.decoder import Decoder
 from jetflow.model.moe import model_load_balancing_loss
 from jetflow.precision import QuantizedTensor, quantized_weights
 from jetflow.precision.kv import attach_kv_quantizer
@@ -48,8 +56,29 @@ def init_world(device: str) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def data_parallel_mesh(device: str, shard_size: int = 0):
+    """FSDP's mesh over the world: 1-D (every rank one shard group) for shard_size 0 or the world size, else
+    HSDP's 2-D (replicate, shard) mesh, whose rows (consecutive ranks) are the shard groups: FSDP
+    reduce-scatters the gradients within a row, then all-reduces them down the columns."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, kind = dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu"
+    if shard_size in (0, world):
+        return init_device_mesh(kind, (world,))
+    if world % shard_size:  # refused first in jetflow.run.validate
+        raise ValueError(f"shard size {shard_size} does not divide the world of {world} ranks")
+    return init_device_mesh(kind, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group(mesh) -> dist.ProcessGroup:
+    """The process group of this rank's shard group (the mesh's last dimension)."""
+    return mesh.get_group(mesh.ndim - 1)
+
+
 class FSDPPolicy(nn.Module):
-    """A Decoder (already under the precision mode) sharded over every rank of the world."""
+    """A Decoder (already under the precision mode) sharded over every rank of the world, or (HSDP,
+    `shard_size` ranks < world) over each group of `shard_size` consecutive ranks and replicated across the
+    world / shard_size groups."""
 
     tp_size = tp_rank = mp_size = state_size = 1
     state_rank = 0
@@ -57,15 +86,14 @@ class FSDPPolicy(nn.Module):
     collective_forward = True  # FSDP's all-gathers: every rank runs every micro-batch
     sharded_optimizer_state = True  # each rank holds its shards of AdamW's moments (jetflow.train.fsdp.state)
 
-    def __init__(self, decoder: nn.Module, device: str = "cpu"):
-        from torch.distributed.device_mesh import init_device_mesh
+    def __init__(self, decoder: Decoder, device: str = "cpu", shard_size: int = 0):
         from torch.distributed.fsdp import fully_shard
 
         super().__init__()
         init_world(device)
         self.decoder = decoder
         self.config = decoder.config
-        self.mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+        self.mesh = data_parallel_mesh(device, shard_size)
         # FP8 linears' weights gather as FP8 bytes, weights read on the bf16 grid as bf16 (jetflow.train.fsdp.gather)
         self.low_precision_gathered = wrap_for_low_precision_all_gather(decoder)
         for layer in decoder.model.layers:
@@ -174,7 +202,7 @@ class FSDPPolicy(nn.Module):
                  for p in self._shards if p.grad is not None]
         local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
         total = local.to(self.mesh.device_type)
-        dist.all_reduce(total, group=self.mesh.get_group())
+        dist.all_reduce(total, group=shard_group(self.mesh))  # the replicas hold the same (all-reduced) shards
         norm = total.sqrt().cpu()
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
