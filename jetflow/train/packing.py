@@ -15,16 +15,25 @@ unchanged, so the loss means exactly what it means unpacked. Only the forward di
 through `Decoder.forward_packed` (each sequence at its own positions 0..n-1, attending to itself alone,
 its KV blocks starting at its first token), and the lm_head on the response positions only.
 
-What is the same bits as the padded path under exact numerics (tests/unit/test_sequence_packing.py):
-every log-prob and entropy (the canonical GEMMs, norms and RoPE are row-local; attention runs per
-sequence with the kernel the padded forward calls, whose query results do not depend on the other rows
-or the key count). What is not: the parameter gradients, which are sums over tokens. Packing removes the
-padding rows from those sums (wgrad GEMMs over tokens, RMSNorm weights, the embedding's index_add, the
-lm_head's groups of 256 positions; under unified also the FP8 wgrad's 128-token quantization groups, which
-held padding tokens), so their rounding changes: measured 4e-8 (fp32) and 4e-3 (unified) of the gradient's
-norm, less than changing train.micro_batch_size moves the padded path's own gradient; the test states the
-bound it checks. Bit-for-bit gradients would need every reduction over tokens done per sequence in a fixed
-order on both paths (or the padded path computing packed rows itself).
+What is the same bits as the padded path under exact numerics (tests/unit/test_sequence_packing.py), for
+micro-batches holding the same sequences: every log-prob and entropy (the canonical GEMMs, norms and RoPE
+are row-local; attention runs per sequence with the kernel the padded forward calls), and the gradients
+and updated weights. Gradients are sums over tokens, so three things make both layouts sum alike:
+- every exact weight gradient (linears, RMSNorm weights) sums tokens in one order, 128-token blocks each a
+  chain from 0, the blocks added in order (`invariant.weight_grad`; the FP8 wgrad already did), in which a
+  token with a zero output gradient (padding) adds exact zeros;
+- each sequence starts on a 128-token boundary in both layouts: under exact numerics (`block` =
+  GRAD_BLOCK) a packed sequence is followed by its own padding up to a multiple of 128, the columns its
+  aligned padded row holds there (the same tokens at the same positions, attending the same keys), and
+  the padded forward widens its rows to a multiple of 128; so a sequence's blocks hold the same rows in
+  both (under unified the FP8 wgrad's 1x128 / 128x1 quantization groups along tokens too, whose scales
+  would otherwise see other padding or the next sequence), and the blocks of padding alone add zeros;
+  the attention backward's query blocks get the same shapes;
+- the lm_head sees the real response positions only, sequence by sequence, on both paths (`head_logprobs`),
+  so the head's weight gradient sums the same groups of 256 positions.
+Cost: up to 127 padding columns per sequence (3% at 2112 tokens, 20% at 320), and the fp32 / bf16 weight
+gradients (unified: the bf16 lm_head's) on the canonical kernel instead of BLAS (results/long-train/).
+Not shown equal: models with biases (autograd's sum over tokens) and MoE layers (tokens sent per expert).
 """
 
 from __future__ import annotations
