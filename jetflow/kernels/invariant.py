@@ -17,12 +17,14 @@ a pairwise tree; csrc/gemm.cpp), which also makes a row-parallel layer's result 
 tensor-parallel degree; attention one chain per query (csrc/attention.cpp). So the rollout engine and
 the trainer compute the same bits.
 
-Gradients: dgrad and attention's backward (a block of query rows at a time) run torch's kernels; the
-weight gradients' sums over tokens run `weight_grad`'s one order (packed and padded rows agree on it).
+Gradients: backward passes use torch's ordinary kernels (the values of the gradients need not be
+exact, only the forward that produces log-probs); attention's a block of query rows at a time, so that
+no (B, H, T, S) scores exist whole.
 
-CUDA: the same contract on jetflow's Triton kernels (jetflow.kernels.triton): `pack_weight` keeps W as it is,
-`matmul` / `gemm` / `fp8_gemm` run Triton GEMMs with the canonical reduction, `attention` the fixed-block
-online-softmax kernel: not the CPU's bits, but a row again the same whatever M, the batch or the KV cache.
+CUDA: the same contract on jetflow's Triton kernels (jetflow.kernels.triton): `pack_weight` keeps the
+(N, K) weight as it is, `matmul` / `gemm` / `fp8_gemm` run the Triton GEMMs with the same canonical
+reduction, and `attention` the fixed-block online-softmax kernel. They are not the CPU's bits (other hardware, other reduction
+shapes), but on the GPU a row again comes out the same whatever M, the batch or the KV cache.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from jetflow.kernels.cpu_build import KernelBuildError, load_library
 
 __all__ = ["KernelBuildError", "attention", "check_device", "decode_attention", "fp8_gemm", "gemm", "matmul",
            "pack_weight", "panel_width", "prepare_gemm", "prepare_quantized_fp8_gemm", "quantized_fp8_gemm",
-           "reference_attention", "weight_grad"]
+           "reference_attention"]
 
 
 def check_device(device: torch.device | str) -> None:
@@ -289,14 +291,8 @@ class _Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = (g2 @ weight.to(g2.dtype)).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad(g2, x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
         return grad_x, grad_w, None, None, None
-
-
-def weight_grad(g2: Tensor, x2: Tensor) -> Tensor:
-    """g2^T @ x2: (M, N), (M, K) -> (N, K) fp32 over the M tokens in the FP8 wgrad's order (128-token blocks, chains
-    from 0, added in order): zero rows add exact zeros, so packed and padded rows agree (jetflow.train.packing)."""
-    return gemm(g2.float().t(), pack_weight(x2.float().t()), x2.shape[1], groups=1)
 
 
 def matmul(x: Tensor, weight: Tensor, packed: Tensor, dot: str = "fp32", groups: int | None = None) -> Tensor:

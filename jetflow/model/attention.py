@@ -174,7 +174,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, H_kv, D)
         if self.q_norm is not None:
-            q, k = self.q_norm(q, plan.exact), self.k_norm(k, plan.exact)
+            q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(cache, PagedKVCache):
             y = paged_attention.fused_decode(self, q, k, v, cos, sin, plan, cache) if T == 1 else None
             if y is not None:
@@ -228,19 +228,11 @@ class Attention(nn.Module):
                 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
-GRAD_BLOCK = 128
-"""Token rows per block of the exact weight gradients' sums (jetflow.kernels.invariant.weight_grad). A
-forward that records a graph under exact numerics starts every sequence on a multiple of it: padded rows
-widened to one (`align_rows`' width), packed sequences each followed by their own padding up to one
-(jetflow.train.packing), so both layouts put the same tokens in the same blocks."""
-
-
-def align_rows(attention_mask: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def align_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact numerics on padded rows: slot = position. attention_mask (B, T) bool with one contiguous run
-    of real tokens per row (left-padded prompt, right-padded response) -> shift (B, width or T), back (B, T):
+    of real tokens per row (left-padded prompt, right-padded response) -> (shift, back), both (B, T):
     aligned column j holds original column shift[b, j] (each row's real tokens start at slot 0, as in
-    the rollout engine's cache; columns from T on repeat the last one); original column j holds aligned
-    column back[b, j]."""
+    the rollout engine's cache); original column j holds aligned column back[b, j]."""
     B, T = attention_mask.shape
     cols = torch.arange(T, device=attention_mask.device)
     start = attention_mask.long().argmax(-1)  # (B,) first real token
@@ -249,5 +241,4 @@ def align_rows(attention_mask: torch.Tensor, width: int | None = None) -> tuple[
     if not torch.equal(run, attention_mask):
         raise ValueError("exact numerics need each row's real tokens to be one contiguous run "
                          "(left-padded prompt, right-padded response)")
-    wide = torch.arange(width or T, device=attention_mask.device).clamp(max=T - 1)
-    return (start[:, None] + wide[None]) % T, (cols[None] - start[:, None]) % T
+    return (start[:, None] + cols[None]) % T, (cols[None] - start[:, None]) % T

@@ -28,7 +28,6 @@ import torch.nn as nn
 
 from jetflow.kernels import invariant
 from jetflow.model.attention import (  # noqa: F401  (re-exported: jetflow.model.decoder.apply_rope, ...)
-    GRAD_BLOCK,
     Attention,
     AttentionPlan,
     align_rows,
@@ -63,9 +62,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, plan: AttentionPlan, cache, routed_ids: torch.Tensor | None = None):
         """routed_ids (B, T, K): an MoE layer's replayed expert ids (SparseMoeBlock.route)."""
-        x = x + self.self_attn(self.input_layernorm(x, plan.exact), cos, sin, plan, cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache)
         ffn = getattr(self, self.ffn_name)
-        h = self.post_attention_layernorm(x, plan.exact)
+        h = self.post_attention_layernorm(x)
         x = x + (ffn(h, plan.exact) if routed_ids is None else ffn(h, plan.exact, routed_ids=routed_ids))
         return x  # (B, T, C)
 
@@ -191,22 +190,21 @@ class Decoder(nn.Module):
 
         return self._layers(input_ids, plan, cache, routed_experts)
 
-    def forward_packed(self, input_ids: torch.Tensor, lengths: list[int], routed_experts: torch.Tensor | None = None,
-                       real: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_packed(self, input_ids: torch.Tensor, lengths: list[int],
+                       routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (1, N, C) of sequences packed side by side in one row without padding:
         input_ids (1, N), N = sum(lengths), each sequence whole (prompt + response) at its own positions
         from 0 and attending only to itself (jetflow.model.attention.packed_plan). Under exact numerics a
         token's hidden state is the same bits as in `forward_hidden` of the padded batch: the linears,
         norms and RoPE are row-local, the attention runs per sequence with the same kernel.
-        routed_experts: (1, N, L_moe, K) as in `forward_hidden`. real: (1, N) bool, the real tokens where a
-        sequence carries its own padding (None: all real)."""
+        routed_experts: (1, N, L_moe, K) as in `forward_hidden`."""
         exact = self.numerics == "exact"
         if exact:
             invariant.check_device(input_ids.device)
         if input_ids.shape != (1, sum(lengths)):
             raise ValueError(f"packed input_ids must be (1, sum(lengths)) = (1, {sum(lengths)}), "
                              f"got {tuple(input_ids.shape)}")
-        self.last_token_mask = real
+        self.last_token_mask = None  # every token real
         return self._layers(input_ids, packed_plan(lengths, exact, input_ids.device), None, routed_experts)
 
     def _layers(self, input_ids: torch.Tensor, plan: AttentionPlan, cache: KVCache | None,
@@ -224,7 +222,7 @@ class Decoder(nn.Module):
                 call(layer, x, cos, sin, plan, cache, routed_ids)  # (B, T, C)
         if cache is not None:
             cache.advance_to(plan.end)
-        return self.model.norm(x, plan.exact)  # (B, T, C)
+        return self.model.norm(x)  # (B, T, C)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (..., C) of input_ids (...), on `embed_grid` when it is set (the precision
@@ -249,17 +247,13 @@ class Decoder(nn.Module):
     def _forward_aligned(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Exact numerics on padded rows: shift each row so its real tokens start at slot 0 (slot =
-        position, as in the rollout engine's cache), run, and shift the hidden states back. Recording a
-        graph, the rows are widened to a multiple of GRAD_BLOCK (the weight gradients' token blocks)."""
-        T = attention_mask.shape[1]
-        width = -(-T // GRAD_BLOCK) * GRAD_BLOCK if torch.is_grad_enabled() else T
-        shift, back = align_rows(attention_mask, width)  # (B, width), (B, T)
+        position, as in the rollout engine's cache), run, and shift the hidden states back."""
+        shift, back = align_rows(attention_mask)  # (B, T) each
         if routed_experts is not None:  # (B, T, L, K): the same shift
             routed_experts = routed_experts.to(shift.device).gather(
                 1, shift[:, :, None, None].expand(-1, -1, *routed_experts.shape[2:]))
-        hidden = self.forward_hidden(input_ids.gather(1, shift), routed_experts=routed_experts)  # (B, width, C)
-        cols = torch.arange(width, device=shift.device)
-        self.last_token_mask = cols[None] < attention_mask.sum(-1, keepdim=True)  # (B, width): real tokens first
+        hidden = self.forward_hidden(input_ids.gather(1, shift), routed_experts=routed_experts)  # (B, T, C)
+        self.last_token_mask = attention_mask.gather(1, shift)  # (B, T), in the aligned order the layers saw
         return hidden.gather(1, back[..., None].expand(-1, -1, hidden.shape[-1]))
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None) -> KVCache:

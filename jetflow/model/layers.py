@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetflow.kernels import invariant
 from jetflow.precision.linear import sibling_linears
 
 if TYPE_CHECKING:
@@ -28,34 +27,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        """exact: the weight's gradient summed over tokens in the exact weight gradients' order
-        (`invariant.weight_grad`), not by autograd's shape-dependent reduction; the same values forward."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalize in fp32, cast back, then scale: the same order as transformers (matters in bf16)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if exact and torch.is_grad_enabled() and self.weight.requires_grad:
-            return _ScaleByWeight.apply(x32.to(dtype), self.weight)
         return self.weight * x32.to(dtype)
-
-
-class _ScaleByWeight(torch.autograd.Function):
-    """weight * x (weight (C,), x (..., C)); backward: x's gradient as autograd's, the weight's by
-    `invariant.weight_grad` over the tokens."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return weight * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = (grad * weight).to(x.dtype) if ctx.needs_input_grad[0] else None
-        prod = (grad * x).reshape(-1, x.shape[-1])  # (tokens, C)
-        grad_w = invariant.weight_grad(prod.new_ones(prod.shape[0], 1), prod)[0].to(weight.dtype)  # (C,)
-        return grad_x, grad_w
 
 
 def silu_exact(x: torch.Tensor) -> torch.Tensor:

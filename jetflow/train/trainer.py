@@ -19,6 +19,7 @@ from torch import Tensor
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.model.moe import model_load_balancing_loss, replay_flip_fraction
+from jetflow.model.chunked_logprobs import chunked_token_logprobs
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy
@@ -27,7 +28,7 @@ from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
 from jetflow.train.checkpointing import enable_activation_checkpointing
-from jetflow.train.packing import PackedBatch, head_logprobs, micro_batches, packed_response_logprobs
+from jetflow.train.packing import PackedBatch, micro_batches, packed_response_logprobs
 from jetflow.train.reference import reference_nbytes
 
 
@@ -67,8 +68,8 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
     """log pi(a_t | s_t) of the response tokens under `model`: (B, R), fp32; with `with_entropy`,
     also the policy's entropy at each response position (B, R), detached.
 
-    Only the positions that predict real response tokens go through lm_head (the vocab projection is the
-    largest GEMM of a small model), 0 at padding. Logits are divided by the sampling temperature, as in the rollout.
+    Only the R columns that predict response tokens go through lm_head (the vocab projection is the
+    largest GEMM of a small model). Logits are divided by the sampling temperature, as in the rollout.
     `hidden`: the final hidden states (B, P + R, C) when already computed (a pipeline's last stage).
     `chunk_tokens` > 0: that many positions through lm_head at a time (train.logprob_chunk_tokens), 0: all
     at once; both through jetflow.model.chunked_logprobs, whose backward sums the head's gradient over
@@ -82,8 +83,8 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
         replay = {} if exp.routed_experts is None else {"routed_experts": exp.routed_experts}  # MoE routing replay
         hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask, **replay)  # (B, P + R, C)
     if isinstance(model.lm_head, nn.Module):
-        return head_logprobs(model.lm_head, hidden[:, P - 1:P + R - 1], exp, temperature, chunk_tokens,
-                             with_entropy)  # (B, R) [, (B, R)]: the real positions only, as a packed row
+        return chunked_token_logprobs(model.lm_head, hidden[:, P - 1:P + R - 1], exp.response_ids, temperature,
+                                      chunk_tokens, with_entropy)  # (B, R) [, (B, R)]
     logits = model.lm_head(hidden[:, P - 1:P + R - 1])  # (B, R, V)
     if with_entropy:  # the same log-probs (one log_softmax), and the entropy from it
         return token_logprobs_and_entropy(logits, exp.response_ids, temperature)
@@ -153,8 +154,7 @@ class Trainer:
         (the same forward, sharded and pipelined alike); on a pipeline every stage gets them."""
         if reference and self.reference is None:
             raise ValueError("reference log-probs: this trainer keeps no reference policy")
-        model = self.reference if reference else self.model
-        micro = micro_batches(exp, self.cfg, model)
+        model, micro = self.reference if reference else self.model, micro_batches(exp, self.cfg)
 
         def logprobs() -> Tensor:
             if pipelined(model):
@@ -212,7 +212,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         agg = self.algo.loss_agg
-        micro = micro_batches(exp, self.cfg, self.model)
+        micro = micro_batches(exp, self.cfg)
         total_denominator = self.dp.sum(sum(agg_denominator(mb.response_mask, agg) for mb in micro)) or 1.0
         sums: dict[str, float] = {}
         olds: list[Tensor] = []
@@ -341,7 +341,7 @@ class Trainer:
         """Supervised step: mean negative log-likelihood of the response tokens."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        micro = micro_batches(exp, self.cfg, self.model)
+        micro = micro_batches(exp, self.cfg)
         total_tokens = self.dp.sum(float(exp.response_mask.sum())) or 1.0
         loss_total = 0.0
 

@@ -45,9 +45,8 @@ def test_terms_of_the_tiny_model_by_hand():
     assert est.term("AdamW state") == 8 * P
     assert est.term("trainer copies") == 4 * (2 * (layer - 256) + 19 * 128)  # packed fp32 panels of every linear
     per_token = 2 * (32 * 128 + 8 * 64 + 24 * 384) + 16 * 128  # L x (a_h h + a_kv kv + a_i i) + 16 h
-    # exact numerics: each sequence's 20 + 44 positions widened to 128 (GRAD_BLOCK, the weight gradients' blocks)
-    assert est.term("activations") == 8 * 128 * per_token == 8 * 128 * 29696
-    assert est.term("backward working set") == 8 * 128 * (32 * 128 + 8 * 64 + 24 * 384)
+    assert est.term("activations") == 8 * 64 * per_token == 8 * 64 * 29696
+    assert est.term("backward working set") == 8 * 64 * (32 * 128 + 8 * 64 + 24 * 384)
     assert est.term("logits") == 4 * 256 * 19 * 4  # backward groups of 256 rows > forward 2 x 352 rows x V x 4
     first = me.estimate_train_step(cfg, derived, arch, batch=8, prompt_len=20, response_len=44, first_step_only=True)
     freed = est.term("activations") + est.term("backward working set") + est.term("logits")
@@ -57,7 +56,7 @@ def test_terms_of_the_tiny_model_by_hand():
                               "train.activation_checkpointing=true", "train.micro_batch_size=4")
     est = me.estimate_train_step(cfg, derived, arch, batch=8, prompt_len=20, response_len=44)
     fp8_layer = 20 * 128 + 8 * 64 + 20 * 384
-    assert est.term("activations") == 4 * 128 * (2 * 4 * 128 + fp8_layer + 16 * 128)  # inputs + one layer recomputed
+    assert est.term("activations") == 4 * 64 * (2 * 4 * 128 + fp8_layer + 16 * 128)  # inputs + one layer recomputed
     assert est.term("trainer copies") == 3 * 2 * (layer - 256) + 2 * 19 * 128  # FP8 bytes + panels + transposed; bf16 head
 
 
@@ -93,10 +92,10 @@ def test_activation_term_against_what_autograd_saves(mode):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    ids = torch.randint(3, 19, (3, 96))  # (B, T): exact numerics widen the rows to 128 positions (GRAD_BLOCK)
+    ids = torch.randint(3, 19, (3, 96))  # (B, T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.forward_hidden(ids, attention_mask=torch.ones_like(ids))
-    expected = 3 * 128 * (me.activation_bytes_per_token(arch, cfg.precision.precision_mode.trainer_kind, False)
+    expected = 3 * 96 * (me.activation_bytes_per_token(arch, cfg.precision.precision_mode.trainer_kind, False)
                          - me.SAVED_OUTSIDE_LAYERS * arch.hidden_size)  # the head's part is not in forward_hidden
     assert abs(sum(saved.values()) - expected) < 0.1 * expected, (sum(saved.values()), expected)
 

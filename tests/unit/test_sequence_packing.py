@@ -1,8 +1,8 @@
 """Sequence packing (train.max_tokens_per_micro_batch, jetflow.train.packing), against the padded path as
-the reference: under exact numerics the log-probs, entropies, loss, every gradient and the updated weights
-are torch.equal (fp32, bf16, unified, with chunked log-probs and activation checkpointing on the packed
-side) when the micro-batches hold the same sequences; the loss means the same (every algo.loss_agg); the
-layout, the grouping and the validation are checked by hand."""
+the reference: under exact numerics the log-probs and entropies are torch.equal (fp32, bf16, unified, with
+chunked log-probs and activation checkpointing), the loss means the same (every algo.loss_agg), and the
+gradients agree to the bound the module docstring states (they are sums over tokens, whose rounding
+order packing changes); the layout, the grouping and the validation are checked by hand."""
 
 import copy
 import functools
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from jetflow.config import ConfigError, derive, load_config
-from jetflow.model.attention import align_rows
 from jetflow.rl.experience import pack_experience
 from jetflow.rl.loss import AGGREGATIONS
 from jetflow.run.build import apply_mode, build_policy
@@ -100,38 +99,26 @@ def step(model, cfg, exp, budget: int, **kw):
     return t.train_step(e), grads, t
 
 
+# |g_packed - g_padded| / |g_padded| over every parameter, measured 4e-8 (fp32), 6e-10 (bf16), 4e-3 (unified:
+# the FP8 wgrad's 128-token quantization groups held padding tokens); micro_batch_size 2 -> 3 on the padded
+# path alone moves them by 1e-7, 2e-3 and 1e-2
+GRAD_BOUND = {"fp32": 1e-6, "bf16": 1e-5, "unified": 2e-2}
+
+
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "unified"])
-def test_a_packed_step_equals_the_padded_step_bit_for_bit(mode):
-    """Rows of the padded micro-batches' sequences ([0, 1], [2, 3], [4] under both: each sequence takes 128
-    columns of its row under exact numerics): the loss and entropy metrics, every parameter's gradient and
-    every updated weight are torch.equal, with chunking and checkpointing on the packed side. (Before the
-    weight gradients summed over tokens in one order on both layouts, they differed by 4e-8 of the norm in
-    fp32 and 4e-3 in unified.)"""
+def test_a_packed_step_has_the_padded_loss_and_entropy_and_gradients_to_the_bound(mode):
+    """Rows of the padded micro-batches' sequences ([0, 1], [2, 3], [4] under both): the loss and entropy
+    metrics are equal; the gradients, with chunking and checkpointing on the packed side, within the bound."""
     model, cfg = model_for(mode)
     exp = batch(model.config.vocab_size)
-    padded, g_ref, t_ref = step(model, cfg, exp, 0)
-    packed, g, t = step(model, cfg, exp, 256, chunk=16, checkpointing=True)
-    assert [mb.lengths for mb in micro_batches(exp, t.cfg, t.model)] == [[128, 128], [128, 128], [128]]
+    padded, g_ref, _ = step(model, cfg, exp, 0)
+    packed, g, t = step(model, cfg, exp, 100, chunk=16, checkpointing=True)
+    assert len(micro_batches(exp, t.cfg)) == 3
     for key in ("train/loss", "policy/entropy", "loss/policy", "loss/clip_frac"):
         assert packed[key] == padded[key], key
     assert g.keys() == g_ref.keys() and g
-    for name, grad in g_ref.items():
-        assert torch.equal(g[name], grad), name
-    weights, ref = dict(t.model.named_parameters()), dict(t_ref.model.named_parameters())
-    assert not torch.equal(ref["model.layers.0.mlp.up_proj.weight"], model.model.layers[0].mlp.up_proj.weight)  # moved
-    for name, w in ref.items():
-        assert torch.equal(weights[name], w), name
-
-
-def test_an_exact_packed_row_pads_each_sequence_to_the_gradient_block_with_its_padded_rows_columns():
-    model, cfg = model_for("fp32")
-    exp = batch(model.config.vocab_size)
-    mb = micro_batches(exp, load_config(TINY, ["train.max_tokens_per_micro_batch=256"]).train, model)[0]
-    assert mb.lengths == [128, 128] and mb.packed_ids.shape == (1, 256)
-    shift, _ = align_rows(exp.attention_mask[:2], 128)  # the padded forward's rows widened to 128 (T = 79)
-    assert torch.equal(mb.packed_ids[0], exp.input_ids[:2].gather(1, shift).reshape(-1))
-    assert mb.real[0].tolist() == [True] * 44 + [False] * 84 + [True] * 10 + [False] * 118
-    assert torch.equal(mb.packed_ids[0, mb.predict_at + 1], mb.response_ids.reshape(-1)[mb.response_at])
+    ref = flat(g_ref.values())
+    assert float((flat(g.values()) - ref).norm() / ref.norm()) <= GRAD_BOUND[mode]
 
 
 @pytest.mark.parametrize("agg", list(AGGREGATIONS))
@@ -141,9 +128,9 @@ def test_loss_agg_means_the_same_packed(agg):
     model, cfg = model_for("fp32")
     cfg = copy.deepcopy(cfg)
     cfg.algo.loss_agg = agg
-    exp = batch(model.config.vocab_size, LENGTHS[:3])  # 44, 10, 72 tokens (128 columns each): rows [0, 1], [2]
+    exp = batch(model.config.vocab_size, LENGTHS[:3])  # 44, 10, 72 tokens: rows [0, 1], [2] as padded
     padded = step(model, cfg, exp, 0)[0]["train/loss"]
-    assert step(model, cfg, exp, 256)[0]["train/loss"] == padded
+    assert step(model, cfg, exp, 60)[0]["train/loss"] == padded
     assert step(model, cfg, exp, 10_000)[0]["train/loss"] == pytest.approx(padded, rel=1e-6, abs=1e-9)
 
 
@@ -151,7 +138,7 @@ def test_the_sft_step_packs_too():
     model, cfg = model_for("fp32")
     exp = batch(model.config.vocab_size, LENGTHS[:3])
     padded = trainer(model, cfg, 0).sft_step(exp)["loss/sft"]
-    assert trainer(model, cfg, 256).sft_step(exp)["loss/sft"] == padded  # the same grouping: the same float
+    assert trainer(model, cfg, 60).sft_step(exp)["loss/sft"] == padded  # the same grouping: the same float
 
 
 def test_fast_numerics_packed_logprobs_match_closely():
