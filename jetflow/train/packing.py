@@ -36,6 +36,7 @@ from torch import Tensor
 
 from jetflow.config import TrainConfig
 from jetflow.model.chunked_logprobs import chunked_token_logprobs
+from jetflow.model.decoder import Decoder
 from jetflow.rl.experience import Experience
 
 
@@ -96,7 +97,7 @@ def packed_response_logprobs(model: nn.Module, mb: PackedBatch, temperature: flo
                              chunk_tokens: int = 0) -> Tensor | tuple[Tensor, Tensor]:
     """`jetflow.train.trainer.response_logprobs` of a packed micro-batch: (b, R) fp32 log-probs [and
     entropies], 0 at padding; only the M response positions go through lm_head."""
-    if not hasattr(model, "forward_packed"):
+    if not isinstance(model, Decoder):
         raise ValueError(f"train.max_tokens_per_micro_batch: {type(model).__name__} has no packed forward (the "
                          "native Decoder has); use train.backend=native or train.max_tokens_per_micro_batch=0")
     replay = {} if mb.packed_routing is None else {"routed_experts": mb.packed_routing}
