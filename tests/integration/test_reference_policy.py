@@ -33,6 +33,18 @@ def _batch(side: TrainerSide):
                            side.tokenizer.pad_token_id)
 
 
+def _first_update(side: TrainerSide):
+    """The reference's log-probs equal the trainer's before any update; then one update with them.
+    Returns (the batch, the reference's log-probs, the update's metrics)."""
+    trainer, exp = side.trainer, _batch(side)
+    ref = trainer.compute_logprobs(exp, reference=True)
+    assert torch.equal(ref, trainer.compute_logprobs(exp))
+    exp.old_logprobs = trainer.compute_logprobs(exp)
+    exp.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    exp.ref_logprobs = ref
+    return exp, ref, trainer.train_step(exp)
+
+
 @pytest.mark.parametrize("mode", ["unified", "bf16"])
 def test_the_reference_equals_the_trainer_bit_for_bit_until_the_first_update_and_stays_frozen(tmp_path, mode):
     cfg = _cfg(tmp_path, f"precision.mode={mode}", "algo.kl_coef=0.05")
@@ -46,14 +58,7 @@ def test_the_reference_equals_the_trainer_bit_for_bit_until_the_first_update_and
     else:
         assert not fp8
     assert not any(p.requires_grad for p in reference.parameters())
-    exp = _batch(side)
-    ref = trainer.compute_logprobs(exp, reference=True)
-    assert torch.equal(ref, trainer.compute_logprobs(exp))
-
-    exp.old_logprobs = trainer.compute_logprobs(exp)
-    exp.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    exp.ref_logprobs = ref
-    trainer.train_step(exp)  # the policy moves, the reference does not
+    exp, ref, _ = _first_update(side)  # the policy moves, the reference does not
     assert not torch.equal(trainer.compute_logprobs(exp), ref)
     assert torch.equal(trainer.compute_logprobs(exp, reference=True), ref)
 
@@ -112,14 +117,7 @@ def test_on_megatron_the_reference_is_a_frozen_policy_of_fp8_bytes_equal_to_the_
     assert not any(p.requires_grad for p in reference.parameters())
     assert reference_nbytes(reference) < reference_nbytes(side.model)
 
-    exp = _batch(side)
-    ref = trainer.compute_logprobs(exp, reference=True)
-    assert torch.equal(ref, trainer.compute_logprobs(exp))
-
-    exp.old_logprobs = trainer.compute_logprobs(exp)
-    exp.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    exp.ref_logprobs = ref
-    metrics = trainer.train_step(exp)
+    exp, ref, metrics = _first_update(side)
     assert metrics["loss/kl"] == 0.0  # pi = pi_ref in this first update
     after = trainer.compute_logprobs(exp)
     assert not torch.equal(after, ref)
