@@ -10,7 +10,8 @@ raw.jsonl as soon as it ends (so a partial table survives a cut-off). Sections, 
 
 The native rows also log the process's CPU seconds (`time.process_time`): with one thread
 (OMP_NUM_THREADS=1) that is the engine's own compute, which a loaded machine stretches far less than the
-wall clock, so two engines run side by side on a shared machine can be compared by it.
+wall clock, so two engines run side by side on a shared machine can be compared by it; and the share of
+those CPU seconds spent inside the exact paged attention kernels (`attention_cpu_share`, AttentionClock).
 
     python results/long-rollout/bench.py MODEL longtail B R N [continuous|static] | vllm B N | lengths B N [N ...]
 """
@@ -45,19 +46,50 @@ def prompts_for(tok, n: int, seed: int) -> list[list[int]]:
     return torch.randint(100, tok.vocab_size, (n, PROMPT), generator=g).tolist()
 
 
+class AttentionClock:
+    """CPU seconds spent inside the exact paged attention kernels (the fused decode step: RoPE, page write
+    and attention in one call; the prefill's paged attention), by wrapping jetflow.kernels.paged's two entry
+    points, which jetflow.model.paged_attention looks up at each call."""
+
+    NAMES = ("decode_attention_paged", "paged_attention")
+
+    def __init__(self):
+        from jetflow.kernels import paged
+        self.module, self.seconds, self.originals = paged, 0.0, {n: getattr(paged, n) for n in self.NAMES}
+        for name, fn in self.originals.items():
+            setattr(paged, name, self._timed(fn))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            t = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.process_time() - t
+        return timed
+
+    def close(self) -> None:
+        for name, fn in self.originals.items():
+            setattr(self.module, name, fn)
+
+
 def native(model, tok, prompts, batch: int, new_tokens: int, caps=None, continuous=True) -> dict:
     eng = RolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, max_batch=batch, max_seq_len=PROMPT + new_tokens,
                         continuous=continuous)
     warm = prompts[:2]
     eng.generate(warm, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True), seeds=list(range(len(warm))))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+    clock = AttentionClock()
     t, cpu = time.perf_counter(), time.process_time()
-    out = eng.generate(prompts, params, seeds=list(range(len(prompts))), max_new_tokens=caps)
+    try:
+        out = eng.generate(prompts, params, seeds=list(range(len(prompts))), max_new_tokens=caps)
+    finally:
+        clock.close()
     dt, cpu = time.perf_counter() - t, time.process_time() - cpu
     mem = eng.memory_stats()
     n = out.stats["new_tokens"]
     return {"seconds": round(dt, 1), "cpu_seconds": round(cpu, 1), "new_tokens": n, "tokens_per_s": round(n / dt, 1),
-            "tokens_per_cpu_s": round(n / cpu, 1),
+            "tokens_per_cpu_s": round(n / cpu, 1), "attention_cpu_share": round(clock.seconds / cpu, 3),
             "decode_steps": out.stats["decode_steps"], "preemptions": out.stats["preemptions"],
             "kv_page_dtype": mem["kv_page_dtype"], "kv_bytes_per_token": mem["kv_bytes_per_token"],
             "peak_kv_mib": round(mem["kv_cache_bytes"] / 2**20, 1)}
