@@ -22,6 +22,8 @@ The ablation file (configs/ablations/precision.yaml is the full example, with co
     compare:                         # optional: variant pairs [a, b] whose difference of means a - b
       - [mixed-none, bf16]           # (with its standard error over the seeds) the report tabulates in
                                      # every setting (jetflow.ablate.report)
+    shared_warmup:                   # optional: cells that differ only in these keys run one supervised
+      ignore: [algo.correction]      # warm-up between them (jetflow.ablate.warmups)
 
 A cell's id joins one label per axis (`mixed-token_mis-len64-seed0`): the value itself for
 precision.mode and algo.correction, `len<N>` for rollout.max_new_tokens, `seed<N>` for run.seed,
@@ -45,6 +47,7 @@ from typing import Any
 
 import yaml
 
+from jetflow.ablate.warmups import WARMUPS, SharedWarmup, parse_shared_warmup
 from jetflow.config import Config, ConfigError, load_config
 from jetflow.run.files import CONFIG_FILE
 from jetflow.run.validate import validate_run
@@ -78,9 +81,18 @@ class Ablation:
     grid: dict[str, Any] = field(default_factory=dict)
     compare: list[tuple[str, str]] = field(default_factory=list)
     """Variant pairs (a, b): the report's difference of means a - b per setting."""
+    shared_warmup: SharedWarmup | None = None
+    """Cells that would run the same supervised warm-up start from one (jetflow.ablate.warmups)."""
 
     def run_dir(self, cell: Cell) -> Path:
         return self.out_dir / RUNS / cell.id
+
+    def warmup_groups(self) -> dict[str, str]:
+        """cell id -> the name of the shared warm-up it starts from ({} without shared_warmup)."""
+        return self.shared_warmup.groups(self.cells) if self.shared_warmup else {}
+
+    def warmup_dir(self, name: str) -> Path:
+        return self.out_dir / WARMUPS / name
 
 
 def format_value(value: Any) -> str:
@@ -189,7 +201,7 @@ def load_ablation(path: str | Path, out_dir: str | Path | None = None) -> Ablati
     if not path.is_file():
         raise ConfigError(f"ablation file not found: {path}")
     spec = yaml.safe_load(path.read_text()) or {}
-    known = {"name", "base_config", "overrides", "grid", "extra", "out_dir", "compare"}
+    known = {"name", "base_config", "overrides", "grid", "extra", "out_dir", "compare", "shared_warmup"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown}; valid keys: {sorted(known)}")
@@ -203,6 +215,7 @@ def load_ablation(path: str | Path, out_dir: str | Path | None = None) -> Ablati
     ab = Ablation(name=name, source=path, base_config=base_path, overrides=[str(o) for o in overrides],
                   cells=expand_grid(spec.get("grid"), spec.get("extra")), out_dir=out, grid=spec.get("grid") or {})
     ab.compare = _parse_compare(spec.get("compare"), ab, path)
+    ab.shared_warmup = parse_shared_warmup(spec.get("shared_warmup"), path)
     return ab
 
 
@@ -229,13 +242,25 @@ def cell_config(ab: Ablation, cell: Cell, resume: bool = False) -> Config:
     return load_config(ab.base_config, [*ab.overrides, *cell.overrides, *extra])
 
 
+def warmup_config(ab: Ablation, name: str) -> Config:
+    """A shared warm-up's run: its first cell's config with no RL step, in warmups/. (Its held-out evaluation
+    stays: eval.num_prompts also decides which prompts are held out of training, the warm-up's included.)"""
+    cell = next(c for c in ab.cells if c.id == name)
+    resume = ["run.resume=true"] if ab.warmup_dir(name).exists() else []
+    return load_config(ab.base_config, [*ab.overrides, *cell.overrides, "train.steps=0",
+                                        f"run.out_dir={ab.out_dir / WARMUPS}", f"run.name={name}", *resume])
+
+
 def resolve_cells(ab: Ablation, cells: list[Cell]) -> dict[str, Config]:
     """Every cell's config, through the pre-run pass (a cell whose run directory exists resumes it, with
-    the same config); raise ConfigError naming the first bad cell."""
-    configs = {}
+    the same config; so does a cell that starts from a shared warm-up); raise ConfigError naming the first
+    bad cell."""
+    configs, shared = {}, ab.warmup_groups()
     for cell in cells:
         try:
-            cfg = cell_config(ab, cell, resume=ab.run_dir(cell).exists())
+            cfg = cell_config(ab, cell, resume=ab.run_dir(cell).exists() or cell.id in shared)
+            if cell.id in shared and not cfg.train.sft_warmup_steps:
+                raise ConfigError("shared_warmup: this cell has no supervised warm-up (train.sft_warmup_steps=0)")
             validate_run(cfg)
         except ConfigError as e:
             raise ConfigError(f"cell {cell.id!r} ({' '.join(cell.overrides)}): {e}") from None

@@ -23,9 +23,12 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from jetflow.ablate.grid import load_ablation, resolve_cells, select
+from jetflow.ablate.grid import Ablation, load_ablation, resolve_cells, select, warmup_config
 from jetflow.ablate.report import write_report
-from jetflow.run.files import ERROR_FILE, run_status
+from jetflow.ablate.warmups import start_from_warmup
+from jetflow.config import Config, ConfigError
+from jetflow.run.files import COMPLETE, ERROR_FILE, holds_a_run, run_status
+from jetflow.run.validate import validate_run
 from jetflow.run.stop import RunStopped
 
 
@@ -37,12 +40,15 @@ def run_ablation(path: str | Path, out_dir: str | Path | None = None, only: list
     ab = load_ablation(path, out_dir)
     cells = select(ab.cells, only)
     configs = resolve_cells(ab, cells)
+    shared = {cid: name for cid, name in ab.warmup_groups().items() if cid in configs}
+    warmups = _resolve_warmups(ab, set(shared.values()))
     if dry_run:
         base = ab.base_config or "(defaults)"
         print(f"ablation {ab.name}: {len(cells)} of {len(ab.cells)} cells, base {base}, out_dir {ab.out_dir}")
         print(f"common overrides: {' '.join(ab.overrides) or '(none)'}")
         for cell in cells:
-            print(f"  {cell.id:<32} [{run_status(ab.run_dir(cell))}]  {' '.join(cell.overrides)}")
+            start = f"  (from warm-up {shared[cell.id]})" if cell.id in shared else ""
+            print(f"  {cell.id:<32} [{run_status(ab.run_dir(cell))}]  {' '.join(cell.overrides)}{start}")
         return 0
 
     from jetflow.bench.common import command_line
@@ -61,6 +67,12 @@ def run_ablation(path: str | Path, out_dir: str | Path | None = None, only: list
         (run_dir / ERROR_FILE).unlink(missing_ok=True)
         t0 = time.perf_counter()
         try:
+            if cell.id in shared and not holds_a_run(run_dir):
+                name = shared[cell.id]
+                if not (ab.warmup_dir(name) / COMPLETE).exists():
+                    log(f"[ablate] shared warm-up {name}: {'resuming' if ab.warmup_dir(name).exists() else 'starting'}")
+                    train(warmups[name])
+                start_from_warmup(ab.warmup_dir(name), run_dir)
             train(configs[cell.id])
         except RunStopped:
             write_report(ab, command)
@@ -81,3 +93,15 @@ def run_ablation(path: str | Path, out_dir: str | Path | None = None, only: list
     if failed:
         log(f"[ablate] {len(failed)} cell(s) failed: {failed}")
     return 1 if failed else 0
+
+
+def _resolve_warmups(ab: Ablation, names: set[str]) -> dict[str, Config]:
+    """The shared warm-ups' configs, through the pre-run pass; raise ConfigError naming a bad one."""
+    configs = {}
+    for name in sorted(names):
+        try:
+            configs[name] = warmup_config(ab, name)
+            validate_run(configs[name])
+        except ConfigError as e:
+            raise ConfigError(f"shared warm-up {name!r}: {e}") from None
+    return configs

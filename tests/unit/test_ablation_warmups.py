@@ -1,0 +1,67 @@
+"""Shared supervised warm-ups (jetflow.ablate.warmups): a cell started from its group's warm-up is the cell
+run whole, bit for bit, and the warm-up runs once for the group."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from jetflow.ablate import load_ablation, run_ablation
+from jetflow.config import ConfigError
+from jetflow.metrics_log import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ["train.steps=2", "train.sft_warmup_steps=6", "train.prompts_per_step=2", "rollout.group_size=2",
+          "eval.num_prompts=4", "task.format_weight=0.5", "run.num_threads=1", "run.progress=false",
+          "run.tensorboard=false"]  # (a format reward: the groups' rewards differ, so the RL steps move the weights)
+SHARED = {"ignore": ["algo.correction"]}
+
+
+def ablation(tmp_path: Path, name: str, shared: dict | None) -> Path:
+    spec = {"name": name, "base_config": str(ROOT / "configs/tiny.yaml"), "overrides": COMMON,
+            "grid": {"precision.mode": ["bf16", "mixed", "unified"],
+                     "algo.correction": {"values": ["none", "token_tis"], "only_when": {"precision.mode": "mixed"}}}}
+    if shared is not None:
+        spec["shared_warmup"] = shared
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+
+
+def test_groups_follow_the_keys_the_warm_up_cannot_see(tmp_path):
+    ab = load_ablation(ablation(tmp_path, "g", SHARED), tmp_path / "out")
+    assert ab.warmup_groups() == {"bf16": "bf16", "mixed-none": "mixed-none", "mixed-token_tis": "mixed-none",
+                                  "unified": "unified"}
+    assert load_ablation(ablation(tmp_path, "n", None), tmp_path / "out").warmup_groups() == {}
+    bad = ablation(tmp_path, "b", {"ignore": "algo.correction"})
+    with pytest.raises(ConfigError, match="shared_warmup takes `ignore`, a list"):
+        load_ablation(bad)
+
+
+def test_a_cell_from_the_shared_warm_up_is_the_cell_run_whole(tmp_path):
+    logs: list[str] = []
+    shared_out, whole_out = tmp_path / "shared", tmp_path / "whole"
+    assert run_ablation(ablation(tmp_path, "s", SHARED), out_dir=shared_out, only=["mixed-*"], command="test",
+                        log=logs.append) == 0
+    assert sum("shared warm-up mixed-none: starting" in line for line in logs) == 1  # once for both mixed cells
+    assert run_ablation(ablation(tmp_path, "w", None), out_dir=whole_out, only=["mixed-token_tis"], command="test",
+                        log=logs.append) == 0
+
+    warmup = shared_out / "warmups" / "mixed-none"
+    assert (warmup / "COMPLETE").exists() and read_metrics(warmup) == []  # no RL step
+    shared, whole = shared_out / "runs" / "mixed-token_tis", whole_out / "runs" / "mixed-token_tis"
+    # the correction is RL-only: mixed-token_tis's own warm-up is mixed-none's, so its RL starts where it would have
+    for step in ("step_000000", "step_000002"):
+        a, b = (load_file(str(run / "checkpoints" / step / "model.safetensors")) for run in (shared, whole))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
+    assert without_times(read_metrics(shared, "sft")) == without_times(read_metrics(whole, "sft"))
+    assert without_times(read_metrics(shared)) == without_times(read_metrics(whole))
+    assert any(r["train/loss"] != 0 for r in read_metrics(whole))  # the RL steps did move the weights
+    assert without_times(read_metrics(shared, "eval")) == without_times(read_metrics(whole, "eval"))
+    assert (shared_out / "runs" / "mixed-none" / "COMPLETE").exists()
