@@ -2,7 +2,8 @@
 
   recipe.py        FP8Recipe: one recipe, its family (fp8_block, mxfp8, nvfp4) fixing each operand's
                    format, block shape and scales; the fingerprint both sides check
-  modes.py         the precision modes of a run (fp32, bf16, mixed, unified)
+  modes.py         the precision vocabulary: the modes of a run (fp32, bf16, mixed, unified), kinds, numerics
+  plan.py          Precision: a run's precision resolved once (mode, recipe, numerics, backend), handed to each side
   quant.py         fp8_block quantization (128x128 weight blocks, 1x128 groups), the numerical reference
   mx.py            the microscaled quantizers: MXFP8 (1x32 blocks, E8M0 scales),
   nvfp4.py         NVFP4 (E2M1 values in 16-element blocks, E4M3 block scales, an fp32 scale above),

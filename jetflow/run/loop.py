@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from jetflow.config import Config, resolve_correction
+from jetflow.config import Config, Derived
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import apply_correction, group_advantages, low_prob_metrics, mismatch_metrics
 from jetflow.rl.correction import ROW_LOCAL
@@ -81,14 +81,14 @@ class Sampled:
 
 
 class RLLoop:
-    def __init__(self, cfg: Config, trainer: PolicyTrainer, rollout: RolloutEngineSide, task: Task,
-                 encode_prompt: Callable[[Problem], list[int]], pad_id: int, fingerprint: str | None,
+    def __init__(self, cfg: Config, derived: Derived, trainer: PolicyTrainer, rollout: RolloutEngineSide, task: Task,
+                 encode_prompt: Callable[[Problem], list[int]], pad_id: int,
                  kv_quantizer: KVCalibration | None = None, dp: DataParallel = SINGLE):
         self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task
         self.dp = dp  # data-parallel ranks: each runs its share of the step's prompt groups
-        self.encode_prompt, self.pad_id, self.fingerprint = encode_prompt, pad_id, fingerprint
+        self.encode_prompt, self.pad_id, self.precision = encode_prompt, pad_id, derived.precision
         self.kv_quantizer = kv_quantizer  # the trainer's FP8 KV quantizer (precision.kv_cache_fp8), or None
-        self.correction = resolve_correction(cfg)
+        self.correction = derived.correction  # `auto` resolved by jetflow.config.derive
         # pi_old from the training forward itself: one update per rollout and per-sequence weights.
         # (a KL penalty in the reward needs pi_old before the advantages: a separate forward)
         self.kl_in_reward = cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "reward"
@@ -109,7 +109,7 @@ class RLLoop:
         kv_scales = None
         if self.kv_quantizer is not None:  # per-step recalibration from the trainer's latest forward,
             kv_scales = self.kv_quantizer.recalibrate(self.dp)  # one scale per layer across data-parallel ranks
-        update = self.trainer.weight_update(self.cfg.precision.mode, self.fingerprint, kv_scales)
+        update = self.trainer.weight_update(self.precision.mode.value, self.precision.fingerprint, kv_scales)
         self.rollout.load_weights(update)
         return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(update.nbytes())}
 

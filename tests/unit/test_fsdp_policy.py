@@ -27,7 +27,7 @@ def test_fsdp_policy_ships_and_computes_with_the_current_weights_after_each_step
     torch.manual_seed(0)
     decoder = Decoder(ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                                   num_kv_heads=2, head_dim=32, tie_word_embeddings=True))
-    policy = FSDPPolicy(apply_mode(decoder, cfg, derive(cfg), "trainer"))
+    policy = FSDPPolicy(apply_mode(decoder, derive(cfg).precision, "trainer"))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     ids = torch.randint(0, 64, (2, 9))
     for _ in range(3):
@@ -38,7 +38,7 @@ def test_fsdp_policy_ships_and_computes_with_the_current_weights_after_each_step
         with torch.no_grad():
             logits = policy.lm_head(policy.forward_hidden(ids))
         # a plain Decoder with the gathered weights, under the same mode
-        reference = apply_mode(copy_model(policy), cfg, derive(cfg), "trainer")
+        reference = apply_mode(copy_model(policy), derive(cfg).precision, "trainer")
         assert shipped and set(shipped) == set(fp8_linears(reference))
         for name, layer in fp8_linears(reference).items():
             expected = layer.quantized_weight()

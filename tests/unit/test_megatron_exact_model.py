@@ -139,7 +139,7 @@ def test_row_parallel_k_that_cannot_split_is_refused_naming_the_layer():
     ("tiny.yaml", ["train.backend=megatron", "train.tensor_parallel_size=2"], "fast"),  # o_proj K = 128
 ])
 def test_auto_numerics_with_megatron(config, overrides, numerics):
-    assert derive(load_config(ROOT / "configs" / config, overrides)).numerics == numerics
+    assert derive(load_config(ROOT / "configs" / config, overrides)).precision.numerics == numerics
 
 
 def test_exact_asked_where_tensor_parallelism_cannot_split_is_refused():
