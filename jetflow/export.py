@@ -66,7 +66,7 @@ def fp8_state_dict(model: nn.Module, recipe: FP8Recipe) -> dict[str, torch.Tenso
 def _quantized(model: nn.Module, recipe: FP8Recipe) -> dict[str, QuantizedTensor]:
     """The bytes the model's FP8 linears compute with under `recipe` (a trainer's, a loaded export's)."""
     if isinstance(model, ShardedPolicy):
-        if getattr(model, "recipe", None) != recipe or getattr(model, "kind", "fp8") != "fp8":
+        if model.recipe != recipe or model.kind != "fp8":
             raise ValueError(f"the policy's linears do not run recipe {recipe.fingerprint()} in FP8: no bytes "
                              "to export")
         return model.quantized_weights()

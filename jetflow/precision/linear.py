@@ -216,6 +216,15 @@ def apply_precision(model: nn.Module, kind: str, recipe: FP8Recipe | None = None
     return model
 
 
+def linear_precision(model: nn.Module) -> tuple[str, FP8Recipe | None]:
+    """(kind, recipe) a model's PrecisionLinears run, as a policy reports them: `fp8` and the recipe when
+    any linear runs it (the recipe keeps some in bf16), else bf16 when any runs bf16, else fp32."""
+    kinds = {m.kind: m.recipe for m in model.modules() if isinstance(m, PrecisionLinear)}
+    if "fp8" in kinds:
+        return "fp8", kinds["fp8"]
+    return ("bf16" if "bf16" in kinds else "fp32"), None
+
+
 def fp8_linears(model: nn.Module) -> dict[str, PrecisionLinear]:
     """The FP8 linear layers of a model by module name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, PrecisionLinear) and m.kind == "fp8"}

@@ -58,3 +58,17 @@ def test_derive_hands_down_the_configs_precision_and_correction():
     assert (d.precision.mode.value, d.precision.gemm_backend, d.precision.kv_cache_fp8) == ("mixed", "emulate", True)
     assert d.correction == "token_tis"  # auto under mixed
     assert derive(load_config("configs/tiny.yaml", ["precision.mode=unified"])).correction == "none"
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_model_reports_the_kind_and_recipe_its_linears_run(mode):
+    """What an FSDPPolicy reports to export (the ShardedPolicy's kind / recipe): its linears' own state."""
+    from jetflow.model import Decoder, ModelConfig
+    from jetflow.precision.linear import linear_precision
+    from jetflow.run.build import apply_mode
+
+    precision = Precision.resolve(mode, FP8Recipe(), "fast")
+    model = apply_mode(Decoder(ModelConfig(vocab_size=32, hidden_size=128, intermediate_size=128, num_layers=2,
+                                           num_heads=2, num_kv_heads=1, head_dim=64)), precision, "trainer")
+    expected = precision.recipe if precision.trainer_quantizes else None
+    assert linear_precision(model) == (precision.trainer_kind, expected)
