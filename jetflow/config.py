@@ -307,12 +307,12 @@ def _valid_keys(node: Any) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else []
 
 
-def resolve_correction(cfg: Config, precision: Precision) -> str:
+def resolve_correction(cfg: Config) -> str:
     """algo.correction with `auto` resolved: the modes whose rollout policy differs by construction
     (mixed) get token TIS, the others none."""
     if cfg.algo.correction != "auto":
         return cfg.algo.correction
-    return "token_tis" if precision.off_policy_by_design else "none"
+    return "token_tis" if cfg.precision.precision_mode.off_policy_by_design else "none"
 
 
 @dataclass(frozen=True)
@@ -327,12 +327,12 @@ class Derived:
 
 def derive(cfg: Config) -> Derived:
     """The config's derived values; a recipe field out of range raises the recipe's ValueError."""
-    p, tiny = cfg.precision, cfg.model.tiny
+    p, tiny, correction = cfg.precision, cfg.model.tiny, resolve_correction(cfg)
     split = cfg.train.backend == "megatron" and cfg.model.path == "tiny"  # a checkpoint's Ks: when the policy is built
     precision = Precision.resolve(p.precision_mode, p.recipe(), p.numerics, p.gemm_backend, p.kv_cache_fp8,
                                   cfg.model.device, (tiny.hidden_size, tiny.intermediate_size) if split else (),
                                   cfg.train.tensor_parallel_size)
-    return Derived(precision, resolve_correction(cfg, precision))
+    return Derived(precision, correction)
 
 
 def _explain(e: OmegaConfBaseException) -> ConfigError:

@@ -266,8 +266,8 @@ def attach_kv_fp8(model: Decoder, precision: Precision, side: Side) -> KVQuantiz
     observing amax to calibrate the rollout's scales). (It replaces the bf16 mode's K/V rounding, `kv_rounding`.)"""
     if not precision.kv_cache_fp8:
         return None
-    quantizer = KVQuantizer(model.config.num_layers, margin=precision.recipe.margin, apply=precision.quantizes_kv(side))
-    return attach_kv(model, quantizer)
+    return attach_kv(model, KVQuantizer(model.config.num_layers, margin=precision.recipe.margin,
+                                        apply=precision.quantizes_kv(side)))
 
 
 def kv_rounding(mode: PrecisionMode) -> BF16KVRounding | None:

@@ -112,15 +112,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
                             share_embeddings_and_output_weights=config.tie_word_embeddings and pp == 1,
                             parallel_output=True)
         if self.last_stage:
-            # GPTModel hard-codes Megatron's ColumnParallelLinear for lm_head: swap in ours (same layout)
-            column, _ = _linear_classes()
-            old = self.gpt.output_layer
-            self.gpt.output_layer = column(
-                config.hidden_size, self.padded_vocab, config=mcfg, init_method=mcfg.init_method, bias=False,
-                gather_output=False, skip_weight_param_allocation=config.tie_word_embeddings and pp == 1,
-                tp_group=self.tp_group)
-            if old.weight is not None:
-                self.gpt.output_layer.weight = old.weight
+            self._swap_output_layer(mcfg, tied=config.tie_word_embeddings and pp == 1)
         use_jetflow_dispatchers(self.gpt)  # Megatron's all-gather dispatcher assumes CUDA (moe.py)
         # this stage's parameter names -> the names of the one-stage model (global layer numbers);
         # the tied copy has none (it is the embedding's)
@@ -137,6 +129,16 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         self._num_params = self._count_params()
 
     # Construction helpers ----------------------------------------------------------------------
+    def _swap_output_layer(self, mcfg, tied: bool) -> None:
+        """GPTModel hard-codes Megatron's ColumnParallelLinear for lm_head: ours instead (same layout and weight)."""
+        column, _ = _linear_classes()
+        old = self.gpt.output_layer
+        self.gpt.output_layer = column(
+            self.config.hidden_size, self.padded_vocab, config=mcfg, init_method=mcfg.init_method, bias=False,
+            gather_output=False, skip_weight_param_allocation=tied, tp_group=self.tp_group)
+        if old.weight is not None:
+            self.gpt.output_layer.weight = old.weight
+
     @classmethod
     def from_decoder(cls, decoder: Decoder, **kwargs) -> "MegatronPolicy":
         """A policy with `decoder`'s config and weights (kwargs as in __init__)."""
