@@ -19,7 +19,7 @@ from jetflow.errors import UserError
 from jetflow.model.model_config import MOE_TYPES
 from jetflow.precision.modes import PRECISION_MODES, PrecisionMode
 from jetflow.precision.plan import Precision
-from jetflow.precision.recipe import FAMILIES, FORMATS, SCALE_RULES, FP8Recipe
+from jetflow.precision.recipe import FAMILIES, FORMATS, SCALE_RULES, QuantRecipe
 
 
 class ConfigError(UserError, ValueError):
@@ -43,7 +43,7 @@ class PrecisionConfig:
     """fp32 scale_inv = amax / 448, or pow2 (rounded up to a power of two)."""
     margin: int = 0
     """Extra headroom in powers of two."""
-    keep_high_precision: list[str] = field(default_factory=lambda: list(FP8Recipe().keep_high_precision))
+    keep_high_precision: list[str] = field(default_factory=lambda: list(QuantRecipe().keep_high_precision))
     """Module-name patterns that stay in bf16 (default: the recipe's own list: embeddings, lm_head, norms,
     MoE routers)."""
     keep_first_layers: int = 0
@@ -64,8 +64,8 @@ class PrecisionConfig:
     def precision_mode(self) -> PrecisionMode:
         return PrecisionMode(self.mode)
 
-    def recipe(self) -> FP8Recipe:
-        return FP8Recipe(family=self.family, fmt=self.fmt, weight_block=tuple(self.weight_block),
+    def recipe(self) -> QuantRecipe:
+        return QuantRecipe(family=self.family, fmt=self.fmt, weight_block=tuple(self.weight_block),
                          group_size=self.group_size, scale_rule=self.scale_rule, margin=self.margin,
                          keep_high_precision=tuple(self.keep_high_precision),
                          keep_first_layers=self.keep_first_layers, keep_last_layers=self.keep_last_layers)

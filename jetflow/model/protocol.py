@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from jetflow.model.model_config import ModelConfig
-    from jetflow.precision import FP8Recipe, QuantizedTensor
+    from jetflow.precision import QuantRecipe, QuantizedTensor
 
 
 @runtime_checkable
@@ -42,7 +42,7 @@ class ShardedPolicy(TrainablePolicy, Protocol):
 
     kind: str
     """The GEMM kind its linears run (jetflow.precision.modes.LINEAR_KINDS)."""
-    recipe: "FP8Recipe | None"
+    recipe: "QuantRecipe | None"
     """The recipe its fp8 linears run (None when none is given): `quantized_weights` are its bytes."""
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]: ...

@@ -17,7 +17,7 @@ from typing import Literal
 
 from jetflow.kernels.support import exact_kernels_missing, unsplit_row_parallel_k
 from jetflow.precision.modes import NUMERICS, PrecisionMode
-from jetflow.precision.recipe import FP8Recipe
+from jetflow.precision.recipe import QuantRecipe
 
 Side = Literal["trainer", "rollout"]
 
@@ -27,7 +27,7 @@ class Precision:
     """What a run computes in, resolved (`resolve`): handed to each side, never recomputed."""
 
     mode: PrecisionMode
-    recipe: FP8Recipe
+    recipe: QuantRecipe
     """The run's recipe (its family: fp8_block, mxfp8 or nvfp4), whichever side quantizes with it."""
     numerics: str = "fast"
     """NUMERICS, `auto` resolved: exact wherever the batch-invariant kernels run (see `resolve`)."""
@@ -43,7 +43,7 @@ class Precision:
             raise ValueError(f"Precision numerics={self.numerics!r}: valid values are {NUMERICS}")
 
     @classmethod
-    def resolve(cls, mode: PrecisionMode | str, recipe: FP8Recipe, numerics: str = "auto", gemm_backend: str = "auto",
+    def resolve(cls, mode: PrecisionMode | str, recipe: QuantRecipe, numerics: str = "auto", gemm_backend: str = "auto",
                 kv_cache_fp8: bool = False, device: str = "cpu", row_parallel_ks: tuple[int, ...] = (),
                 tensor_parallel_size: int = 1) -> "Precision":
         """The precision of a run on `device`. `numerics="auto"` is exact where the exact kernels run and
@@ -101,7 +101,7 @@ class Precision:
         return self.recipe.fingerprint() if self.quantizes else None
 
     @property
-    def shipped_recipe(self) -> FP8Recipe | None:
+    def shipped_recipe(self) -> QuantRecipe | None:
         """The recipe a rollout engine is handed (modes that quantize), else None."""
         return self.recipe if self.quantizes else None
 

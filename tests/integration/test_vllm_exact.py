@@ -21,7 +21,7 @@ import torch
 
 from jetflow.config import derive, load_config
 from jetflow.model import load_hf_dir
-from jetflow.precision import FP8Recipe, RecipeMismatchError
+from jetflow.precision import QuantRecipe, RecipeMismatchError
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.vllm import UnservedError, VLLMRollout, import_vllm
 from jetflow.run.build import apply_mode, attach_kv_fp8, build_policy, build_task, copy_model
@@ -209,7 +209,7 @@ def test_greedy_logprobs_equal_the_native_engine_also_after_updates(mode, tmp_pa
         refused = [(StaleWeightsError, build_update(trainer, mode, 2, precision.fingerprint)),
                    (ValueError, build_update(trainer, "bf16" if mode == "unified" else "unified", 3, precision.fingerprint))]
         if mode == "unified":
-            refused.append((RecipeMismatchError, build_update(trainer, mode, 3, FP8Recipe(scale_rule="pow2").fingerprint())))
+            refused.append((RecipeMismatchError, build_update(trainer, mode, 3, QuantRecipe(scale_rule="pow2").fingerprint())))
         partial = build_update(trainer, mode, 3, precision.fingerprint)
         partial.tensors.pop("model.norm.weight")
         refused.append((KeyError, partial))

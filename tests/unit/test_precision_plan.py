@@ -9,7 +9,7 @@ import pytest
 
 from jetflow.config import derive, load_config
 from jetflow.precision.plan import Precision
-from jetflow.precision.recipe import FP8Recipe
+from jetflow.precision.recipe import QuantRecipe
 
 # mode -> (trainer kind, rollout kind, trainer quantizes, rollout quantizes, fingerprint carried, off-policy)
 MODES = {
@@ -22,7 +22,7 @@ MODES = {
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_each_mode_answers_the_sides_questions(mode):
-    recipe = FP8Recipe(family="mxfp8")
+    recipe = QuantRecipe(family="mxfp8")
     p = Precision.resolve(mode, recipe, "fast")
     trainer, rollout, tq, rq, carried, off = MODES[mode]
     assert (p.linear_kind("trainer"), p.linear_kind("rollout")) == (trainer, rollout)
@@ -33,17 +33,17 @@ def test_each_mode_answers_the_sides_questions(mode):
 
 
 def test_auto_numerics_is_exact_on_the_cpu_and_fast_where_the_kernels_cannot_run():
-    assert Precision.resolve("unified", FP8Recipe(), "auto", device="cpu").is_exact
-    meta = Precision.resolve("unified", FP8Recipe(), "auto", device="meta")
+    assert Precision.resolve("unified", QuantRecipe(), "auto", device="cpu").is_exact
+    meta = Precision.resolve("unified", QuantRecipe(), "auto", device="meta")
     assert meta.numerics == "fast" and "model.device=meta" in meta.exact_blocker
     # a Megatron TP=2 that cannot split a row-parallel K of 96 (one 96-wide canonical group)
-    split = Precision.resolve("bf16", FP8Recipe(), "auto", row_parallel_ks=(256, 96), tensor_parallel_size=2)
+    split = Precision.resolve("bf16", QuantRecipe(), "auto", row_parallel_ks=(256, 96), tensor_parallel_size=2)
     assert split.numerics == "fast" and "row-parallel K of 96" in split.exact_blocker
-    assert Precision.resolve("bf16", FP8Recipe(), "fast").numerics == "fast"  # asked for by name
+    assert Precision.resolve("bf16", QuantRecipe(), "fast").numerics == "fast"  # asked for by name
 
 
 def test_it_is_immutable_and_refuses_numerics_outside_the_vocabulary():
-    p = Precision.resolve("mixed", FP8Recipe())
+    p = Precision.resolve("mixed", QuantRecipe())
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.numerics = "fast"  # type: ignore[misc]
     with pytest.raises(ValueError, match="numerics='auto'"):
@@ -67,7 +67,7 @@ def test_a_model_reports_the_kind_and_recipe_its_linears_run(mode):
     from jetflow.precision.linear import linear_precision
     from jetflow.run.build import apply_mode
 
-    precision = Precision.resolve(mode, FP8Recipe(), "fast")
+    precision = Precision.resolve(mode, QuantRecipe(), "fast")
     model = apply_mode(Decoder(ModelConfig(vocab_size=32, hidden_size=128, intermediate_size=128, num_layers=2,
                                            num_heads=2, num_kv_heads=1, head_dim=64)), precision, "trainer")
     expected = precision.recipe if precision.trainer_quantizes else None

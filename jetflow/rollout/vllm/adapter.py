@@ -63,7 +63,7 @@ import torch
 
 from jetflow.errors import MissingDependencyError
 from jetflow.model.model_config import MOE_TYPES
-from jetflow.precision import FP8Recipe, check_fingerprint
+from jetflow.precision import QuantRecipe, check_fingerprint
 from jetflow.rollout.stop import final_text, hits_stop, stop_window
 from jetflow.rollout.types import Rollouts
 from jetflow.rollout.vllm.payload import (check_exact_update, check_payload, checkpoint_shapes, engine_payload,
@@ -92,7 +92,7 @@ class VLLMRollout:
     """jetflow's RolloutEngineSide protocol (`weight_version`, `load_weights`, `generate`) on vLLM."""
 
     def __init__(self, model_dir: str | Path, *, execution: str = "auto", dtype: str = "float32",
-                 recipe: FP8Recipe | None = None, eos_token_ids: list[int] | None = None,
+                 recipe: QuantRecipe | None = None, eos_token_ids: list[int] | None = None,
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop: tuple[str, ...] = (), tokenizer=None, max_model_len: int = 1024, max_batch: int = 64,
                  gpu_memory_utilization: float = 0.2, kv_cache_bytes: int | None = None, enforce_eager: bool = True,
@@ -196,7 +196,7 @@ class VLLMRollout:
         return {**args, **extra}
 
     @staticmethod
-    def _resolve_execution(execution: str, dtype: str, quant: dict | None, recipe: FP8Recipe | None) -> str:
+    def _resolve_execution(execution: str, dtype: str, quant: dict | None, recipe: QuantRecipe | None) -> str:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: valid dtypes are {tuple(DTYPES)}")
         if execution == "auto":

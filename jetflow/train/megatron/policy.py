@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from jetflow.model.attention import align_rows
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
-from jetflow.precision import LINEAR_KINDS, NUMERICS, FP8Recipe
+from jetflow.precision import LINEAR_KINDS, NUMERICS, QuantRecipe
 from jetflow.precision.kv import KVQuantizer
 
 from .attention import ModelParallelKVQuantizer, core_attention_modules, unalign_rows
@@ -52,7 +52,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
     the gradient norm counts each expert once; `hf_state_dict` / `quantized_weights` gather every expert.
     """
 
-    def __init__(self, config: ModelConfig, *, kind: str = "fp32", recipe: FP8Recipe | None = None,
+    def __init__(self, config: ModelConfig, *, kind: str = "fp32", recipe: QuantRecipe | None = None,
                  gemm_backend: str = "auto", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  device: torch.device | str = "cpu", params_dtype: torch.dtype = torch.float32,
                  init_weights: bool = True, seed: int = 0, expert_parallel_size: int = 1, numerics: str = "fast",
@@ -63,7 +63,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         if kind not in LINEAR_KINDS:
             raise ValueError(f"MegatronPolicy kind={kind!r}: valid kinds are {LINEAR_KINDS}")
         if kind == "fp8" and recipe is None:
-            raise ValueError("MegatronPolicy kind='fp8' needs an FP8Recipe")
+            raise ValueError("MegatronPolicy kind='fp8' needs a QuantRecipe")
         tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
         check_layout(config, tp, pp, ep, kind, recipe, numerics)
         device = torch.device(device)
