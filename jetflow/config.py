@@ -16,10 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from jetflow.errors import UserError
-from jetflow.kernels.support import exact_kernels_missing, unsplit_row_parallel_k
 from jetflow.model.model_config import MOE_TYPES
 from jetflow.precision.modes import PRECISION_MODES, PrecisionMode
-from jetflow.precision.recipe import FAMILIES, FORMATS, SCALE_RULES, FP8Recipe
+from jetflow.precision.plan import Precision
+from jetflow.precision.recipe import FAMILIES, FORMATS, SCALE_RULES, QuantRecipe
 
 
 class ConfigError(UserError, ValueError):
@@ -43,7 +43,7 @@ class PrecisionConfig:
     """fp32 scale_inv = amax / 448, or pow2 (rounded up to a power of two)."""
     margin: int = 0
     """Extra headroom in powers of two."""
-    keep_high_precision: list[str] = field(default_factory=lambda: list(FP8Recipe().keep_high_precision))
+    keep_high_precision: list[str] = field(default_factory=lambda: list(QuantRecipe().keep_high_precision))
     """Module-name patterns that stay in bf16 (default: the recipe's own list: embeddings, lm_head, norms,
     MoE routers)."""
     keep_first_layers: int = 0
@@ -64,8 +64,8 @@ class PrecisionConfig:
     def precision_mode(self) -> PrecisionMode:
         return PrecisionMode(self.mode)
 
-    def recipe(self) -> FP8Recipe:
-        return FP8Recipe(family=self.family, fmt=self.fmt, weight_block=tuple(self.weight_block),
+    def recipe(self) -> QuantRecipe:
+        return QuantRecipe(family=self.family, fmt=self.fmt, weight_block=tuple(self.weight_block),
                          group_size=self.group_size, scale_rule=self.scale_rule, margin=self.margin,
                          keep_high_precision=tuple(self.keep_high_precision),
                          keep_first_layers=self.keep_first_layers, keep_last_layers=self.keep_last_layers)
@@ -307,20 +307,6 @@ def _valid_keys(node: Any) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else []
 
 
-def exact_blocker(cfg: Config) -> str | None:
-    """Why exact numerics cannot run with this config, or None (what `auto` resolves by; asking for
-    `exact` anyway is refused by jetflow.run.validate). The tiny model's row-parallel Ks (o_proj: hidden,
-    down_proj: intermediate) are checked here; a checkpoint's when the Megatron policy is built."""
-    if why := exact_kernels_missing(cfg.model.device):
-        return why
-    tp, tiny = cfg.train.tensor_parallel_size, cfg.model.tiny
-    if cfg.train.backend == "megatron" and cfg.model.path == "tiny" and (
-            k := unsplit_row_parallel_k((tiny.hidden_size, tiny.intermediate_size), tp)):
-        return (f"train.backend=megatron with train.tensor_parallel_size={tp} cannot split "
-                f"a row-parallel K of {k} into whole canonical 128-block groups (jetflow.kernels.canonical)")
-    return None
-
-
 def resolve_correction(cfg: Config) -> str:
     """algo.correction with `auto` resolved: the modes whose rollout policy differs by construction
     (mixed) get token TIS, the others none."""
@@ -333,23 +319,20 @@ def resolve_correction(cfg: Config) -> str:
 class Derived:
     """What a config's values imply, worked out once (`derive`) by the pre-run pass
     (jetflow.run.validate) and handed down with the config to the builders that need it."""
-    recipe: FP8Recipe
-    """The precision section's recipe."""
+    precision: Precision
+    """The run's precision (jetflow.precision.plan): mode, recipe, numerics resolved, GEMM backend."""
     correction: str
     """algo.correction with `auto` resolved (resolve_correction)."""
-    numerics: str
-    """precision.numerics with `auto` resolved: exact wherever it can run, else fast."""
-    exact_blocker: str | None
-    """Why exact numerics cannot run with this config, or None (exact_blocker)."""
 
 
 def derive(cfg: Config) -> Derived:
     """The config's derived values; a recipe field out of range raises the recipe's ValueError."""
-    recipe, correction, blocker = cfg.precision.recipe(), resolve_correction(cfg), exact_blocker(cfg)
-    numerics = cfg.precision.numerics
-    if numerics == "auto":  # on CUDA exact is asked for by name: the Triton kernels are unmeasured on a GPU yet
-        numerics = "fast" if blocker or cfg.model.device.startswith("cuda") else "exact"
-    return Derived(recipe, correction, numerics, blocker)
+    p, tiny, correction = cfg.precision, cfg.model.tiny, resolve_correction(cfg)
+    split = cfg.train.backend == "megatron" and cfg.model.path == "tiny"  # a checkpoint's Ks: when the policy is built
+    precision = Precision.resolve(p.precision_mode, p.recipe(), p.numerics, p.gemm_backend, p.kv_cache_fp8,
+                                  cfg.model.device, (tiny.hidden_size, tiny.intermediate_size) if split else (),
+                                  cfg.train.tensor_parallel_size)
+    return Derived(precision, correction)
 
 
 def _explain(e: OmegaConfBaseException) -> ConfigError:

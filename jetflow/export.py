@@ -31,7 +31,7 @@ from jetflow.model.checkpoint import save_hf_weights, write_tokenizer
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.writes import guarded
 from jetflow.precision import (
-    FP8Recipe,
+    QuantRecipe,
     PrecisionMode,
     QuantizedTensor,
     apply_precision,
@@ -48,7 +48,7 @@ FINAL_FP8_DIR = "model-fp8"
 """<run>/model-fp8/: its FP8 export (runs under the `unified` mode only)."""
 
 
-def fp8_state_dict(model: nn.Module, recipe: FP8Recipe) -> dict[str, torch.Tensor]:
+def fp8_state_dict(model: nn.Module, recipe: QuantRecipe) -> dict[str, torch.Tensor]:
     """The model's tensors in the FP8 checkpoint layout. `model`: a Decoder (the recipe is applied to
     it first unless its FP8 linears run it already) or a ShardedPolicy running `recipe` (a collective
     under tensor parallelism: every rank calls it)."""
@@ -63,10 +63,10 @@ def fp8_state_dict(model: nn.Module, recipe: FP8Recipe) -> dict[str, torch.Tenso
     return tensors
 
 
-def _quantized(model: nn.Module, recipe: FP8Recipe) -> dict[str, QuantizedTensor]:
+def _quantized(model: nn.Module, recipe: QuantRecipe) -> dict[str, QuantizedTensor]:
     """The bytes the model's FP8 linears compute with under `recipe` (a trainer's, a loaded export's)."""
     if isinstance(model, ShardedPolicy):
-        if getattr(model, "recipe", None) != recipe or getattr(model, "kind", "fp8") != "fp8":
+        if model.recipe != recipe or model.kind != "fp8":
             raise ValueError(f"the policy's linears do not run recipe {recipe.fingerprint()} in FP8: no bytes "
                              "to export")
         return model.quantized_weights()
@@ -79,7 +79,7 @@ def _quantized(model: nn.Module, recipe: FP8Recipe) -> dict[str, QuantizedTensor
 CALIBRATION_TOKENS = 256
 
 
-def nvfp4_input_scales(model: nn.Module, recipe: FP8Recipe) -> dict[str, float]:
+def nvfp4_input_scales(model: nn.Module, recipe: QuantRecipe) -> dict[str, float]:
     """NVFP4's static input scale of each quantized linear, for vLLM's own W4A4 kernels (jetflow's engines
     scale each token row themselves and never read it): the amax of the linear's input over one
     calibration forward, the first CALIBRATION_TOKENS token ids as one sequence (a function of the
@@ -104,11 +104,11 @@ def nvfp4_input_scales(model: nn.Module, recipe: FP8Recipe) -> dict[str, float]:
     return {name: a / TENSOR_SCALE_DIVISOR for name, a in amax.items() if a > 0}
 
 
-def export_fp8(model: nn.Module, out_dir: str | Path, recipe: FP8Recipe, tokenizer_dir=None) -> Path:
+def export_fp8(model: nn.Module, out_dir: str | Path, recipe: QuantRecipe, tokenizer_dir=None) -> Path:
     return write_fp8_dir(fp8_state_dict(model, recipe), model.config, recipe, out_dir, tokenizer_dir)
 
 
-def write_fp8_dir(tensors: dict[str, torch.Tensor], config: ModelConfig, recipe: FP8Recipe, out_dir: str | Path,
+def write_fp8_dir(tensors: dict[str, torch.Tensor], config: ModelConfig, recipe: QuantRecipe, out_dir: str | Path,
                   tokenizer=None) -> Path:
     """Write `fp8_state_dict`'s tensors, config.json with `quantization_config`, and the tokenizer
     (a directory or a jetflow tokenizer)."""
@@ -139,7 +139,7 @@ def high_precision_linears(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 
 def write_final_model(run_dir: str | Path, model: nn.Module, tokenizer, mode: str | PrecisionMode,
-                      recipe: FP8Recipe | None = None, is_main: bool = True) -> Path | None:
+                      recipe: QuantRecipe | None = None, is_main: bool = True) -> Path | None:
     """The trained policy as models a user can take away: <run>/model/ (a Hugging Face directory:
     bf16 weights, config.json, tokenizer) and, under the `unified` mode, <run>/model-fp8/ (its FP8
     export: the bytes the trainer computed with, under `recipe`).

@@ -56,7 +56,7 @@ def main() -> None:
     for mode, numerics in variants:
         cfg = configs[mode, numerics] = copy.deepcopy(base_cfg)
         cfg.precision.mode, cfg.precision.numerics = mode, numerics
-        rollout_model = apply_mode(copy_model(base), cfg, derive(cfg), "rollout")
+        rollout_model = apply_mode(copy_model(base), derive(cfg).precision, "rollout")
         engines[mode, numerics] = RolloutEngine(rollout_model, eos_token_ids=[], pad_token_id=tok.pad_token_id,
                                                 max_batch=args.batch, max_seq_len=args.prompt_len + args.new_tokens + 1)
 

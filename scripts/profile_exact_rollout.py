@@ -64,7 +64,7 @@ def main() -> None:
     base, tok = build_policy(cfg)
     cfg = copy.deepcopy(cfg)
     cfg.precision.mode, cfg.precision.numerics = mode, "exact"
-    model = apply_mode(copy_model(base), cfg, derive(cfg), "rollout")
+    model = apply_mode(copy_model(base), derive(cfg).precision, "rollout")
     engine = RolloutEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, max_batch=16, max_seq_len=200)
     prompts = torch.randint(0, base.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0)).tolist()
     seeds = list(range(16))

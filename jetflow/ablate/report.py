@@ -304,6 +304,14 @@ def write_report(ab: Ablation, command: str) -> Path:
         summary.update(compare=[list(p) for p in ab.compare], arms=arms, comparisons=comparisons)
     _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
 
+    md = _summary_markdown(ab, command, env, generated, rows, variants, arms, comparisons, plots)
+    _atomic_write(out / "summary.md", "\n".join(md))
+    return out / "summary.md"
+
+
+def _summary_markdown(ab: Ablation, command: str, env: dict, generated: str, rows: list[dict], variants: list[dict],
+                      arms: list, comparisons: list, plots: dict[str, str]) -> list[str]:
+    """summary.md's lines: the variants, the cells, the comparisons, the failures, the figures, the overrides."""
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -356,5 +364,4 @@ def write_report(ab: Ablation, command: str) -> Path:
         md += [f"No per-position data (`{POSITIONS_FILE}`) for: {', '.join(no_pos)}.", ""]
     md += ["## Cell overrides", "", markdown_table([{"cell": r["cell"], "overrides": "`" + " ".join(r["overrides"]) + "`"}
                                            for r in rows], ["cell", "overrides"]), ""]
-    _atomic_write(out / "summary.md", "\n".join(md))
-    return out / "summary.md"
+    return md

@@ -61,12 +61,12 @@ def fit_table(model_config, budget_bytes: int, prompt_len: int, new_tokens: int)
 
 def _model(model_path: str, precision: str, numerics: str, kv_fp8: bool, calib_prompts: list[list[int]]):
     from jetflow.model import load
-    from jetflow.precision import FP8Recipe, apply_precision
+    from jetflow.precision import QuantRecipe, apply_precision
     from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
 
     model = load(model_path, device="cpu").eval()
     if precision != "fp32" or numerics == "exact":
-        apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None, numerics=numerics)
+        apply_precision(model, precision, QuantRecipe() if precision == "fp8" else None, numerics=numerics)
         model.set_numerics(numerics, model.embed_grid)
     if precision == "bf16":  # the bf16 mode's K/V rounding: bf16 pages (jetflow.run.build.kv_rounding)
         attach_kv_quantizer(model, BF16KVRounding())

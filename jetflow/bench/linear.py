@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from jetflow.bench.common import markdown_table, time_fn, write_results
-from jetflow.precision import FP8Recipe, PrecisionLinear
+from jetflow.precision import QuantRecipe, PrecisionLinear
 
 
 def _step(layer: PrecisionLinear, x: torch.Tensor, fresh_weight: bool):
@@ -34,7 +34,7 @@ def run(m: int = 1024, n: int = 4096, k: int = 4096, device: str | None = None, 
     kinds = [("fp32", "fp32", False), ("bf16", "bf16", False), ("fp8 (weight cached)", "fp8", False),
              ("fp8 (weight requantized)", "fp8", True)]
     for label, kind, fresh in kinds:
-        layer = PrecisionLinear.from_linear(base, kind=kind, recipe=FP8Recipe(), name="bench")
+        layer = PrecisionLinear.from_linear(base, kind=kind, recipe=QuantRecipe(), name="bench")
         t = time_fn(_step(layer, x, fresh), dev, warmup=1, iters=iters)
         rows.append({"layer": label, "fwd_bwd_ms": t * 1e3})
         print(f"  {label:26s} {t * 1e3:9.1f} ms", flush=True)

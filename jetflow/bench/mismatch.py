@@ -25,7 +25,7 @@ from jetflow.bench.common import markdown_table, write_results
 from jetflow.config import Config, derive, load_config
 from jetflow.run.loop import observe_kv_amax, request_seed
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
-                               prompt_encoder, run_fingerprint, stop_token_ids)
+                               prompt_encoder, stop_token_ids)
 from jetflow.rollout.native import NativeRollout
 from jetflow.rl import mismatch_metrics, mismatch_position_curves
 from jetflow.rl.experience import Experience, pack_experience
@@ -41,8 +41,8 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
     """Rollout and trainer log-probs of the same sampled tokens under cfg's precision mode:
     (exp with exp.rollout_logprobs (B, R), trainer log-probs (B, R), timings)."""
     mode, derived = cfg.precision.mode, derive(cfg)
-    trainer_model = apply_mode(copy_model(base_model), cfg, derived, "trainer")
-    fingerprint = run_fingerprint(cfg)
+    trainer_model = apply_mode(copy_model(base_model), derived.precision, "trainer")
+    fingerprint = derived.precision.fingerprint
     max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
     eos = stop_token_ids(tokenizer, base_model, task)
     rollout_model = None  # the model the rollout computes with, when it is a jetflow Decoder
@@ -53,13 +53,13 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
                                      task.stop, max_seq_len, engine_dir)
         rollout_model = rollout.policy  # the exact engine's modules (None when vLLM runs its own kernels)
     else:
-        rollout_model = apply_mode(copy_model(base_model), cfg, derived, "rollout")
-        attach_kv_fp8(rollout_model, cfg, "rollout")
+        rollout_model = apply_mode(copy_model(base_model), derived.precision, "rollout")
+        attach_kv_fp8(rollout_model, derived.precision, "rollout")
         rollout = NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len, fingerprint)
         if ignore_eos:
             rollout.params = dataclasses.replace(rollout.params, ignore_eos=True)
     kv_scales = None
-    kv_quantizer = attach_kv_fp8(trainer_model, cfg, "trainer")
+    kv_quantizer = attach_kv_fp8(trainer_model, derived.precision, "trainer")
     if kv_quantizer is not None:  # calibrate the FP8 KV scales on a trainer forward over the prompts
         def forward(exp):
             with torch.no_grad():
@@ -119,7 +119,7 @@ def measure_mode(cfg: Config, base_model, tokenizer, task, prompts: list[list[in
     return {
         "mode": cfg.precision.mode,
         "rollout": cfg.rollout.backend,
-        "numerics": derive(cfg).numerics,
+        "numerics": derive(cfg).precision.numerics,
         "kl_k3": metrics["mismatch/kl_k3"],
         "kl_k1": metrics["mismatch/kl_k1"],
         "abs_delta_mean": metrics["mismatch/abs_delta_mean"],

@@ -132,13 +132,13 @@ def weight_bytes_per_decode_step(model) -> int:
 def _jetflow_runner(model_path: str, precision: str, batch: int, prompt_len: int, new_tokens: int, device,
                     compile: bool = False, pack_linears: bool = True, numerics: str = "fast"):
     from jetflow.model import load, load_tokenizer
-    from jetflow.precision import FP8Recipe, apply_precision
+    from jetflow.precision import QuantRecipe, apply_precision
     from jetflow.precision.kv import BF16KVRounding, attach_kv_quantizer
     from jetflow.rollout import RolloutEngine, SamplingParams
 
     model = load(model_path, device=device).eval()
     if precision != "fp32" or numerics == "exact":
-        apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None, numerics=numerics)
+        apply_precision(model, precision, QuantRecipe() if precision == "fp8" else None, numerics=numerics)
         grid = torch.bfloat16 if numerics == "exact" and precision != "fp32" else None  # as run.build.apply_mode
         model.set_numerics(numerics, grid)
     if precision == "bf16":  # the bf16 mode's K/V rounding: bf16 pages (jetflow.run.build.kv_rounding)
@@ -198,7 +198,7 @@ def _vllm_runner(model_path: str, execution: str, batch: int, prompt_len: int, n
     """(run, rollout) for one vLLM engine in this process: `execution` "fp32" / "bf16" (vLLM's kernels) or
     "exact <kind>" (jetflow's plugin computing with a policy of that linear kind, exact numerics)."""
     from jetflow.model import load
-    from jetflow.precision import FP8Recipe, apply_precision
+    from jetflow.precision import QuantRecipe, apply_precision
     from jetflow.precision.kv import BF16KVRounding, attach_kv_quantizer
     from jetflow.rollout.vllm import VLLMRollout
 
@@ -214,7 +214,7 @@ def _vllm_runner(model_path: str, execution: str, batch: int, prompt_len: int, n
         policy = load(model_path).eval()
         policy.set_numerics("exact", None if kind == "fp32" else torch.bfloat16)  # as run.build.apply_mode
         attach_kv_quantizer(policy, BF16KVRounding() if kind == "bf16" else None)  # as run.build.kv_rounding
-        recipe = FP8Recipe() if kind == "fp8" else None
+        recipe = QuantRecipe() if kind == "fp8" else None
         apply_precision(policy, kind, recipe, numerics="exact")
         for p in policy.parameters():
             p.requires_grad_(False)

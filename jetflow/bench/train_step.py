@@ -46,7 +46,7 @@ MODES = ("fp32", "bf16", "unified")
 
 def build_trainer(base, cfg) -> Trainer:
     """A Trainer over its own copy of `base` under cfg's precision mode and numerics."""
-    model = apply_mode(copy_model(base), cfg, derive(cfg), "trainer")
+    model = apply_mode(copy_model(base), derive(cfg).precision, "trainer")
     for p in model.parameters():
         p.requires_grad_(True)  # copy_model makes rollout-side copies, frozen
     return Trainer(model, cfg.train, cfg.algo)

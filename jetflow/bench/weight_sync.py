@@ -28,7 +28,7 @@ import torch
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config
 from jetflow.config import derive
-from jetflow.run.build import apply_mode, build_policy, copy_model, run_fingerprint
+from jetflow.run.build import apply_mode, build_policy, copy_model
 from jetflow.precision import quantized_weights
 from jetflow.sync import WeightUpdate, apply_update, build_update
 
@@ -57,9 +57,9 @@ def simulate_optimizer_step(model: torch.nn.Module) -> None:
 def measure_mode(cfg, base, reps: int) -> dict:
     """Median seconds of build / apply / rollout-side quantization over `reps` syncs after one warm-up."""
     mode, derived = cfg.precision.mode, derive(cfg)
-    trainer_model = apply_mode(copy_model(base), cfg, derived, "trainer")
-    rollout_model = apply_mode(copy_model(base), cfg, derived, "rollout")
-    fingerprint = run_fingerprint(cfg)
+    trainer_model = apply_mode(copy_model(base), derived.precision, "trainer")
+    rollout_model = apply_mode(copy_model(base), derived.precision, "rollout")
+    fingerprint = derived.precision.fingerprint
     times: dict[str, list[float]] = {"build_s": [], "apply_s": [], "rollout_quantize_s": [], "total_s": []}
     rollout_version = -1
     for version in range(reps + 1):

@@ -33,7 +33,7 @@ from jetflow.errors import UserError
 from jetflow.model.decoder import Decoder, ModelConfig
 from jetflow.model.moe import EXPERT_NAMES
 from jetflow.model.tokenizer import CharTokenizer, Tokenizer
-from jetflow.precision import FP8Recipe, apply_precision
+from jetflow.precision import QuantRecipe, apply_precision
 from jetflow.precision.export import (
     SCALE_SUFFIX,
     is_scale_name,
@@ -249,7 +249,7 @@ def _split_experts(t: torch.Tensor, block: str, fused: str, names: tuple[str, st
     return out
 
 
-def export_recipe(d: Path, hf: dict) -> FP8Recipe:
+def export_recipe(d: Path, hf: dict) -> QuantRecipe:
     """The FP8 recipe an export was made under, from its config.json's quantization_config."""
     try:
         return recipe_from_quantization_config(hf["quantization_config"])
@@ -257,7 +257,7 @@ def export_recipe(d: Path, hf: dict) -> FP8Recipe:
         raise CheckpointError(f"{d / CONFIG_FILE}: {e}") from None
 
 
-def load_fp8_dir(path: str | Path, config: ModelConfig, recipe: FP8Recipe, dtype: torch.dtype = torch.float32,
+def load_fp8_dir(path: str | Path, config: ModelConfig, recipe: QuantRecipe, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> Decoder:
     """An FP8 export as a `Decoder` under the recipe's FP8 linears, each computing with the exported
     bytes and scales as they are (never requantized: `load_quantized_weights`). Their master weights

@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from jetflow.model.model_config import ModelConfig
-    from jetflow.precision import QuantizedTensor
+    from jetflow.precision import QuantRecipe, QuantizedTensor
 
 
 @runtime_checkable
@@ -39,6 +39,11 @@ class TrainablePolicy(Protocol):
 class ShardedPolicy(TrainablePolicy, Protocol):
     tp_size: int
     tp_rank: int
+
+    kind: str
+    """The GEMM kind its linears run (jetflow.precision.modes.LINEAR_KINDS)."""
+    recipe: "QuantRecipe | None"
+    """The recipe its fp8 linears run (None when none is given): `quantized_weights` are its bytes."""
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]: ...
     """HF-named full weights (a collective under tensor parallelism: every rank calls it)."""

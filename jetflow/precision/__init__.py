@@ -1,8 +1,9 @@
 """The low-precision core that the trainer and the rollout engine share. Imports nothing else of jetflow.
 
-  recipe.py        FP8Recipe: one recipe, its family (fp8_block, mxfp8, nvfp4) fixing each operand's
+  recipe.py        QuantRecipe: one recipe, its family (fp8_block, mxfp8, nvfp4) fixing each operand's
                    format, block shape and scales; the fingerprint both sides check
-  modes.py         the precision modes of a run (fp32, bf16, mixed, unified)
+  modes.py         the precision vocabulary: the modes of a run (fp32, bf16, mixed, unified), kinds, numerics
+  plan.py          Precision: a run's precision resolved once (mode, recipe, numerics, backend), handed to each side
   quant.py         fp8_block quantization (128x128 weight blocks, 1x128 groups), the numerical reference
   mx.py            the microscaled quantizers: MXFP8 (1x32 blocks, E8M0 scales),
   nvfp4.py         NVFP4 (E2M1 values in 16-element blocks, E4M3 block scales, an fp32 scale above),
@@ -24,10 +25,10 @@ from jetflow.precision.linear import PrecisionLinear, apply_precision, fp8_linea
 from jetflow.precision.quant import (NonFiniteError, QuantizedTensor, defer_nonfinite, dequantize, fake_quantize,
                                      quantize_blocks, quantize_colwise_groups, quantize_rowwise_groups, quantize_weight)
 from jetflow.precision.modes import LINEAR_KINDS, NUMERICS, PRECISION_MODES, PrecisionMode
-from jetflow.precision.recipe import FP8_MAX, FP8Recipe, RecipeMismatchError, check_fingerprint
+from jetflow.precision.recipe import FP8_MAX, QuantRecipe, RecipeMismatchError, check_fingerprint
 
 __all__ = [
-    "FP8Recipe", "FP8_MAX", "PRECISION_MODES", "PrecisionMode", "RecipeMismatchError", "check_fingerprint",
+    "QuantRecipe", "FP8_MAX", "PRECISION_MODES", "PrecisionMode", "RecipeMismatchError", "check_fingerprint",
     "QuantizedTensor", "NonFiniteError", "defer_nonfinite", "quantize_blocks", "quantize_weight", "quantize_rowwise_groups",
     "quantize_colwise_groups", "dequantize", "fake_quantize",
     "GEMM_BACKENDS", "fp8_matmul", "bf16_linear", "resolve_backend",

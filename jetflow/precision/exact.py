@@ -40,7 +40,7 @@ from jetflow.precision import microscaled
 from jetflow.precision.modes import LINEAR_KINDS
 from jetflow.precision.fp8_function import exact_fp8_fprop, exact_fp8_product, fp8_linear
 from jetflow.precision.quant import QuantizedTensor
-from jetflow.precision.recipe import FP8Recipe
+from jetflow.precision.recipe import QuantRecipe
 
 @dataclass
 class SiblingPanels:
@@ -116,14 +116,14 @@ def linear_epilogue(y: Tensor, bias: Tensor | None, kind: str, dtype: torch.dtyp
     return y if bias is None else y + bias.to(dtype)
 
 
-def exact_product(x: Tensor, weight: Tensor, kind: str, *, recipe: FP8Recipe | None = None,
+def exact_product(x: Tensor, weight: Tensor, kind: str, *, recipe: QuantRecipe | None = None,
                   wq: QuantizedTensor | None = None, cache: ExactCache | None = None, groups: int | None = None,
                   name: str = "linear") -> Tensor:
     """The canonical product of x (..., K) and weight (N, K) under `kind`: (..., N) fp32, no bias."""
     return _combined_product(x, weight, kind, recipe, wq, cache, groups, None, name)
 
 
-def _combined_product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: ExactCache | None,
+def _combined_product(x: Tensor, weight: Tensor, kind: str, recipe: QuantRecipe | None, wq, cache: ExactCache | None,
                       groups: int | None, combine, name: str) -> Tensor:
     """exact_product, then `combine`; the mxfp8 / nvfp4 products apply it themselves (NVFP4's tensor-scale
     alpha must multiply the combined sum, jetflow.precision.microscaled)."""
@@ -138,7 +138,7 @@ def _combined_product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | 
     return y if combine is None else combine(y)
 
 
-def _product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: ExactCache | None,
+def _product(x: Tensor, weight: Tensor, kind: str, recipe: QuantRecipe | None, wq, cache: ExactCache | None,
              groups: int | None, name: str) -> Tensor:
     if kind == "fp32":
         return invariant.matmul(x.float(), weight, packed_weight(cache, weight, "fp32"), groups=groups)
@@ -157,7 +157,7 @@ def _product(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq,
     raise ValueError(f"exact linear kind {kind!r}: valid kinds are {LINEAR_KINDS}")
 
 
-def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, recipe: FP8Recipe | None = None,
+def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, recipe: QuantRecipe | None = None,
                  wq: QuantizedTensor | None = None, cache: ExactCache | None = None, groups: int | None = None,
                  combine=None, name: str = "linear") -> Tensor:
     """x (..., K) -> (..., N) in x's dtype: product, optional combine, epilogue (see the module docstring).
@@ -175,7 +175,7 @@ def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, r
     return linear_epilogue(y, bias, kind, x.dtype)
 
 
-def _cached_call(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None, wq, cache: ExactCache | None,
+def _cached_call(x: Tensor, weight: Tensor, kind: str, recipe: QuantRecipe | None, wq, cache: ExactCache | None,
                  groups: int | None):
     """The product's prepared kernel call (`_prepare_call`), kept in `cache` per weight version, where the
     product runs on the CPU outside autograd (a rollout's decode step, no-grad log-probs); None elsewhere.
@@ -197,7 +197,7 @@ def _cached_call(x: Tensor, weight: Tensor, kind: str, recipe: FP8Recipe | None,
     return cache.call
 
 
-def _prepare_call(kind: str, recipe: FP8Recipe | None, packed: Tensor, sw: Tensor | None, n: int, k: int,
+def _prepare_call(kind: str, recipe: QuantRecipe | None, packed: Tensor, sw: Tensor | None, n: int, k: int,
                   groups: int | None = None, weight_rows_per_scale: int = 128):
     """fn(x2 (M, K)) -> the canonical product (M, N) fp32 under `kind` on the CPU, the weight's checks done
     once (jetflow.kernels.invariant.prepare_gemm); for FP8, None when an input group holds NaN / Inf."""
@@ -209,7 +209,7 @@ def _prepare_call(kind: str, recipe: FP8Recipe | None, packed: Tensor, sw: Tenso
 
 
 def exact_linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], kind: str, *,
-                  recipe: FP8Recipe | None = None, wqs: list[QuantizedTensor] | None = None,
+                  recipe: QuantRecipe | None = None, wqs: list[QuantizedTensor] | None = None,
                   caches: list[ExactCache] | None = None, fused: SiblingPanels | None = None,
                   name: str = "linear") -> list[Tensor]:
     """Several exact linears of one input (q / k / v, gate / up) by one GEMM: [exact_linear(x, w_i, b_i,

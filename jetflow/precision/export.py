@@ -2,7 +2,7 @@
 
 fp8_block: the vLLM / DeepSeek FP8 layout, `<module>.weight` float8_e4m3fn (N, K) and
 `<module>.weight_scale_inv` float32 (ceil(N/128), ceil(K/128)); config.json carries
-`quantization_config` (FP8Recipe.vllm_quantization_config). mxfp8 / nvfp4: NVIDIA ModelOpt's layout
+`quantization_config` (QuantRecipe.vllm_quantization_config). mxfp8 / nvfp4: NVIDIA ModelOpt's layout
 (jetflow.precision.modelopt). The bytes written are the bytes the trainer computed with, and bytes
 read back are handed to the quantized linears as they are (`load_quantized_weights`), never requantized.
 """
@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from jetflow.precision import modelopt
 from jetflow.precision.linear import fp8_linears
 from jetflow.precision.quant import QuantizedTensor
-from jetflow.precision.recipe import FP8_DTYPES, FP8Recipe
+from jetflow.precision.recipe import FP8_DTYPES, QuantRecipe
 
 SCALE_SUFFIX = ".weight_scale_inv"
 
@@ -30,7 +30,7 @@ def is_scale_name(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX) or name.endswith(modelopt.SUFFIXES)
 
 
-def quantization_config(recipe: FP8Recipe, ignored_layers=()) -> dict:
+def quantization_config(recipe: QuantRecipe, ignored_layers=()) -> dict:
     """config.json's `quantization_config` for an export under `recipe` (vLLM's block-FP8 or ModelOpt's)."""
     if recipe.family == "fp8_block":
         return recipe.vllm_quantization_config(ignored_layers)
@@ -99,11 +99,11 @@ def split_quantized(tensors: dict[str, torch.Tensor], block: tuple[int, int] = (
     return quantized, others
 
 
-def recipe_from_quantization_config(qc: dict) -> FP8Recipe:
+def recipe_from_quantization_config(qc: dict) -> QuantRecipe:
     """Inverse of `quantization_config`. A block-FP8 config written by another tool (no `jetflow_recipe`)
     gets the default recipe with its weight block; a ModelOpt MXFP8 / NVFP4 one its family's recipe."""
     if family := modelopt.family_of(qc):
-        recipe = FP8Recipe.from_dict(qc["jetflow_recipe"]) if "jetflow_recipe" in qc else FP8Recipe(family=family)
+        recipe = QuantRecipe.from_dict(qc["jetflow_recipe"]) if "jetflow_recipe" in qc else QuantRecipe(family=family)
         if recipe.family != family:
             raise ValueError(f"quantization_config: quant_algo {family} but jetflow_recipe has {recipe.family}")
         return _checked_fingerprint(qc, recipe)
@@ -111,14 +111,14 @@ def recipe_from_quantization_config(qc: dict) -> FP8Recipe:
         raise ValueError(f"quantization_config {json.dumps(qc)[:120]} is not block FP8 (quant_method fp8 with "
                          "weight_block_size) nor ModelOpt MXFP8 / NVFP4, as `jetflow export` writes")
     block = tuple(int(b) for b in qc["weight_block_size"])
-    recipe = FP8Recipe.from_dict(qc["jetflow_recipe"]) if "jetflow_recipe" in qc else FP8Recipe(weight_block=block)
+    recipe = QuantRecipe.from_dict(qc["jetflow_recipe"]) if "jetflow_recipe" in qc else QuantRecipe(weight_block=block)
     if recipe.weight_block != block:
         raise ValueError(f"quantization_config: weight_block_size {list(block)} but jetflow_recipe has "
                          f"{list(recipe.weight_block)}")
     return _checked_fingerprint(qc, recipe)
 
 
-def _checked_fingerprint(qc: dict, recipe: FP8Recipe) -> FP8Recipe:
+def _checked_fingerprint(qc: dict, recipe: QuantRecipe) -> QuantRecipe:
     if "jetflow_fingerprint" in qc and qc["jetflow_fingerprint"] != recipe.fingerprint():
         raise ValueError(f"quantization_config: jetflow_fingerprint {qc['jetflow_fingerprint']} is not the "
                          f"fingerprint {recipe.fingerprint()} of its jetflow_recipe (edited by hand?)")
@@ -140,7 +140,7 @@ def load_quantized_weights(model: nn.Module, quantized: dict[str, QuantizedTenso
         layer.load_quantized(quantized[name])
 
 
-def save_quantized(path: str | Path, quantized: dict[str, QuantizedTensor], recipe: FP8Recipe,
+def save_quantized(path: str | Path, quantized: dict[str, QuantizedTensor], recipe: QuantRecipe,
                    extra: dict[str, torch.Tensor] | None = None) -> None:
     """Write a safetensors file with the FP8 layout (plus `extra` high-precision tensors)."""
     tensors = dict(extra or {})
@@ -149,7 +149,7 @@ def save_quantized(path: str | Path, quantized: dict[str, QuantizedTensor], reci
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
 
 
-def load_quantized(path: str | Path) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor], FP8Recipe | None]:
+def load_quantized(path: str | Path) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor], QuantRecipe | None]:
     """Read a file written by `save_quantized`: (quantized modules, other tensors, recipe or None)."""
     path = Path(path)
     if not path.exists():
@@ -157,7 +157,7 @@ def load_quantized(path: str | Path) -> tuple[dict[str, QuantizedTensor], dict[s
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    recipe = FP8Recipe.from_dict(json.loads(metadata["jetflow_recipe"])) if "jetflow_recipe" in metadata else None
+    recipe = QuantRecipe.from_dict(json.loads(metadata["jetflow_recipe"])) if "jetflow_recipe" in metadata else None
     block = recipe.weight_block if recipe else (128, 128)
     quantized, others = split_quantized(tensors, block)
     return quantized, others, recipe

@@ -17,10 +17,10 @@ from jetflow.kernels import invariant
 from jetflow.precision import microscaled
 from jetflow.precision.gemm import fp8_kernel_matmul, fp8_matmul
 from jetflow.precision.quant import QuantizedTensor, quantize_blocks
-from jetflow.precision.recipe import FP8Recipe
+from jetflow.precision.recipe import QuantRecipe
 
 
-def quantize_weight_for_recipe(weight: torch.Tensor, recipe: FP8Recipe, name: str = "weight"):
+def quantize_weight_for_recipe(weight: torch.Tensor, recipe: QuantRecipe, name: str = "weight"):
     """The weight's bytes under `recipe`: a QuantizedTensor (fp8_block), an MXTensor or an NVFP4Tensor."""
     if recipe.family != "fp8_block":
         return microscaled.quantize_weight(weight, recipe, name)
@@ -30,7 +30,7 @@ def quantize_weight_for_recipe(weight: torch.Tensor, recipe: FP8Recipe, name: st
 
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, wq: QuantizedTensor, recipe: FP8Recipe, backend: str, name: str,
+    def forward(ctx, x, weight, bias, wq: QuantizedTensor, recipe: QuantRecipe, backend: str, name: str,
                 save_input: bool, numerics: str, groups: int | None):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)  # (M, K)
@@ -71,7 +71,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
-def quantize_input(x2: torch.Tensor, recipe: FP8Recipe, name: str, numerics: str = "fast") -> QuantizedTensor:
+def quantize_input(x2: torch.Tensor, recipe: QuantRecipe, name: str, numerics: str = "fast") -> QuantizedTensor:
     """The fprop's activation quantization, 1 x group_size E4M3 groups (x2 (M, K)). Under exact
     numerics on the CPU the fused C++ quantizer (the same bytes as quantize_blocks, one pass instead of a
     dozen torch ops: what a decode step pays per linear); quantize_blocks itself where a group holds
@@ -84,7 +84,7 @@ def quantize_input(x2: torch.Tensor, recipe: FP8Recipe, name: str, numerics: str
                            f"{name}.input")
 
 
-def quantize_rows(t: torch.Tensor, recipe: FP8Recipe, fmt: str, name: str, numerics: str = "fast") -> QuantizedTensor:
+def quantize_rows(t: torch.Tensor, recipe: QuantRecipe, fmt: str, name: str, numerics: str = "fast") -> QuantizedTensor:
     """t (R, C) in 1 x group_size groups along C (t may be a transposed view: the 128 x 1 groups of its
     transpose). Under exact numerics on the CPU the fused quantizer for E4M3 (the same bytes)."""
     if numerics == "exact" and fmt == "e4m3" and not t.is_cuda and recipe.group_size == 128:
@@ -108,7 +108,7 @@ def _backward_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dt
     return fp8_matmul(a, b, out_dtype=out_dtype, backend=backend)
 
 
-def exact_fp8_product(x2: torch.Tensor, wq: QuantizedTensor, recipe: FP8Recipe, name: str = "linear",
+def exact_fp8_product(x2: torch.Tensor, wq: QuantizedTensor, recipe: QuantRecipe, name: str = "linear",
                       groups: int | None = None) -> torch.Tensor:
     """The exact fprop without autograd (rollout, no-grad forwards): x2 (M, K) -> (M, N) fp32."""
     if wq.block == (128, 128) and wq.fmt == "e4m3":
@@ -116,7 +116,7 @@ def exact_fp8_product(x2: torch.Tensor, wq: QuantizedTensor, recipe: FP8Recipe, 
     return fp8_matmul(quantize_input(x2, recipe, name, "exact"), wq, torch.float32, numerics="exact", groups=groups)
 
 
-def exact_fp8_fprop(x2: torch.Tensor, recipe: FP8Recipe, name: str, packed: torch.Tensor, sw: torch.Tensor, n: int,
+def exact_fp8_fprop(x2: torch.Tensor, recipe: QuantRecipe, name: str, packed: torch.Tensor, sw: torch.Tensor, n: int,
                     groups: int | None = None, weight_rows_per_scale: int = 128) -> torch.Tensor:
     """x2 (M, K) quantized by `quantize_input`, times an E4M3 weight's panels `packed` with its scales sw
     (`invariant.fp8_gemm`'s operands) -> (M, N) fp32. On the CPU one kernel call does both (the same bytes
@@ -134,7 +134,7 @@ def exact_fp8_fprop(x2: torch.Tensor, recipe: FP8Recipe, name: str, packed: torc
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: QuantizedTensor,
-               recipe: FP8Recipe, backend: str = "auto", name: str = "linear", numerics: str = "fast",
+               recipe: QuantRecipe, backend: str = "auto", name: str = "linear", numerics: str = "fast",
                groups: int | None = None) -> torch.Tensor:
     """Functional FP8 linear with FP8 fprop, dgrad and wgrad. `wq` is `weight` quantized by the recipe.
     numerics="exact": the fprop is the canonical FP8 GEMM (`groups` canonical groups over K, see

@@ -32,7 +32,7 @@ from jetflow.precision.gathered import GatheredFP8Weight
 from jetflow.precision.gemm import bf16_linear, resolve_backend
 from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
 from jetflow.precision.quant import QuantizedTensor
-from jetflow.precision.recipe import FP8Recipe
+from jetflow.precision.recipe import QuantRecipe
 
 __all__ = ["LINEAR_KINDS", "PrecisionLinear", "apply_precision", "fp8_linear", "fp8_linears", "quantize_weight_for_recipe"]
 
@@ -41,7 +41,7 @@ class PrecisionLinear(nn.Linear):
     """nn.Linear that computes in fp32, bf16 or the FP8 recipe; parameter names are unchanged."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, kind: str = "fp32",
-                 recipe: FP8Recipe | None = None, gemm_backend: str = "auto", name: str = "linear",
+                 recipe: QuantRecipe | None = None, gemm_backend: str = "auto", name: str = "linear",
                  numerics: str = "fast", device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         if kind not in LINEAR_KINDS:
@@ -51,7 +51,7 @@ class PrecisionLinear(nn.Linear):
         self.numerics = numerics
         self._exact_cache = ExactCache()  # exact numerics: panels of the weight as the kind reads it (exact_linear)
         if kind == "fp8" and recipe is None:
-            raise ValueError(f"{name}: an fp8 linear needs an FP8Recipe")
+            raise ValueError(f"{name}: an fp8 linear needs a QuantRecipe")
         self.kind, self.recipe, self.gemm_backend, self.name = kind, recipe, gemm_backend, name
         self._cache_key: tuple | None = None
         self._cached: QuantizedTensor | None = None
@@ -66,7 +66,7 @@ class PrecisionLinear(nn.Linear):
             new.bias = linear.bias
         return new
 
-    def set_precision(self, kind: str, recipe: FP8Recipe | None, gemm_backend: str, numerics: str) -> None:
+    def set_precision(self, kind: str, recipe: QuantRecipe | None, gemm_backend: str, numerics: str) -> None:
         """Compute under another kind / recipe / numerics from now on (apply_precision over a model already
         converted): every cache and any loaded bytes are dropped."""
         if numerics not in NUMERICS:
@@ -182,7 +182,7 @@ def _layer_index(module_name: str) -> int | None:
     return None
 
 
-def apply_precision(model: nn.Module, kind: str, recipe: FP8Recipe | None = None,
+def apply_precision(model: nn.Module, kind: str, recipe: QuantRecipe | None = None,
                     gemm_backend: str = "auto", num_layers: int | None = None, numerics: str = "fast") -> nn.Module:
     """Swap every nn.Linear of `model` for a PrecisionLinear of `kind` and `numerics`, in place.
 
@@ -192,7 +192,7 @@ def apply_precision(model: nn.Module, kind: str, recipe: FP8Recipe | None = None
     if kind not in LINEAR_KINDS:
         raise ValueError(f"apply_precision kind={kind!r}: valid kinds are {LINEAR_KINDS}")
     if kind == "fp8" and recipe is None:
-        raise ValueError("apply_precision: kind='fp8' needs an FP8Recipe")
+        raise ValueError("apply_precision: kind='fp8' needs a QuantRecipe")
     if num_layers is None:
         indices = [_layer_index(n) for n, _ in model.named_modules()]
         num_layers = max((i for i in indices if i is not None), default=-1) + 1
@@ -214,6 +214,15 @@ def apply_precision(model: nn.Module, kind: str, recipe: FP8Recipe | None = None
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
     return model
+
+
+def linear_precision(model: nn.Module) -> tuple[str, QuantRecipe | None]:
+    """(kind, recipe) a model's PrecisionLinears run, as a policy reports them: `fp8` and the recipe when
+    any linear runs it (the recipe keeps some in bf16), else bf16 when any runs bf16, else fp32."""
+    kinds = {m.kind: m.recipe for m in model.modules() if isinstance(m, PrecisionLinear)}
+    if "fp8" in kinds:
+        return "fp8", kinds["fp8"]
+    return ("bf16" if "bf16" in kinds else "fp32"), None
 
 
 def fp8_linears(model: nn.Module) -> dict[str, PrecisionLinear]:

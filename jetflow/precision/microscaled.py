@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from jetflow.kernels import invariant
 from jetflow.precision.mx import MXTensor, quantize_mx
 from jetflow.precision.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, hadamard16, quantize_nvfp4
-from jetflow.precision.recipe import FP8Recipe
+from jetflow.precision.recipe import QuantRecipe
 
 Microscaled = MXTensor | NVFP4Tensor
 
@@ -46,7 +46,7 @@ def sr_generator(t: torch.Tensor, name: str) -> torch.Generator:
     return torch.Generator(device=t.device).manual_seed(int.from_bytes(key[:8], "little") & 0x7FFFFFFFFFFFFFFF)
 
 
-def quantize_weight(w: torch.Tensor, recipe: FP8Recipe, name: str = "weight") -> Microscaled:
+def quantize_weight(w: torch.Tensor, recipe: QuantRecipe, name: str = "weight") -> Microscaled:
     """The fprop's weight: mxfp8 (1, 32) blocks along K, nvfp4 16x16 blocks under one tensor scale."""
     w = w.detach()
     if recipe.family == "mxfp8":
@@ -54,7 +54,7 @@ def quantize_weight(w: torch.Tensor, recipe: FP8Recipe, name: str = "weight") ->
     return quantize_nvfp4(w, recipe.weight_block, name=name)
 
 
-def quantize_activation(x2: torch.Tensor, recipe: FP8Recipe, name: str = "linear") -> Microscaled:
+def quantize_activation(x2: torch.Tensor, recipe: QuantRecipe, name: str = "linear") -> Microscaled:
     """The fprop's input x2 (M, K): blocks along K; nvfp4 with one tensor scale per row."""
     if recipe.family == "mxfp8":
         return quantize_mx(x2, (1, recipe.group_size), recipe.forward_format, f"{name}.input")
@@ -66,7 +66,7 @@ def _tokens_padded(t2: torch.Tensor) -> torch.Tensor:
     return F.pad(t2.t(), (0, -t2.shape[0] % NVFP4_BLOCK))
 
 
-def quantize_wgrad_operand(t2: torch.Tensor, recipe: FP8Recipe, role: str, name: str) -> Microscaled:
+def quantize_wgrad_operand(t2: torch.Tensor, recipe: QuantRecipe, role: str, name: str) -> Microscaled:
     """An operand of wgrad, t2 (M, C) (the input X or the gradient dY), as (C, M) in blocks along the
     tokens: mxfp8 1x32; nvfp4 after hadamard16, 1x16, one tensor scale, gradients rounded stochastically."""
     spec = recipe.operand(role)
@@ -123,7 +123,7 @@ def _cuda_product(aq: Microscaled, bq: Microscaled, groups: int | None, combine)
     return y if combine is None else _times_alpha(combine(y), aq, bq)
 
 
-def exact_product(x2: torch.Tensor, wq: Microscaled, recipe: FP8Recipe, name: str = "linear",
+def exact_product(x2: torch.Tensor, wq: Microscaled, recipe: QuantRecipe, name: str = "linear",
                   groups: int | None = None, combine=None) -> torch.Tensor:
     """The exact fprop without autograd (rollout, no-grad forwards): x2 (M, K) -> (M, N) fp32."""
     return product(quantize_activation(x2, recipe, name), wq, "exact", groups, combine=combine)
@@ -131,7 +131,7 @@ def exact_product(x2: torch.Tensor, wq: Microscaled, recipe: FP8Recipe, name: st
 
 class _MicroscaledLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, wq, recipe: FP8Recipe, name: str, save_input: bool, numerics: str,
+    def forward(ctx, x, weight, bias, wq, recipe: QuantRecipe, name: str, save_input: bool, numerics: str,
                 groups: int | None, combine):
         x2 = x.reshape(-1, x.shape[-1]).float()  # (M, K)
         y = product(quantize_activation(x2, recipe, name), wq, numerics, groups, combine=combine)  # (M, N) fp32
@@ -160,7 +160,7 @@ class _MicroscaledLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
-def dgrad(g2: torch.Tensor, weight: torch.Tensor, wq: Microscaled, recipe: FP8Recipe, name: str) -> torch.Tensor:
+def dgrad(g2: torch.Tensor, weight: torch.Tensor, wq: Microscaled, recipe: QuantRecipe, name: str) -> torch.Tensor:
     """dX = dY @ W: g2 (M, N) -> (M, K) fp32, both operands in blocks along N."""
     spec = recipe.operand("gradient")
     if recipe.family == "mxfp8":
@@ -172,7 +172,7 @@ def dgrad(g2: torch.Tensor, weight: torch.Tensor, wq: Microscaled, recipe: FP8Re
 
 
 def microscaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: Microscaled,
-                       recipe: FP8Recipe, name: str = "linear", numerics: str = "fast",
+                       recipe: QuantRecipe, name: str = "linear", numerics: str = "fast",
                        groups: int | None = None, combine=None) -> torch.Tensor:
     """The recipe's linear with its fprop, dgrad and wgrad; `wq` is `weight` quantized by the recipe.
     numerics="exact": the fprop is the exact product (fp32 out, no bias: jetflow.precision.exact adds

@@ -23,14 +23,14 @@ import torch
 
 from jetflow.precision.mx import MXTensor
 from jetflow.precision.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
-from jetflow.precision.recipe import FP8Recipe
+from jetflow.precision.recipe import QuantRecipe
 
 ALGOS = {"mxfp8": "MXFP8", "nvfp4": "NVFP4"}
 SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
 """The tensors beside a ModelOpt `<m>.weight` that are not model parameters."""
 
 
-def quantization_config(recipe: FP8Recipe, ignored_layers=()) -> dict:
+def quantization_config(recipe: QuantRecipe, ignored_layers=()) -> dict:
     """config.json's `quantization_config` for an mxfp8 / nvfp4 export."""
     qc = {"quant_method": "modelopt", "quant_algo": ALGOS[recipe.family], "ignore": sorted(ignored_layers),
           "jetflow_recipe": recipe.to_dict(), "jetflow_fingerprint": recipe.fingerprint()}

@@ -65,8 +65,8 @@ class OperandSpec:
 
 
 @dataclass(frozen=True)
-class FP8Recipe:
-    """The recipe of every low-precision linear (name kept from when FP8 was the only family)."""
+class QuantRecipe:
+    """The recipe of every low-precision linear, whichever family (fp8_block, mxfp8, nvfp4) it quantizes with."""
 
     fmt: Literal["e4m3", "hybrid"] = "e4m3"
     """`e4m3` for every operand, or `hybrid`: E4M3 weights and activations, E5M2 gradients."""
@@ -93,22 +93,22 @@ class FP8Recipe:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise ValueError(f"FP8Recipe.family={self.family!r}: valid families are {FAMILIES}")
+            raise ValueError(f"QuantRecipe.family={self.family!r}: valid families are {FAMILIES}")
         if self.family != "fp8_block":
             self._family_blocks()
         if self.fmt not in FORMATS:
-            raise ValueError(f"FP8Recipe.fmt={self.fmt!r}: valid formats are {FORMATS}")
+            raise ValueError(f"QuantRecipe.fmt={self.fmt!r}: valid formats are {FORMATS}")
         if self.scale_rule not in SCALE_RULES:
-            raise ValueError(f"FP8Recipe.scale_rule={self.scale_rule!r}: valid rules are {SCALE_RULES}")
+            raise ValueError(f"QuantRecipe.scale_rule={self.scale_rule!r}: valid rules are {SCALE_RULES}")
         block = tuple(int(b) for b in self.weight_block)
         if len(block) != 2 or min(block) < 1:
-            raise ValueError(f"FP8Recipe.weight_block={self.weight_block!r}: need two positive ints")
+            raise ValueError(f"QuantRecipe.weight_block={self.weight_block!r}: need two positive ints")
         object.__setattr__(self, "weight_block", block)
         object.__setattr__(self, "keep_high_precision", tuple(self.keep_high_precision))
         if self.group_size < 1:
-            raise ValueError(f"FP8Recipe.group_size={self.group_size}: must be >= 1")
+            raise ValueError(f"QuantRecipe.group_size={self.group_size}: must be >= 1")
         if self.margin < 0 or self.keep_first_layers < 0 or self.keep_last_layers < 0:
-            raise ValueError("FP8Recipe.margin, keep_first_layers and keep_last_layers must be >= 0")
+            raise ValueError("QuantRecipe.margin, keep_first_layers and keep_last_layers must be >= 0")
 
     def _family_blocks(self) -> None:
         """mxfp8 / nvfp4: weight_block and group_size are the family's (the fp8_block defaults are
@@ -116,13 +116,13 @@ class FP8Recipe:
         block, group, unused = _FAMILY_BLOCKS[self.family]
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         if tuple(self.weight_block) not in (tuple(defaults["weight_block"]), block):
-            raise ValueError(f"FP8Recipe.weight_block={list(self.weight_block)}: the {self.family} family's weight "
+            raise ValueError(f"QuantRecipe.weight_block={list(self.weight_block)}: the {self.family} family's weight "
                              f"blocks are {list(block)}")
         if self.group_size not in (defaults["group_size"], group):
-            raise ValueError(f"FP8Recipe.group_size={self.group_size}: the {self.family} family's groups are {group}")
+            raise ValueError(f"QuantRecipe.group_size={self.group_size}: the {self.family} family's groups are {group}")
         for name in unused:
             if getattr(self, name) != defaults[name]:
-                raise ValueError(f"FP8Recipe.{name}={getattr(self, name)!r} does not apply to the {self.family} family")
+                raise ValueError(f"QuantRecipe.{name}={getattr(self, name)!r} does not apply to the {self.family} family")
         object.__setattr__(self, "weight_block", block)
         object.__setattr__(self, "group_size", group)
 
@@ -180,11 +180,11 @@ class FP8Recipe:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FP8Recipe":
+    def from_dict(cls, d: dict) -> "QuantRecipe":
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - fields
         if unknown:
-            raise ValueError(f"unknown FP8Recipe keys {sorted(unknown)}; valid keys: {sorted(fields)}")
+            raise ValueError(f"unknown QuantRecipe keys {sorted(unknown)}; valid keys: {sorted(fields)}")
         d = dict(d)
         if "weight_block" in d:
             d["weight_block"] = tuple(d["weight_block"])

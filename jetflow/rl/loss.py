@@ -95,6 +95,22 @@ def agg_denominator(mask: Tensor, agg: str = "token_mean") -> float:
     return float((_seq_token_counts(mask) > 0).sum())
 
 
+def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask_f: Tensor, ratio_level: str) -> Tensor:
+    """(B, T) log pi_theta / pi_old of each token (`token`), or each token carrying its sequence's mean
+    log-ratio with the gradient of lp_t / |y_i| (`sequence`, GSPO: see policy_loss); 0 on padding."""
+    valid = mask_f > 0  # (B, T)
+    zeros = torch.zeros_like(logprobs)
+    # where(), not multiplication by the mask: padding may hold -inf / garbage logprobs.
+    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), zeros)  # (B, T)
+    if ratio_level == "sequence":
+        seq_log_ratio = log_ratio.detach().sum(dim=-1) / mask_f.sum(dim=-1).clamp(min=1.0)  # (B,)
+        lp = torch.where(valid, logprobs, zeros)  # (B, T)
+        log_ratio = torch.where(valid, lp - lp.detach() + seq_log_ratio[:, None], zeros)  # (B, T)
+    elif ratio_level != "token":
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: token, sequence")
+    return log_ratio
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -140,15 +156,7 @@ def policy_loss(
     valid = mask_f > 0  # (B, T)
     zeros = torch.zeros_like(logprobs)
 
-    # where(), not multiplication by the mask: padding may hold -inf / garbage logprobs.
-    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), zeros)  # (B, T)
-    if ratio_level == "sequence":
-        seq_log_ratio = log_ratio.detach().sum(dim=-1) / mask_f.sum(dim=-1).clamp(min=1.0)  # (B,)
-        lp = torch.where(valid, logprobs, zeros)  # (B, T)
-        log_ratio = torch.where(valid, lp - lp.detach() + seq_log_ratio[:, None], zeros)  # (B, T)
-    elif ratio_level != "token":
-        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: token, sequence")
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # (B, T)
+    ratio = torch.exp(_log_ratio(logprobs, old_logprobs, mask_f, ratio_level).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     adv = advantages.detach().to(logprobs.dtype)[:, None]  # (B, 1)
 
     pg_unclipped = -adv * ratio  # (B, T)

@@ -57,7 +57,7 @@ def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64,
     applied to the model: fp32, bf16 or fp8 (the FP8 recipe, emulated on the CPU). `load`: a pair of
     functions (model loader, tokenizer loader) for directories jetflow.model.load does not read (a run)."""
     from jetflow.model import load as load_model, load_tokenizer
-    from jetflow.precision import FP8Recipe, apply_precision
+    from jetflow.precision import QuantRecipe, apply_precision
 
     if load is not None:
         load_model, load_tokenizer = load
@@ -70,7 +70,7 @@ def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64,
     model = load_model(model_path, device=dev).eval()
     check_positions(ids, max_new_tokens, model.config.max_position_embeddings)
     if precision != "fp32":
-        apply_precision(model, precision, FP8Recipe() if precision == "fp8" else None)
+        apply_precision(model, precision, QuantRecipe() if precision == "fp8" else None)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     engine = RolloutEngine(model, _eos_ids(model, tok), pad, max_batch=min(len(ids), 32),
                            max_seq_len=max(map(len, ids)) + max_new_tokens, device=dev, tokenizer=tok)

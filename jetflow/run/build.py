@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from jetflow.config import Config, ConfigError, Derived
+from jetflow.config import Config, ConfigError
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.model import CharTokenizer, CheckpointError, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.model.checkpoint import load_model_config
@@ -21,6 +21,7 @@ from jetflow.model.tokenizer import render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
 from jetflow.precision.modes import PrecisionMode
+from jetflow.precision.plan import Precision, Side
 from jetflow.tasks import DataError, Problem, Task, make_task
 
 
@@ -228,15 +229,14 @@ def embedding_grid(kind: str) -> torch.dtype | None:
     return None if kind == "fp32" else torch.bfloat16
 
 
-def apply_mode(model: Decoder, cfg: Config, derived: Derived, side: str) -> Decoder:
-    """The precision mode's linears, embedding grid and K/V rounding (and the run's numerics) for one side,
-    in place."""
-    mode = cfg.precision.precision_mode
-    kind = mode.trainer_kind if side == "trainer" else mode.rollout_kind
-    model.set_numerics(derived.numerics, embedding_grid(kind))
-    attach_kv(model, kv_rounding(mode))
-    return apply_precision(model, kind, derived.recipe, cfg.precision.gemm_backend,
-                           num_layers=model.config.num_layers, numerics=derived.numerics)
+def apply_mode(model: Decoder, precision: Precision, side: Side) -> Decoder:
+    """The run's precision on one side's model, in place: its linears' kind, the embedding grid, the K/V
+    rounding of the mode and the run's numerics."""
+    kind = precision.linear_kind(side)
+    model.set_numerics(precision.numerics, embedding_grid(kind))
+    attach_kv(model, kv_rounding(precision.mode))
+    return apply_precision(model, kind, precision.recipe, precision.gemm_backend,
+                           num_layers=model.config.num_layers, numerics=precision.numerics)
 
 
 def prompt_text(cfg: Config, tokenizer, task: Task, problem: Problem) -> str:
@@ -261,14 +261,13 @@ def stop_token_ids(tokenizer, model: Decoder, task: Task) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def attach_kv_fp8(model: Decoder, cfg: Config, side: str) -> KVQuantizer | None:
-    """precision.kv_cache_fp8: the rollout side always quantizes its K/V; the trainer applies the same
-    quantization under `unified` and otherwise only observes K/V amax to calibrate the rollout's scales.
-    (It replaces the bf16 mode's K/V rounding, `kv_rounding`.)"""
-    if not cfg.precision.kv_cache_fp8:
+def attach_kv_fp8(model: Decoder, precision: Precision, side: Side) -> KVQuantizer | None:
+    """precision.kv_cache_fp8: the K/V quantizer of `side` (`Precision.quantizes_kv`: applied, or only
+    observing amax to calibrate the rollout's scales). (It replaces the bf16 mode's K/V rounding, `kv_rounding`.)"""
+    if not precision.kv_cache_fp8:
         return None
-    apply = side == "rollout" or cfg.precision.precision_mode.trainer_kind == "fp8"
-    return attach_kv(model, KVQuantizer(model.config.num_layers, margin=cfg.precision.margin, apply=apply))
+    return attach_kv(model, KVQuantizer(model.config.num_layers, margin=precision.recipe.margin,
+                                        apply=precision.quantizes_kv(side)))
 
 
 def kv_rounding(mode: PrecisionMode) -> BF16KVRounding | None:
@@ -284,8 +283,3 @@ def attach_kv(model, quantizer):
         return model.attach_kv_quantizer(quantizer)
     attach_kv_quantizer(model, quantizer)
     return quantizer
-
-
-def run_fingerprint(cfg: Config) -> str | None:
-    """The recipe fingerprint FP8 payloads carry (modes that quantize), else None."""
-    return cfg.precision.recipe().fingerprint() if cfg.precision.precision_mode.quantizes else None

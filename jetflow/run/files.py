@@ -34,6 +34,7 @@ from typing import Iterator
 from jetflow.config import Config, save_config, to_dict
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.errors import UserError
+from jetflow.precision.plan import Precision
 from jetflow.metrics_log import (
     METRIC_KEYS,
     METRICS_FILE,
@@ -229,13 +230,13 @@ def append_position_curve(run_dir: Path, step: int, exp) -> None:
     append_text(run_dir / POSITIONS_FILE, json.dumps(row) + "\n", "the mismatch-by-position file", RESUME_HINT)
 
 
-def write_model_dirs(run_dir: Path, checkpoint: Path, cfg: Config) -> None:
+def write_model_dirs(run_dir: Path, checkpoint: Path, precision: Precision) -> None:
     """<run>/model (and <run>/model-fp8 under unified) from the final checkpoint (self-describing),
     by jetflow.export.write_final_model."""
     from jetflow.export import write_final_model
     from jetflow.model import load_hf_dir, load_tokenizer
-    write_final_model(run_dir, load_hf_dir(checkpoint), load_tokenizer(checkpoint), cfg.precision.mode,
-                      cfg.precision.recipe())
+    write_final_model(run_dir, load_hf_dir(checkpoint), load_tokenizer(checkpoint), precision.mode,
+                      precision.recipe)
 
 
 def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_parallel_size: int = 1) -> dict:

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from jetflow.config import Config, resolve_correction
+from jetflow.config import Config, Derived
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import apply_correction, group_advantages, low_prob_metrics, mismatch_metrics
 from jetflow.rl.correction import ROW_LOCAL
@@ -81,14 +81,14 @@ class Sampled:
 
 
 class RLLoop:
-    def __init__(self, cfg: Config, trainer: PolicyTrainer, rollout: RolloutEngineSide, task: Task,
-                 encode_prompt: Callable[[Problem], list[int]], pad_id: int, fingerprint: str | None,
+    def __init__(self, cfg: Config, derived: Derived, trainer: PolicyTrainer, rollout: RolloutEngineSide, task: Task,
+                 encode_prompt: Callable[[Problem], list[int]], pad_id: int,
                  kv_quantizer: KVCalibration | None = None, dp: DataParallel = SINGLE):
         self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task
         self.dp = dp  # data-parallel ranks: each runs its share of the step's prompt groups
-        self.encode_prompt, self.pad_id, self.fingerprint = encode_prompt, pad_id, fingerprint
+        self.encode_prompt, self.pad_id, self.precision = encode_prompt, pad_id, derived.precision
         self.kv_quantizer = kv_quantizer  # the trainer's FP8 KV quantizer (precision.kv_cache_fp8), or None
-        self.correction = resolve_correction(cfg)
+        self.correction = derived.correction  # `auto` resolved by jetflow.config.derive
         # pi_old from the training forward itself: one update per rollout and per-sequence weights.
         # (a KL penalty in the reward needs pi_old before the advantages: a separate forward)
         self.kl_in_reward = cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "reward"
@@ -109,7 +109,7 @@ class RLLoop:
         kv_scales = None
         if self.kv_quantizer is not None:  # per-step recalibration from the trainer's latest forward,
             kv_scales = self.kv_quantizer.recalibrate(self.dp)  # one scale per layer across data-parallel ranks
-        update = self.trainer.weight_update(self.cfg.precision.mode, self.fingerprint, kv_scales)
+        update = self.trainer.weight_update(self.precision.mode.value, self.precision.fingerprint, kv_scales)
         self.rollout.load_weights(update)
         return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(update.nbytes())}
 
@@ -221,6 +221,7 @@ class RLLoop:
         return {"kl/reward_penalty": float(penalty.mean())}
 
     def step(self, step: int) -> dict[str, float]:
+        """One RL step: sync, rollout, pi_old and the update(s); returns its metrics."""
         cfg = self.cfg
         metrics: dict[str, float] = {}
         t_start = time.perf_counter()
@@ -230,20 +231,38 @@ class RLLoop:
         prompts = [self.encode_prompt(p) for p in problems for _ in range(group)]
         if self.kv_quantizer is not None and not self.kv_quantizer.calibrated:
             self._calibrate_kv(prompts[::group])
-        synced = self.sync()
-        if self._eval_sync is not None and not synced["sync/bytes"]:
-            synced = self._eval_sync  # this step's weights went over for the evaluation before it
-        self._eval_sync = None
-        metrics.update(synced)
+        metrics.update(self._step_sync())
 
         # Rollout: each prompt group_size times (and dynamic sampling's refills).
         first = mine.start * group  # seeds follow the global request index: any rank count samples alike
         t0 = time.perf_counter()
         sampled, first_round, generated = self._gather(step, problems, prompts, first, metrics)
         metrics["time/rollout"] = time.perf_counter() - t0
-        out, scores = first_round.out, first_round.scores  # the policy's own samples, for its metrics
+        exp = self._experience(sampled, metrics)
+        self._update(exp, metrics)
+        self.last_experience = exp
+        self._sample_metrics(exp, first_round, generated, metrics)
+        metrics["time/step"] = time.perf_counter() - t_start
+        metrics["throughput/tokens_per_s"] = float(exp.attention_mask.sum()) / metrics["time/step"]
+        if self.dp.enabled:  # rank means (train/* are global already); throughput adds up over ranks
+            metrics = self.dp.mean_dict(metrics)
+            for key in ("throughput/tokens_per_s", "throughput/rollout_tokens_per_s"):
+                metrics[key] *= self.dp.world_size
+        return metrics
+
+    def _step_sync(self) -> dict[str, float]:
+        """The step's weight update (or the one an evaluation just before it sent)."""
+        synced = self.sync()
+        if self._eval_sync is not None and not synced["sync/bytes"]:
+            synced = self._eval_sync  # this step's weights went over for the evaluation before it
+        self._eval_sync = None
+        return synced
+
+    def _experience(self, sampled: Sampled, metrics: dict[str, float]) -> Experience:
+        """The step's samples packed for the trainer, with the reference's log-probs where a KL needs them."""
+        cfg = self.cfg
         exp = pack_experience(sampled.prompts, sampled.out.token_ids, sampled.out.logprobs, sampled.rewards,
-                              group_advantages(sampled.rewards, group, cfg.algo.adv_norm), self.pad_id,
+                              group_advantages(sampled.rewards, cfg.rollout.group_size, cfg.algo.adv_norm), self.pad_id,
                               device=cfg.model.device, routed_experts=sampled.out.routed_experts)
         if self.with_reference:  # log pi_ref of the same tokens (the frozen reference policy)
             t0 = time.perf_counter()
@@ -252,11 +271,15 @@ class RLLoop:
             if self._reference_bytes is None:
                 self._reference_bytes = float(self.trainer.reference_bytes())
             metrics["ref/bytes"] = self._reference_bytes
+        return exp
 
-        # The trainer's log-probs of the same tokens under the same weight version (pi_old), the
-        # rollout correction from them, and the update(s).
+    def _update(self, exp: Experience, metrics: dict[str, float]) -> None:
+        """The trainer's log-probs of the same tokens under the same weight version (pi_old), the rollout
+        correction from them, and the update(s); their metrics into `metrics`."""
+        cfg = self.cfg
         if self.kv_quantizer is not None:
             self.kv_quantizer.calibrating = True  # the next trainer forward's K/V amax sets the next step's scales
+        train_metrics: dict[str, float] = {}
         if self.kl_in_reward:  # pi_old first, then the rewards less the KL, then the advantages
             t0 = time.perf_counter()
             exp.old_logprobs = self.trainer.compute_logprobs(exp, cfg.rollout.temperature)
@@ -284,11 +307,13 @@ class RLLoop:
         else:
             for _ in range(cfg.algo.ppo_epochs):
                 metrics.update(self.trainer.train_step(exp, cfg.rollout.temperature))
-        self.last_experience = exp
         if exp.ref_logprobs is not None:  # the policy that sampled (pi_old) against the reference
             kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, cfg.algo.kl_estimator)  # (B, R)
             metrics["kl/ref"] = float((kl * exp.response_mask).sum() / exp.response_mask.sum().clamp(min=1))
 
+    def _sample_metrics(self, exp: Experience, first_round: Sampled, generated: int, metrics: dict[str, float]) -> None:
+        """Rewards, lengths and throughput of the policy's own samples (the first round: no refills)."""
+        out, scores = first_round.out, first_round.scores
         lengths = [len(t) for t in out.token_ids]
         mask = exp.response_mask
         metrics.update({
@@ -305,10 +330,3 @@ class RLLoop:
             "throughput/rollout_tokens_per_s": generated / max(metrics["time/rollout"], 1e-9),
             "weight_version": float(self.trainer.version),
         })
-        metrics["time/step"] = time.perf_counter() - t_start
-        metrics["throughput/tokens_per_s"] = float(exp.attention_mask.sum()) / metrics["time/step"]
-        if self.dp.enabled:  # rank means (train/* are global already); throughput adds up over ranks
-            metrics = self.dp.mean_dict(metrics)
-            for key in ("throughput/tokens_per_s", "throughput/rollout_tokens_per_s"):
-                metrics[key] *= self.dp.world_size
-        return metrics

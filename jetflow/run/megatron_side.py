@@ -42,14 +42,14 @@ def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder):
     equal the trainer's bit for bit at any TP / PP / EP layout the checks accept)."""
     from jetflow.train.megatron import MegatronPolicy
 
-    kind = cfg.precision.precision_mode.trainer_kind  # the layout was checked against the model (jetflow.run.validate)
+    precision = derived.precision  # the layout was checked against the model (jetflow.run.validate)
     policy = MegatronPolicy.from_decoder(
-        decoder, kind=kind, recipe=derived.recipe,
-        gemm_backend=cfg.precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
+        decoder, kind=precision.trainer_kind, recipe=precision.recipe,
+        gemm_backend=precision.gemm_backend, tensor_parallel_size=cfg.train.tensor_parallel_size,
         pipeline_parallel_size=cfg.train.pipeline_parallel_size,
-        expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=derived.numerics,
-        embed_grid=embedding_grid(kind))
-    policy.attach_kv_quantizer(kv_rounding(cfg.precision.precision_mode))
+        expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=precision.numerics,
+        embed_grid=embedding_grid(precision.trainer_kind))
+    policy.attach_kv_quantizer(kv_rounding(precision.mode))
     return policy
 
 
@@ -58,7 +58,7 @@ def build_trainer_model(cfg: Config, derived: Derived, decoder: Decoder):
     sharded over the data-parallel ranks (jetflow.train.fsdp)."""
     if cfg.train.backend == "megatron":
         return build_megatron_policy(cfg, derived, decoder)
-    model = apply_mode(decoder, cfg, derived, "trainer")
+    model = apply_mode(decoder, derived.precision, "trainer")
     if cfg.train.backend == "fsdp":
         from jetflow.train.fsdp import FSDPPolicy
         return FSDPPolicy(model, cfg.model.device, cfg.train.data_parallel_shard_size)

@@ -161,7 +161,7 @@ def copy_bytes(kind: str, numerics: str, family: str, cuda: bool, trainer: bool)
 def weight_copies(arch: ModelConfig, kind: str, derived: Derived, cuda: bool, trainer: bool) -> tuple[int, str]:
     """(bytes, formula) of the copies every linear of one side keeps under its linear `kind`; under fp8
     the linears the recipe keeps in high precision (lm_head, routers, first / last layers) are bf16."""
-    recipe, by_kind = derived.recipe, {"fp32": 0, "bf16": 0, "fp8": 0}
+    recipe, by_kind = derived.precision.recipe, {"fp32": 0, "bf16": 0, "fp8": 0}
     for name, o, i in linear_shapes(arch):
         k = kind
         if kind == "fp8" and recipe.keeps_in_high_precision(name, _layer(name), arch.num_layers):
@@ -169,7 +169,7 @@ def weight_copies(arch: ModelConfig, kind: str, derived: Derived, cuda: bool, tr
         by_kind[k] += o * i
     total, parts = 0.0, []
     for k, n in by_kind.items():
-        b = copy_bytes(k, derived.numerics, recipe.family, cuda, trainer)
+        b = copy_bytes(k, derived.precision.numerics, recipe.family, cuda, trainer)
         if n and b:
             total += n * b
             parts.append(f"{n / 1e6:.3g}M {k} weights x {b:g} B")
@@ -220,7 +220,7 @@ def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, rows: int, 
                    response_len: int) -> list[Term]:
     """The trainer's terms for micro-batches of `rows` sequences of prompt_len + response_len positions."""
     t, m = cfg.train, (4 if cfg.model.dtype == "float32" else 2)
-    kind = cfg.precision.precision_mode.trainer_kind
+    kind = derived.precision.trainer_kind
     cuda = cfg.model.device.startswith("cuda")
     P = num_params(arch)
     copies, copies_formula = weight_copies(arch, kind, derived, cuda, trainer=True)
@@ -285,9 +285,9 @@ def estimate_run(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: i
     sequences = max(trained, cfg.eval.num_prompts)  # what the engine decodes at once, at most
     terms = [_runtime(cfg), *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, trained, prompt_len + new), prompt_len, new)]
     cuda = cfg.model.device.startswith("cuda")
-    copies, copies_formula = weight_copies(arch, cfg.precision.precision_mode.rollout_kind, derived, cuda, trainer=False)
+    copies, copies_formula = weight_copies(arch, derived.precision.rollout_kind, derived, cuda, trainer=False)
     terms += [Term("rollout weights", P * m, f"P x {m} B (the engine's own copy)"),
-              Term("rollout copies", copies, f"{cfg.precision.precision_mode.rollout_kind} linears: {copies_formula}")]
+              Term("rollout copies", copies, f"{derived.precision.rollout_kind} linears: {copies_formula}")]
     terms.append(_kv_term(cfg, arch, prompt_len, sequences))
     batch = min(r.max_batch, sequences)
     terms.append(Term("sampling logits", 3 * batch * arch.vocab_size * 4, f"3 x {batch} rows x V x 4 B"))

@@ -34,7 +34,7 @@ from jetflow.distributed import free_port
 from jetflow.errors import MissingDependencyError
 from jetflow.rl.experience import Experience
 from jetflow.rollout.types import Rollouts
-from jetflow.run.build import build_task, build_tokenizer, prompt_encoder, run_fingerprint
+from jetflow.run.build import build_task, build_tokenizer, prompt_encoder
 from jetflow.run.files import engine_dir
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RESUME_HINT, RunFault
@@ -370,7 +370,7 @@ class RayPlacement:
     barrier = staticmethod(lambda: None)  # the workers meet at their own barriers (in `save`)
 
     def __init__(self, cfg: Config, derived: Derived, run_dir: Path):
-        self.cfg, self.run_dir = cfg, run_dir
+        self.cfg, self.derived, self.run_dir = cfg, derived, run_dir
         self.ray = ray = import_ray()
         self.started_here = not ray.is_initialized()
         if self.started_here:
@@ -429,12 +429,12 @@ class RayPlacement:
         cfg = self.cfg
         task = build_task(cfg)
         tokenizer = build_tokenizer(cfg)
-        kv_quantizer = RemoteKVQuantizer(self.ray, self.workers) if cfg.precision.kv_cache_fp8 else None
+        kv_quantizer = RemoteKVQuantizer(self.ray, self.workers) if self.derived.precision.kv_cache_fp8 else None
         if cfg.algo.kl_coef or cfg.algo.log_ref_kl:  # every worker keeps its part of the reference policy
             sizes = [wk.keep_reference.remote(str(self.run_dir)) for wk in self.workers]
             self.trainer.reference_size = trainer_results(self.ray, sizes, "while building the reference policy")[0]
-        return RLLoop(cfg, self.trainer, self.rollout, task, prompt_encoder(cfg, tokenizer, task),
-                      tokenizer.pad_token_id, run_fingerprint(cfg), kv_quantizer)
+        return RLLoop(cfg, self.derived, self.trainer, self.rollout, task, prompt_encoder(cfg, tokenizer, task),
+                      tokenizer.pad_token_id, kv_quantizer)
 
     def step_metrics(self, metrics: dict) -> dict:
         metrics["rollout/actor_restarts_total"] = float(self.rollout.restarts)

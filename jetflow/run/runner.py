@@ -37,7 +37,7 @@ def _train(cfg: Config, stop: StopRequests) -> Path:
         # the directory's LOCK and config.yaml, then the model load
         with run_directory(cfg, dp) as run_dir, place(cfg, derived, dp, run_dir) as placement:
             stop.take_back()  # ray.init installs a SIGTERM handler of its own (sys.exit)
-            run_sequence(cfg, placement, run_dir, stop)
+            run_sequence(cfg, derived.precision, placement, run_dir, stop)
         completed = True
         return run_dir
     finally:

@@ -18,6 +18,7 @@ import torch.distributed
 
 from jetflow.config import Config, run_loggers, to_dict
 from jetflow.metrics_log import MetricsLogger
+from jetflow.precision.plan import Precision
 from jetflow.run.files import append_position_curve, mark_stopped, tidy_for_resume, write_model_dirs, write_summary
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RESUME_HINT, RunStopped, StopRequests, collective_fault
@@ -58,18 +59,20 @@ class Placement(Protocol):
     """True on every rank if `flag` is True on any (a stop request must end all ranks at one step)."""
 
 
-def run_sequence(cfg: Config, placement: Placement, run_dir: Path, stop: StopRequests | None = None) -> Path:
+def run_sequence(cfg: Config, precision: Precision, placement: Placement, run_dir: Path,
+                 stop: StopRequests | None = None) -> Path:
     """Run (or resume) the configured run on `placement`; returns its directory. `stop`: the stop
     requests caught since the run began (its model load included); default: from here on."""
     if stop is not None:
-        return RunSequence(cfg, placement, run_dir, stop).run()
+        return RunSequence(cfg, precision, placement, run_dir, stop).run()
     with StopRequests() as stop:
-        return RunSequence(cfg, placement, run_dir, stop).run()
+        return RunSequence(cfg, precision, placement, run_dir, stop).run()
 
 
 class RunSequence:
-    def __init__(self, cfg: Config, placement: Placement, run_dir: Path, stop: StopRequests):
+    def __init__(self, cfg: Config, precision: Precision, placement: Placement, run_dir: Path, stop: StopRequests):
         self.cfg, self.placement, self.run_dir, self.stop = cfg, placement, run_dir, stop
+        self.precision = precision  # the run's, resolved once (jetflow.config.derive)
         self.logger: MetricsLogger | None = None
         self.state: dict = {}  # the newest checkpoint's: next_step, sft_done[, warmup_step]
         self.saved_at: tuple | None = None  # (step, warmup_step) of the newest checkpoint this run holds
@@ -84,8 +87,8 @@ class RunSequence:
             self._stop_point("model load", "step 0")  # (the model load is the placement's construction)
             if placement.is_main:
                 tidy_for_resume(run_dir, self.state)
-                print(f"[jetflow] run {run_dir}  mode={cfg.precision.mode}  "
-                      f"recipe={cfg.precision.recipe().fingerprint()}  {placement.describe()}", file=sys.stderr)
+                print(f"[jetflow] run {run_dir}  mode={self.precision.mode.value}  "
+                      f"recipe={self.precision.recipe.fingerprint()}  {placement.describe()}", file=sys.stderr)
                 self.logger = MetricsLogger(run_dir, run_loggers(cfg.run), to_dict(cfg), cfg.run.tracker_project,
                                             cfg.run.mlflow_tracking_uri)
             self._warmup()
@@ -206,7 +209,7 @@ class RunSequence:
         self._save(steps, sft_done)
         self._stop_point("final writes", at)
         if placement.is_main:  # from the final checkpoint: the same for every placement
-            write_model_dirs(self.run_dir, latest_checkpoint(self.run_dir), self.cfg)
+            write_model_dirs(self.run_dir, latest_checkpoint(self.run_dir), self.precision)
         self._stop_point("final writes", at)
         self.stop.after_run = True  # no stop point is left: a signal from here on lets the run finish
         if placement.is_main:

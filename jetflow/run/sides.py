@@ -15,7 +15,7 @@ from jetflow.config import Config, Derived
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rollout.native import NativeRollout
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, longest_prompt,
-                               prompt_encoder, run_fingerprint, stop_token_ids)
+                               prompt_encoder, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.loop import RLLoop
 from jetflow.run.megatron_side import (build_megatron_policy, build_trainer_model, gather_trainer_state,
@@ -52,7 +52,7 @@ class TrainerSide:
         self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
         self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp,
                                loss_scale=cfg.algo.loss_scale_factor or cfg.rollout.max_new_tokens)
-        self.kv_quantizer = attach_kv_fp8(self.model, cfg, "trainer")
+        self.kv_quantizer = attach_kv_fp8(self.model, derived.precision, "trainer")
         self.warmup: Warmup | None = None  # while the supervised warm-up runs
 
     def state(self) -> dict:
@@ -133,8 +133,8 @@ class TrainerSide:
         starts from a checkpoint in `run_dir`)."""
         self.keep_reference(run_dir)
         rollout = build_rollout_side(self.cfg, self.derived, self, run_dir, self.dp)
-        return RLLoop(self.cfg, self.trainer, rollout, self.task, self.encode, self.tokenizer.pad_token_id,
-                      run_fingerprint(self.cfg), self.kv_quantizer, self.dp)
+        return RLLoop(self.cfg, self.derived, self.trainer, rollout, self.task, self.encode,
+                      self.tokenizer.pad_token_id, self.kv_quantizer, self.dp)
 
 
 REFERENCE_FILE = "reference.pt"
@@ -161,7 +161,7 @@ def _frozen_reference(cfg: Config, derived: Derived, model, path: Path | None, d
         os.replace(tmp, path)  # atomic: a resume never reads half a file
     if cfg.train.backend == "megatron":
         return freeze_reference(build_megatron_policy(cfg, derived, reference))
-    return freeze_reference(apply_mode(reference, cfg, derived, "trainer"))
+    return freeze_reference(apply_mode(reference, derived.precision, "trainer"))
 
 
 def build_rollout_side(cfg: Config, derived: Derived, side: TrainerSide | None = None,
@@ -174,13 +174,12 @@ def build_rollout_side(cfg: Config, derived: Derived, side: TrainerSide | None =
     else:
         task = build_task(cfg)
         source, tokenizer = build_policy(cfg)
-    fingerprint = run_fingerprint(cfg)
     max_seq_len = 2 * longest_prompt(cfg, tokenizer, task) + cfg.rollout.max_new_tokens + 16
     eos = stop_token_ids(tokenizer, source, task)
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
         engine_dir = engine_dir or run_engine_dir(run_dir, "local", dp.global_rank)
         return build_vllm_rollout(cfg, derived, copy_model(source), tokenizer, eos, task.stop, max_seq_len, engine_dir)
-    rollout_model = apply_mode(copy_model(source), cfg, derived, "rollout")
-    attach_kv_fp8(rollout_model, cfg, "rollout")
+    rollout_model = apply_mode(copy_model(source), derived.precision, "rollout")
+    attach_kv_fp8(rollout_model, derived.precision, "rollout")
     return NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,
-                         fingerprint=fingerprint)
+                         fingerprint=derived.precision.fingerprint)

@@ -163,8 +163,8 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
     t, a = cfg.train, cfg.algo
     if t.steps == 0 and t.sft_warmup_steps == 0:
         raise ConfigError("train.steps=0 and train.sft_warmup_steps=0: the run would do nothing")
-    if cfg.precision.numerics == "exact" and derived.exact_blocker:
-        raise ConfigError(f"precision.numerics=exact: {derived.exact_blocker}; use precision.numerics=fast (or auto)")
+    if cfg.precision.numerics == "exact" and derived.precision.exact_blocker:
+        raise ConfigError(f"precision.numerics=exact: {derived.precision.exact_blocker}; use precision.numerics=fast (or auto)")
     if t.backend != "megatron":
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(t, key) != 1:
@@ -193,7 +193,7 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
                 raise ConfigError(f"algo.routing_replay=true with {key}={value}: routing replay runs with the native "
                                   f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
     check_algorithm(cfg)
-    if cfg.rollout.backend == "vllm" and cfg.precision.kv_cache_fp8 and derived.numerics != "exact":
+    if cfg.rollout.backend == "vllm" and derived.precision.kv_cache_fp8 and not derived.precision.is_exact:
         raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm needs precision.numerics=exact (or "
                           "auto): only jetflow's plugin loads the per-step FP8 KV scales")
     if t.fp8_backend != "jetflow":  # Transformer Engine cannot be installed on the CPU machines
@@ -393,6 +393,6 @@ def check_megatron_model(cfg: Config, arch, derived: Derived) -> None:
                           "computed on one stage only; set algo.router_aux_loss_coef=0 or pipeline_parallel_size=1")
     try:
         check_layout(arch, t.tensor_parallel_size, t.pipeline_parallel_size, t.expert_parallel_size,
-                     cfg.precision.precision_mode.trainer_kind, derived.recipe, derived.numerics)
+                     derived.precision.trainer_kind, derived.precision.recipe, derived.precision.numerics)
     except MegatronConfigError as e:
         raise ConfigError(f"train.backend=megatron: {e}") from None

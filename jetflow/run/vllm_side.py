@@ -48,15 +48,15 @@ KV_CACHE_MIN_BYTES = 64 << 20
 
 def choose_execution(cfg: Config, derived: Derived, model_config) -> str:
     """The engine's execution for the precision mode on this machine (see the module docstring)."""
-    if derived.numerics == "exact":
+    precision = derived.precision
+    if precision.is_exact:
         return "exact"
-    mode = cfg.precision.mode
-    if mode in ("fp32", "bf16"):
-        return mode
+    if not precision.rollout_quantizes:
+        return precision.rollout_kind
     if torch.cuda.is_available() and cfg.model.device.startswith("cuda"):
         from jetflow.rollout.vllm import unfusable_projections
         hf = model_config.to_hf(torch.bfloat16)
-        if not unfusable_projections(hf, derived.recipe.weight_block[0]):
+        if not unfusable_projections(hf, precision.recipe.weight_block[0]):
             return "fp8"
     return "fp8_weights_dequantized"
 
@@ -112,18 +112,18 @@ def build_vllm_rollout(cfg: Config, derived: Derived, model: Decoder, tokenizer,
     except ImportError as e:
         raise ConfigError(f"rollout.backend=vllm: {e}") from None
     execution = choose_execution(cfg, derived, model.config)
-    recipe = derived.recipe
+    precision = derived.precision
     policy = None
     if execution == "exact":  # the native rollout's model: the plugin computes every token with its modules
-        policy = apply_mode(model, cfg, derived, "rollout")
-        attach_kv_fp8(policy, cfg, "rollout")
+        policy = apply_mode(model, precision, "rollout")
+        attach_kv_fp8(policy, precision, "rollout")
     # vLLM's fp8 method runs bf16 activations (it refuses float32); fp8 on the CPU is dequantized weights
     dtype = "bfloat16" if execution in ("bf16", "fp8") else "float32"
     max_model_len = min(max_seq_len, model.config.max_position_embeddings)
     r = cfg.rollout
     single_token_stops = {s for s in stop if len(tokenizer.encode(s)) == 1}  # already in eos_token_ids
     stops = tuple(s for s in (*stop, *r.stop) if s not in single_token_stops)
-    path = write_engine_checkpoint(model, tokenizer, Path(engine_dir), execution, recipe)
+    path = write_engine_checkpoint(model, tokenizer, Path(engine_dir), execution, precision.recipe)
     element = 2 if dtype == "bfloat16" else 4
     if policy is not None:  # the exact engine's cache holds its K/V rounding's bytes (E4M3 codes, bf16)
         from jetflow.rollout.vllm.attention import cache_dtype
@@ -132,7 +132,7 @@ def build_vllm_rollout(cfg: Config, derived: Derived, model: Decoder, tokenizer,
     if torch.cuda.is_available() and cfg.model.device.startswith("cuda"):
         kw = dict(gpu_memory_utilization=r.vllm_gpu_memory_utilization)
     rollout = VLLMRollout(path, execution=execution, dtype=dtype, policy=policy,
-                          recipe=recipe if cfg.precision.precision_mode.quantizes else None,
+                          recipe=precision.shipped_recipe,
                           eos_token_ids=eos_token_ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                           top_p=r.top_p, top_k=r.top_k, stop=stops, tokenizer=tokenizer, max_model_len=max_model_len,
                           max_batch=r.max_batch, **kw)

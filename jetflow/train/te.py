@@ -1,4 +1,4 @@
-"""Transformer Engine adapter (`train.fp8_backend=te`): jetflow's FP8Recipe as TE's `Float8BlockScaling`,
+"""Transformer Engine adapter (`train.fp8_backend=te`): jetflow's QuantRecipe as TE's `Float8BlockScaling`,
 and TE's block-scaled weight layout <-> jetflow's / vLLM's checkpoint layout.
 
 Transformer Engine is imported lazily, only in this module, and only by the TE-bound functions
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from jetflow.errors import MissingDependencyError
-from jetflow.precision import FP8Recipe, QuantizedTensor
+from jetflow.precision import QuantRecipe, QuantizedTensor
 
 INSTALL_HINT = "pip install transformer-engine[pytorch]  (on a CUDA machine)"
 FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
@@ -48,7 +48,7 @@ BLOCK = 128  # TE's Float8BlockQuantizer.block_len, fixed
 
 
 class TERecipeError(ValueError):
-    """The FP8Recipe cannot be represented by TE's Float8BlockScaling."""
+    """The QuantRecipe cannot be represented by TE's Float8BlockScaling."""
 
 
 def _import_te():
@@ -64,7 +64,7 @@ def _import_te():
 # The recipe
 
 
-def te_recipe_kwargs(recipe: FP8Recipe) -> dict:
+def te_recipe_kwargs(recipe: QuantRecipe) -> dict:
     """Float8BlockScaling constructor arguments for `recipe` (fp8_format as the Format member's name).
 
     Raises TERecipeError listing every field TE cannot represent."""
@@ -78,18 +78,18 @@ def te_recipe_kwargs(recipe: FP8Recipe) -> dict:
     if recipe.fmt not in ("e4m3", "hybrid"):
         problems.append(f"fmt={recipe.fmt!r}: TE supports E4M3 and HYBRID")
     if problems:
-        raise TERecipeError("FP8Recipe cannot run on Transformer Engine (train.fp8_backend=te): "
+        raise TERecipeError("QuantRecipe cannot run on Transformer Engine (train.fp8_backend=te): "
                             + "; ".join(problems) + ". Use train.fp8_backend=jetflow for this recipe.")
     return {"fp8_format": "HYBRID" if recipe.fmt == "hybrid" else "E4M3",
             "x_block_scaling_dim": 1, "w_block_scaling_dim": 2, "grad_block_scaling_dim": 1}
 
 
-def te_env(recipe: FP8Recipe) -> dict[str, str]:
+def te_env(recipe: QuantRecipe) -> dict[str, str]:
     """Environment TE must see *before it is imported* for this recipe's scale rule."""
     return {FP32_SCALES_ENV: "1" if recipe.scale_rule == "fp32" else "0"}
 
 
-def apply_te_env(recipe: FP8Recipe) -> None:
+def apply_te_env(recipe: QuantRecipe) -> None:
     """Set `te_env(recipe)` in os.environ; refuse a conflicting value already set by the user, and
     refuse to change it after TE's recipe module was imported (TE would not see the change)."""
     for key, want in te_env(recipe).items():
@@ -103,7 +103,7 @@ def apply_te_env(recipe: FP8Recipe) -> None:
         os.environ.setdefault(key, want)
 
 
-def make_te_recipe(recipe: FP8Recipe):
+def make_te_recipe(recipe: QuantRecipe):
     """TE's Float8BlockScaling for `recipe` (imports TE; sets the scale env var first)."""
     kwargs = te_recipe_kwargs(recipe)
     apply_te_env(recipe)
@@ -119,7 +119,7 @@ def make_te_recipe(recipe: FP8Recipe):
     return out
 
 
-def te_autocast(recipe: FP8Recipe, enabled: bool = True):
+def te_autocast(recipe: QuantRecipe, enabled: bool = True):
     """TE's FP8 autocast context under this recipe (`te.autocast` in TE >= 2.8, else `fp8_autocast`)."""
     te, _ = _import_te()
     te_rec = make_te_recipe(recipe)
@@ -257,7 +257,7 @@ def from_te_tensor(t) -> QuantizedTensor:
     return to_quantized(layout)
 
 
-def te_quantize_weight(weight: torch.Tensor, recipe: FP8Recipe) -> QuantizedTensor:
+def te_quantize_weight(weight: torch.Tensor, recipe: QuantRecipe) -> QuantizedTensor:
     """Quantize (N, K) with TE's own Float8BlockQuantizer (128x128) -> QuantizedTensor (CUDA, needs TE);
     compare with `jetflow.precision.quantize_weight` to check that both sides make the same bytes."""
     te_recipe_kwargs(recipe)

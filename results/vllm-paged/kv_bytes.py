@@ -30,8 +30,8 @@ def main(which: str) -> None:
         cfg = load_config(config, [f"precision.mode={mode}", f"precision.kv_cache_fp8={str(kv8).lower()}",
                                    "precision.numerics=exact", "rollout.backend=vllm"])
         model, tok = build_policy(cfg)
-        policy = apply_mode(copy_model(model), cfg, derive(cfg), "rollout")
-        quantizer = attach_kv_fp8(policy, cfg, "rollout") or policy.model.layers[0].self_attn.kv_quantizer
+        policy = apply_mode(copy_model(model), derive(cfg).precision, "rollout")
+        quantizer = attach_kv_fp8(policy, derive(cfg).precision, "rollout") or policy.model.layers[0].self_attn.kv_quantizer
         with tempfile.TemporaryDirectory() as tmp:
             path = write_engine_checkpoint(policy, tok, Path(tmp), "exact", None)
             rollout = VLLMRollout(path, execution="exact", policy=policy, recipe=cfg.precision.recipe(),

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from jetflow.precision import FP8Recipe, PrecisionLinear, fp8_matmul, quantize_blocks
+from jetflow.precision import QuantRecipe, PrecisionLinear, fp8_matmul, quantize_blocks
 from jetflow.precision.gemm import resolve_backend
 
 pytestmark = [
@@ -36,7 +36,7 @@ def test_scaled_mm_equals_emulation(m, n, k, b_block):
 def test_fp8_linear_backward_on_gpu_matches_emulation(fmt):
     _needs_hopper()
     torch.manual_seed(1)
-    recipe = FP8Recipe(fmt=fmt)
+    recipe = QuantRecipe(fmt=fmt)
     layers = {}
     for backend in ("scaled_mm", "emulate"):
         torch.manual_seed(1)

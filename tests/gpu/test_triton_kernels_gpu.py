@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 
 from jetflow.kernels.invariant import reference_attention  # noqa: E402
 from jetflow.kernels.triton import _bits, attn, gemm, paged_exact, quant, reference  # noqa: E402
-from jetflow.precision import FP8Recipe, PrecisionLinear, quantize_blocks  # noqa: E402
+from jetflow.precision import QuantRecipe, PrecisionLinear, quantize_blocks  # noqa: E402
 from jetflow.precision.quant import NonFiniteError, QuantizedTensor  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -229,7 +229,7 @@ def test_attention_fp8_kv():
 def test_fp8_linear_on_triton(fmt):
     """PrecisionLinear under exact numerics on CUDA: rows independent of M; the triton backend's
     backward (dgrad, wgrad; E5M2 gradients under hybrid) close to the emulation's."""
-    recipe = FP8Recipe(fmt=fmt)
+    recipe = QuantRecipe(fmt=fmt)
     torch.manual_seed(8)
     layer = PrecisionLinear(1024, 768, kind="fp8", recipe=recipe, gemm_backend="triton", numerics="exact",
                             device="cuda")

@@ -66,7 +66,7 @@ def main() -> None:
     torch.manual_seed(0)
     decoder = apply_mode(Decoder(ModelConfig(vocab_size=64, hidden_size=192, intermediate_size=512, num_layers=2,
                                              num_heads=3, num_kv_heads=1, head_dim=64, tie_word_embeddings=True)),
-                         cfg, derive(cfg), "trainer")
+                         derive(cfg).precision, "trainer")
     reference = copy.deepcopy(decoder)
     policy = FSDPPolicy(decoder)
     result = {"wrapped": policy.low_precision_gathered, "world": world}

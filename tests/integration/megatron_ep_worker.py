@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a sourc
 from jetflow.config import AlgoConfig, TrainConfig  # noqa: E402
 from jetflow.distributed import DataParallel  # noqa: E402
 from jetflow.model import Decoder, ModelConfig  # noqa: E402
-from jetflow.precision import FP8Recipe  # noqa: E402
+from jetflow.precision import QuantRecipe  # noqa: E402
 from jetflow.rl.experience import pack_experience  # noqa: E402
 from jetflow.run.megatron_side import model_data_parallel  # noqa: E402
 from jetflow.train.trainer import Trainer  # noqa: E402
@@ -65,7 +65,7 @@ def run_case(case: str, steps: int, ep: int, pp: int) -> dict:
     from jetflow.train.megatron import MegatronPolicy
 
     kind = "fp32" if case == "fp32" else "fp8"
-    policy = MegatronPolicy.from_decoder(tiny_decoder(), kind=kind, recipe=FP8Recipe() if kind == "fp8" else None,
+    policy = MegatronPolicy.from_decoder(tiny_decoder(), kind=kind, recipe=QuantRecipe() if kind == "fp8" else None,
                                          gemm_backend="emulate", expert_parallel_size=ep, pipeline_parallel_size=pp)
     world = dist.get_world_size()
     dp = model_data_parallel(policy, DataParallel(rank=dist.get_rank(), world_size=world, global_rank=dist.get_rank()))

@@ -36,7 +36,7 @@ from jetflow.distributed import DataParallel  # noqa: E402
 from jetflow.rl.experience import pack_experience  # noqa: E402
 from jetflow.rollout.native import NativeRollout  # noqa: E402
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,  # noqa: E402
-                               prompt_encoder, run_fingerprint)
+                               prompt_encoder)
 from jetflow.run.loop import observe_kv_amax, request_seed  # noqa: E402
 from jetflow.run.megatron_side import build_trainer_model, model_data_parallel  # noqa: E402
 from jetflow.train.trainer import Trainer  # noqa: E402
@@ -76,12 +76,12 @@ def run_case(config: str, case: str, tp: int, pp: int, ep: int, prompts_per_rank
     world = dist.get_world_size()
     dp = model_data_parallel(policy, DataParallel(rank=dist.get_rank(), world_size=world, global_rank=dist.get_rank()))
     trainer = Trainer(policy, cfg.train, cfg.algo, dp=dp)
-    kv_quantizer = attach_kv_fp8(policy, cfg, "trainer")
+    kv_quantizer = attach_kv_fp8(policy, derived.precision, "trainer")
 
-    rollout_model = apply_mode(copy_model(policy), cfg, derived, "rollout")
-    attach_kv_fp8(rollout_model, cfg, "rollout")
+    rollout_model = apply_mode(copy_model(policy), derived.precision, "rollout")
+    attach_kv_fp8(rollout_model, derived.precision, "rollout")
     prompts = mixed_prompts(task, prompt_encoder(cfg, tok, task), prompts_per_rank, dp.rank * prompts_per_rank)
-    fingerprint = run_fingerprint(cfg)
+    fingerprint = derived.precision.fingerprint
     rollout = NativeRollout(rollout_model, cfg, tok, [], task.stop, max(map(len, prompts)) + NEW_TOKENS + 1,
                             fingerprint)
     scales = None
@@ -96,7 +96,7 @@ def run_case(config: str, case: str, tp: int, pp: int, ep: int, prompts_per_rank
     trainer_lp = trainer.compute_logprobs(exp, cfg.rollout.temperature)  # (B, R)
     mask = exp.response_mask > 0
     a, b = exp.rollout_logprobs[mask], trainer_lp[mask]
-    return {"case": case, "numerics": derived.numerics, "tp": tp, "pp": pp, "ep": ep, "dp": dp.world_size,
+    return {"case": case, "numerics": derived.precision.numerics, "tp": tp, "pp": pp, "ep": ep, "dp": dp.world_size,
             "equal": torch.equal(a, b), "tokens": int(mask.sum()), "max_abs_diff": float((a - b).abs().max()),
             "trainer_logprobs": trainer_lp, "input_ids": exp.input_ids, "rows": (dp.rank, dp.world_size),
             "kv_scales": scales}

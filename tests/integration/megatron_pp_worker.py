@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a sourc
 
 from jetflow.config import AlgoConfig, TrainConfig  # noqa: E402
 from jetflow.model import Decoder, ModelConfig  # noqa: E402
-from jetflow.precision import FP8Recipe  # noqa: E402
+from jetflow.precision import QuantRecipe  # noqa: E402
 from jetflow.rl.experience import pack_experience  # noqa: E402
 from jetflow.train.checkpoint import checkpoint_weights, load_checkpoint, save_checkpoint  # noqa: E402
 from jetflow.train.trainer import Trainer  # noqa: E402
@@ -101,7 +101,7 @@ def build(case: str, pp: int, decoder: Decoder | None = None, seed: int = 0, tp:
     from jetflow.train.megatron import MegatronPolicy
 
     kind = "fp8" if case == "fp8" else "fp32"
-    kwargs = dict(kind=kind, recipe=FP8Recipe() if kind == "fp8" else None, gemm_backend="emulate",
+    kwargs = dict(kind=kind, recipe=QuantRecipe() if kind == "fp8" else None, gemm_backend="emulate",
                   pipeline_parallel_size=pp, tensor_parallel_size=tp, seed=seed)
     if decoder is None:
         return MegatronPolicy(CASES[case], init_weights=True, **kwargs)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a sourc
 
 from jetflow.config import AlgoConfig, TrainConfig  # noqa: E402
 from jetflow.model import Decoder, ModelConfig  # noqa: E402
-from jetflow.precision import FP8Recipe  # noqa: E402
+from jetflow.precision import QuantRecipe  # noqa: E402
 from jetflow.rl.experience import pack_experience  # noqa: E402
 from jetflow.train.trainer import Trainer  # noqa: E402
 
@@ -87,7 +87,7 @@ def run_case(case: str, steps: int, tp: int) -> tuple[dict, dict]:
     from jetflow.train.megatron import MegatronPolicy
 
     kind = case
-    recipe = FP8Recipe() if kind == "fp8" else None
+    recipe = QuantRecipe() if kind == "fp8" else None
     policy = MegatronPolicy.from_decoder(tiny_decoder(case), kind=kind, recipe=recipe, gemm_backend="emulate",
                                          tensor_parallel_size=tp)
     checksum = quantized_checksum(policy.quantized_weights()) if kind == "fp8" else None

@@ -19,8 +19,7 @@ import torch
 from jetflow.bench.mismatch import paired_logprobs
 from jetflow.config import derive, load_config
 from jetflow.run.loop import request_seed
-from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder,
-                               run_fingerprint)
+from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, prompt_encoder)
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.sync import apply_update, build_update
 
@@ -89,12 +88,12 @@ def generate_alone_and_batched(cfg, model, tok, prompts, new_tokens: int, pick: 
     """Tokens and log-probs of each picked prompt generated inside the whole batch and alone (one seed
     per request, as vLLM's per-request seed)."""
     derived = derive(cfg)
-    trainer = apply_mode(copy_model(model), cfg, derived, "trainer")
-    rollout_model = apply_mode(copy_model(model), cfg, derived, "rollout")
-    kv = attach_kv_fp8(rollout_model, cfg, "rollout")
+    trainer = apply_mode(copy_model(model), derived.precision, "trainer")
+    rollout_model = apply_mode(copy_model(model), derived.precision, "rollout")
+    kv = attach_kv_fp8(rollout_model, derived.precision, "rollout")
     scales = None if kv is None else {"k_scale": torch.full((model.config.num_layers,), 0.05),
                                       "v_scale": torch.full((model.config.num_layers,), 0.05)}
-    fingerprint = run_fingerprint(cfg)
+    fingerprint = derived.precision.fingerprint
     apply_update(rollout_model, build_update(trainer, cfg.precision.mode, 0, fingerprint, kv_scales=scales), -1,
                  fingerprint)
     engine = RolloutEngine(rollout_model, eos_token_ids=[], pad_token_id=tok.pad_token_id, max_batch=16,

@@ -51,12 +51,12 @@ def native_run(case: str):
     """The native Decoder under the worker's model, batch and Trainer settings."""
     sys.path.insert(0, str(HERE))
     import megatron_tp_worker as w
-    from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
+    from jetflow.precision import QuantRecipe, apply_precision, quantized_weights
     from jetflow.train.trainer import Trainer
 
     model = w.tiny_decoder(case)
     if case == "fp8":
-        model = apply_precision(model, "fp8", FP8Recipe(), gemm_backend="emulate")
+        model = apply_precision(model, "fp8", QuantRecipe(), gemm_backend="emulate")
     checksum = w.quantized_checksum(quantized_weights(model)) if case == "fp8" else None
     trainer = Trainer(model, *w.train_config(case, STEPS))
     exp = w.fixed_batch(w.CASES[case].vocab_size)

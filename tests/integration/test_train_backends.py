@@ -107,7 +107,7 @@ def test_vllm_rollout_unified_is_exactly_on_policy(tmp_path):
     from jetflow.run.build import apply_mode, build_policy
     from jetflow.sync import build_update
     cfg = load_config(ROOT / "configs/tiny.yaml", ["precision.mode=unified"])
-    model = apply_mode(build_policy(cfg)[0], cfg, derive(cfg), "trainer")
+    model = apply_mode(build_policy(cfg)[0], derive(cfg).precision, "trainer")
     unified, fp32 = build_update(model, "unified", 0, "fp").nbytes(), build_update(model, "fp32", 0).nbytes()
     assert all(r["sync/bytes"] == unified for r in rows) and unified < fp32 / 3
     # the rollout's log-probs are the trainer's, bit for bit
@@ -144,7 +144,7 @@ def test_megatron_policy_sync_copy_and_checkpoint_equal_native(tmp_path, megatro
     with torch.no_grad():
         for p in decoder.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    native = apply_mode(copy.deepcopy(decoder), cfg, derived, "trainer")
+    native = apply_mode(copy.deepcopy(decoder), derived.precision, "trainer")
     policy = build_trainer_model(cfg, derived, copy.deepcopy(decoder))
     assert policy.num_params() == native.num_params()
 

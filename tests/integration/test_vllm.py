@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from jetflow.export import export_fp8
 from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer, save_hf_dir
 from jetflow.run.build import copy_model
-from jetflow.precision import FP8Recipe, RecipeMismatchError, apply_precision
+from jetflow.precision import QuantRecipe, RecipeMismatchError, apply_precision
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.vllm import VLLMRollout, check_payload, checkpoint_shapes, engine_payload, import_vllm
 from jetflow.sync import CorruptWeightsError, StaleWeightsError, apply_update, build_update
@@ -37,7 +37,7 @@ def vllm_importable():
 STEPS = 32
 TOL = 1e-3
 KV_BYTES = 64 << 20
-RECIPE = FP8Recipe()
+RECIPE = QuantRecipe()
 TOKENIZER = CharTokenizer("abcdefghijklmnopqrstuvwxyz0123456789 .")
 PROMPTS = [[1, 5, 9, 30, 3], [1, 20, 7, 3, 4, 5, 6, 7, 8, 22], [1, 33]]  # different lengths
 
@@ -237,7 +237,7 @@ def test_stale_and_foreign_updates_are_refused_untouched(fp8_side):
     perturb(trainer, 0.05)
     with pytest.raises(StaleWeightsError):
         rollout.load_weights(build_update(trainer, "unified", version, fingerprint))
-    foreign = FP8Recipe(scale_rule="pow2").fingerprint()
+    foreign = QuantRecipe(scale_rule="pow2").fingerprint()
     with pytest.raises(RecipeMismatchError):
         rollout.load_weights(build_update(trainer, "unified", version + 1, foreign))
     with pytest.raises(ValueError, match="does not fit"):

@@ -21,10 +21,10 @@ import torch
 
 from jetflow.config import derive, load_config
 from jetflow.model import load_hf_dir
-from jetflow.precision import FP8Recipe, RecipeMismatchError
+from jetflow.precision import QuantRecipe, RecipeMismatchError
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.vllm import UnservedError, VLLMRollout, import_vllm
-from jetflow.run.build import apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, run_fingerprint
+from jetflow.run.build import apply_mode, attach_kv_fp8, build_policy, build_task, copy_model
 from jetflow.run.loop import request_seed
 from jetflow.sync import StaleWeightsError, build_update
 from test_exact_on_policy import assert_exact, mixed_length_prompts
@@ -71,16 +71,16 @@ def exact_rollout(model, cfg, tok, tmp_path: Path, **kw) -> VLLMRollout:
     update loaded (version 0); the policy is `rollout.policy`."""
     from jetflow.run.vllm_side import write_engine_checkpoint
 
-    policy = apply_mode(copy_model(model), cfg, derive(cfg), "rollout")
-    attach_kv_fp8(policy, cfg, "rollout")
+    policy = apply_mode(copy_model(model), derive(cfg).precision, "rollout")
+    attach_kv_fp8(policy, derive(cfg).precision, "rollout")
     path = write_engine_checkpoint(policy, tok, tmp_path, "exact", None)
     kw = {**dict(max_new_tokens=64, temperature=1.0, eos_token_ids=[], max_model_len=160, max_batch=16,
                  kv_cache_bytes=KV_BYTES), **kw}
     rollout = VLLMRollout(path, execution="exact", policy=policy, recipe=cfg.precision.recipe(), **kw)
-    trainer = apply_mode(copy_model(model), cfg, derive(cfg), "trainer")
+    trainer = apply_mode(copy_model(model), derive(cfg).precision, "trainer")
     scales = None if not cfg.precision.kv_cache_fp8 else {"k_scale": torch.full((model.config.num_layers,), 0.05),
                                                           "v_scale": torch.full((model.config.num_layers,), 0.05)}
-    rollout.load_weights(build_update(trainer, cfg.precision.mode, 0, run_fingerprint(cfg), kv_scales=scales))
+    rollout.load_weights(build_update(trainer, cfg.precision.mode, 0, derive(cfg).precision.fingerprint, kv_scales=scales))
     return rollout
 
 
@@ -193,7 +193,8 @@ def test_greedy_logprobs_equal_the_native_engine_also_after_updates(mode, tmp_pa
     cfg, model, tok, _ = tiny(mode, False)
     prompts = mixed_length_prompts(tok, 6, 3, 40, seed=2)
     rollout = exact_rollout(model, cfg, tok, tmp_path, temperature=0.0)
-    trainer = apply_mode(copy_model(model), cfg, derive(cfg), "trainer")
+    precision = derive(cfg).precision
+    trainer = apply_mode(copy_model(model), precision, "trainer")
     try:
         assert_kv_storage(rollout, model, "float32", 4)
         for version in (1, 2):
@@ -203,13 +204,13 @@ def test_greedy_logprobs_equal_the_native_engine_also_after_updates(mode, tmp_pa
             with torch.no_grad():
                 for p in trainer.parameters():
                     p.add_(0.01 * torch.randn_like(p))
-            rollout.load_weights(build_update(trainer, mode, version, run_fingerprint(cfg), with_checksum=True))
+            rollout.load_weights(build_update(trainer, mode, version, precision.fingerprint, with_checksum=True))
         before = rollout.generate(prompts, seeds=list(range(len(prompts))), greedy=True)
-        refused = [(StaleWeightsError, build_update(trainer, mode, 2, run_fingerprint(cfg))),
-                   (ValueError, build_update(trainer, "bf16" if mode == "unified" else "unified", 3, run_fingerprint(cfg)))]
+        refused = [(StaleWeightsError, build_update(trainer, mode, 2, precision.fingerprint)),
+                   (ValueError, build_update(trainer, "bf16" if mode == "unified" else "unified", 3, precision.fingerprint))]
         if mode == "unified":
-            refused.append((RecipeMismatchError, build_update(trainer, mode, 3, FP8Recipe(scale_rule="pow2").fingerprint())))
-        partial = build_update(trainer, mode, 3, run_fingerprint(cfg))
+            refused.append((RecipeMismatchError, build_update(trainer, mode, 3, QuantRecipe(scale_rule="pow2").fingerprint())))
+        partial = build_update(trainer, mode, 3, precision.fingerprint)
         partial.tensors.pop("model.norm.weight")
         refused.append((KeyError, partial))
         for error, update in refused:
@@ -247,10 +248,10 @@ def test_what_the_plugin_cannot_serve_is_refused_before_the_run_starts(tmp_path)
 
     cfg, model, tok, _ = tiny("unified", False)
     fast_cfg = load_config(str(ROOT / "configs/tiny.yaml"), ["precision.numerics=fast"])
-    fast = apply_mode(copy_model(model), fast_cfg, derive(fast_cfg), "rollout")
+    fast = apply_mode(copy_model(model), derive(fast_cfg).precision, "rollout")
     with pytest.raises(UnservedError, match="numerics='fast'"):
         VLLMRollout(tmp_path, execution="exact", policy=fast)
-    policy = apply_mode(copy_model(model), cfg, derive(cfg), "rollout")
+    policy = apply_mode(copy_model(model), derive(cfg).precision, "rollout")
     policy.config.model_type = "gemma"
     with pytest.raises(UnservedError, match="model_type 'gemma'"):
         VLLMRollout(tmp_path, execution="exact", policy=policy)

@@ -22,7 +22,7 @@ import torch
 from jetflow.model import load_hf_dir, load_tokenizer
 from jetflow.model.gguf import convert_gguf, smollm2_gguf_path
 from jetflow.run.build import copy_model
-from jetflow.precision import FP8Recipe, RecipeMismatchError, apply_precision
+from jetflow.precision import QuantRecipe, RecipeMismatchError, apply_precision
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.vllm import VLLMRollout
 from jetflow.sync import StaleWeightsError, apply_update, build_update
@@ -105,7 +105,7 @@ def main() -> None:
     del rollout
 
     # 3-4: unified into fp8_weights_dequantized
-    recipe = FP8Recipe()
+    recipe = QuantRecipe()
     fp = recipe.fingerprint()
     trainer = apply_precision(load_hf_dir(model_dir, dtype=torch.float32), "fp8", recipe, "emulate",
                               num_layers=num_layers)
@@ -137,7 +137,7 @@ def main() -> None:
     refused = []
     for what, update in (("stale", build_update(trainer, "unified", rollout.weight_version, fp)),
                          ("foreign recipe", build_update(trainer, "unified", rollout.weight_version + 1,
-                                                         FP8Recipe(scale_rule="pow2").fingerprint()))):
+                                                         QuantRecipe(scale_rule="pow2").fingerprint()))):
         try:
             rollout.load_weights(update)
         except (StaleWeightsError, RecipeMismatchError) as e:

@@ -24,7 +24,7 @@ def exact_model(mode: str, extra: tuple[str, ...] = ()):
                              "train.lr=1e-2", "train.micro_batch_size=2", *extra])
     torch.manual_seed(0)
     model, _ = build_policy(cfg)
-    return apply_mode(model, cfg, derive(cfg), "trainer"), cfg
+    return apply_mode(model, derive(cfg).precision, "trainer"), cfg
 
 
 def batch(vocab: int):

@@ -198,8 +198,8 @@ def test_quantize_and_fp8_gemm_in_one_call_equal_the_two_calls(m, n, k, rule, ma
 
 
 def test_exact_fp8_linear_refuses_nan_like_the_quantizer():
-    from jetflow.precision import FP8Recipe, NonFiniteError, PrecisionLinear, defer_nonfinite
-    layer = PrecisionLinear(256, 128, kind="fp8", recipe=FP8Recipe(), numerics="exact", name="probe")
+    from jetflow.precision import QuantRecipe, NonFiniteError, PrecisionLinear, defer_nonfinite
+    layer = PrecisionLinear(256, 128, kind="fp8", recipe=QuantRecipe(), numerics="exact", name="probe")
     x = torch.randn(3, 256)
     x[1, 7] = float("nan")
     with torch.no_grad(), pytest.raises(NonFiniteError, match="probe.input"):
@@ -212,13 +212,13 @@ def test_exact_fp8_linear_refuses_nan_like_the_quantizer():
 def test_exact_fp8_linear_backward_runs_the_kernels_on_the_same_fp8_operands():
     """dgrad and wgrad of an exact FP8 linear run on the CPU's FP8 kernels: the same quantized operands as
     the emulated backward (fast numerics), other summation order only."""
-    from jetflow.precision import FP8Recipe, PrecisionLinear
+    from jetflow.precision import QuantRecipe, PrecisionLinear
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(3, 100, 384, generator=gen)
     g = torch.randn(3, 100, 256, generator=gen)
     grads = {}
     for numerics in ("fast", "exact"):
-        layer = PrecisionLinear(384, 256, kind="fp8", recipe=FP8Recipe(), numerics=numerics)
+        layer = PrecisionLinear(384, 256, kind="fp8", recipe=QuantRecipe(), numerics=numerics)
         with torch.no_grad():
             layer.weight.copy_(torch.randn(256, 384, generator=torch.Generator().manual_seed(9)) * 0.05)
         xi = x.clone().requires_grad_()

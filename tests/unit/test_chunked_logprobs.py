@@ -36,7 +36,7 @@ def exact_model(mode: str):
                              "train.lr=1e-2"])
     torch.manual_seed(0)
     model, _ = build_policy(cfg)
-    return apply_mode(model, cfg, derive(cfg), "trainer"), cfg
+    return apply_mode(model, derive(cfg).precision, "trainer"), cfg
 
 
 def batch(vocab: int, seed: int = 0):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jetflow.kernels import canonical
-from jetflow.precision import FP8Recipe, NonFiniteError
+from jetflow.precision import QuantRecipe, NonFiniteError
 from jetflow.precision.exact import ExactCache, exact_linear
 from jetflow.precision.fp8_function import quantize_weight_for_recipe
 
@@ -17,7 +17,7 @@ from jetflow.precision.fp8_function import quantize_weight_for_recipe
 def _operands(kind: str, n: int = 72, k: int = 512, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     w, b = torch.randn(n, k, generator=gen) / 8, torch.randn(n, generator=gen)
-    recipe = FP8Recipe() if kind == "fp8" else None
+    recipe = QuantRecipe() if kind == "fp8" else None
     return w, b, recipe
 
 

@@ -27,7 +27,9 @@ def test_fsdp_policy_ships_and_computes_with_the_current_weights_after_each_step
     torch.manual_seed(0)
     decoder = Decoder(ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                                   num_kv_heads=2, head_dim=32, tie_word_embeddings=True))
-    policy = FSDPPolicy(apply_mode(decoder, cfg, derive(cfg), "trainer"))
+    precision = derive(cfg).precision
+    policy = FSDPPolicy(apply_mode(decoder, precision, "trainer"))
+    assert (policy.kind, policy.recipe) == ("fp8", precision.recipe)  # what export asks a ShardedPolicy
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     ids = torch.randint(0, 64, (2, 9))
     for _ in range(3):
@@ -38,7 +40,7 @@ def test_fsdp_policy_ships_and_computes_with_the_current_weights_after_each_step
         with torch.no_grad():
             logits = policy.lm_head(policy.forward_hidden(ids))
         # a plain Decoder with the gathered weights, under the same mode
-        reference = apply_mode(copy_model(policy), cfg, derive(cfg), "trainer")
+        reference = apply_mode(copy_model(policy), precision, "trainer")
         assert shipped and set(shipped) == set(fp8_linears(reference))
         for name, layer in fp8_linears(reference).items():
             expected = layer.quantized_weight()

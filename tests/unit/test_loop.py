@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from jetflow.config import load_config
+from jetflow.config import derive, load_config
 from jetflow.rollout.types import Rollouts
 from jetflow.run.loop import RLLoop, request_seed
 from jetflow.sync import StaleWeightsError, WeightUpdate
@@ -81,8 +81,7 @@ def make_loop(mode: str = "unified", *overrides: str, stale: bool = False):
     cfg = load_config("configs/tiny.yaml", [f"precision.mode={mode}", "train.prompts_per_step=2",
                                             "rollout.group_size=2", "rollout.temperature=0.7", *overrides])
     engine, trainer = FakeEngine(stale), FakeTrainer()
-    loop = RLLoop(cfg, trainer, engine, FakeTask(), lambda p: [ord(c) for c in p.prompt], pad_id=0,
-                  fingerprint="fp" if mode == "unified" else None)
+    loop = RLLoop(cfg, derive(cfg), trainer, engine, FakeTask(), lambda p: [ord(c) for c in p.prompt], pad_id=0)
     return cfg, loop, engine, trainer
 
 
@@ -91,7 +90,8 @@ def test_one_step_hands_weights_then_samples_then_trains_on_the_trainers_logprob
     m = loop.step(3)
 
     # the engine got the trainer's version 0 first, then every prompt group_size times with its seed
-    assert engine.calls[0] == ("load_weights", 0) and trainer.calls[0] == ("weight_update", "unified", "fp")
+    fingerprint = cfg.precision.recipe().fingerprint()
+    assert engine.calls[0] == ("load_weights", 0) and trainer.calls[0] == ("weight_update", "unified", fingerprint)
     _, prompts, seeds = engine.calls[1]
     assert prompts == [[ord("p"), ord("6")]] * 2 + [[ord("p"), ord("7")]] * 2  # step 3 x 2 prompts: p6, p7
     assert seeds == [request_seed(cfg.run.seed, 3, i) for i in range(4)]
@@ -206,8 +206,8 @@ class RefillTask(FakeTask):
 def _dynamic_loop(*overrides: str):
     cfg, _, engine, trainer = make_loop("unified", "algo.old_logprobs=recompute", "algo.dynamic_sampling=true",
                                         *overrides)
-    loop = RLLoop(cfg, trainer, engine, RefillTask(cfg.run.seed), lambda p: [ord(c) for c in p.prompt], pad_id=0,
-                  fingerprint="fp")
+    loop = RLLoop(cfg, derive(cfg), trainer, engine, RefillTask(cfg.run.seed), lambda p: [ord(c) for c in p.prompt],
+                  pad_id=0)
     return cfg, loop, engine, trainer
 
 
@@ -254,7 +254,7 @@ def _reference_loop(*overrides: str):
     cfg = load_config("configs/tiny.yaml", ["train.prompts_per_step=2", "rollout.group_size=2",
                                             "rollout.temperature=0.7", *overrides])
     engine, trainer = FakeEngine(), ReferenceTrainer()
-    loop = RLLoop(cfg, trainer, engine, FakeTask(), lambda p: [ord(c) for c in p.prompt], pad_id=0, fingerprint="fp")
+    loop = RLLoop(cfg, derive(cfg), trainer, engine, FakeTask(), lambda p: [ord(c) for c in p.prompt], pad_id=0)
     return loop, trainer
 
 

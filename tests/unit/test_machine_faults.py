@@ -182,14 +182,14 @@ def test_an_io_error_writing_the_final_model_is_one_line_and_the_same_command_fi
 def test_a_full_disk_in_an_export_or_the_summary_is_one_line_without_partial_files(tmp_path, monkeypatch):
     import jetflow.export as export
     from jetflow.config import Config
-    from jetflow.precision import FP8Recipe
+    from jetflow.precision import QuantRecipe
     from jetflow.run.files import write_summary
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(export, "save_file", full)
     with pytest.raises(WriteError, match=rf"cannot write the FP8 export {tmp_path}/out: No space left"):
-        export.export_fp8(tiny_decoder(), tmp_path / "out", FP8Recipe())
+        export.export_fp8(tiny_decoder(), tmp_path / "out", QuantRecipe())
     assert list((tmp_path / "out").iterdir()) == []
 
     monkeypatch.setattr(Path, "write_text", lambda self, text: full())

@@ -13,7 +13,7 @@ import torch
 
 from jetflow.config import AlgoConfig, TrainConfig
 from jetflow.model import Decoder, ModelConfig
-from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
+from jetflow.precision import QuantRecipe, apply_precision, quantized_weights
 from jetflow.rl.experience import pack_experience
 from jetflow.train import megatron as jm
 from jetflow.train.trainer import Trainer
@@ -122,17 +122,17 @@ def test_hf_megatron_mapping_round_trips_and_interleaves(family, tp):
 def test_fp8_tp_alignment_errors_name_the_layer():
     cfg = CONFIGS["llama"]  # k_proj: 2 KV heads x 16 = 32 rows; / tp 2 = 16, not a multiple of 128
     with pytest.raises(jm.MegatronConfigError, match=r"model\.layers\.0\.self_attn\.q_proj: column-parallel"):
-        jm.check_fp8_tp_alignment(cfg, 2, FP8Recipe())
-    jm.check_fp8_tp_alignment(cfg, 1, FP8Recipe())  # no shards, no constraint
-    jm.check_fp8_tp_alignment(cfg, 2, FP8Recipe(), kind="bf16")  # bf16 has no blocks
+        jm.check_fp8_tp_alignment(cfg, 2, QuantRecipe())
+    jm.check_fp8_tp_alignment(cfg, 1, QuantRecipe())  # no shards, no constraint
+    jm.check_fp8_tp_alignment(cfg, 2, QuantRecipe(), kind="bf16")  # bf16 has no blocks
     ok = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=1, num_heads=4,
                      num_kv_heads=4, head_dim=64)
-    jm.check_fp8_tp_alignment(ok, 2, FP8Recipe())  # q/k/v 256/2, gate/up 512/2, o 256/2, down 512/2
+    jm.check_fp8_tp_alignment(ok, 2, QuantRecipe())  # q/k/v 256/2, gate/up 512/2, o 256/2, down 512/2
     row = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=384, num_layers=1, num_heads=4,
                       num_kv_heads=4, head_dim=64)
     with pytest.raises(jm.MegatronConfigError, match=r"mlp\.gate_proj.*384 / tensor_parallel_size 2 = 192"):
-        jm.check_fp8_tp_alignment(row, 2, FP8Recipe())
-    keep = FP8Recipe(keep_high_precision=("*embed_tokens*", "*lm_head*", "*norm*", "*mlp*"))
+        jm.check_fp8_tp_alignment(row, 2, QuantRecipe())
+    keep = QuantRecipe(keep_high_precision=("*embed_tokens*", "*lm_head*", "*norm*", "*mlp*"))
     with pytest.raises(jm.MegatronConfigError, match=r"self_attn\.q_proj"):  # attention is still FP8
         jm.check_fp8_tp_alignment(CONFIGS["llama"], 2, keep)
 
@@ -200,7 +200,7 @@ def test_unified_fp8_agrees_with_native_as_closely_as_bf16_with_fp32(family):
     native fp32 (the tolerance the project already accepts for a precision change)."""
     cfg = CONFIGS[family]
     base = random_decoder(cfg, seed=2)
-    recipe = FP8Recipe()
+    recipe = QuantRecipe()
     ids, mask = left_padded_batch(cfg.vocab_size, seed=2)
     logits = {}
     for kind in ("fp32", "bf16", "fp8"):
@@ -230,7 +230,7 @@ def test_fp8_linears_match_native_layer_by_layer(fmt):
     q/k/v, gate/up, o/down FP8 linears' outputs, dX and dW (same inputs, same recipe): fp32 rounding only."""
     cfg = CONFIGS["qwen2"]
     base = random_decoder(cfg, seed=3)
-    recipe = FP8Recipe(fmt=fmt)
+    recipe = QuantRecipe(fmt=fmt)
     native = apply_precision(copy.deepcopy(base), "fp8", recipe, gemm_backend="emulate")
     policy = jm.MegatronPolicy.from_decoder(base, kind="fp8", recipe=recipe, gemm_backend="emulate")
     nat, meg = native.model.layers[1], policy.gpt.decoder.layers[1]
@@ -271,7 +271,7 @@ def test_fp8_model_gradients_close_to_native():
     and the flip propagates backward. The linears themselves match (test above)."""
     cfg = CONFIGS["qwen2"]
     base = random_decoder(cfg, seed=3)
-    recipe = FP8Recipe()
+    recipe = QuantRecipe()
     ids, mask = left_padded_batch(cfg.vocab_size, seed=3)
     grads = {}
     for kind in ("fp32", "fp8"):

@@ -12,7 +12,7 @@ import torch
 
 from jetflow.config import ConfigError, derive, load_config
 from jetflow.model import ModelConfig
-from jetflow.precision import FP8Recipe, apply_precision
+from jetflow.precision import QuantRecipe, apply_precision
 from jetflow.precision.kv import KVQuantizer, attach_kv_quantizer
 from jetflow.train import megatron as jm
 from test_megatron import CONFIGS, left_padded_batch, megatron_process_group, random_decoder  # noqa: F401  (the fixture)
@@ -28,7 +28,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 def native_and_policy(cfg: ModelConfig, kind: str, seed: int = 0, numerics: str = "exact"):
     """The native Decoder under `kind` and exact numerics, and a MegatronPolicy of the same weights."""
     base = random_decoder(cfg, seed)
-    recipe = FP8Recipe()
+    recipe = QuantRecipe()
     native = apply_precision(copy.deepcopy(base), kind, recipe, numerics="exact")
     native.numerics = "exact"
     policy = jm.MegatronPolicy.from_decoder(base, kind=kind, recipe=recipe, numerics=numerics)
@@ -139,7 +139,7 @@ def test_row_parallel_k_that_cannot_split_is_refused_naming_the_layer():
     ("tiny.yaml", ["train.backend=megatron", "train.tensor_parallel_size=2"], "fast"),  # o_proj K = 128
 ])
 def test_auto_numerics_with_megatron(config, overrides, numerics):
-    assert derive(load_config(ROOT / "configs" / config, overrides)).numerics == numerics
+    assert derive(load_config(ROOT / "configs" / config, overrides)).precision.numerics == numerics
 
 
 def test_exact_asked_where_tensor_parallelism_cannot_split_is_refused():

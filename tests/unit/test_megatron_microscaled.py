@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
+from jetflow.precision import QuantRecipe, apply_precision, quantized_weights
 from test_megatron import CONFIGS, left_padded_batch, megatron_process_group, random_decoder  # noqa: F401  (the fixture)
 from test_megatron_exact_model import logits, needs_megatron
 
@@ -20,7 +20,7 @@ from test_megatron_exact_model import logits, needs_megatron
 def test_exact_logits_and_bytes_equal_native(family, model):
     from jetflow.train import megatron as jm
 
-    cfg, recipe = CONFIGS[model], FP8Recipe(family=family)
+    cfg, recipe = CONFIGS[model], QuantRecipe(family=family)
     base = random_decoder(cfg)
     native = apply_precision(copy.deepcopy(base), "fp8", recipe, numerics="exact")
     native.numerics = "exact"

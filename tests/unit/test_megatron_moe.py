@@ -14,7 +14,7 @@ import torch
 from jetflow.config import AlgoConfig
 from jetflow.model import ModelConfig
 from jetflow.model.moe import model_load_balancing_loss
-from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
+from jetflow.precision import QuantRecipe, apply_precision, quantized_weights
 from jetflow.train import megatron as jm
 from test_megatron import (left_padded_batch, megatron_process_group, native_and_megatron_losses,  # noqa: F401  (the fixture)
                            random_decoder)
@@ -125,7 +125,7 @@ def test_fp8_expert_bytes_equal_native_and_router_stays_high_precision():
     rollout engine use; the router keeps the native router's bf16 GEMM."""
     cfg = FP8_CONFIG
     base = random_decoder(cfg, seed=2)
-    recipe = FP8Recipe()
+    recipe = QuantRecipe()
     ids, mask = left_padded_batch(cfg.vocab_size, seed=2)
     native = apply_precision(copy.deepcopy(base), "fp8", recipe, gemm_backend="emulate")
     policy = jm.MegatronPolicy.from_decoder(base, kind="fp8", recipe=recipe, gemm_backend="emulate")

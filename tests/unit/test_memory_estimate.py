@@ -83,7 +83,7 @@ def test_activation_term_against_what_autograd_saves(mode):
                               "model.tiny.num_heads=3", "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=512",
                               "model.tiny.num_layers=3")
     from jetflow.run.build import apply_mode
-    model = apply_mode(Decoder(arch), cfg, derived, "trainer")
+    model = apply_mode(Decoder(arch), derived.precision, "trainer")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 

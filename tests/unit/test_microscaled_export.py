@@ -31,7 +31,7 @@ from jetflow.cli import main
 from jetflow.config import load_config
 from jetflow.export import export_fp8
 from jetflow.model import Decoder, ModelConfig
-from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
+from jetflow.precision import QuantRecipe, apply_precision, quantized_weights
 from jetflow.precision import fp4
 from jetflow.precision.nvfp4 import TENSOR_SCALE_DIVISOR
 from jetflow.rollout import RolloutEngine, SamplingParams
@@ -52,7 +52,7 @@ def exported(request, tmp_path_factory):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_((p + 0.05 * torch.randn_like(p)).bfloat16())  # the high-precision tensors export in bf16
-    recipe = FP8Recipe(family=request.param)
+    recipe = QuantRecipe(family=request.param)
     apply_precision(model, "fp8", recipe, num_layers=CONFIG.num_layers)
     return request.param, model, export_fp8(model, tmp_path_factory.mktemp(request.param), recipe)
 

@@ -18,7 +18,7 @@ from jetflow.cli import main
 from jetflow.export import FINAL_FP8_DIR, FINAL_MODEL_DIR, export_fp8, write_final_model
 from jetflow.model import CheckpointError, save_hf_dir
 from jetflow.run.sources import load_model, load_model_tokenizer, resolve_model_dir
-from jetflow.precision import FP8Recipe, apply_precision, fp8_linears
+from jetflow.precision import QuantRecipe, apply_precision, fp8_linears
 from jetflow.rollout.engine import RolloutEngine, SamplingParams
 from jetflow.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint
 
@@ -162,7 +162,7 @@ def test_an_export_loads_running_its_exported_bytes(hf_dir, export_dir, fp8_gemm
     assert_exported_bytes(fp8_gemm_weights, export_dir, 14)
 
     # the trainer's forward under the same recipe: the same bytes, so the same logits bit for bit
-    trainer = apply_precision(load_model(hf_dir), "fp8", FP8Recipe())
+    trainer = apply_precision(load_model(hf_dir), "fp8", QuantRecipe())
     assert torch.equal(trainer(IDS), logits)
     assert not torch.equal(load_model(hf_dir)(IDS), logits)  # (FP8 took effect)
     # asked for fp8 under its own recipe, it keeps the bytes; another precision runs the dequantized weights
@@ -196,7 +196,7 @@ def test_a_damaged_export_is_one_clear_error(export_dir, tmp_path):
 
     relabeled = shutil.copytree(export_dir, tmp_path / "relabeled")  # a recipe that keeps layer 0 in bf16
     config = json.loads((relabeled / "config.json").read_text())
-    recipe = FP8Recipe(keep_first_layers=1)
+    recipe = QuantRecipe(keep_first_layers=1)
     config["quantization_config"] = recipe.vllm_quantization_config()
     (relabeled / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"does not fit its recipe .*FP8 weights are stored for "
@@ -205,7 +205,7 @@ def test_a_damaged_export_is_one_clear_error(export_dir, tmp_path):
 
 
 def test_export_load_export_reproduces_the_files(export_dir, tmp_path):
-    recipe = FP8Recipe()
+    recipe = QuantRecipe()
     assert main(["export", "--model", str(export_dir), "--out", str(tmp_path / "cli")]) == 0
     export_fp8(load_model(export_dir), tmp_path / "api", recipe, tokenizer_dir=export_dir)
     for again in (tmp_path / "cli", tmp_path / "api"):
@@ -213,7 +213,7 @@ def test_export_load_export_reproduces_the_files(export_dir, tmp_path):
             assert (again / name).read_bytes() == (export_dir / name).read_bytes(), (again, name)
         assert_same_safetensors(again / "model.safetensors", export_dir / "model.safetensors")
     # under another recipe the export requantizes (and says so in its config), it does not relabel the bytes
-    pow2 = FP8Recipe(scale_rule="pow2")
+    pow2 = QuantRecipe(scale_rule="pow2")
     other = load_file(export_fp8(load_model(export_dir), tmp_path / "pow2", pow2) / "model.safetensors")
     scales = other["model.layers.0.mlp.up_proj.weight_scale_inv"]
     assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))  # powers of two now
@@ -225,7 +225,7 @@ def test_generate_from_an_export_runs_fp8_with_the_exported_bytes(hf_dir, export
                                                                   fp8_gemm_weights):
     texts = cli_generate(export_dir, capsys)
     assert_exported_bytes(fp8_gemm_weights, export_dir, 14)  # the default precision of an export: its FP8
-    trainer = apply_precision(load_model(hf_dir), "fp8", FP8Recipe())
+    trainer = apply_precision(load_model(hf_dir), "fp8", QuantRecipe())
     assert texts == greedy(trainer, load_model_tokenizer(hf_dir)) and len(texts) == 2
     assert cli_generate(export_dir, capsys, "--precision", "fp8") == texts
     fp8_gemm_weights.clear()
@@ -274,7 +274,7 @@ def test_export_takes_what_generate_takes(run_dir, tmp_path):
     refused): the FP8 export of the model the run resolves to, with its run's tokenizer."""
     run = older_run(run_dir, tmp_path)
     newest = run / "checkpoints" / "step_000002"
-    export_fp8(load_model(run), tmp_path / "api", FP8Recipe(), tokenizer_dir=load_model_tokenizer(run))
+    export_fp8(load_model(run), tmp_path / "api", QuantRecipe(), tokenizer_dir=load_model_tokenizer(run))
     for source, out in ((run, tmp_path / "from-run"), (newest, tmp_path / "from-checkpoint")):
         assert main(["export", "--model", str(source), "--out", str(out)]) == 0
         for name in ("config.json", "char_tokenizer.json"):
@@ -382,7 +382,7 @@ def test_final_model_of_a_megatron_policy(hf_dir, tmp_path):
         pytest.skip("megatron-core not installed")
     from jetflow.train.megatron import MegatronPolicy
 
-    recipe = FP8Recipe()
+    recipe = QuantRecipe()
     policy = MegatronPolicy.from_decoder(load_model(hf_dir), kind="fp8", recipe=recipe, gemm_backend="emulate")
     final = write_final_model(tmp_path, policy, load_model_tokenizer(hf_dir), "unified", recipe)
     stored = load_file(final / "model.safetensors")

@@ -35,10 +35,10 @@ import jetflow.model as jm
 from jetflow.export import export_fp8
 from jetflow.model import Decoder, ModelConfig
 from jetflow.model.moe import EXPERT_NAMES
-from jetflow.precision import FP8Recipe, apply_precision, quantized_weights
+from jetflow.precision import QuantRecipe, apply_precision, quantized_weights
 from jetflow.rollout.vllm import unfusable_projections
 
-RECIPE = FP8Recipe()
+RECIPE = QuantRecipe()
 BN, BK = RECIPE.weight_block
 COMMON = dict(vocab_size=96, hidden_size=192, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
               head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)

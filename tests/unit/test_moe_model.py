@@ -26,7 +26,7 @@ from jetflow.model.moe import (
     softmax_exact,
     tree_sum,
 )
-from jetflow.precision import FP8Recipe, apply_precision
+from jetflow.precision import QuantRecipe, apply_precision
 from jetflow.precision.linear import PrecisionLinear
 
 TOL_HF = 1e-5
@@ -272,7 +272,7 @@ def test_exact_softmax_and_tree_sum():
 def exact_model(path, kind="fp32"):
     model = jm.load(path)
     model.numerics = "exact"
-    return apply_precision(model, kind, FP8Recipe() if kind == "fp8" else None, gemm_backend="auto",
+    return apply_precision(model, kind, QuantRecipe() if kind == "fp8" else None, gemm_backend="auto",
                            numerics="exact")
 
 
@@ -301,7 +301,7 @@ def test_exact_numerics_batch_invariant(hf_dirs, family, kind):
 
 def test_fp8_keeps_routers_high_precision(hf_dirs):
     _, path = hf_dirs("qwen3_moe_dense0")
-    model = apply_precision(jm.load(path), "fp8", FP8Recipe(), gemm_backend="emulate")
+    model = apply_precision(jm.load(path), "fp8", QuantRecipe(), gemm_backend="emulate")
     kinds = {n: m.kind for n, m in model.named_modules() if isinstance(m, PrecisionLinear)}
     routers = [n for n in kinds if n.endswith(".mlp.gate")]
     assert routers == ["model.layers.1.mlp.gate"]
@@ -310,7 +310,7 @@ def test_fp8_keeps_routers_high_precision(hf_dirs):
     assert len(experts) == 8 * 3 and all(kinds[n] == "fp8" for n in experts)
     assert kinds["model.layers.0.mlp.gate_proj"] == "fp8"  # a dense MLP's gate_proj is not a router
     _, mixtral_path = hf_dirs("mixtral")
-    mixtral = apply_precision(jm.load(mixtral_path), "fp8", FP8Recipe(), gemm_backend="emulate")
+    mixtral = apply_precision(jm.load(mixtral_path), "fp8", QuantRecipe(), gemm_backend="emulate")
     for layer in mixtral.model.layers:
         assert layer.block_sparse_moe.gate.kind == "bf16" and layer.block_sparse_moe.experts[0].w2.kind == "fp8"
     with torch.no_grad():

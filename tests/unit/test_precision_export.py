@@ -7,14 +7,14 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from jetflow.precision import (FP8Recipe, RecipeMismatchError, apply_precision, check_fingerprint, load_quantized,
+from jetflow.precision import (QuantRecipe, RecipeMismatchError, apply_precision, check_fingerprint, load_quantized,
                                quantized_weights, save_quantized)
 
 
 def test_export_reimports_identical_bytes(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(576, 1536), nn.Linear(1536, 576))
-    recipe = FP8Recipe(scale_rule="pow2")
+    recipe = QuantRecipe(scale_rule="pow2")
     apply_precision(model, "fp8", recipe, gemm_backend="emulate")
     q = quantized_weights(model)
     path = tmp_path / "model.safetensors"
@@ -33,12 +33,12 @@ def test_export_reimports_identical_bytes(tmp_path):
 
 
 def test_vllm_quantization_config_and_fingerprint():
-    a, b = FP8Recipe(), FP8Recipe(scale_rule="pow2")
+    a, b = QuantRecipe(), QuantRecipe(scale_rule="pow2")
     cfg = a.vllm_quantization_config()
     assert cfg["quant_method"] == "fp8" and cfg["weight_block_size"] == [128, 128]
     assert cfg["activation_scheme"] == "dynamic" and cfg["fmt"] == "e4m3"
-    assert a.fingerprint() == FP8Recipe().fingerprint() != b.fingerprint()
-    assert FP8Recipe.from_dict(a.to_dict()) == a
+    assert a.fingerprint() == QuantRecipe().fingerprint() != b.fingerprint()
+    assert QuantRecipe.from_dict(a.to_dict()) == a
     check_fingerprint(a.fingerprint(), a.fingerprint())
     with pytest.raises(RecipeMismatchError, match=b.fingerprint()):
         check_fingerprint(a.fingerprint(), b.fingerprint())
@@ -46,8 +46,8 @@ def test_vllm_quantization_config_and_fingerprint():
 
 def test_recipe_rejects_bad_values():
     with pytest.raises(ValueError, match="valid formats"):
-        FP8Recipe(fmt="e3m4")
+        QuantRecipe(fmt="e3m4")
     with pytest.raises(ValueError, match="valid rules"):
-        FP8Recipe(scale_rule="ue8m0x")
-    with pytest.raises(ValueError, match="unknown FP8Recipe keys"):
-        FP8Recipe.from_dict({"fmt": "e4m3", "blok": 3})
+        QuantRecipe(scale_rule="ue8m0x")
+    with pytest.raises(ValueError, match="unknown QuantRecipe keys"):
+        QuantRecipe.from_dict({"fmt": "e4m3", "blok": 3})

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetflow.precision import FP8Recipe, PrecisionLinear, apply_precision, dequantize, fp8_linears, quantize_blocks
+from jetflow.precision import QuantRecipe, PrecisionLinear, apply_precision, dequantize, fp8_linears, quantize_blocks
 
 torch.manual_seed(0)
 
@@ -19,7 +19,7 @@ def cosine(a, b):
     return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
-def make_pair(in_f=384, out_f=200, recipe=FP8Recipe(), bias=True):
+def make_pair(in_f=384, out_f=200, recipe=QuantRecipe(), bias=True):
     ref = nn.Linear(in_f, out_f, bias=bias)
     layer = PrecisionLinear.from_linear(ref, kind="fp8", recipe=recipe, gemm_backend="emulate", name="proj")
     return ref, layer
@@ -27,7 +27,7 @@ def make_pair(in_f=384, out_f=200, recipe=FP8Recipe(), bias=True):
 
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 def test_forward_backward_equal_dequantized_fp32_reference(fmt):
-    recipe = FP8Recipe(fmt=fmt)
+    recipe = QuantRecipe(fmt=fmt)
     gfmt = "e5m2" if fmt == "hybrid" else "e4m3"
     _, layer = make_pair(recipe=recipe)
     x = torch.randn(3, 50, 384, requires_grad=True)
@@ -94,7 +94,7 @@ def test_weight_quantized_once_per_version(monkeypatch):
 
 def test_loaded_bytes_are_used_as_is():
     _, trainer = make_pair()
-    rollout = PrecisionLinear(384, 200, kind="fp8", recipe=FP8Recipe(), gemm_backend="emulate", name="proj")
+    rollout = PrecisionLinear(384, 200, kind="fp8", recipe=QuantRecipe(), gemm_backend="emulate", name="proj")
     rollout.bias.data.copy_(trainer.bias.data)
     rollout.weight.data.zero_()  # the rollout side's own master weight is irrelevant
     rollout.load_quantized(trainer.quantized_weight())
@@ -114,7 +114,7 @@ def test_fp8_linear_tracks_bf16_on_a_small_regression():
     for kind in ("fp32", "fp8"):
         torch.manual_seed(2)
         model = nn.Sequential(nn.Linear(256, 128))
-        apply_precision(model, kind, FP8Recipe(), gemm_backend="emulate")
+        apply_precision(model, kind, QuantRecipe(), gemm_backend="emulate")
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         for _ in range(30):
             opt.zero_grad()
@@ -138,7 +138,7 @@ class Tiny(nn.Module):
 def test_apply_precision_respects_the_recipe_lists():
     model = Tiny()
     weight = model.layers[1]["q_proj"].weight
-    apply_precision(model, "fp8", FP8Recipe(keep_first_layers=1, keep_last_layers=1))
+    apply_precision(model, "fp8", QuantRecipe(keep_first_layers=1, keep_last_layers=1))
     kinds = {n: m.kind for n, m in model.named_modules() if isinstance(m, PrecisionLinear)}
     assert kinds["lm_head"] == "bf16"
     assert kinds["layers.0.q_proj"] == "bf16" and kinds["layers.3.q_proj"] == "bf16"
@@ -152,7 +152,7 @@ def test_apply_precision_respects_the_recipe_lists():
 def test_bad_kind_and_missing_recipe_are_errors():
     with pytest.raises(ValueError, match="valid kinds"):
         apply_precision(Tiny(), "fp4")
-    with pytest.raises(ValueError, match="FP8Recipe"):
+    with pytest.raises(ValueError, match="QuantRecipe"):
         apply_precision(Tiny(), "fp8")
 
 

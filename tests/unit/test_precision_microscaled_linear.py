@@ -10,7 +10,7 @@ import torch.nn as nn
 from jetflow.config import ConfigError, load_config
 from jetflow.kernels import invariant
 from jetflow.kernels.canonical import tree_sum
-from jetflow.precision import FP8Recipe, PrecisionLinear, apply_precision
+from jetflow.precision import QuantRecipe, PrecisionLinear, apply_precision
 from jetflow.precision import microscaled as ms
 from jetflow.precision.mx import MXTensor, quantize_mx
 from jetflow.precision.nvfp4 import NVFP4Tensor, hadamard16, quantize_nvfp4
@@ -23,32 +23,32 @@ FAMILIES = ["mxfp8", "nvfp4"]
 def test_fp8_block_fingerprints_are_those_of_earlier_runs():
     """Values computed by the recipe before families existed (git 62f5b0e): a run's checkpoints and
     payloads keep pairing with it."""
-    assert FP8Recipe().fingerprint() == "3ceda4903d9a"
-    assert FP8Recipe(scale_rule="pow2", fmt="hybrid").fingerprint() == "74dff70e3e1d"
-    assert "family" not in FP8Recipe().to_dict()
+    assert QuantRecipe().fingerprint() == "3ceda4903d9a"
+    assert QuantRecipe(scale_rule="pow2", fmt="hybrid").fingerprint() == "74dff70e3e1d"
+    assert "family" not in QuantRecipe().to_dict()
 
 
 @pytest.mark.parametrize("family,block,group", [("mxfp8", (1, 32), 32), ("nvfp4", (16, 16), 16)])
 def test_families_take_their_own_blocks_and_refuse_fields_they_do_not_use(family, block, group):
-    r = FP8Recipe(family=family)
+    r = QuantRecipe(family=family)
     assert r.weight_block == block and r.group_size == group
-    assert FP8Recipe.from_dict(r.to_dict()) == r and r.fingerprint() != FP8Recipe().fingerprint()
+    assert QuantRecipe.from_dict(r.to_dict()) == r and r.fingerprint() != QuantRecipe().fingerprint()
     with pytest.raises(ValueError, match="scale_rule='pow2' does not apply"):
-        FP8Recipe(family=family, scale_rule="pow2")
+        QuantRecipe(family=family, scale_rule="pow2")
     with pytest.raises(ValueError, match="weight blocks are"):
-        FP8Recipe(family=family, weight_block=(64, 64))
+        QuantRecipe(family=family, weight_block=(64, 64))
 
 
 def test_operand_specs_are_te_recipes():
-    nv = FP8Recipe(family="nvfp4")
+    nv = QuantRecipe(family="nvfp4")
     assert (nv.operand("weight").element, nv.operand("weight").block, nv.operand("weight").scale) == \
         ("e2m1", (16, 16), "e4m3+fp32")
     grad = nv.operand("gradient")
     assert grad.rounding == "stochastic" and grad.hadamard and nv.operand("activation").rounding == "nearest_even"
-    mx = FP8Recipe(family="mxfp8", fmt="hybrid")
+    mx = QuantRecipe(family="mxfp8", fmt="hybrid")
     assert [mx.operand(r).element for r in ("weight", "activation", "gradient")] == ["e4m3", "e4m3", "e5m2"]
     assert all(mx.operand(r).block == (1, 32) and mx.operand(r).scale == "e8m0" for r in ("weight", "gradient"))
-    assert FP8Recipe().operand("weight").block == (128, 128)
+    assert QuantRecipe().operand("weight").block == (128, 128)
 
 
 def test_config_selects_the_family_and_lists_the_valid_names():
@@ -63,7 +63,7 @@ def quantized_pair(family: str, m: int = 24, k: int = 320, n: int = 40, seed: in
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]
     w = torch.randn(n, k, generator=gen) * 0.05
-    recipe = FP8Recipe(family=family)
+    recipe = QuantRecipe(family=family)
     return ms.quantize_activation(x, recipe), ms.quantize_weight(w, recipe)
 
 
@@ -91,7 +91,7 @@ def test_product_equals_the_fp64_product_of_the_same_values_within_fp32_summatio
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exact_product_rows_do_not_depend_on_the_batch(family):
     xq, wq = quantized_pair(family)
-    recipe = FP8Recipe(family=family)
+    recipe = QuantRecipe(family=family)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(33, 320, generator=gen)
     full = ms.exact_product(x, wq, recipe)
@@ -112,7 +112,7 @@ def test_tensor_parallel_halves_combined_by_the_tree_equal_the_whole_product(fam
     """K = 512 in 4 canonical groups: two K halves of 2 groups each, the second half's partial combined
     with the first's by tree_sum (the `combine` of a row-parallel shard), give the unsharded product bit
     for bit: NVFP4's alpha multiplies the combined sum, not each half."""
-    recipe = FP8Recipe(family=family)
+    recipe = QuantRecipe(family=family)
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(9, 512, generator=gen), torch.randn(48, 512, generator=gen)
     xq, wq = ms.quantize_activation(x, recipe), quantize_mx(w, (1, 32)) if family == "mxfp8" else \
@@ -128,7 +128,7 @@ def test_tensor_parallel_halves_combined_by_the_tree_equal_the_whole_product(fam
 def make_linear(family: str, numerics: str = "fast", in_f: int = 256, out_f: int = 96):
     torch.manual_seed(3)
     ref = nn.Linear(in_f, out_f)
-    return ref, PrecisionLinear.from_linear(ref, kind="fp8", recipe=FP8Recipe(family=family), name="proj",
+    return ref, PrecisionLinear.from_linear(ref, kind="fp8", recipe=QuantRecipe(family=family), name="proj",
                                            numerics=numerics)
 
 
@@ -173,7 +173,7 @@ def test_nvfp4_backward_is_reproducible_seeded_and_close_to_fp32():
 def test_nvfp4_wgrad_operands_pass_the_hadamard_transform():
     """The wgrad GEMM reads H(dY^T) and H(X^T) along the tokens: its X operand is the 1x16 NVFP4 of
     hadamard16(X^T) (tokens padded to 16), not of X^T."""
-    recipe = FP8Recipe(family="nvfp4")
+    recipe = QuantRecipe(family="nvfp4")
     x = torch.randn(40, 32)
     q = ms.quantize_wgrad_operand(x, recipe, "activation", "x")
     padded = torch.nn.functional.pad(x.t(), (0, 8))
@@ -204,7 +204,7 @@ def test_quantized_weights_pickle_as_their_bytes(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sync_ships_the_trainers_bytes_and_checks_their_scales(family):
-    recipe = FP8Recipe(family=family)
+    recipe = QuantRecipe(family=family)
     torch.manual_seed(4)
     trainer = apply_precision(nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32)), "fp8", recipe, numerics="exact")
     rollout = apply_precision(nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32)), "fp8", recipe, numerics="exact")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jetflow.model import CharTokenizer, Decoder, ModelConfig
-from jetflow.precision import FP8Recipe, apply_precision
+from jetflow.precision import QuantRecipe, apply_precision
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.sampling import filter_logits
 
@@ -114,7 +114,7 @@ def test_cache_logprobs_match_full_forward_low_precision(model, kind, bound):
     """Under bf16 / the FP8 recipe the decode step (M = B rows) and the full forward (M = T rows)
     round different GEMM outputs, so they agree only loosely; the bound catches a real mismatch (a
     wrong position or mask shifts logprobs by O(1))."""
-    m = apply_precision(copy.deepcopy(model), kind, FP8Recipe() if kind == "fp8" else None)
+    m = apply_precision(copy.deepcopy(model), kind, QuantRecipe() if kind == "fp8" else None)
     shift = (full_logits(m, PROMPTS[1]) - full_logits(model, PROMPTS[1])).abs().max().item()
     assert shift > 1e-3  # the precision really changed the model
     diff = _max_logprob_diff(m, SamplingParams(max_new_tokens=20, temperature=1.0))

@@ -29,7 +29,7 @@ def model_for(mode: str, numerics: str = "exact"):
                              "train.lr=1e-2", "train.micro_batch_size=2"])
     torch.manual_seed(0)
     model, _ = build_policy(cfg)
-    return apply_mode(model, cfg, derive(cfg), "trainer"), cfg
+    return apply_mode(model, derive(cfg).precision, "trainer"), cfg
 
 
 def batch(vocab: int, lengths=LENGTHS):
@@ -174,7 +174,7 @@ def test_an_moe_models_packed_logprobs_equal_the_padded_ones_with_routing_replay
     cfg = load_config("configs/tiny-moe.yaml", ["precision.mode=fp32", "precision.numerics=exact"])
     torch.manual_seed(0)
     model, _ = build_policy(cfg)
-    model = apply_mode(model, cfg, derive(cfg), "trainer")
+    model = apply_mode(model, derive(cfg).precision, "trainer")
     exp = batch(model.config.vocab_size, LENGTHS[:3])
     c = model.config
     n_moe = sum(c.is_moe_layer(i) for i in range(c.num_layers))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jetflow.kernels import invariant
-from jetflow.precision import FP8Recipe, PrecisionLinear
+from jetflow.precision import QuantRecipe, PrecisionLinear
 from jetflow.precision.linear import sibling_linears
 from jetflow.precision.quant import quantize_weight
 
@@ -16,7 +16,7 @@ from jetflow.precision.quant import quantize_weight
 def _linears(kind: str, seed: int = 0) -> tuple[PrecisionLinear, ...]:
     """Three linears of one input, widths not multiples of the kernel's panel width, one without bias."""
     torch.manual_seed(seed)
-    recipe = FP8Recipe() if kind == "fp8" else None
+    recipe = QuantRecipe() if kind == "fp8" else None
     return tuple(PrecisionLinear(384, n, bias=n != 72, kind=kind, recipe=recipe, numerics="exact", name=f"p{n}")
                  for n in (40, 72, 128))
 

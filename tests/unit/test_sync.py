@@ -15,8 +15,8 @@ def tiny_pair(mode):
     torch.manual_seed(0)
     model = Decoder(ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                                 num_kv_heads=2, head_dim=32, tie_word_embeddings=True))
-    rollout = apply_mode(copy_model(model), cfg, derive(cfg), "rollout")
-    apply_mode(model, cfg, derive(cfg), "trainer")
+    rollout = apply_mode(copy_model(model), derive(cfg).precision, "rollout")
+    apply_mode(model, derive(cfg).precision, "trainer")
     return cfg, model, rollout
 
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from jetflow.precision import FP8Recipe, QuantizedTensor, dequantize, quantize_weight
+from jetflow.precision import QuantRecipe, QuantizedTensor, dequantize, quantize_weight
 from jetflow.train import te as jte
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -121,17 +121,17 @@ def test_inconsistent_or_misshapen_layouts_are_refused():
 
 
 def test_recipe_mapping():
-    assert jte.te_recipe_kwargs(FP8Recipe()) == {"fp8_format": "E4M3", "x_block_scaling_dim": 1,
+    assert jte.te_recipe_kwargs(QuantRecipe()) == {"fp8_format": "E4M3", "x_block_scaling_dim": 1,
                                                  "w_block_scaling_dim": 2, "grad_block_scaling_dim": 1}
-    assert jte.te_recipe_kwargs(FP8Recipe(fmt="hybrid"))["fp8_format"] == "HYBRID"
-    assert jte.te_env(FP8Recipe(scale_rule="fp32")) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
-    assert jte.te_env(FP8Recipe(scale_rule="pow2")) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
+    assert jte.te_recipe_kwargs(QuantRecipe(fmt="hybrid"))["fp8_format"] == "HYBRID"
+    assert jte.te_env(QuantRecipe(scale_rule="fp32")) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
+    assert jte.te_env(QuantRecipe(scale_rule="pow2")) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
 
 
 @pytest.mark.parametrize("recipe,what", [
-    (FP8Recipe(weight_block=(64, 64)), "weight_block"),
-    (FP8Recipe(group_size=64), "group_size"),
-    (FP8Recipe(margin=1), "margin"),
+    (QuantRecipe(weight_block=(64, 64)), "weight_block"),
+    (QuantRecipe(group_size=64), "group_size"),
+    (QuantRecipe(margin=1), "margin"),
 ])
 def test_unrepresentable_recipes_are_refused(recipe, what):
     with pytest.raises(jte.TERecipeError, match=what):
@@ -141,22 +141,22 @@ def test_unrepresentable_recipes_are_refused(recipe, what):
 def test_conflicting_scale_env_is_refused(monkeypatch):
     monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0")
     with pytest.raises(jte.TERecipeError, match="contradicts"):
-        jte.apply_te_env(FP8Recipe(scale_rule="fp32"))
-    jte.apply_te_env(FP8Recipe(scale_rule="pow2"))  # agrees: fine
+        jte.apply_te_env(QuantRecipe(scale_rule="fp32"))
+    jte.apply_te_env(QuantRecipe(scale_rule="pow2"))  # agrees: fine
 
 
 @pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed: the missing-TE message cannot show")
 def test_missing_te_says_what_to_install(monkeypatch):
     monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
     with pytest.raises(ImportError, match=r"pip install transformer-engine\[pytorch\]"):
-        jte.make_te_recipe(FP8Recipe())
+        jte.make_te_recipe(QuantRecipe())
 
 
 @pytest.mark.skipif(not (HAVE_TE and torch.cuda.is_available()),
                     reason="needs Transformer Engine and a CUDA GPU (pip install transformer-engine[pytorch])")
 @pytest.mark.parametrize("scale_rule", ["pow2"])
 def test_te_quantizer_bytes_equal_jetflow(scale_rule):
-    recipe = FP8Recipe(scale_rule=scale_rule)
+    recipe = QuantRecipe(scale_rule=scale_rule)
     te_recipe = jte.make_te_recipe(recipe)
     assert te_recipe.fp8_quant_fwd_weight.power_2_scale
     w = torch.randn(384, 576, device="cuda")

@@ -79,13 +79,13 @@ def test_train_step_moves_logprobs_in_the_advantage_direction():
 def test_nan_steps_are_skipped_then_stop_the_run(kind):
     """Under FP8 (unified) the NaN reaches a quantizer, which raised NonFiniteError out of backward
     and bypassed train.max_bad_steps."""
-    from jetflow.precision import FP8Recipe
+    from jetflow.precision import QuantRecipe
     from jetflow.precision.linear import apply_precision
 
     cfg = load_config(None, ["train.max_bad_steps=2"])
     model, exp = tiny_model(), batch()
     if kind == "fp8":
-        apply_precision(model, "fp8", FP8Recipe(), gemm_backend="emulate", num_layers=2)
+        apply_precision(model, "fp8", QuantRecipe(), gemm_backend="emulate", num_layers=2)
     trainer = Trainer(model, cfg.train, cfg.algo)
     exp.old_logprobs = trainer.compute_logprobs(exp)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -125,14 +125,14 @@ def test_on_policy_step_equals_recompute_then_step(kind, correction):
     weights of the separate no-grad forward followed by the step, also under FP8 (unified) GEMMs."""
     import copy
 
-    from jetflow.precision import FP8Recipe
+    from jetflow.precision import QuantRecipe
     from jetflow.precision.linear import apply_precision
     from jetflow.rl import apply_correction
 
     cfg = load_config(None, ["train.micro_batch_size=2"])
     model = tiny_model()
     if kind == "fp8":
-        apply_precision(model, "fp8", FP8Recipe(), gemm_backend="emulate", num_layers=2)
+        apply_precision(model, "fp8", QuantRecipe(), gemm_backend="emulate", num_layers=2)
     exp = batch()
     exp.rollout_logprobs = exp.rollout_logprobs * 3.0  # rollout far from the trainer: weights != 1
     params = {"lo": 0.01, "hi": 1e4} if correction == "seq_mis" else {}

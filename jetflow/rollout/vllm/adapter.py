@@ -63,7 +63,7 @@ import torch
 
 from jetflow.errors import MissingDependencyError
 from jetflow.model.model_config import MOE_TYPES
-from jetflow.precision import FP8Recipe, check_fingerprint
+from jetflow.precision import QuantRecipe, check_fingerprint
 from jetflow.rollout.stop import final_text, hits_stop, stop_window
 from jetflow.rollout.types import Rollouts
 from jetflow.rollout.vllm.payload import (check_exact_update, check_payload, checkpoint_shapes, engine_payload,
@@ -92,7 +92,7 @@ class VLLMRollout:
     """jetflow's RolloutEngineSide protocol (`weight_version`, `load_weights`, `generate`) on vLLM."""
 
     def __init__(self, model_dir: str | Path, *, execution: str = "auto", dtype: str = "float32",
-                 recipe: FP8Recipe | None = None, eos_token_ids: list[int] | None = None,
+                 recipe: QuantRecipe | None = None, eos_token_ids: list[int] | None = None,
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop: tuple[str, ...] = (), tokenizer=None, max_model_len: int = 1024, max_batch: int = 64,
                  gpu_memory_utilization: float = 0.2, kv_cache_bytes: int | None = None, enforce_eager: bool = True,
@@ -120,8 +120,6 @@ class VLLMRollout:
         engine_args: further arguments of vllm.LLM (e.g. max_num_batched_tokens, which sets the
             prefill chunk).
         """
-        from jetflow.model import load_tokenizer
-
         self.llm, self.token, self.starting = None, None, False  # what close() releases, whenever it runs
         if policy is not None:  # an exact engine: refuse what the plugin cannot serve before anything else
             from jetflow.rollout.vllm.serve import check_servable
@@ -149,24 +147,11 @@ class VLLMRollout:
         self.stop = (stop,) if isinstance(stop, str) else tuple(stop)
         self.max_model_len = max_model_len
         self.has_hf_tokenizer = (self.model_dir / "tokenizer.json").is_file()
-        if tokenizer is None and (self.has_hf_tokenizer or (self.model_dir / "char_tokenizer.json").is_file()):
-            tokenizer = load_tokenizer(self.model_dir)
-        if self.stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: pass tokenizer= or use a directory with one")
-        self.tokenizer = tokenizer
+        self.tokenizer = self._tokenizer(tokenizer)
         self.weight_version = -1  # the checkpoint the engine starts from is not a trainer version
 
-        extra_args, engine_args = engine_args, dict(
-            model=str(self.model_dir), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_batch,
-            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
-            enforce_eager=enforce_eager, seed=0,
-            logprobs_mode="processed_logprobs", enable_prefix_caching=prefix_caching,
-            skip_tokenizer_init=not self.has_hf_tokenizer)
-        if not torch.cuda.is_available():
-            # vLLM 0.32 on the CPU cannot rewind a seeded request's generator after a partial prefill (it
-            # raises "CPU Generator does not use offset"): a prompt is prefilled in one step instead
-            engine_args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
-        engine_args.update(extra_args or {})
+        engine_args = self._llm_args(dtype, max_model_len, max_batch, gpu_memory_utilization, kv_cache_bytes,
+                                     enforce_eager, prefix_caching, engine_args or {})
         self.description = self.execution
         if self.execution == "exact":
             engine_args.update(self._exact_engine_args(policy, dtype, enforce_eager))
@@ -185,8 +170,33 @@ class VLLMRollout:
     # ------------------------------------------------------------------------------------------
     # start-up
 
+    def _tokenizer(self, tokenizer):
+        """`tokenizer`, else the model directory's (an HF or a character tokenizer), else None; stop strings need one."""
+        from jetflow.model import load_tokenizer
+
+        if tokenizer is None and (self.has_hf_tokenizer or (self.model_dir / "char_tokenizer.json").is_file()):
+            tokenizer = load_tokenizer(self.model_dir)
+        if self.stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= or use a directory with one")
+        return tokenizer
+
+    def _llm_args(self, dtype: str, max_model_len: int, max_batch: int, gpu_memory_utilization: float,
+                  kv_cache_bytes: int | None, enforce_eager: bool, prefix_caching: bool, extra: dict) -> dict:
+        """vllm.LLM's arguments (`extra`: the caller's engine_args, last)."""
+        args = dict(
+            model=str(self.model_dir), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_batch,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
+            enforce_eager=enforce_eager, seed=0,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=prefix_caching,
+            skip_tokenizer_init=not self.has_hf_tokenizer)
+        if not torch.cuda.is_available():
+            # vLLM 0.32 on the CPU cannot rewind a seeded request's generator after a partial prefill (it
+            # raises "CPU Generator does not use offset"): a prompt is prefilled in one step instead
+            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
+        return {**args, **extra}
+
     @staticmethod
-    def _resolve_execution(execution: str, dtype: str, quant: dict | None, recipe: FP8Recipe | None) -> str:
+    def _resolve_execution(execution: str, dtype: str, quant: dict | None, recipe: QuantRecipe | None) -> str:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: valid dtypes are {tuple(DTYPES)}")
         if execution == "auto":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from jetflow.precision import FP8Recipe, PrecisionLinear, quantize_weight
+from jetflow.precision import QuantRecipe, PrecisionLinear, quantize_weight
 from jetflow.precision.modes import PrecisionMode
 from jetflow.sync import WeightUpdate
 
@@ -47,7 +47,7 @@ def layer_index(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
-def engine_payload(update: WeightUpdate, execution: str, dtype: torch.dtype, recipe: FP8Recipe | None,
+def engine_payload(update: WeightUpdate, execution: str, dtype: torch.dtype, recipe: QuantRecipe | None,
                    num_layers: int) -> dict[str, torch.Tensor]:
     """{checkpoint name: tensor} that an engine executing `execution` loads for `update`.
 

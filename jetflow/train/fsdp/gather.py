@@ -47,7 +47,7 @@ from jetflow.model.decoder import Decoder
 from jetflow.precision.gathered import GatheredFP8Weight
 from jetflow.precision.linear import PrecisionLinear
 from jetflow.precision.quant import QuantizedTensor, compute_scale_inv, quantize_row_shard, row_shard_amax
-from jetflow.precision.recipe import FP8_DTYPES, FP8Recipe
+from jetflow.precision.recipe import FP8_DTYPES, QuantRecipe
 
 aten = torch.ops.aten
 # ops whose result is (a view or a copy of) the weight itself: FSDP shards, pads and slices it with them
@@ -63,11 +63,11 @@ class _ShardWeight(torch.Tensor):
     stay wrapped, anything else (the optimizer's moments, a gradient) is a plain tensor."""
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, name: str, recipe: FP8Recipe | None = None):
+    def __new__(cls, tensor: torch.Tensor, name: str, recipe: QuantRecipe | None = None):
         return torch.Tensor._make_wrapper_subclass(cls, tensor.size(), strides=tensor.stride(), dtype=tensor.dtype,
                                                    device=tensor.device, requires_grad=tensor.requires_grad)
 
-    def __init__(self, tensor: torch.Tensor, name: str, recipe: FP8Recipe | None = None):
+    def __init__(self, tensor: torch.Tensor, name: str, recipe: QuantRecipe | None = None):
         self._tensor, self._name, self._recipe = tensor, name, recipe
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -116,7 +116,7 @@ class FP8ShardWeight(_ShardWeight):
     """An FP8 linear's weight: the all-gather moves its rows quantized to the recipe's FP8 format, with the
     whole weight's block scales."""
 
-    def __init__(self, tensor: torch.Tensor, name: str, recipe: FP8Recipe | None = None):
+    def __init__(self, tensor: torch.Tensor, name: str, recipe: QuantRecipe | None = None):
         super().__init__(tensor, name, recipe)
         self._quantized: tuple | None = None  # (FP8 rows as uint8 (c, K), scale_inv (nr, nc)) until forgotten
 

@@ -41,7 +41,7 @@ from jetflow.model.decoder import Decoder
 from jetflow.model.moe import model_load_balancing_loss
 from jetflow.precision import QuantizedTensor, quantized_weights
 from jetflow.precision.kv import attach_kv_quantizer
-from jetflow.precision.linear import PrecisionLinear
+from jetflow.precision.linear import PrecisionLinear, linear_precision
 from jetflow.train.fsdp.gather import FP8ShardWeight, plain, wrap_for_low_precision_all_gather
 
 
@@ -93,6 +93,7 @@ class FSDPPolicy(nn.Module):
         init_world(device)
         self.decoder = decoder
         self.config = decoder.config
+        self.kind, self.recipe = linear_precision(decoder)  # what its linears run (ShardedPolicy)
         self.mesh = data_parallel_mesh(device, shard_size)
         # FP8 linears' weights gather as FP8 bytes, weights read on the bf16 grid as bf16 (jetflow.train.fsdp.gather)
         self.low_precision_gathered = wrap_for_low_precision_all_gather(decoder)

@@ -9,12 +9,12 @@ values: the pass checks those.
 from __future__ import annotations
 
 from jetflow.model.decoder import ModelConfig
-from jetflow.precision import FP8Recipe
+from jetflow.precision import QuantRecipe
 
 from .deps import MegatronConfigError
 
 
-def check_layout(config: ModelConfig, tp: int, pp: int, ep: int, kind: str, recipe: FP8Recipe | None,
+def check_layout(config: ModelConfig, tp: int, pp: int, ep: int, kind: str, recipe: QuantRecipe | None,
                  numerics: str) -> None:
     """Raise MegatronConfigError naming what of `config` the layout (TP x PP x EP) cannot build under the
     GEMM kind, recipe and numerics."""
@@ -85,7 +85,7 @@ def _linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str]]:
     }
 
 
-def segment_kind(kind: str, recipe: FP8Recipe | None, name: str, layer: int | None, num_layers: int) -> str:
+def segment_kind(kind: str, recipe: QuantRecipe | None, name: str, layer: int | None, num_layers: int) -> str:
     """The GEMM kind of one HF linear under `kind`: fp8 layers the recipe keeps stay in bf16
     (the same rule as `jetflow.precision.apply_precision`)."""
     if kind == "fp8" and recipe.keeps_in_high_precision(name, layer, num_layers):
@@ -93,7 +93,7 @@ def segment_kind(kind: str, recipe: FP8Recipe | None, name: str, layer: int | No
     return kind
 
 
-def check_fp8_tp_alignment(config: ModelConfig, tp: int, recipe: FP8Recipe, kind: str = "fp8") -> None:
+def check_fp8_tp_alignment(config: ModelConfig, tp: int, recipe: QuantRecipe, kind: str = "fp8") -> None:
     """Raise MegatronConfigError naming the first FP8 layer whose TP shards cut through a block.
 
     Column-parallel layers (q/k/v, gate/up, lm_head) split out_features: out / tp must be a multiple
@@ -148,7 +148,7 @@ def check_exact_tp_split(config: ModelConfig, tp: int, numerics: str = "exact") 
                 f"use a tensor_parallel_size dividing {groups}, or precision.numerics=fast")
 
 
-def check_router_precision(config: ModelConfig, kind: str, recipe: FP8Recipe | None) -> None:
+def check_router_precision(config: ModelConfig, kind: str, recipe: QuantRecipe | None) -> None:
     """The Megatron backend runs MoE routers in bf16 or fp32: the FP8 recipe must keep them."""
     if not config.is_moe:
         return

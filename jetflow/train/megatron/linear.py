@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from jetflow.precision import FP8Recipe, QuantizedTensor, bf16_linear, fp8_linear, resolve_backend
+from jetflow.precision import QuantRecipe, QuantizedTensor, bf16_linear, fp8_linear, resolve_backend
 from jetflow.precision.exact import ExactCache
 from jetflow.precision.fp8_function import quantize_weight_for_recipe
 from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
@@ -85,7 +85,7 @@ class _JetflowLinearMixin:
 
     parallel_dim = 0  # 0: column-parallel (out_features split), 1: row-parallel (in_features split)
     segments: tuple[Segment, ...] = ()  # empty: one plain fp32 GEMM (before configure)
-    recipe: FP8Recipe | None = None
+    recipe: QuantRecipe | None = None
     gemm_backend = "auto"
     numerics = "fast"  # fast | exact (see the module docstring)
     _wq_key: tuple | None = None  # (data_ptr, version, dtype, device) of the weight _wq was made from
@@ -93,13 +93,13 @@ class _JetflowLinearMixin:
     _wq_frozen = False  # a reference policy's linear: _wq are fixed bytes (freeze_quantized)
     _exact_caches: WeightCaches  # exact_linear's caches, one per GEMM (segment name or "*"), made by configure
 
-    def configure(self, segments: list[Segment], recipe: FP8Recipe | None, gemm_backend: str = "auto",
+    def configure(self, segments: list[Segment], recipe: QuantRecipe | None, gemm_backend: str = "auto",
                   numerics: str = "fast") -> None:
         groups = {s.groups for s in segments}
         if len(groups) != 1 or [s.start for s in segments][1:] != [s.stop for s in segments][:-1]:
             raise ValueError(f"segments must share `groups` and tile the rows in order: {segments}")
         if any(s.kind == "fp8" for s in segments) and recipe is None:
-            raise ValueError(f"{segments[0].name}: an fp8 segment needs an FP8Recipe")
+            raise ValueError(f"{segments[0].name}: an fp8 segment needs a QuantRecipe")
         if numerics not in NUMERICS:
             raise ValueError(f"{segments[0].name}: numerics={numerics!r}; valid: {NUMERICS}")
         self.segments, self.recipe, self.gemm_backend = tuple(segments), recipe, gemm_backend

@@ -120,12 +120,15 @@ def exact_routing(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
 
 # Megatron subclasses (made on first use: Megatron is imported lazily) ----------------------------
 def _moe_classes() -> dict[str, type]:
-    if _CLASSES:
-        return _CLASSES
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    if not _CLASSES:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        _CLASSES.update(router=_router_class(), experts=_experts_class(), layer=MoELayer,
+                        dispatcher=_dispatcher_class())
+    return _CLASSES
+
+
+def _router_class() -> type:
     from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     class JetflowTopKRouter(TopKRouter):
         """TopKRouter whose logits come from the native router's GEMM (`kind`: fp32 or bf16); under exact
@@ -164,6 +167,12 @@ def _moe_classes() -> dict[str, type]:
             probs = torch.zeros_like(logits).scatter(1, ids, weights)  # (n, E)
             return probs, torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, True)
 
+    return JetflowTopKRouter
+
+
+def _experts_class() -> type:
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
     class JetflowSequentialMLP(SequentialMLP):
         """SequentialMLP scaling each expert's output (not its activation) by the routing weight."""
 
@@ -181,6 +190,12 @@ def _moe_classes() -> dict[str, type]:
                 y, _ = expert(x)  # (n_e, C)
                 outs.append((y * p[:, None]).to(x.dtype))
             return torch.cat(outs) if outs else hidden, None
+
+    return JetflowSequentialMLP
+
+
+def _dispatcher_class() -> type:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     class JetflowAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         """Megatron's all-gather dispatcher with device-agnostic collectives for uneven token counts
@@ -248,9 +263,7 @@ def _moe_classes() -> dict[str, type]:
                     hidden_states.to(self.local_probs.dtype), self.ep_group, self.token_counts).to(hidden_states.dtype)
             return hidden_states
 
-    _CLASSES.update(router=JetflowTopKRouter, experts=JetflowSequentialMLP, layer=MoELayer,
-                    dispatcher=JetflowAllGatherTokenDispatcher)
-    return _CLASSES
+    return JetflowAllGatherTokenDispatcher
 
 
 def use_jetflow_dispatchers(gpt) -> None:

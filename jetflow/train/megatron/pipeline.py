@@ -115,13 +115,20 @@ def gpipe(n: int, shapes: list[tuple[int, int, int]], stage_forward: Callable[[i
         if finish_grads is not None:
             finish_grads()
 
+    return _finish(pending, bad, results if last else None, group, device)
+
+
+def _finish(pending: list[tuple[Any, torch.Tensor]], bad: bool, results: list[Any] | None, group,
+            device: torch.device) -> list[Any]:
+    """The end of a schedule on every stage: the sends waited for, NonFiniteError on every stage if any
+    stage met NaN/Inf, else the last stage's `results` broadcast to all."""
     for work, _ in pending:
         work.wait()
     flag = torch.tensor([float(bad)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item():
         raise NonFiniteError("an FP8 quantizer met NaN/Inf on a pipeline stage; the step is bad on every stage")
-    box = [results if last else None]
+    box = [results]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
     return box[0]
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from jetflow.model.attention import align_rows
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
-from jetflow.precision import LINEAR_KINDS, NUMERICS, FP8Recipe
+from jetflow.precision import LINEAR_KINDS, NUMERICS, QuantRecipe
 from jetflow.precision.kv import KVQuantizer
 
 from .attention import ModelParallelKVQuantizer, core_attention_modules, unalign_rows
@@ -52,7 +52,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
     the gradient norm counts each expert once; `hf_state_dict` / `quantized_weights` gather every expert.
     """
 
-    def __init__(self, config: ModelConfig, *, kind: str = "fp32", recipe: FP8Recipe | None = None,
+    def __init__(self, config: ModelConfig, *, kind: str = "fp32", recipe: QuantRecipe | None = None,
                  gemm_backend: str = "auto", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  device: torch.device | str = "cpu", params_dtype: torch.dtype = torch.float32,
                  init_weights: bool = True, seed: int = 0, expert_parallel_size: int = 1, numerics: str = "fast",
@@ -63,7 +63,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         if kind not in LINEAR_KINDS:
             raise ValueError(f"MegatronPolicy kind={kind!r}: valid kinds are {LINEAR_KINDS}")
         if kind == "fp8" and recipe is None:
-            raise ValueError("MegatronPolicy kind='fp8' needs an FP8Recipe")
+            raise ValueError("MegatronPolicy kind='fp8' needs a QuantRecipe")
         tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
         check_layout(config, tp, pp, ep, kind, recipe, numerics)
         device = torch.device(device)
@@ -112,15 +112,7 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
                             share_embeddings_and_output_weights=config.tie_word_embeddings and pp == 1,
                             parallel_output=True)
         if self.last_stage:
-            # GPTModel hard-codes Megatron's ColumnParallelLinear for lm_head: swap in ours (same layout)
-            column, _ = _linear_classes()
-            old = self.gpt.output_layer
-            self.gpt.output_layer = column(
-                config.hidden_size, self.padded_vocab, config=mcfg, init_method=mcfg.init_method, bias=False,
-                gather_output=False, skip_weight_param_allocation=config.tie_word_embeddings and pp == 1,
-                tp_group=self.tp_group)
-            if old.weight is not None:
-                self.gpt.output_layer.weight = old.weight
+            self._swap_output_layer(mcfg, tied=config.tie_word_embeddings and pp == 1)
         use_jetflow_dispatchers(self.gpt)  # Megatron's all-gather dispatcher assumes CUDA (moe.py)
         # this stage's parameter names -> the names of the one-stage model (global layer numbers);
         # the tied copy has none (it is the embedding's)
@@ -137,6 +129,16 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         self._num_params = self._count_params()
 
     # Construction helpers ----------------------------------------------------------------------
+    def _swap_output_layer(self, mcfg, tied: bool) -> None:
+        """GPTModel hard-codes Megatron's ColumnParallelLinear for lm_head: ours instead (same layout and weight)."""
+        column, _ = _linear_classes()
+        old = self.gpt.output_layer
+        self.gpt.output_layer = column(
+            self.config.hidden_size, self.padded_vocab, config=mcfg, init_method=mcfg.init_method, bias=False,
+            gather_output=False, skip_weight_param_allocation=tied, tp_group=self.tp_group)
+        if old.weight is not None:
+            self.gpt.output_layer.weight = old.weight
+
     @classmethod
     def from_decoder(cls, decoder: Decoder, **kwargs) -> "MegatronPolicy":
         """A policy with `decoder`'s config and weights (kwargs as in __init__)."""
