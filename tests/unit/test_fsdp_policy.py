@@ -6,6 +6,7 @@ step: without that, the second step would compute with, and ship, the first step
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from jetflow.config import derive, load_config
 from jetflow.model import Decoder, ModelConfig
@@ -87,6 +88,8 @@ def test_the_fsdp_reference_keeps_fp8_bytes_and_equals_the_policy_until_the_upda
     exp = pack_experience(prompts, responses, [[0.0] * len(r) for r in responses], zeros, zeros,
                           side.tokenizer.pad_token_id)
     ref = trainer.compute_logprobs(exp, reference=True)
+    # resharded after its lm_head (FSDP would keep a root gathered until a backward, and a reference runs none)
+    assert isinstance(reference.decoder.model.embed_tokens.weight, DTensor)
     assert torch.equal(ref, trainer.compute_logprobs(exp))  # the same bytes and forward as the policy's
     exp.old_logprobs, exp.ref_logprobs = trainer.compute_logprobs(exp), ref
     exp.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])

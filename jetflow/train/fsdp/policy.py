@@ -199,7 +199,9 @@ class FSDPPolicy(nn.Module):
         """Freeze as the frozen reference of a KL penalty: no gradients, and (unified) each FP8 weight's
         shard quantized once, by one all-gather of every unit (a collective: every rank calls it), then
         its fp32 rows freed: the rank keeps its rows' FP8 bytes and the whole weight's scales, which every
-        later all-gather sends (FP8ShardWeight.freeze). Other weights keep their fp32 shards."""
+        later all-gather sends (FP8ShardWeight.freeze). Other weights keep their fp32 shards. Its root unit
+        is resharded after each lm_head projection (one more all-gather of it per chunk under
+        train.logprob_chunk_tokens)."""
         for p in self._shards:
             p.requires_grad_(False)
         self._forget_stale_weights()
@@ -210,6 +212,11 @@ class FSDPPolicy(nn.Module):
         for p in self._shards:
             if isinstance(p._local_tensor, FP8ShardWeight):
                 p._local_tensor.freeze()
+        # FSDP reshards the root unit (embedding, norm, lm_head) at a backward's end only, and a reference
+        # runs none: its lm_head gathers the root if needed and reshards it after each projection, so the
+        # gathered weights are not held between steps
+        self.decoder.lm_head.register_forward_pre_hook(lambda *_: self.unshard())
+        self.decoder.lm_head.register_forward_hook(lambda *_: self.reshard())
 
     def held_tensors(self) -> list[torch.Tensor]:
         """What this rank holds between forwards: its shards (a frozen FP8 weight's fp32 storage freed, its
