@@ -1,7 +1,8 @@
 """FSDPPolicy in a world of one process (gloo): after optimizer steps, the FP8 bytes it ships and the
 log-probs it computes are those of a plain Decoder holding the same weights (FSDP refills one gathered
 buffer in place with its version counter kept, so the linears' per-version caches must be dropped on a
-step: without that, the second step would compute with, and ship, the first step's weights)."""
+step: without that, the second step would compute with, and ship, the first step's weights); and its frozen
+reference policy (algo.kl_coef > 0) keeps FP8 bytes only and computes what the policy did before its update."""
 
 import pytest
 import torch
