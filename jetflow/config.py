@@ -202,7 +202,7 @@ class AlgoConfig:
 @dataclass
 class TrainConfig:
     backend: Literal["native", "megatron", "fsdp"] = "native"
-    """native | megatron | fsdp (the native Decoder sharded with FSDP2 under torchrun: jetflow.train.fsdp)."""
+    """native | megatron | fsdp (the native Decoder sharded with FSDP2, torchrun or Ray: jetflow.train.fsdp)."""
     tensor_parallel_size: int = 1
     """Megatron backend: tensor-parallel ranks (under torchrun or as Ray trainer workers)."""
     pipeline_parallel_size: int = 1

@@ -4,7 +4,8 @@
     TrainerWorker x train.num_workers   a Trainer each, data parallel over gloo (NCCL on GPUs); with
                                         train.backend=megatron, model-parallel groups of
                                         tensor_parallel_size x pipeline_parallel_size workers (same
-                                        rows; weight shards, pipeline stages);
+                                        rows; weight shards, pipeline stages); with
+                                        train.backend=fsdp, the ranks of one FSDP (or HSDP) group;
                                         worker 0 builds the weight update and puts it in the object store
     RolloutWorker x rollout.num_engines a rollout engine: native, or vLLM (rollout.backend=vllm) started
                                         from a checkpoint of its own under the run directory

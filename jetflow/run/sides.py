@@ -18,8 +18,8 @@ from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_ta
                                prompt_encoder, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.loop import RLLoop
-from jetflow.run.megatron_side import (build_megatron_policy, build_trainer_model, gather_trainer_state,
-                                       model_data_parallel, select_trainer_state)
+from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
+                                       select_trainer_state)
 from jetflow.run.vllm_side import build_vllm_rollout
 from jetflow.run.warmup import Warmup
 from jetflow.model import CheckpointError
@@ -145,7 +145,8 @@ def build_reference(cfg: Config, derived: Derived, model, run_dir: Path | None, 
     any supervised warm-up. They are kept in the run directory (reference.pt, written once, HF-named and
     whole whichever backend wrote it), so that a run resumed in the middle of RL gets the same reference
     back and not its current weights. On the Megatron backend the reference is a MegatronPolicy of the
-    policy's layout: each TP / PP / EP rank keeps its own shard, and its forward is the policy's."""
+    policy's layout, on the FSDP backend an FSDPPolicy of its sharding: each rank keeps its own shard,
+    and its forward is the policy's."""
     cuda = [torch.cuda.current_device()] if torch.device(cfg.model.device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # the copies' init and MegatronPolicy draw: the run's RNG goes on
         return _frozen_reference(cfg, derived, model, None if run_dir is None else Path(run_dir) / REFERENCE_FILE, dp)
@@ -159,9 +160,7 @@ def _frozen_reference(cfg: Config, derived: Derived, model, path: Path | None, d
         tmp = path.with_name(path.name + ".tmp")
         torch.save(reference.state_dict(), tmp)
         os.replace(tmp, path)  # atomic: a resume never reads half a file
-    if cfg.train.backend == "megatron":
-        return freeze_reference(build_megatron_policy(cfg, derived, reference))
-    return freeze_reference(apply_mode(reference, derived.precision, "trainer"))
+    return freeze_reference(build_trainer_model(cfg, derived, reference))  # the policy's precision and sharding
 
 
 def build_rollout_side(cfg: Config, derived: Derived, side: TrainerSide | None = None,

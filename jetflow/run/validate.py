@@ -174,13 +174,12 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
         raise ConfigError(f"train.data_parallel_shard_size={t.data_parallel_shard_size} sizes the FSDP trainer's shard "
                           "groups (HSDP); use train.backend=fsdp or leave it 0")
     if t.backend == "fsdp":
-        for key, value, why in (("run.orchestrator", cfg.run.orchestrator, "local"),
-                                ("rollout.backend", cfg.rollout.backend, "native"),
+        for key, value, why in (("rollout.backend", cfg.rollout.backend, "native"),
                                 ("train.activation_checkpointing", t.activation_checkpointing, False)):
             if value != why:
-                raise ConfigError(f"train.backend=fsdp with {key}={value}: the FSDP trainer runs under torchrun "
-                                  f"(run.orchestrator=local) with the native rollout engine and without activation "
-                                  f"checkpointing today; use {key}={why} or train.backend=native")
+                raise ConfigError(f"train.backend=fsdp with {key}={value}: the FSDP trainer runs with the native "
+                                  f"rollout engine and without activation checkpointing today; use {key}={why} or "
+                                  "train.backend=native")
     for key in ("logprob_chunk_tokens", "activation_checkpointing"):  # the native trainer's memory savers
         if t.backend == "megatron" and getattr(t, key):
             raise ConfigError(f"train.{key}={getattr(t, key)} runs on the native trainer only (train.backend=native)")
@@ -207,12 +206,6 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
 def check_algorithm(cfg: Config) -> None:
     """The objective's keys that are valid alone and not together (jetflow.rl)."""
     a = cfg.algo
-    if a.kl_coef or a.log_ref_kl:  # a reference policy
-        key = "algo.kl_coef" if a.kl_coef else "algo.log_ref_kl"
-        value = a.kl_coef if a.kl_coef else "true"
-        if cfg.train.backend == "fsdp":
-            raise ConfigError(f"{key}={value} with train.backend=fsdp: the reference policy is built for the native "
-                              "and megatron backends only; use train.backend=native or megatron")
     if a.ratio_level == "sequence" and a.loss_agg != "seq_mean_token_mean":
         raise ConfigError(f"algo.ratio_level=sequence with algo.loss_agg={a.loss_agg}: GSPO's sequence ratio is "
                           "aggregated per sequence; set algo.loss_agg=seq_mean_token_mean")

@@ -12,7 +12,10 @@ precision stay in the master dtype.
 
 On the Megatron backend the reference is a second MegatronPolicy of the same TP / PP / EP layout (each
 rank keeps its own shard of it, jetflow.run.megatron_side builds it); its parallel linears keep their FP8
-segments' bytes the same way (`freeze_quantized`, jetflow.train.megatron.linear).
+segments' bytes the same way (`freeze_quantized`, jetflow.train.megatron.linear). On the FSDP backend it
+is a second FSDPPolicy of the policy's sharding: each rank keeps its shards, and under unified its FP8
+weights' rows as bytes quantized once (with the whole weights' scales) in place of their fp32 rows, which
+the all-gather sends as it sends the policy's (`freeze_as_reference`, jetflow.train.fsdp.policy).
 
 The reference does not quantize K/V (precision.kv_cache_fp8 applies to the policy and its rollout).
 """
@@ -37,8 +40,20 @@ class FreezableLinear(Protocol):
     def held_tensors(self) -> list[torch.Tensor]: ...
 
 
+@runtime_checkable
+class FreezablePolicy(Protocol):
+    """A sharded policy that freezes itself as a reference (the FSDP backend's: each rank its shards)."""
+
+    def freeze_as_reference(self) -> None: ...
+
+    def held_tensors(self) -> list[torch.Tensor]: ...
+
+
 def freeze_reference(model: nn.Module) -> nn.Module:
     """Freeze `model` in place as a reference policy (see the module docstring); returns it."""
+    if isinstance(model, FreezablePolicy):
+        model.freeze_as_reference()
+        return model
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in model.modules():
@@ -65,6 +80,10 @@ def reference_nbytes(model: nn.Module) -> int:
             s = t.untyped_storage()
             storages[s.data_ptr()] = s.nbytes()
 
+    if isinstance(model, FreezablePolicy):
+        for t in model.held_tensors():
+            add(t)
+        return sum(storages.values())
     for t in list(model.parameters()) + list(model.buffers()):
         add(t)
     for layer in model.modules():

@@ -4,6 +4,8 @@
   every token equal), in fp32 and unified;
 - fp32: per-step losses within summation-order noise of the native trainer's torchrun data parallelism
   at the same world size (the bound of numeric_bounds: the two differ in summation order only);
+- the reference policy (algo.log_ref_kl in fp32, algo.kl_coef in unified): KL to it 0 at RL step 0, > 0 after,
+  and the same after a resume (reference.pt);
 - deterministic: two identical unified runs log identical metrics;
 - HSDP (train.data_parallel_shard_size=2 at 4 ranks): exact on-policy, fp32 losses within summation-order
   noise of the 2-rank FSDP run;
@@ -40,6 +42,8 @@ COMMON = ["--config", "configs/tiny.yaml", "train.steps=3", "train.sft_warmup_st
           "rollout.group_size=4", "run.progress=false", "run.tensorboard=false", "run.num_threads=1",
           "eval.num_prompts=0", "train.checkpoint_every=1", "run.name=r",
           "train.micro_batch_size=2"]  # 4 micro-batches per rank in an RL step: FSDP accumulates 4 reduce-scatters
+# the fp32 FSDP runs keep a reference policy and log the KL to it (algo.log_ref_kl: the loss unchanged)
+FSDP_FP32 = ["precision.mode=fp32", "train.backend=fsdp", "algo.log_ref_kl=true"]
 FP32_GAP = 1e-5  # as tests/integration/test_torchrun_dp.py: fp32 summation order over a few steps (numeric_bounds)
 
 
@@ -62,10 +66,17 @@ def _assert_exact_on_policy(run: Path) -> None:
         assert r["mismatch/kl_k3"] == 0.0 and r["mismatch/equal_frac"] == 1.0, r
 
 
+def _assert_reference_kl(run: Path) -> None:
+    """The reference (a second FSDPPolicy, frozen when RL began) is the policy at step 0, then it is not."""
+    kl = [r["kl/ref"] for r in _rl(run)]
+    assert kl[0] == 0.0 and all(k > 0 for k in kl[1:]), kl
+    assert (run / "reference.pt").is_file()
+
+
 @pytest.fixture(scope="module")
 def fp32_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_fp32")
-    fsdp = _run(torchrun(2), root / "fsdp", "precision.mode=fp32", "train.backend=fsdp")
+    fsdp = _run(torchrun(2), root / "fsdp", *FSDP_FP32)
     native = _run(torchrun(2), root / "native", "precision.mode=fp32")
     return fsdp, native
 
@@ -73,6 +84,7 @@ def fp32_runs(tmp_path_factory):
 def test_fsdp_fp32_is_exact_on_policy_and_within_summation_order_of_native_data_parallel(fp32_runs):
     fsdp, native = fp32_runs
     _assert_exact_on_policy(fsdp)
+    _assert_reference_kl(fsdp)
     a, b = read_metrics(fsdp), read_metrics(native)
     assert [(r["phase"], r["step"]) for r in a] == [(r["phase"], r["step"]) for r in b]
     assert any(abs(r["train/loss"]) > 1e-3 for r in _rl(fsdp)), "no RL step had a learning signal: vacuous"
@@ -103,7 +115,7 @@ def test_hsdp_two_by_two_is_exact_on_policy_and_within_summation_order_of_fsdp(f
     every loss within fp32 summation-order noise of the 2-rank FSDP run (the fixture's: the same global
     batches; the two sum the same per-rank gradient terms grouped otherwise, jetflow.train.fsdp.policy)."""
     fsdp, _ = fp32_runs
-    hsdp = _run(torchrun(4), tmp_path, "precision.mode=fp32", "train.backend=fsdp", "train.data_parallel_shard_size=2")
+    hsdp = _run(torchrun(4), tmp_path, *FSDP_FP32, "train.data_parallel_shard_size=2")
     _assert_exact_on_policy(hsdp)
     a, b = read_metrics(hsdp, "sft") + _rl(hsdp), read_metrics(fsdp, "sft") + _rl(fsdp)
     assert [(r["phase"], r["step"]) for r in a] == [(r["phase"], r["step"]) for r in b] and len(a) == 13
@@ -130,13 +142,15 @@ def test_fsdp_resumes_bit_for_bit_at_two_ranks_and_completes_at_one_rank(fp32_ru
     fsdp, _ = fp32_runs
     final = load_file(str(fsdp / "checkpoints" / "step_000003" / "model.safetensors"))
     two = _truncated_copy(fsdp, tmp_path / "two")
-    _run(torchrun(2), two.parent, "precision.mode=fp32", "train.backend=fsdp", "run.resume=true")
+    _run(torchrun(2), two.parent, *FSDP_FP32, "run.resume=true")
     again = load_file(str(two / "checkpoints" / "step_000003" / "model.safetensors"))
     assert all(torch.equal(final[k], again[k]) for k in final)
     assert [r["train/loss"] for r in _rl(two)] == [r["train/loss"] for r in _rl(fsdp)]
+    # the reference from reference.pt (the initial weights), not the resumed policy's step-2 weights
+    assert [r["kl/ref"] for r in _rl(two)] == [r["kl/ref"] for r in _rl(fsdp)]
 
     one = _truncated_copy(fsdp, tmp_path / "one")
-    _run([sys.executable], one.parent, "precision.mode=fp32", "train.backend=fsdp", "run.resume=true")
+    _run([sys.executable], one.parent, *FSDP_FP32, "run.resume=true")
     assert (one / COMPLETE).exists()
     for x, y in zip(_rl(one), _rl(fsdp)):
         assert loss_gap(x["train/loss"], y["train/loss"]) <= FP32_GAP
@@ -147,9 +161,14 @@ def test_fsdp_resumes_bit_for_bit_at_two_ranks_and_completes_at_one_rank(fp32_ru
 
 
 def test_fsdp_unified_is_exact_on_policy_and_deterministic(tmp_path):
-    first = _run(torchrun(2), tmp_path / "a", "precision.mode=unified", "train.backend=fsdp")
-    second = _run(torchrun(2), tmp_path / "b", "precision.mode=unified", "train.backend=fsdp")
+    """With a KL penalty: the reference's FP8 weights are their bytes only (hidden 128 at 2 ranks: 64 rows a
+    rank, each 128-row block's scale shared by both)."""
+    kl = "algo.kl_coef=0.05"
+    first = _run(torchrun(2), tmp_path / "a", "precision.mode=unified", "train.backend=fsdp", kl)
+    second = _run(torchrun(2), tmp_path / "b", "precision.mode=unified", "train.backend=fsdp", kl)
     _assert_exact_on_policy(first)
+    _assert_reference_kl(first)
+    assert _rl(first)[-1]["loss/kl"] > 0
 
     def numbers(run: Path) -> list[dict]:
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}

@@ -210,3 +210,24 @@ def test_fp8_kv_cache_under_ray_matches_one_process(tmp_path):
     assert kv[0]["calibrated"]
     for key in ("k_scale", "v_scale"):
         torch.testing.assert_close(kv[0][key], kv[1][key], rtol=1e-6, atol=0)
+
+
+@pytest.mark.long  # a Ray launch with 2 FSDP workers; the FSDP trainer itself is checked under torchrun (test_fsdp.py)
+def test_fsdp_trainer_workers_are_one_fsdp_group_exactly_on_policy(tmp_path):
+    """train.backend=fsdp under Ray (unified FP8): the 2 trainer workers are the 2 ranks of one FSDP group
+    (each its shards; both write optimizer shards into the checkpoint); the rollout actors' log-probs equal
+    the trainer's on every step (KL 0, equal share 1); the workers keep the reference policy (algo.kl_coef,
+    a second FSDPPolicy of FP8 bytes): KL to it 0 at step 0, > 0 after."""
+    run = train(load_config(ROOT / "configs/tiny.yaml", [
+        *COMMON, "precision.mode=unified", "train.sft_warmup_steps=10", f"run.out_dir={tmp_path}", "run.name=fsdp",
+        "run.orchestrator=ray", "train.backend=fsdp", "train.num_workers=2", "run.ray_num_cpus=2",
+        "algo.kl_coef=0.05"]))
+    rows = read_metrics(run)
+    assert (run / COMPLETE).exists() and [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["mismatch/kl_k3"] == 0.0 and r["mismatch/equal_frac"] == 1.0, r
+    assert rows[0]["kl/ref"] == 0.0 and all(r["kl/ref"] > 0 for r in rows[1:]) and rows[-1]["loss/kl"] > 0
+    assert any(r["train/loss"] != 0 for r in rows)
+    from jetflow.train.checkpoint import latest_checkpoint
+    files = {p.name for p in (latest_checkpoint(run) / "optimizer").iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp"} <= files  # both workers held shards

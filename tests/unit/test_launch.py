@@ -144,10 +144,9 @@ def test_ray_template():
     assert 'run.orchestrator=ray' in text and "start --head --block" in text and "run.ray_address=" in text
 
 
-def test_fsdp_job_renders_under_torchrun_and_is_refused_under_ray(tmp_path):
-    """train.backend=fsdp (issue 41) runs under torchrun: the torchrun job carries it to every node's
-    torchrun.sh; the ray kind's own `run.orchestrator=ray` is checked too, so that job fails here, in one
-    line, not in the queue."""
+def test_fsdp_job_renders_under_torchrun_and_under_ray(tmp_path):
+    """train.backend=fsdp (issue 41) runs under torchrun and as Ray trainer workers: the torchrun job carries
+    it to every node's torchrun.sh, the ray job to its driver (with the kind's `run.orchestrator=ray`)."""
     overrides = ["train.backend=fsdp", "precision.mode=unified", "run.name=f"]
     text = render_slurm("torchrun", TINY, overrides, nodes=2, nproc_per_node=4, gpus_per_node=4)
     assert not PLACEHOLDER.search(text)
@@ -160,8 +159,11 @@ def test_fsdp_job_renders_under_torchrun_and_is_refused_under_ray(tmp_path):
     got = subprocess.run(["bash", "-c", f'{line}\nprintf "%s\\n" "${{OVERRIDES[@]}}"'], capture_output=True,
                          text=True, check=True).stdout.splitlines()
     assert got == overrides and 'bash "$TEMPLATES/torchrun.sh" --config' in text
-    with pytest.raises(ConfigError, match="train.backend=fsdp with run.orchestrator=ray"):
-        render_slurm("ray", TINY, overrides, nodes=2)
+    ray = render_slurm("ray", TINY, [*overrides, "train.num_workers=2"], nodes=2)
+    line = next(x for x in ray.splitlines() if x.startswith("OVERRIDES="))
+    got = subprocess.run(["bash", "-c", f'{line}\nprintf "%s\\n" "${{OVERRIDES[@]}}"'], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert "train.backend=fsdp" in got and "train.num_workers=2" in got and "run.orchestrator=ray" in ray
 
 
 def test_overrides_reach_bash_intact(rendered):

@@ -149,8 +149,6 @@ def test_the_megatron_layout_is_checked_on_the_models_architecture():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["algo.kl_coef=0.05", "train.backend=fsdp"],
-     r"^algo.kl_coef=0.05 with train.backend=fsdp: the reference policy is built for the native and megatron"),
     (["algo.ratio_level=sequence"],
      r"^algo.ratio_level=sequence with algo.loss_agg=token_mean: .* set algo.loss_agg=seq_mean_token_mean$"),
     (["algo.overlong_buffer=9"], r"^algo.overlong_buffer=9 exceeds rollout.max_new_tokens=8"),
@@ -162,10 +160,11 @@ def test_objective_combinations_are_refused_by_name(overrides, message):
                                     "algo.ratio_level=sequence", "algo.loss_agg=seq_mean_token_mean",
                                     "algo.dynamic_sampling=true", "algo.overlong_buffer=4"]))
     check_config(load_config(TINY, ["algo.kl_coef=0.05", "train.backend=megatron"]))  # sharded like the policy
+    check_config(load_config(TINY, ["algo.kl_coef=0.05", "train.backend=fsdp"]))  # sharded like the policy
     check_config(load_config(TINY, ["algo.log_ref_kl=true", "run.orchestrator=ray"]))  # kept by the trainer workers
 
 
-@pytest.mark.parametrize("key", ["run.orchestrator=ray", "rollout.backend=vllm", "train.activation_checkpointing=true"])
+@pytest.mark.parametrize("key", ["rollout.backend=vllm", "train.activation_checkpointing=true"])
 def test_the_fsdp_trainer_refuses_what_it_does_not_run_by_name(key):
     with pytest.raises(ConfigError, match=rf"^train.backend=fsdp with {key.split('=')[0]}=.*use {key.split('=')[0]}="):
         check_config(load_config(TINY, ["train.backend=fsdp", key]))

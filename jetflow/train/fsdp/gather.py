@@ -119,6 +119,7 @@ class FP8ShardWeight(_ShardWeight):
     def __init__(self, tensor: torch.Tensor, name: str, recipe: QuantRecipe | None = None):
         super().__init__(tensor, name, recipe)
         self._quantized: tuple | None = None  # (FP8 rows as uint8 (c, K), scale_inv (nr, nc)) until forgotten
+        self._frozen = False  # a reference policy's weight: the bytes are all it keeps (`freeze`)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         n, k = outer_size
@@ -129,7 +130,21 @@ class FP8ShardWeight(_ShardWeight):
 
     def forget_quantized(self) -> None:
         """The shard changed (an optimizer step, a load): quantize it again at the next all-gather."""
-        self._quantized = None
+        if not self._frozen:
+            self._quantized = None
+
+    def freeze(self) -> None:
+        """A reference policy's weight (FSDPPolicy.freeze_as_reference): keep the FP8 rows and scales the
+        last all-gather sent, quantized once, and free the fp32 rows (their storage, which FSDP's padded
+        shard shares): every later all-gather sends the kept bytes, and nothing reads the fp32 rows again."""
+        if self._quantized is None:
+            raise RuntimeError(f"{self._name}: freeze after an all-gather (it quantizes the shard)")
+        self._frozen = True
+        self._tensor.untyped_storage().resize_(0)
+
+    def quantized_tensors(self) -> list[torch.Tensor]:
+        """The kept FP8 rows (uint8) and scales, if quantized."""
+        return list(self._quantized) if self._quantized is not None else []
 
     def _quantize(self, mesh, n: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         recipe, offset = self._recipe, mesh.get_local_rank() * rows

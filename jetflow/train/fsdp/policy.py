@@ -46,7 +46,8 @@ from jetflow.train.fsdp.gather import FP8ShardWeight, plain, wrap_for_low_precis
 
 
 def init_world(device: str) -> None:
-    """The default process group FSDP's mesh needs: torchrun's, or a world of one process."""
+    """The default process group FSDP's mesh needs: torchrun's or the Ray trainer workers' (joined already,
+    jetflow.run.ray_placement), or a world of one process."""
     if dist.is_initialized():
         return
     backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -191,6 +192,42 @@ class FSDPPolicy(nn.Module):
         finally:
             for unit in self._units():
                 unit.reshard()
+
+    # A reference policy (jetflow.train.reference) ------------------------------------------------
+    @torch.no_grad()
+    def freeze_as_reference(self) -> None:
+        """Freeze as the frozen reference of a KL penalty: no gradients, and (unified) each FP8 weight's
+        shard quantized once, by one all-gather of every unit (a collective: every rank calls it), then
+        its fp32 rows freed: the rank keeps its rows' FP8 bytes and the whole weight's scales, which every
+        later all-gather sends (FP8ShardWeight.freeze). Other weights keep their fp32 shards. Its root unit
+        is resharded after each lm_head projection (one more all-gather of it per chunk under
+        train.logprob_chunk_tokens)."""
+        for p in self._shards:
+            p.requires_grad_(False)
+        self._forget_stale_weights()
+        for unit in self._units():
+            unit.unshard()  # FSDP's lazy init (its last re-padding of the shards), then the FP8 all-gathers
+        for unit in self._units():
+            unit.reshard()
+        for p in self._shards:
+            if isinstance(p._local_tensor, FP8ShardWeight):
+                p._local_tensor.freeze()
+        # FSDP reshards the root unit (embedding, norm, lm_head) at a backward's end only, and a reference
+        # runs none: its lm_head gathers the root if needed and reshards it after each projection, so the
+        # gathered weights are not held between steps
+        self.decoder.lm_head.register_forward_pre_hook(lambda *_: self.unshard())
+        self.decoder.lm_head.register_forward_hook(lambda *_: self.reshard())
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What this rank holds between forwards: its shards (a frozen FP8 weight's fp32 storage freed, its
+        bytes and scales instead) and the Decoder's buffers."""
+        out: list[torch.Tensor] = list(self.decoder.buffers())
+        for p in self._shards:
+            local = p._local_tensor
+            out.append(plain(local))
+            if isinstance(local, FP8ShardWeight):
+                out += local.quantized_tensors()
+        return out
 
     # ShardedPolicy: gradients ------------------------------------------------------------------
     def reduce_data_parallel_grads(self, dp) -> None:
