@@ -219,8 +219,7 @@ def logits_bytes(vocab: int, response_positions: int, chunk: int) -> tuple[int, 
 
 def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, batch: int, prompt_len: int,
                    response_len: int) -> list[Term]:
-    """The trainer's terms for `batch` sequences of prompt_len + response_len positions in micro-batches
-    (`_micro_rows`); packing's grid under exact numerics widens each to a multiple of GRAD_BLOCK."""
+    """The trainer's terms for `batch` sequences of prompt_len + response_len positions (packing's grid: widened)."""
     t, m = cfg.train, (4 if cfg.model.dtype == "float32" else 2)
     kind = derived.precision.trainer_kind
     cuda = cfg.model.device.startswith("cuda")

@@ -108,28 +108,6 @@ def step(model, cfg, exp, budget: int, **kw):
     return t.train_step(e), grads, t
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "unified"])
-def test_a_packed_step_equals_the_padded_step_on_packings_grid_bit_for_bit(mode):
-    """Rows of the padded micro-batches' sequences ([0, 1], [2, 3], [4] under both: each sequence takes 128
-    columns of its row on the grid): the loss and entropy metrics, every parameter's gradient and every
-    updated weight are torch.equal to the padded step on the same grid, with chunking and checkpointing on
-    the packed side."""
-    model, cfg = model_for(mode)
-    exp = batch(model.config.vocab_size)
-    padded, g_ref, t_ref = step(model, cfg, exp, 0, grid=True)
-    packed, g, t = step(model, cfg, exp, 256, chunk=16, checkpointing=True)
-    assert [mb.lengths for mb in micro_batches(exp, t.cfg, t.model)] == [[128, 128], [128, 128], [128]]
-    for key in ("train/loss", "policy/entropy", "loss/policy", "loss/clip_frac"):
-        assert packed[key] == padded[key], key
-    assert g.keys() == g_ref.keys() and g
-    for name, grad in g_ref.items():
-        assert torch.equal(g[name], grad), name
-    weights, ref = dict(t.model.named_parameters()), dict(t_ref.model.named_parameters())
-    assert not torch.equal(ref["model.layers.0.mlp.up_proj.weight"], model.model.layers[0].mlp.up_proj.weight)  # moved
-    for name, w in ref.items():
-        assert torch.equal(weights[name], w), name
-
-
 # |g_packed - g_padded| / |g_padded| over every parameter, the padded step off the grid (packing off, the
 # default), packed on it: measured 4.9e-8 (fp32, 19 of 20 gradients differ), 1.7e-6 (bf16, 14 of 20), 1.3e-2
 # (unified, 19 of 20: the FP8 wgrad's 128-token blocks and 128x1 quantization groups held other tokens, so
@@ -138,18 +116,30 @@ GRAD_BOUND = {"fp32": 1e-6, "bf16": 1e-5, "unified": 2e-2}
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "unified"])
-def test_the_default_padded_step_differs_from_the_packed_one_by_summation_order_only(mode):
-    """The same micro-batches, the padded step off the grid: the loss and entropy are the same floats (the
-    log-probs are the same bits; the loss sums them in the same order), the gradients differ within the
-    bound by the sums over tokens alone (their order; under unified also the FP8 wgrad's token groups)."""
+def test_a_packed_step_equals_the_padded_step_on_packings_grid_and_the_default_one_to_the_sums_order(mode):
+    """Rows of the padded micro-batches' sequences ([0, 1], [2, 3], [4] under both: each sequence takes 128
+    columns of its row on the grid), chunking and checkpointing on the packed side. Against the padded step on
+    the same grid: the loss and entropy metrics, every parameter's gradient and every updated weight are
+    torch.equal. Against the default padded step (off the grid, packing off): the loss and entropy are the
+    same floats (the same log-probs summed in the same order), the gradients differ within the bound by the
+    sums over tokens alone (their order; under unified also the FP8 wgrad's token groups)."""
     model, cfg = model_for(mode)
     exp = batch(model.config.vocab_size)
-    padded, g_ref, t_ref = step(model, cfg, exp, 0)
-    assert t_ref.model.grad_block == 1
-    packed, g, _ = step(model, cfg, exp, 256)
+    padded, g_ref, t_ref = step(model, cfg, exp, 0, grid=True)
+    packed, g, t = step(model, cfg, exp, 256, chunk=16, checkpointing=True)
+    default, g_default, t_default = step(model, cfg, exp, 0)
+    assert [mb.lengths for mb in micro_batches(exp, t.cfg, t.model)] == [[128, 128], [128, 128], [128]]
     for key in ("train/loss", "policy/entropy", "loss/policy", "loss/clip_frac"):
-        assert packed[key] == padded[key], key
-    ref = flat(g_ref.values())
+        assert packed[key] == padded[key] == default[key], key
+    assert g.keys() == g_ref.keys() and g
+    for name, grad in g_ref.items():
+        assert torch.equal(g[name], grad), name
+    weights, ref = dict(t.model.named_parameters()), dict(t_ref.model.named_parameters())
+    assert not torch.equal(ref["model.layers.0.mlp.up_proj.weight"], model.model.layers[0].mlp.up_proj.weight)  # moved
+    for name, w in ref.items():
+        assert torch.equal(weights[name], w), name
+    assert t_default.model.grad_block == 1
+    ref = flat(g_default.values())
     gap = float((flat(g.values()) - ref).norm() / ref.norm())
     assert 0 < gap <= GRAD_BOUND[mode], gap
 
