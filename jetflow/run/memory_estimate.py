@@ -225,7 +225,7 @@ def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, batch: int,
     cuda = cfg.model.device.startswith("cuda")
     P = num_params(arch)
     copies, copies_formula = weight_copies(arch, kind, derived, cuda, trainer=True)
-    grid = derived.numerics == "exact" and bool(t.max_tokens_per_micro_batch)  # jetflow.train.packing
+    grid = derived.precision.numerics == "exact" and bool(t.max_tokens_per_micro_batch)  # jetflow.train.packing
     width = prompt_len + response_len + (-(prompt_len + response_len) % GRAD_BLOCK if grid else 0)
     rows = _micro_rows(cfg, batch, width)
     n = rows * width
