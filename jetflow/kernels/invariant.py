@@ -9,22 +9,20 @@ operations, whatever else is in the call (the exact numerics mode, `precision.nu
 
 Why: BLAS picks kernels by shape (gemv for one row, other blockings for other M; measured here: MKL's
 fp32 rows differ between M = 1..128 and large M on one shape, and vary with the ISA), and SDPA's
-reduction order depends on the sequence length, so a token decoded from a KV cache and the same
-token inside the trainer's full forward come out a few ulps apart, which FP8 rounding then
-amplifies. These kernels define every output element as one fixed sequence of correctly rounded
-operations: the GEMMs the canonical reduction of jetflow.kernels.canonical (128-K block chains, groups,
-a pairwise tree; csrc/gemm.cpp), which also makes a row-parallel layer's result independent of its
-tensor-parallel degree; attention one chain per query (csrc/attention.cpp). So the rollout engine and
-the trainer compute the same bits.
+reduction order depends on the sequence length, so a token decoded from a KV cache and the same token
+inside the trainer's full forward come out a few ulps apart, which FP8 rounding then amplifies. These
+kernels define every output element as one fixed sequence of correctly rounded operations: the GEMMs the
+canonical reduction of jetflow.kernels.canonical (128-K block chains, groups, a pairwise tree;
+csrc/gemm.cpp), which also makes a row-parallel layer's result independent of its tensor-parallel degree;
+attention one chain per query (csrc/attention.cpp). So the rollout engine and the trainer compute the same bits.
 
-Gradients: backward passes use torch's ordinary kernels (the values of the gradients need not be
-exact, only the forward that produces log-probs); attention's a block of query rows at a time, so that
-no (B, H, T, S) scores exist whole.
+Gradients: torch's kernels (only the forward that produces log-probs must be exact; attention's backward a
+block of query rows at a time, so no (B, H, T, S) scores exist whole); a weight gradient with `ordered_wgrad`
+(sequence packing's grid) sums its tokens in `weight_grad`'s one order instead, shared by packed and padded rows.
 
-CUDA: the same contract on jetflow's Triton kernels (jetflow.kernels.triton): `pack_weight` keeps the
-(N, K) weight as it is, `matmul` / `gemm` / `fp8_gemm` run the Triton GEMMs with the same canonical
-reduction, and `attention` the fixed-block online-softmax kernel. They are not the CPU's bits (other hardware, other reduction
-shapes), but on the GPU a row again comes out the same whatever M, the batch or the KV cache.
+CUDA: the same contract on jetflow's Triton kernels (jetflow.kernels.triton): `pack_weight` keeps W as it is,
+`matmul` / `gemm` / `fp8_gemm` run Triton GEMMs with the canonical reduction, `attention` the fixed-block
+online-softmax kernel: not the CPU's bits, but a row again the same whatever M, the batch or the KV cache.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from jetflow.kernels.cpu_build import KernelBuildError, load_library
 
 __all__ = ["KernelBuildError", "attention", "check_device", "decode_attention", "fp8_gemm", "gemm", "matmul",
            "pack_weight", "panel_width", "prepare_gemm", "prepare_quantized_fp8_gemm", "quantized_fp8_gemm",
-           "reference_attention"]
+           "reference_attention", "weight_grad"]
 
 
 def check_device(device: torch.device | str) -> None:
@@ -78,10 +76,9 @@ def pack_weight(w: Tensor, variant: str = "native") -> Tensor:
     registers. Where the build uses AVX512_BF16's vdpbf16ps, E4M3 and bf16 weights are packed instead as
     the instruction's operand, bf16 pairs: (ceil(N / NR), ceil(K / 2), NR) int32, each the bf16 values of
     k = 2i and 2i + 1 (E4M3: 2i in the low half; bf16: swapped, so the chain runs in order; exact: every
-    E4M3 value is a bf16 value; 2 bytes a weight, half of fp32), converted once per weight version
-    instead of per call. The result is opaque: pass it to `gemm`
-    (bf16 weights) or `fp8_gemm` (E4M3 weights). On CUDA the Triton GEMMs read the (N, K) weight itself
-    (returned as it is)."""
+    E4M3 value is a bf16 value; 2 bytes a weight, half of fp32), converted once per weight version instead of
+    per call. The result is opaque: pass it to `gemm` (bf16 weights) or `fp8_gemm` (E4M3 weights). On CUDA the
+    Triton GEMMs read the (N, K) weight itself (returned as it is)."""
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         raise ValueError(f"pack_weight: float32, bfloat16 or float8_e4m3fn weights, got {w.dtype}")
     w = w.detach()
@@ -277,8 +274,9 @@ def e4m3_to_float(codes: Tensor, variant: str = "native") -> Tensor:
 
 class _Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, packed, dot, groups):
+    def forward(ctx, x, weight, packed, dot, groups, ordered_wgrad):
         ctx.save_for_backward(x, weight)
+        ctx.ordered_wgrad = ordered_wgrad
         x2 = x.reshape(-1, x.shape[-1])
         y = gemm(x2, packed, weight.shape[0], groups=groups)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -286,26 +284,33 @@ class _Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])  # (M, N), (M, K)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = (g2 @ weight.to(g2.dtype)).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
-        return grad_x, grad_w, None, None, None
+            grad_w = (weight_grad(g2, x2) if ctx.ordered_wgrad else g2.t() @ x2.to(g2.dtype)).to(weight.dtype)
+        return grad_x, grad_w, None, None, None, None
 
 
-def matmul(x: Tensor, weight: Tensor, packed: Tensor, dot: str = "fp32", groups: int | None = None) -> Tensor:
-    """x (..., K) @ weight^T (weight (N, K), `packed = pack_weight(weight)` or of its bf16 copy): the
-    canonical reduction (jetflow.kernels.canonical), so a row's result depends neither on the other rows
-    nor on how K is sharded. Differentiable in x and weight (backward through torch's matmul).
-    `dot="bf16"` says both operands lie on the bf16 grid (pack the weight as bfloat16: half the bytes;
-    on CUDA the product runs on bf16 tensor cores)."""
+def weight_grad(g2: Tensor, x2: Tensor) -> Tensor:
+    """g2^T @ x2: (M, N), (M, K) -> (N, K) fp32 over the M tokens in the FP8 wgrad's order (128-token blocks, chains
+    from 0, added in order): a zero row of g2 adds exact zeros, so only which tokens share a block counts."""
+    return gemm(g2.float().t(), pack_weight(x2.float().t()), x2.shape[1], groups=1)
+
+
+def matmul(x: Tensor, weight: Tensor, packed: Tensor, dot: str = "fp32", groups: int | None = None,
+           ordered_wgrad: bool = False) -> Tensor:
+    """x (..., K) @ weight^T (weight (N, K), `packed = pack_weight(weight)` or of its bf16 copy): the canonical
+    reduction (jetflow.kernels.canonical), so a row's result depends neither on the other rows nor on how K is
+    sharded. Differentiable in x and weight (backward through torch's matmul; `ordered_wgrad`: the weight's by
+    `weight_grad`). `dot="bf16"` says both operands lie on the bf16 grid (pack the weight as bfloat16: half
+    the bytes; on CUDA the product runs on bf16 tensor cores)."""
     check_device(x.device)
     if dot not in ("fp32", "bf16"):
         raise ValueError(f"dot={dot!r}: 'fp32' or 'bf16'")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _Matmul.apply(x, weight, packed, dot, groups)
+        return _Matmul.apply(x, weight, packed, dot, groups, ordered_wgrad)
     y = gemm(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], groups=groups)  # no graph to record
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -435,7 +440,6 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
 def attention(q: Tensor, kt: Tensor, v: Tensor, pos: Tensor, scale: float, variant: str = "native") -> Tensor:
     """Causal attention by position: query (b, t) at position pos[b, t] attends key slots 0..pos[b, t]
     of its own row (slot = position: sequences start at slot 0).
-
     q (B, H, T, D); kt (B, H_kv, D, S): keys transposed, unit stride along S (a KV cache keeps K this
     way); v (B, H_kv, S, D), unit stride along D; pos (B, T). Returns (B, H, T, D). A query's result
     is the same bits whatever B, T, S or the other queries are (two-pass softmax: the max over the

@@ -228,11 +228,18 @@ class Attention(nn.Module):
                 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
-def align_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+GRAD_BLOCK = 128
+"""Token rows per block of the exact weight gradients' sums on sequence packing's grid
+(jetflow.kernels.invariant.weight_grad, jetflow.train.packing): each sequence starts on a multiple of it in
+packed and padded rows alike, so both layouts put the same tokens in the same blocks."""
+
+
+def align_rows(attention_mask: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact numerics on padded rows: slot = position. attention_mask (B, T) bool with one contiguous run
-    of real tokens per row (left-padded prompt, right-padded response) -> (shift, back), both (B, T):
+    of real tokens per row (left-padded prompt, right-padded response) -> shift (B, width or T), back (B, T):
     aligned column j holds original column shift[b, j] (each row's real tokens start at slot 0, as in
-    the rollout engine's cache); original column j holds aligned column back[b, j]."""
+    the rollout engine's cache; columns from T on repeat the last one); original column j holds aligned
+    column back[b, j]."""
     B, T = attention_mask.shape
     cols = torch.arange(T, device=attention_mask.device)
     start = attention_mask.long().argmax(-1)  # (B,) first real token
@@ -241,4 +248,5 @@ def align_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if not torch.equal(run, attention_mask):
         raise ValueError("exact numerics need each row's real tokens to be one contiguous run "
                          "(left-padded prompt, right-padded response)")
-    return (start[:, None] + cols[None]) % T, (cols[None] - start[:, None]) % T
+    wide = torch.arange(width or T, device=attention_mask.device).clamp(max=T - 1)
+    return (start[:, None] + wide[None]) % T, (cols[None] - start[:, None]) % T

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from jetflow.kernels import invariant
 from jetflow.model.attention import (  # noqa: F401  (re-exported: jetflow.model.decoder.apply_rope, ...)
+    GRAD_BLOCK,
     Attention,
     AttentionPlan,
     align_rows,
@@ -42,6 +43,7 @@ from jetflow.model.kv_cache import KVCache
 from jetflow.model.model_config import SUPPORTED, ModelConfig, UnsupportedModelError  # noqa: F401  (re-exported)
 from jetflow.model.layers import MLP, RMSNorm, silu_exact  # noqa: F401  (re-exported)
 from jetflow.model.moe import SparseMoeBlock
+from jetflow.precision.linear import PrecisionLinear
 from jetflow.precision.modes import NUMERICS
 
 # model_type -> HF architecture class name
@@ -97,6 +99,18 @@ class Decoder(nn.Module):
         """Round embedding outputs to this dtype's grid (bf16 under the bf16 / mixed / unified modes,
         as the recipe keeps embeddings in bf16): trainer and rollout then agree on them, and the
         embedding can ship in bf16 (jetflow.sync)."""
+        self.grad_block = 1
+        """Token columns a sequence's padded row is widened to a multiple of in a forward that records a
+        graph (exact numerics): 1, or GRAD_BLOCK on sequence packing's grid (`use_grad_block`)."""
+
+    def use_grad_block(self, block: int) -> None:
+        """Sequence packing's grid (block GRAD_BLOCK, exact numerics; jetflow.train.packing): padded rows
+        widened to a multiple of `block` when recording a graph, and every exact weight gradient (linears,
+        RMSNorm weights) summed over tokens in one order (`invariant.weight_grad`). 1: torch's own sums."""
+        self.grad_block = block
+        for m in self.modules():
+            if isinstance(m, (PrecisionLinear, RMSNorm)):
+                m.ordered_wgrad = block > 1
 
     def set_numerics(self, numerics: str, embed_grid: torch.dtype | None) -> None:
         """How the forward computes, set with the precision of its linears (jetflow.run.build.apply_mode):
@@ -190,21 +204,22 @@ class Decoder(nn.Module):
 
         return self._layers(input_ids, plan, cache, routed_experts)
 
-    def forward_packed(self, input_ids: torch.Tensor, lengths: list[int],
-                       routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_packed(self, input_ids: torch.Tensor, lengths: list[int], routed_experts: torch.Tensor | None = None,
+                       real: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (1, N, C) of sequences packed side by side in one row without padding:
         input_ids (1, N), N = sum(lengths), each sequence whole (prompt + response) at its own positions
         from 0 and attending only to itself (jetflow.model.attention.packed_plan). Under exact numerics a
         token's hidden state is the same bits as in `forward_hidden` of the padded batch: the linears,
         norms and RoPE are row-local, the attention runs per sequence with the same kernel.
-        routed_experts: (1, N, L_moe, K) as in `forward_hidden`."""
+        routed_experts: (1, N, L_moe, K) as in `forward_hidden`. real: (1, N) bool, the real tokens where a
+        sequence carries its own padding (packing's grid; None: all real)."""
         exact = self.numerics == "exact"
         if exact:
             invariant.check_device(input_ids.device)
         if input_ids.shape != (1, sum(lengths)):
             raise ValueError(f"packed input_ids must be (1, sum(lengths)) = (1, {sum(lengths)}), "
                              f"got {tuple(input_ids.shape)}")
-        self.last_token_mask = None  # every token real
+        self.last_token_mask = real
         return self._layers(input_ids, packed_plan(lengths, exact, input_ids.device), None, routed_experts)
 
     def _layers(self, input_ids: torch.Tensor, plan: AttentionPlan, cache: KVCache | None,
@@ -247,13 +262,17 @@ class Decoder(nn.Module):
     def _forward_aligned(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Exact numerics on padded rows: shift each row so its real tokens start at slot 0 (slot =
-        position, as in the rollout engine's cache), run, and shift the hidden states back."""
-        shift, back = align_rows(attention_mask)  # (B, T) each
+        position, as in the rollout engine's cache), run, and shift the hidden states back. Recording a
+        graph, the rows are widened to a multiple of `grad_block` (packing's grid; 1: as they are)."""
+        T = attention_mask.shape[1]
+        width = -(-T // self.grad_block) * self.grad_block if torch.is_grad_enabled() else T
+        shift, back = align_rows(attention_mask, width)  # (B, width), (B, T)
         if routed_experts is not None:  # (B, T, L, K): the same shift
             routed_experts = routed_experts.to(shift.device).gather(
                 1, shift[:, :, None, None].expand(-1, -1, *routed_experts.shape[2:]))
-        hidden = self.forward_hidden(input_ids.gather(1, shift), routed_experts=routed_experts)  # (B, T, C)
-        self.last_token_mask = attention_mask.gather(1, shift)  # (B, T), in the aligned order the layers saw
+        hidden = self.forward_hidden(input_ids.gather(1, shift), routed_experts=routed_experts)  # (B, width, C)
+        cols = torch.arange(width, device=shift.device)
+        self.last_token_mask = cols[None] < attention_mask.sum(-1, keepdim=True)  # (B, width): real tokens first
         return hidden.gather(1, back[..., None].expand(-1, -1, hidden.shape[-1]))
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None) -> KVCache:

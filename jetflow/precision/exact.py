@@ -124,7 +124,7 @@ def exact_product(x: Tensor, weight: Tensor, kind: str, *, recipe: QuantRecipe |
 
 
 def _combined_product(x: Tensor, weight: Tensor, kind: str, recipe: QuantRecipe | None, wq, cache: ExactCache | None,
-                      groups: int | None, combine, name: str) -> Tensor:
+                      groups: int | None, combine, name: str, ordered_wgrad: bool = False) -> Tensor:
     """exact_product, then `combine`; the mxfp8 / nvfp4 products apply it themselves (NVFP4's tensor-scale
     alpha must multiply the combined sum, jetflow.precision.microscaled)."""
     if kind == "fp8" and recipe is not None and recipe.family != "fp8_block":
@@ -134,19 +134,20 @@ def _combined_product(x: Tensor, weight: Tensor, kind: str, recipe: QuantRecipe 
             return microscaled.microscaled_linear(x.float(), weight, None, wq, recipe, name, "exact", groups, combine)
         y = microscaled.exact_product(x.reshape(-1, x.shape[-1]).float(), wq, recipe, name, groups, combine)
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    y = _product(x, weight, kind, recipe, wq, cache, groups, name)
+    y = _product(x, weight, kind, recipe, wq, cache, groups, name, ordered_wgrad)
     return y if combine is None else combine(y)
 
 
 def _product(x: Tensor, weight: Tensor, kind: str, recipe: QuantRecipe | None, wq, cache: ExactCache | None,
-             groups: int | None, name: str) -> Tensor:
+             groups: int | None, name: str, ordered_wgrad: bool = False) -> Tensor:
     if kind == "fp32":
-        return invariant.matmul(x.float(), weight, packed_weight(cache, weight, "fp32"), groups=groups)
+        return invariant.matmul(x.float(), weight, packed_weight(cache, weight, "fp32"), groups=groups,
+                                ordered_wgrad=ordered_wgrad)
     if kind == "bf16":
         # the bf16 grid in fp32 storage, for the backward only (the product reads the packed bf16 bytes)
         w = bf16_grid(weight) if torch.is_grad_enabled() and weight.requires_grad else weight
         return invariant.matmul(bf16_grid(x), w, packed_weight(cache, weight, "bf16"), dot="bf16",
-                                groups=groups)
+                                groups=groups, ordered_wgrad=ordered_wgrad)
     if kind == "fp8":
         if recipe is None or wq is None:
             raise ValueError(f"{name}: an exact fp8 product needs the recipe and the quantized weight")
@@ -159,19 +160,21 @@ def _product(x: Tensor, weight: Tensor, kind: str, recipe: QuantRecipe | None, w
 
 def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str, *, recipe: QuantRecipe | None = None,
                  wq: QuantizedTensor | None = None, cache: ExactCache | None = None, groups: int | None = None,
-                 combine=None, name: str = "linear") -> Tensor:
+                 combine=None, name: str = "linear", ordered_wgrad: bool = False) -> Tensor:
     """x (..., K) -> (..., N) in x's dtype: product, optional combine, epilogue (see the module docstring).
 
     groups: canonical groups in this call's K range (default tree_width(K)); a row-parallel shard of
     a layer sharded T ways passes tree_width(K_full) // T and a `combine` that finishes the tree.
-    combine: fn(fp32 (..., N)) -> fp32 (..., N), applied to the product before the epilogue."""
+    combine: fn(fp32 (..., N)) -> fp32 (..., N), applied to the product before the epilogue.
+    ordered_wgrad: the fp32 / bf16 weight gradient summed over tokens in one order (invariant.weight_grad;
+    sequence packing's grid, jetflow.train.packing); the FP8 wgrad sums in that order already."""
     call = _cached_call(x, weight, kind, recipe, wq, cache, groups)
     if call is not None:
         y = call(x.reshape(-1, x.shape[-1]))
         if y is not None:  # else an FP8 input group holds NaN / Inf: the general path reports it
             y = y.reshape(*x.shape[:-1], y.shape[-1])
             return linear_epilogue(y if combine is None else combine(y), bias, kind, x.dtype)
-    y = _combined_product(x, weight, kind, recipe, wq, cache, groups, combine, name)
+    y = _combined_product(x, weight, kind, recipe, wq, cache, groups, combine, name, ordered_wgrad)
     return linear_epilogue(y, bias, kind, x.dtype)
 
 

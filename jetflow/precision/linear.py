@@ -56,6 +56,7 @@ class PrecisionLinear(nn.Linear):
         self._cache_key: tuple | None = None
         self._cached: QuantizedTensor | None = None
         self._loaded: QuantizedTensor | None = None  # bytes handed in by a trainer (rollout side)
+        self.ordered_wgrad = False  # exact: the weight gradient in one token order (jetflow.train.packing's grid)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "PrecisionLinear":
@@ -144,7 +145,7 @@ class PrecisionLinear(nn.Linear):
         if self.numerics == "exact":
             wq = self.quantized_weight() if self.kind == "fp8" else None
             return exact_linear(x, self.weight, self.bias, self.kind, recipe=self.recipe, wq=wq,
-                                cache=self._exact_cache, name=self.name)
+                                cache=self._exact_cache, name=self.name, ordered_wgrad=self.ordered_wgrad)
         if self.kind == "fp32":
             return F.linear(x, self.weight, self.bias)
         if self.kind == "bf16":

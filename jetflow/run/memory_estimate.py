@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jetflow.config import Config, ConfigError, Derived
+from jetflow.model.attention import GRAD_BLOCK
 from jetflow.model.model_config import ModelConfig
 
 GIB = 2**30
@@ -216,15 +217,18 @@ def logits_bytes(vocab: int, response_positions: int, chunk: int) -> tuple[int, 
 
 # The estimates ---------------------------------------------------------------------------------------
 
-def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, rows: int, prompt_len: int,
+def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, batch: int, prompt_len: int,
                    response_len: int) -> list[Term]:
-    """The trainer's terms for micro-batches of `rows` sequences of prompt_len + response_len positions."""
+    """The trainer's terms for `batch` sequences of prompt_len + response_len positions (packing's grid: widened)."""
     t, m = cfg.train, (4 if cfg.model.dtype == "float32" else 2)
     kind = derived.precision.trainer_kind
     cuda = cfg.model.device.startswith("cuda")
     P = num_params(arch)
     copies, copies_formula = weight_copies(arch, kind, derived, cuda, trainer=True)
-    n = rows * (prompt_len + response_len)
+    grid = derived.precision.numerics == "exact" and bool(t.max_tokens_per_micro_batch)  # jetflow.train.packing
+    width = prompt_len + response_len + (-(prompt_len + response_len) % GRAD_BLOCK if grid else 0)
+    rows = _micro_rows(cfg, batch, width)
+    n = rows * width
     per_token = activation_bytes_per_token(arch, kind, t.activation_checkpointing)
     layer = layer_bytes_per_token(arch, kind)
     work = (2 if t.activation_checkpointing else 1) * layer
@@ -235,7 +239,7 @@ def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, rows: int, 
         Term("trainer copies", copies, f"{kind} linears: {copies_formula}"),
         Term("gradients", P * m, f"P x {m} B"),
         Term("AdamW state", 2 * P * m, f"2 x P x {m} B"),
-        Term("activations", n * per_token, f"N={rows} x ({prompt_len} + {response_len}) positions "
+        Term("activations", n * per_token, f"N={rows} x {width} ({prompt_len} + {response_len}) positions "
                                            f"(train.micro_batch_size) x {per_token} B ({ckpt})"),
         Term("backward working set", n * work, f"N x {work} B ({'two layers' if t.activation_checkpointing else 'one layer'})"),
         Term("logits", logits, logits_formula),
@@ -264,8 +268,7 @@ def estimate_train_step(cfg: Config, derived: Derived, arch: ModelConfig, batch:
     m = 4 if cfg.model.dtype == "float32" else 2
     terms = [_runtime(cfg),
              Term("bench source model", num_params(arch) * m, f"P x {m} B (the copy the bench builds trainers from)"),
-             *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, batch, prompt_len + response_len), prompt_len,
-                            response_len)]
+             *_trainer_terms(cfg, derived, arch, batch, prompt_len, response_len)]
     if first_step_only:
         freed = sum(t.bytes for t in terms if t.name in ("activations", "backward working set", "logits"))
         adam = next(t for t in terms if t.name == "AdamW state")
@@ -283,7 +286,7 @@ def estimate_run(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: i
     P, new = num_params(arch), r.max_new_tokens
     trained = t.prompts_per_step // max(data_parallel, 1) * r.group_size
     sequences = max(trained, cfg.eval.num_prompts)  # what the engine decodes at once, at most
-    terms = [_runtime(cfg), *_trainer_terms(cfg, derived, arch, _micro_rows(cfg, trained, prompt_len + new), prompt_len, new)]
+    terms = [_runtime(cfg), *_trainer_terms(cfg, derived, arch, trained, prompt_len, new)]
     cuda = cfg.model.device.startswith("cuda")
     copies, copies_formula = weight_copies(arch, derived.precision.rollout_kind, derived, cuda, trainer=False)
     terms += [Term("rollout weights", P * m, f"P x {m} B (the engine's own copy)"),

@@ -28,7 +28,8 @@ from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
 from jetflow.train.checkpointing import enable_activation_checkpointing
-from jetflow.train.packing import PackedBatch, micro_batches, packed_response_logprobs
+from jetflow.train.packing import PackedBatch, head_logprobs, micro_batches, on_grid, packed_response_logprobs, \
+    use_packing_grid
 from jetflow.train.reference import reference_nbytes
 
 
@@ -68,20 +69,21 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
     """log pi(a_t | s_t) of the response tokens under `model`: (B, R), fp32; with `with_entropy`,
     also the policy's entropy at each response position (B, R), detached.
 
-    Only the R columns that predict response tokens go through lm_head (the vocab projection is the
-    largest GEMM of a small model). Logits are divided by the sampling temperature, as in the rollout.
-    `hidden`: the final hidden states (B, P + R, C) when already computed (a pipeline's last stage).
-    `chunk_tokens` > 0: that many positions through lm_head at a time (train.logprob_chunk_tokens), 0: all
-    at once; both through jetflow.model.chunked_logprobs, whose backward sums the head's gradient over
-    fixed groups: the same log-probs, gradients and updated weights with chunking on and off. A head that
-    is no module (Megatron's vocabulary-parallel method, which refuses chunking) takes the plain path. A
-    PackedBatch (train.max_tokens_per_micro_batch) runs its packed row (jetflow.train.packing)."""
+    Only the R columns that predict response tokens go through lm_head (the vocab projection is the largest
+    GEMM of a small model; on packing's grid only the real ones). Logits are divided by the sampling
+    temperature, as in the rollout. `hidden`: the final hidden states (B, P + R, C) when already computed (a
+    pipeline's last stage). `chunk_tokens` > 0: that many positions through lm_head at a time
+    (train.logprob_chunk_tokens), 0: all at once; both through jetflow.model.chunked_logprobs, whose backward
+    sums the head's gradient over fixed groups: the same bits with chunking on and off. A head that is no
+    module (Megatron's vocabulary-parallel method) takes the plain path. A PackedBatch runs its packed row."""
     if isinstance(exp, PackedBatch):
         return packed_response_logprobs(model, exp, temperature, with_entropy, chunk_tokens)
     P, R = exp.prompt_len, exp.response_ids.shape[1]
     if hidden is None:
         replay = {} if exp.routed_experts is None else {"routed_experts": exp.routed_experts}  # MoE routing replay
         hidden = model.forward_hidden(exp.input_ids, attention_mask=exp.attention_mask, **replay)  # (B, P + R, C)
+    if isinstance(model.lm_head, nn.Module) and on_grid(model):
+        return head_logprobs(model.lm_head, hidden[:, P - 1:P + R - 1], exp, temperature, chunk_tokens, with_entropy)
     if isinstance(model.lm_head, nn.Module):
         return chunked_token_logprobs(model.lm_head, hidden[:, P - 1:P + R - 1], exp.response_ids, temperature,
                                       chunk_tokens, with_entropy)  # (B, R) [, (B, R)]
@@ -93,10 +95,9 @@ def response_logprobs(model: nn.Module, exp: Experience, temperature: float = 1.
 
 @runtime_checkable
 class PipelinedPolicy(Protocol):
-    """A model split into pipeline stages (the Megatron backend with pipeline_parallel_size > 1): no
-    stage runs `forward_hidden` alone, so the Trainer hands a step's micro-batches to the model's
-    schedule and computes the loss in `head` on the last stage, from that stage's final hidden states
-    (see MegatronPolicy.pipeline_forward_backward). Results reach every stage."""
+    """A model split into pipeline stages (the Megatron backend with pipeline_parallel_size > 1): no stage runs
+    `forward_hidden` alone, so the Trainer hands a step's micro-batches to the model's schedule and computes the
+    loss in `head` on the last stage, from its final hidden states (MegatronPolicy.pipeline_forward_backward)."""
 
     pp_size: int
 
@@ -133,6 +134,8 @@ class Trainer:
         self.dp = dp  # data-parallel ranks: each holds part of the batch (jetflow.distributed)
         if train.activation_checkpointing:  # recompute each decoder layer in backward
             enable_activation_checkpointing(model)
+        if train.max_tokens_per_micro_batch:  # exact packed gradients the padded ones' bits (jetflow.train.packing)
+            use_packing_grid(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(weight_decay_groups(model, train.weight_decay), lr=train.lr,
                                            betas=tuple(train.betas))
@@ -154,7 +157,7 @@ class Trainer:
         (the same forward, sharded and pipelined alike); on a pipeline every stage gets them."""
         if reference and self.reference is None:
             raise ValueError("reference log-probs: this trainer keeps no reference policy")
-        model, micro = self.reference if reference else self.model, micro_batches(exp, self.cfg)
+        model, micro = self.reference if reference else self.model, micro_batches(exp, self.cfg, self.model)
 
         def logprobs() -> Tensor:
             if pipelined(model):
@@ -212,7 +215,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         agg = self.algo.loss_agg
-        micro = micro_batches(exp, self.cfg)
+        micro = micro_batches(exp, self.cfg, self.model)
         total_denominator = self.dp.sum(sum(agg_denominator(mb.response_mask, agg) for mb in micro)) or 1.0
         sums: dict[str, float] = {}
         olds: list[Tensor] = []
@@ -252,12 +255,10 @@ class Trainer:
 
     def _agreeing_on_nonfinite(self, compute: Callable[[], Any]) -> tuple[Any, bool]:
         """compute(), and whether an FP8 quantizer met NaN/Inf in it on any rank: (result, bad).
-
-        A model whose forward runs collectives (expert parallelism: every MoE layer dispatches tokens
-        to the other ranks' experts) cannot stop one rank at its first NaN, the others would wait for it
-        in the next dispatch forever: compute runs with the error deferred (the NaN flows on), then
-        every rank learns whether any met one. Other models raise NonFiniteError where it happens, and
-        bad is False."""
+        A model whose forward runs collectives (expert parallelism: every MoE layer dispatches tokens to the
+        other ranks' experts) cannot stop one rank at its first NaN, the others would wait for it in the next
+        dispatch forever: compute runs with the error deferred (the NaN flows on), then every rank learns
+        whether any met one. Other models raise NonFiniteError where it happens, and bad is False."""
         if not collective_forward(self.model):
             return compute(), False
         with defer_nonfinite() as record:
@@ -305,10 +306,9 @@ class Trainer:
 
     def _pipeline_micro_steps(self, micro: list[Experience], total_denominator: float, temperature: float, weigh,
                               olds: list[Tensor], sums: dict[str, float], agg: str) -> tuple[float, float, float]:
-        """`_micro_step` over every micro-batch through a pipelined model's schedule: the loss of each
-        is computed on the last stage, backpropagated through every stage, and its metrics (and pi_old)
-        reach every stage; added up in micro-batch order as in the loop of `_policy_step`.
-        Returns (loss_total, entropy_sum, tokens)."""
+        """`_micro_step` over every micro-batch through a pipelined model's schedule: the loss of each is
+        computed on the last stage, backpropagated through every stage, and its metrics (and pi_old) reach
+        every stage; added up in micro-batch order as in `_policy_step`. Returns (loss_total, entropy_sum, tokens)."""
         weights = [agg_denominator(mb.response_mask, agg) / total_denominator for mb in micro]
         active = [i for i, w in enumerate(weights) if w != 0 or collective_forward(self.model)]
 
@@ -341,7 +341,7 @@ class Trainer:
         """Supervised step: mean negative log-likelihood of the response tokens."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        micro = micro_batches(exp, self.cfg)
+        micro = micro_batches(exp, self.cfg, self.model)
         total_tokens = self.dp.sum(float(exp.response_mask.sum())) or 1.0
         loss_total = 0.0
 

@@ -37,15 +37,16 @@ def test_train_step_bench_writes_modes_and_ratios(tmp_path):
 
 
 def test_train_step_bench_packs_through_the_cli(tmp_path):
-    """--max-tokens-per-micro-batch reaches the trainer: 8 long-tail rows of 4 + (16 | 2) tokens in rows of
-    at most 32 tokens: [20, 6, 6], [6 x 5] by next-fit; the peak RSS stands beside tokens/s."""
+    """--max-tokens-per-micro-batch reaches the trainer: 8 long-tail rows of 4 + (16 | 2) tokens, each taking
+    128 columns on packing's grid (exact numerics), in rows of at most 256: two a row, 4 micro-batches; the
+    peak RSS stands beside tokens/s."""
     from jetflow.cli import main
     assert main(["bench", "train-step", "--model", "tiny", "--modes", "fp32", "--batch", "8", "--prompt-len", "4",
                  "--response-len", "16", "--lengths", "longtail", "--reps", "1", "--warmup", "0",
-                 "--max-tokens-per-micro-batch", "32", "--out-dir", str(tmp_path)]) == 0
+                 "--max-tokens-per-micro-batch", "256", "--out-dir", str(tmp_path)]) == 0
     result = read_json(tmp_path / "train-step-cpu.json")
     workload, (row,) = result["workload"], result["rows"]
-    assert workload["max_tokens_per_micro_batch"] == 32 and workload["micro_batches"] == 2
+    assert workload["max_tokens_per_micro_batch"] == 256 and workload["micro_batches"] == 4
     assert workload["tokens_per_step"] == 20 + 7 * 6 and row["peak_rss_gb"] > 0 and math.isfinite(row["loss"])
     assert "peak_rss_gb" in (tmp_path / "train-step-cpu.md").read_text()
 

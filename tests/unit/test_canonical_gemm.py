@@ -320,3 +320,46 @@ def test_weight_panels_are_the_transposed_columns_for_every_format_and_view():
                     lib.jf_pack_panels(bits.data_ptr(), bits.element_size(), n, k, bits.stride(0), bits.stride(1),
                                        got.data_ptr())
                     assert torch.equal(got, ref), (variant, n, k, dtype, view.stride())
+
+
+def test_weight_grad_sums_tokens_in_128_row_blocks_where_zero_rows_add_nothing():
+    """invariant.weight_grad (the exact weight gradients' sum over tokens on sequence packing's grid): close
+    to float64; whole blocks of zero output-gradient rows (their inputs arbitrary) and zero rows after a
+    sequence inside its last block leave the bits alone, so packed and padded layouts agree; a sequence
+    moved across a block boundary changes them (the blocks are the order)."""
+    g = torch.Generator().manual_seed(0)
+    a_g, a_x = torch.randn(128, 24, generator=g), torch.randn(128, 40, generator=g)  # a sequence of 128 tokens
+    b_g, b_x = torch.randn(50, 24, generator=g), torch.randn(50, 40, generator=g)  # one of 50
+    want = inv.weight_grad(torch.cat([a_g, b_g]), torch.cat([a_x, b_x]))  # (24, 40)
+    ref = torch.cat([a_g, b_g]).double().t() @ torch.cat([a_x, b_x]).double()
+    torch.testing.assert_close(want.double(), ref, rtol=1e-5, atol=1e-5)
+    pad_g, pad_x = torch.zeros(78, 24), torch.randn(78, 40, generator=g)  # padding: no gradient, any input
+    gap_g, gap_x = torch.zeros(128, 24), torch.randn(128, 40, generator=g)
+    padded = inv.weight_grad(torch.cat([a_g, gap_g, b_g, pad_g]), torch.cat([a_x, gap_x, b_x, pad_x]))
+    assert torch.equal(padded, want)
+    shifted = inv.weight_grad(torch.cat([a_g[:64], b_g, a_g[64:]]), torch.cat([a_x[:64], b_x, a_x[64:]]))
+    assert not torch.equal(shifted, want)
+    torch.testing.assert_close(shifted, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_ordered_rmsnorms_weight_gradient_is_the_token_sum_of_weight_grad():
+    """RMSNorm.ordered_wgrad (packing's grid): the same forward, the weight's gradient by weight_grad; off
+    (the default) autograd's own sum, as before."""
+    from jetflow.model.layers import RMSNorm
+    norm = RMSNorm(40, 1e-6)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40, generator=g))
+    x, dy = torch.randn(2, 96, 40, generator=g), torch.randn(2, 96, 40, generator=g)
+    plain = norm(x)
+    plain.backward(dy)
+    autograd_sum, norm.weight.grad = norm.weight.grad, None
+    norm.ordered_wgrad = True
+    out = norm(x)
+    assert torch.equal(out, plain)  # the same forward
+    out.backward(dy)
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    prod = (dy * xn).reshape(-1, 40)
+    assert torch.equal(norm.weight.grad, inv.weight_grad(torch.ones(192, 1), prod)[0])
+    torch.testing.assert_close(norm.weight.grad.double(), prod.double().sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(autograd_sum, norm.weight.grad, rtol=1e-5, atol=1e-5)

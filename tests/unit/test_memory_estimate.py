@@ -51,6 +51,9 @@ def test_terms_of_the_tiny_model_by_hand():
     first = me.estimate_train_step(cfg, derived, arch, batch=8, prompt_len=20, response_len=44, first_step_only=True)
     freed = est.term("activations") + est.term("backward working set") + est.term("logits")
     assert first.term("AdamW state") == max(8 * P - freed, 0) == 0  # allocated after the backward freed more
+    packed = me.estimate_train_step(tiny("precision.mode=fp32", "precision.numerics=exact",
+                                         "train.max_tokens_per_micro_batch=256")[0], derived, arch, 8, 20, 44)
+    assert packed.term("activations") == 2 * 128 * per_token  # packing's grid: 64 positions take 128, two a row
 
     cfg, derived, arch = tiny("precision.mode=unified", "precision.numerics=exact",
                               "train.activation_checkpointing=true", "train.micro_batch_size=4")
