@@ -111,8 +111,10 @@ def step(model, cfg, exp, budget: int, **kw):
 # |g_packed - g_padded| / |g_padded| over every parameter, the padded step off the grid (packing off, the
 # default), packed on it: measured 4.9e-8 (fp32, 19 of 20 gradients differ), 1.7e-6 (bf16, 14 of 20), 1.3e-2
 # (unified, 19 of 20: the FP8 wgrad's 128-token blocks and 128x1 quantization groups held other tokens, so
-# other scales too); micro_batch_size 2 -> 3 on the padded path alone moved them by 1e-7, 2e-3 and 1e-2
-GRAD_BOUND = {"fp32": 1e-6, "bf16": 1e-5, "unified": 2e-2}
+# other scales too); micro_batch_size 2 -> 3 on the padded path alone moved them by 1e-7, 2e-3 and 1e-2.
+# Each bound is at least 4x the gap measured on one machine kind (the padded path's sums are torch's,
+# which CPU kinds order differently); a wrong packing (a token in another sequence) moves them by O(1).
+GRAD_BOUND = {"fp32": 1e-6, "bf16": 1e-5, "unified": 5e-2}
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "unified"])
