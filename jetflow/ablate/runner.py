@@ -25,9 +25,9 @@ from typing import Callable
 
 from jetflow.ablate.grid import Ablation, load_ablation, resolve_cells, select, warmup_config
 from jetflow.ablate.report import write_report
-from jetflow.ablate.warmups import start_from_warmup
+from jetflow.ablate.warmups import needs_warmup_start, start_from_warmup
 from jetflow.config import Config, ConfigError
-from jetflow.run.files import COMPLETE, ERROR_FILE, holds_a_run, run_status
+from jetflow.run.files import COMPLETE, ERROR_FILE, run_status
 from jetflow.run.validate import validate_run
 from jetflow.run.stop import RunStopped
 
@@ -67,7 +67,7 @@ def run_ablation(path: str | Path, out_dir: str | Path | None = None, only: list
         (run_dir / ERROR_FILE).unlink(missing_ok=True)
         t0 = time.perf_counter()
         try:
-            if cell.id in shared and not holds_a_run(run_dir):
+            if cell.id in shared and needs_warmup_start(run_dir):
                 name = shared[cell.id]
                 if not (ab.warmup_dir(name) / COMPLETE).exists():
                     log(f"[ablate] shared warm-up {name}: {'resuming' if ab.warmup_dir(name).exists() else 'starting'}")

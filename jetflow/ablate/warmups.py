@@ -22,6 +22,7 @@ would have run (tests/unit/test_ablation_warmups.py checks it against a cell run
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +31,11 @@ from typing import Any
 from jetflow.config import ConfigError
 from jetflow.metrics_log import read_metrics, write_jsonl
 from jetflow.run.files import CHECKPOINTS_DIR, COMPLETE, METRICS_FILE
+from jetflow.train.checkpoint import RESUME_HINT, checkpoint_name, list_checkpoints
+from jetflow.writes import atomic_write_text
 
 WARMUPS = "warmups"
-WARMUP_END = "step_000000"  # the checkpoint a run writes when its supervised warm-up ends (jetflow.run.sequence)
+WARMUP_END = checkpoint_name(0)  # the checkpoint a run writes when its supervised warm-up ends (jetflow.run.sequence)
 
 
 @dataclass
@@ -60,8 +63,15 @@ def parse_shared_warmup(spec: Any, path: Path) -> SharedWarmup | None:
     return SharedWarmup(list(ignore))
 
 
+def needs_warmup_start(run_dir: Path) -> bool:
+    """A cell that holds no checkpoint yet (not started, or stopped while it was being given one)."""
+    return not list_checkpoints(run_dir / CHECKPOINTS_DIR)
+
+
 def start_from_warmup(warmup: Path, run_dir: Path) -> None:
-    """Give a cell that has not started the group's warm-up: its end checkpoint and its metric rows."""
+    """Give a cell that has not started the group's warm-up: its end checkpoint and its metric rows. The
+    checkpoint is copied under a temporary name and renamed whole, and `latest` is written last, so a cell
+    stopped in the middle holds no checkpoint and is given one again."""
     if not (warmup / COMPLETE).exists():
         raise RuntimeError(f"the shared warm-up {warmup} has not completed")
     source = warmup / CHECKPOINTS_DIR / WARMUP_END
@@ -69,6 +79,9 @@ def start_from_warmup(warmup: Path, run_dir: Path) -> None:
         raise RuntimeError(f"the shared warm-up {warmup} has no {WARMUP_END} checkpoint (its warm-up end)")
     checkpoints = run_dir / CHECKPOINTS_DIR
     checkpoints.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(source, checkpoints / WARMUP_END, dirs_exist_ok=True)
-    (checkpoints / "latest").write_text(WARMUP_END)
-    write_jsonl(run_dir / METRICS_FILE, [r for r in read_metrics(warmup, "sft")])
+    tmp = checkpoints / f".{WARMUP_END}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    os.replace(tmp, checkpoints / WARMUP_END)
+    write_jsonl(run_dir / METRICS_FILE, read_metrics(warmup, "sft"))
+    atomic_write_text(checkpoints / "latest", WARMUP_END, "the checkpoint pointer", after=RESUME_HINT)
