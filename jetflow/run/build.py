@@ -164,6 +164,20 @@ def build_policy(cfg: Config):
     return model, tokenizer
 
 
+def build_policy_shell(cfg: Config):
+    """(the run's model on the meta device: its architecture, no weights, tokenizer): what an FSDP rank
+    other than 0 builds; rank 0 loads the weights and each unit is filled from it as it is sharded
+    (jetflow.train.fsdp.from_rank0)."""
+    with torch.device("meta"):
+        model = Decoder(model_architecture(cfg))
+    return model.to(dtype=getattr(torch, cfg.model.dtype)), build_tokenizer(cfg)
+
+
+def loads_whole_policy(cfg: Config, global_rank: int) -> bool:
+    """Whether this process builds the policy with its weights: every process but an FSDP rank other than 0."""
+    return cfg.train.backend != "fsdp" or global_rank == 0
+
+
 def check_loaded_policy(model: Decoder, tokenizer, path: str | Path) -> None:
     """A damaged weight file or a tokenizer of another model fails here, in one line, and not as a
     quantizer error or an index error in the embedding several calls later."""

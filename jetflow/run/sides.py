@@ -14,8 +14,8 @@ import torch
 from jetflow.config import Config, Derived
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rollout.native import NativeRollout
-from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model, longest_prompt,
-                               prompt_encoder, stop_token_ids)
+from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_policy_shell, build_task, copy_model,
+                               loads_whole_policy, longest_prompt, prompt_encoder, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.loop import RLLoop
 from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
@@ -46,9 +46,14 @@ class TrainerSide:
         random.seed(cfg.run.seed)
         self.cfg, self.derived = cfg, derived
         self.task = build_task(cfg)
-        model, self.tokenizer = build_policy(cfg)
+        # an FSDP rank other than 0 builds a weightless shell, filled from rank 0 unit by unit as it is sharded
+        whole = loads_whole_policy(cfg, dp.global_rank)
+        model, self.tokenizer = build_policy(cfg) if whole else build_policy_shell(cfg)
         self.encode = prompt_encoder(cfg, self.tokenizer, self.task)
         self.model = build_trainer_model(cfg, derived, model)  # the Decoder under the mode, or a MegatronPolicy of it
+        if cfg.train.backend == "fsdp":
+            from jetflow.train.fsdp.from_rank0 import share_rng_state
+            share_rng_state(cfg.model.device)  # every rank's RNG where rank 0's build (a tiny model's init) left it
         self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
         self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp,
                                loss_scale=cfg.algo.loss_scale_factor or cfg.rollout.max_new_tokens)

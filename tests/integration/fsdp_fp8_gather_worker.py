@@ -7,7 +7,9 @@ rank at 2 ranks) and on them (intermediate 512: 256 rows a rank), under `unified
 Rank 0 writes what it saw: whether the gathered FP8 bytes and scales equal the recipe's quantization of the whole
 weight (before and after an optimizer step), whether the sharded gradients equal a replicated Decoder's
 (every rank runs the same batch: the reduce-scatter sums 2 equal values, exactly twice one), and the bytes
-FSDP's all-gathers received against FP8 weights' 1 byte, the bf16 embedding's 2 and the norms' 4.
+FSDP's all-gathers received against FP8 weights' 1 byte, the bf16 embedding's 2 and the norms' 4; and
+whether the same weights sharded from rank 0 alone (rank 1 holding a meta-device shell) give every rank the
+same shards, of the same wrapper kinds, and whether `share_rng_state` gives every rank rank 0's generator.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from jetflow.precision import fp8_linears  # noqa: E402
 from jetflow.precision.linear import quantize_weight_for_recipe  # noqa: E402
 from jetflow.run.build import apply_mode  # noqa: E402
 from jetflow.train.fsdp import FSDPPolicy  # noqa: E402
+from jetflow.train.fsdp.from_rank0 import share_rng_state  # noqa: E402
+from jetflow.train.fsdp.gather import plain  # noqa: E402
 
 
 def bytes_equal(policy: FSDPPolicy, recipe) -> dict[str, bool]:
@@ -64,12 +68,31 @@ def main() -> None:
     world = dist.get_world_size()
     cfg = load_config(None, ["precision.mode=unified", "precision.gemm_backend=emulate"])
     torch.manual_seed(0)
-    decoder = apply_mode(Decoder(ModelConfig(vocab_size=64, hidden_size=192, intermediate_size=512, num_layers=2,
-                                             num_heads=3, num_kv_heads=1, head_dim=64, tie_word_embeddings=True)),
-                         derive(cfg).precision, "trainer")
+    config = ModelConfig(vocab_size=64, hidden_size=192, intermediate_size=512, num_layers=2,
+                         num_heads=3, num_kv_heads=1, head_dim=64, tie_word_embeddings=True)
+    decoder = apply_mode(Decoder(config), derive(cfg).precision, "trainer")
     reference = copy.deepcopy(decoder)
+    # the same weights sharded from rank 0 alone: the other ranks build a meta-device shell (build_policy_shell)
+    if dist.get_rank() == 0:
+        source = copy.deepcopy(decoder)
+    else:
+        with torch.device("meta"):
+            source = apply_mode(Decoder(config), derive(cfg).precision, "trainer")
     policy = FSDPPolicy(decoder)
     result = {"wrapped": policy.low_precision_gathered, "world": world}
+    from_rank0 = FSDPPolicy(source)
+    shards = dict(from_rank0.decoder.named_parameters())
+    result["from_rank0_equal"] = {
+        name: type(p.to_local()) is type(shards[name].to_local())
+        and torch.equal(plain(p.to_local()), plain(shards[name].to_local()))
+        for name, p in policy.decoder.named_parameters()}
+    result["from_rank0_tied"] = from_rank0.decoder.lm_head.weight is from_rank0.decoder.model.embed_tokens.weight
+    if dist.get_rank() == 1:
+        torch.manual_seed(123)  # another state than rank 0's
+    share_rng_state("cpu")
+    states = [None] * world
+    dist.all_gather_object(states, torch.get_rng_state())
+    result["rng_shared"] = all(torch.equal(states[0], s) for s in states)
 
     with counted_all_gathers() as seen:
         result["bytes_equal"] = bytes_equal(policy, cfg.precision.recipe())

@@ -238,7 +238,8 @@ def test_fsdp_stopped_in_the_warmup_at_two_ranks_writes_the_warmup_shards(tmp_pa
 
 
 def test_fsdp_fp8_all_gather_moves_the_whole_weights_bytes_and_gives_the_replicated_gradients(tmp_path):
-    """fsdp_fp8_gather_worker.py at 2 ranks: weights split on and off the 128-row block boundaries."""
+    """fsdp_fp8_gather_worker.py at 2 ranks: weights split on and off the 128-row block boundaries; the same
+    weights sharded from rank 0 alone."""
     out = tmp_path / "result.json"
     wait_all({"fp8-gather": launch_worker(2, Path(__file__).parent / "fsdp_fp8_gather_worker.py", "--out", out)})
     result = json.loads(out.read_text())
@@ -247,3 +248,6 @@ def test_fsdp_fp8_all_gather_moves_the_whole_weights_bytes_and_gives_the_replica
     assert all(result["bytes_equal_after_step"].values()), result["bytes_equal_after_step"]
     assert all(result["grads_equal"].values()), result["grads_equal"]
     assert result["gathered_bytes"] == result["expected_fp8_bytes"] < 0.3 * result["fp32_bytes"]
+    # sharded from rank 0 alone (rank 1 a meta shell): every rank's shards equal, the tied lm_head still tied
+    assert result["from_rank0_equal"] and all(result["from_rank0_equal"].values()), result["from_rank0_equal"]
+    assert result["from_rank0_tied"] and result["rng_shared"]

@@ -75,6 +75,10 @@ class _ShardWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._name}, {tuple(self.shape)})"
 
+    def with_tensor(self, tensor: torch.Tensor) -> _ShardWeight:
+        """The same kind of weight (name, recipe) around another fp32 tensor (a meta weight materialized)."""
+        return type(self)(tensor, self._name, self._recipe)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -42,6 +42,7 @@ from jetflow.model.moe import model_load_balancing_loss
 from jetflow.precision import QuantizedTensor, quantized_weights
 from jetflow.precision.kv import attach_kv_quantizer
 from jetflow.precision.linear import PrecisionLinear, linear_precision
+from jetflow.train.fsdp.from_rank0 import any_rank_on_meta, fill_from_rank0
 from jetflow.train.fsdp.gather import FP8ShardWeight, plain, wrap_for_low_precision_all_gather
 
 
@@ -98,9 +99,13 @@ class FSDPPolicy(nn.Module):
         self.mesh = data_parallel_mesh(device, shard_size)
         # FP8 linears' weights gather as FP8 bytes, weights read on the bf16 grid as bf16 (jetflow.train.fsdp.gather)
         self.low_precision_gathered = wrap_for_low_precision_all_gather(decoder)
-        for layer in decoder.model.layers:
-            fully_shard(layer, mesh=self.mesh)
-        fully_shard(self, mesh=self.mesh)  # the root: embedding, norm, lm_head (tied or not) in one unit
+        # ranks other than 0 may hold a meta-device shell: each unit is filled from rank 0 just before it
+        # is sharded (jetflow.train.fsdp.from_rank0), so no rank but 0 ever holds the whole model
+        from_rank0 = any_rank_on_meta(decoder, device)
+        for unit in [*decoder.model.layers, self]:  # the root last: embedding, norm, lm_head (tied or not)
+            if from_rank0:
+                fill_from_rank0(unit, device)
+            fully_shard(unit, mesh=self.mesh)
         for unit in self._units():
             # a plain SUM (no AVG / PREMUL_SUM, which gloo lacks): each rank's loss is already its share of
             # the global-batch loss
