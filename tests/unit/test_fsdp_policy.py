@@ -102,3 +102,24 @@ def test_the_fsdp_reference_keeps_fp8_bytes_and_equals_the_policy_until_the_upda
     assert (tmp_path / REFERENCE_FILE).is_file()  # a resume: the reference from reference.pt, not the policy
     trainer.reference = build_reference(cfg, side.derived, side.model, tmp_path)
     assert torch.equal(trainer.compute_logprobs(exp, reference=True), ref)
+
+
+def test_fsdp_layers_do_not_keep_their_gathered_weights_panels_past_their_turn(world_of_one):
+    """Under bf16 exact numerics each linear packs its gathered weight into the canonical GEMM's panels. FSDP
+    frees a layer's gathered weight at the reshard, but not the panels: without dropping them every layer's
+    stayed, the whole model's bf16 panels on every rank (all 3 layers here). After a forward and backward at
+    most one layer may hold any."""
+    from jetflow.precision.linear import PrecisionLinear
+    from jetflow.train.fsdp import FSDPPolicy
+
+    cfg = load_config(None, ["precision.mode=bf16", "precision.numerics=exact"])
+    torch.manual_seed(0)
+    decoder = Decoder(ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
+                                  num_kv_heads=2, head_dim=32, tie_word_embeddings=True))
+    policy = FSDPPolicy(apply_mode(decoder, derive(cfg).precision, "trainer"))
+    ids = torch.randint(0, 64, (2, 9))
+    for _ in range(2):
+        policy.lm_head(policy.forward_hidden(ids)).float().logsumexp(-1).mean().backward()
+    holding = [i for i, layer in enumerate(policy.decoder.model.layers)
+               if any(m.held_tensors() for m in layer.modules() if isinstance(m, PrecisionLinear))]
+    assert len(holding) <= 1, holding
