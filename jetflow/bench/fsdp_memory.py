@@ -7,8 +7,8 @@ AdamW), takes two supervised warm-up steps, and rank 0 prints one JSON line per 
 rank holds of parameters, gradients and optimizer state (DTensors counted by their local shard), the
 bytes its parameter all-gathers received in the second step (and the bytes it all-reduced: the FP8
 all-gather's block amax, the gradient norm, under HSDP the replicas' gradients), and the process's peak resident set
-(which also holds what the run loads before sharding: every rank builds the whole model first, as the
-native trainer does).
+(which on rank 0 also holds the whole model it builds before sharding; the other ranks receive it a unit at
+a time, jetflow.train.fsdp.from_rank0).
 """
 
 from __future__ import annotations
