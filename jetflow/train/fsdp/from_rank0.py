@@ -38,12 +38,12 @@ def _broadcast_from_rank0(t: torch.Tensor, device: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fill_from_rank0(module: nn.Module, device: str) -> int:
+def fill_from_rank0(module: nn.Module, device: str) -> None:
     """Give every rank rank 0's copy of the parameters and buffers of `module` that are not sharded yet
     (DTensors are skipped: a unit sharded before), in module order (a collective: every rank calls it on
     the same structure). A weight shared by two modules (a tied lm_head) is sent once and stays shared;
-    a low-precision all-gather wrapper (jetflow.train.fsdp.gather) keeps its kind. Returns the bytes sent."""
-    sent, filled = 0, {}  # id(old tensor) -> its replacement
+    a low-precision all-gather wrapper (jetflow.train.fsdp.gather) keeps its kind."""
+    filled: dict[int, Any] = {}  # id(old tensor) -> its replacement
     for sub in module.modules():
         tables: list[tuple[dict[str, Any], bool]] = [(sub._parameters, True), (sub._buffers, False)]
         for table, as_param in tables:
@@ -52,14 +52,12 @@ def fill_from_rank0(module: nn.Module, device: str) -> int:
                     continue
                 if id(t) not in filled:
                     data = _broadcast_from_rank0(t, device)
-                    sent += data.numel() * data.element_size()
                     if dist.get_rank() == 0:
                         filled[id(t)] = t
                     else:
                         inner = t.with_tensor(data) if isinstance(t, _ShardWeight) else data
                         filled[id(t)] = nn.Parameter(inner, requires_grad=t.requires_grad) if as_param else inner
                 table[name] = filled[id(t)]
-    return sent
 
 
 def share_rng_state(device: str) -> None:
