@@ -7,8 +7,13 @@ names the keys the warm-up does not read:
     shared_warmup:
       ignore: [algo.correction]
 
-(bf16 and mixed do not share one: both train in bf16, but the bf16 mode also rounds K/V to bf16 on both
-sides and mixed does not, so their warm-ups differ in the last bits from the first step.)
+(bf16 and mixed do not share one by themselves: both train in bf16, but the bf16 mode also rounds K/V to
+bf16 on both sides and mixed does not, so their warm-ups differ in the last bits from the first step.)
+
+A study that compares RL recipes from one starting point also ignores `precision.mode`: every arm then
+starts RL from the group's first cell's warm-up (configs/ablations/learning-length.yaml: the bf16 arm's),
+as the arms of the papers' ablations start from one pretrained model, and the other arms are no longer
+what they would be run whole: only their RL steps differ.
 
 Cells whose settings agree once those keys are dropped form a group. The group's
 warm-up runs once, as its own run: <out_dir>/warmups/<the group's first cell id>/, the first cell's config

@@ -65,3 +65,23 @@ def test_a_cell_from_the_shared_warm_up_is_the_cell_run_whole(tmp_path):
     assert any(r["train/loss"] != 0 for r in read_metrics(whole))  # the RL steps did move the weights
     assert without_times(read_metrics(shared, "eval")) == without_times(read_metrics(whole, "eval"))
     assert (shared_out / "runs" / "mixed-none" / "COMPLETE").exists()
+
+
+def test_arms_of_every_precision_share_one_warm_up_when_the_mode_is_ignored(tmp_path):
+    """The paired design of configs/ablations/learning-length.yaml: with precision.mode ignored, each
+    arm's RL starts from the one warm-up (the group's first cell's: bf16), as the papers' arms start from
+    one pretrained model; the unified arm's first RL step then runs FP8 on those weights."""
+    shared = {"ignore": ["algo.correction", "precision.mode"]}
+    ab = load_ablation(ablation(tmp_path, "p", shared), tmp_path / "out")
+    assert set(ab.warmup_groups().values()) == {"bf16"}
+    logs: list[str] = []
+    assert run_ablation(ablation(tmp_path, "p", shared), out_dir=tmp_path / "out", only=["bf16", "unified"],
+                        command="test", log=logs.append) == 0
+    assert sum("shared warm-up bf16: starting" in line for line in logs) == 1
+    runs = tmp_path / "out" / "runs"
+    start = [load_file(str(runs / arm / "checkpoints" / "step_000000" / "model.safetensors")) for arm in ("bf16", "unified")]
+    assert all(torch.equal(start[0][k], start[1][k]) for k in start[0])  # one starting point
+    end = [load_file(str(runs / arm / "checkpoints" / "step_000002" / "model.safetensors")) for arm in ("bf16", "unified")]
+    assert any(not torch.equal(end[0][k], end[1][k]) for k in end[0])  # then each arm's own RL
+    rl = read_metrics(runs / "unified")
+    assert len(rl) == 2 and all(r["mismatch/kl_k1"] == 0.0 for r in rl)  # unified stays exactly on-policy
