@@ -20,9 +20,13 @@ Side effects of a layer's forward that the recomputation would repeat:
 
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from jetflow.host_memory import release_freed_memory
 from jetflow.model import Decoder
 
 
@@ -31,9 +35,10 @@ def _records(layer: nn.Module) -> list[tuple[nn.Module, str, object]]:
     return [(m, k, v) for m in layer.modules() for k, v in vars(m).items() if k.startswith("last_")]
 
 
-def checkpointed_layer_call(layer: nn.Module, *args):
+def checkpointed_layer_call(layer: nn.Module, *args, release_host_memory: bool = True):
     """layer(*args) under non-reentrant checkpointing; a recomputation leaves the layer's records as the
-    first forward set them."""
+    first forward set them. With `release_host_memory`, the heap's freed pages go back to the OS after the
+    layer's forward and after its backward (jetflow.host_memory: the layer's working set is freed then)."""
     first = [True]
 
     def run(*a):
@@ -47,13 +52,25 @@ def checkpointed_layer_call(layer: nn.Module, *args):
             for module, name, value in kept:
                 setattr(module, name, value)
 
-    return checkpoint(run, *args, use_reentrant=False)
+    hidden = args[0]  # (B, T, C): its gradient is complete once the layer's backward has run
+    if release_host_memory and hidden.requires_grad:
+        hidden.register_hook(_release_after_backward)
+    out = checkpoint(run, *args, use_reentrant=False)
+    if release_host_memory:
+        release_freed_memory()
+    return out
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
+def _release_after_backward(grad: Tensor) -> Tensor:
+    release_freed_memory()
+    return grad
+
+
+def enable_activation_checkpointing(model: nn.Module, release_host_memory: bool = True) -> None:
     """Checkpoint each decoder layer of `model` (a Decoder, whose forward calls its layers through
-    `layer_call`) in forwards with grad enabled and no KV cache."""
+    `layer_call`) in forwards with grad enabled and no KV cache (train.release_host_memory: see
+    `checkpointed_layer_call`)."""
     if not isinstance(model, Decoder):
         raise ValueError(f"train.activation_checkpointing: {type(model).__name__} has no per-layer hook "
                          "(the native Decoder has); use train.backend=native")
-    model.layer_call = checkpointed_layer_call
+    model.layer_call = functools.partial(checkpointed_layer_call, release_host_memory=release_host_memory)

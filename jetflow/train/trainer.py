@@ -133,7 +133,7 @@ class Trainer:
         self.reference: nn.Module | None = None  # the frozen reference policy of a KL penalty (jetflow.train.reference)
         self.dp = dp  # data-parallel ranks: each holds part of the batch (jetflow.distributed)
         if train.activation_checkpointing:  # recompute each decoder layer in backward
-            enable_activation_checkpointing(model)
+            enable_activation_checkpointing(model, train.release_host_memory)
         if train.max_tokens_per_micro_batch:  # exact packed gradients the padded ones' bits (jetflow.train.packing)
             use_packing_grid(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
