@@ -21,6 +21,10 @@ import os
 import sys
 from pathlib import Path
 
+from jetflow.host_memory import advise_huge_pages
+
+advise_huge_pages()  # before anything imports torch
+
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from jetflow.config import load_config

@@ -1,7 +1,10 @@
 """Freed heap memory goes back to the OS (jetflow.host_memory), and activation checkpointing asks for it
 after each layer's forward and after each layer's backward."""
 
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,3 +47,13 @@ def test_checkpointing_releases_memory_after_each_layers_forward_and_backward(mo
     micro_batches = 2  # 3 sequences, train.micro_batch_size=2
     # one after each layer's forward, one after its backward (the recomputation does not add one)
     assert len(calls) == (2 * layers * micro_batches if release else 0)
+
+
+@pytest.mark.parametrize("given, expected", [(None, "1"), ("0", "0")])
+def test_the_cli_asks_torch_for_huge_pages_before_importing_it(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    code = "import sys, os, jetflow.cli; assert 'torch' not in sys.modules; print(os.environ['THP_MEM_ALLOC_ENABLE'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
