@@ -250,8 +250,8 @@ class TrainConfig:
     release_host_memory: bool = True
     """With activation_checkpointing: give the heap's freed pages back to the OS after each layer's forward
     and backward (glibc malloc_trim, jetflow.host_memory), once more than 256 MiB lie free. Host memory for
-    time: on the CPU a 4096-token SmolLM2 step peaks at 3.9 instead of 6.4 GB and costs 18% more CPU
-    (page faults; results/long-train/README.md). No effect on the numbers."""
+    time: on the CPU a 4096-token SmolLM2 step peaks at 3.75 instead of 6.58 GB for 8% more CPU (page
+    faults, on the huge pages `jetflow` asks torch for; results/long-train/README.md). The same numbers."""
     max_tokens_per_micro_batch: int | None = 0
     """Native backend: sequence packing. Each micro-batch is one row of whole sequences (prompt + response)
     side by side without padding, up to this many tokens, in batch order (a longer sequence alone); each
