@@ -61,6 +61,7 @@ def test_cell_result_and_partial_cells(tmp_path):
     ab = _ablation(tmp_path)
     r = cell_result(ab.out_dir / "runs/seed1-lenA-bf16")
     assert (r.final, r.best, r.collapse_step) == (0.5, 0.8, 10)
+    assert r.late == pytest.approx(1.6 / 3)  # the mean of its 3 evaluations, 0.8, 0.3, 0.5
     assert (r.entropy_start, r.entropy_end) == (2.0, 3.0)  # mean of 1, 2, 3 and of 2, 3, 4
     assert (r.length_start, r.length_end) == (20.0, 30.0)
     assert cell_result(ab.out_dir / "runs/seed1-lenB-mixed") is None  # partial
@@ -81,11 +82,15 @@ def test_tables_by_hand(tmp_path):
     ab = _ablation(tmp_path)
     rows = pair_table(gather(ab), ab.compare)
     assert rows == [
+        # late (the mean of the 3 evaluations, fewer than LATE): bf16 0.767, 0.533, 0.667, mixed 0.5, 0.7, 0.5
+        # -> differences -0.267, +0.167, -0.167: mean -0.089, sd 0.227, SE 0.131
         {"length": "lenA", "a - b": "mixed - bf16", "seeds": 3, "paired difference ± SE": "-0.200 ± 0.153",
-         "seeds a > b / a < b / equal": "1 / 2 / 0"},
-        # lenB: seed 1 of mixed is partial, so one pair (0.2 - 0.2), no SE
+         "seeds a > b / a < b / equal": "1 / 2 / 0", "last 5 evaluations: difference ± SE": "-0.089 ± 0.131",
+         "last 5: a > b / a < b / equal": "1 / 2 / 0"},
+        # lenB: seed 1 of mixed is partial, so one pair (0.2 - 0.2), no SE; late 0.167 - 0.2
         {"length": "lenB", "a - b": "mixed - bf16", "seeds": 1, "paired difference ± SE": "+0.000",
-         "seeds a > b / a < b / equal": "0 / 0 / 1"},
+         "seeds a > b / a < b / equal": "0 / 0 / 1", "last 5 evaluations: difference ± SE": "-0.033",
+         "last 5: a > b / a < b / equal": "0 / 1 / 0"},
     ]
     readme = ab.out_dir / "README.md"
     readme.write_text("# Study\n\nProse before.\n\n" + TABLES_BEGIN + "\nold\n" + TABLES_END + "\n\nProse after.\n")
