@@ -94,12 +94,14 @@ Modules (each imports only from those listed above it):
 - linear.py    Megatron's parallel linears with jetflow's GEMMs (Segment, per-segment FP8, exact_linear)
 - attention.py the exact core attention, the FP8 K/V quantizer hooks, the slot = position row alignment
 - moe.py       Megatron's MoE layer with jetflow's router GEMM, experts and a CPU-capable dispatcher
-- parallel.py  torch.distributed and Megatron's process groups (TP, PP, DP, EP), the TP gather of logits
+- parallel.py  torch.distributed and Megatron's process groups (TP, PP, DP, EP), a rank's ParallelLayout,
+               the TP gather of logits
 - pipeline.py  the GPipe schedule over stage-to-stage send/recv, the gather over pipeline stages
-- weights.py   MegatronPolicy's HF-named weights and FP8 bytes, gathered and scattered (a mixin)
-- grads.py     MegatronPolicy's gradient norm, clipping and data-parallel reductions (a mixin)
+- weights.py   ShardedWeights: the HF-named weights, FP8 bytes and parameter count over a ParallelLayout
+- grads.py     ShardedGrads: the gradient norm, clipping and data-parallel reductions over a ParallelLayout
 - model.py     TransformerConfig and the layer spec (jetflow's linears, RMSNorm and core attention)
-- policy.py    MegatronPolicy, the trainer's model
+- policy.py    MegatronPolicy, the trainer's model: builds the GPTModel and hands the weights and gradients
+               to a ShardedWeights and a ShardedGrads
 """
 
 from .checks import check_fp8_tp_alignment, check_layout, check_supported, padded_vocab_size, segment_kind

@@ -8,16 +8,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .parallel import expert_data_parallel_group
+from jetflow.model.model_config import ModelConfig
+
+from .parallel import ParallelLayout, expert_data_parallel_group
 from .pipeline import stage_neighbours
 from .sharding import is_expert_param, tensor_parallel_dims
 
 
-class PolicyGrads:
-    """Mixin of MegatronPolicy (which owns the attributes used here: gpt, config, tp/pp/ep sizes, ranks and
-    groups, _global_names, rope_inv_freq)."""
+class ShardedGrads:
+    """The gradients of one rank's GPTModel `gpt` over the process grid `layout`: their global norm,
+    clipping by it, and their data-parallel reduction. `global_names`: `gpt`'s parameter names -> the
+    one-stage model's (None: the tied copy of the embedding, counted once as the embedding)."""
 
-    # Gradients ---------------------------------------------------------------------------------
+    def __init__(self, gpt: nn.Module, config: ModelConfig, layout: ParallelLayout, global_names: dict[str, str | None]):
+        self.gpt, self.config, self.layout, self.global_names = gpt, config, layout, global_names
+
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients over the model-parallel group (TP x PP): TP-split
         parameters counted on every rank, replicated ones (norms, row-parallel biases) once per stage,
@@ -28,33 +33,33 @@ class PolicyGrads:
         split = set(tensor_parallel_dims(self.config))
 
         def add_squares(total: torch.Tensor) -> torch.Tensor:
-            if self.ep_size > 1:
+            if self.layout.ep_size > 1:
                 return self._add_squares_over_experts(total)
             for name, p in self.gpt.named_parameters():
-                name = self._global_names[name]
-                if name is not None and p.grad is not None and (name in split or self.tp_rank == 0):
+                name = self.global_names[name]
+                if name is not None and p.grad is not None and (name in split or self.layout.tp_rank == 0):
                     total += p.grad.detach().float().pow(2).sum()
             return total
 
-        zero = torch.zeros((), dtype=torch.float32, device=self.rope_inv_freq.device)
-        if self.pp_size == 1:
+        zero = torch.zeros((), dtype=torch.float32, device=next(self.gpt.parameters()).device)
+        if self.layout.pp_size == 1:
             total = add_squares(zero)
-            if self.tp_size > 1:
-                dist.all_reduce(total, group=self.tp_group)
+            if self.layout.tp_size > 1:
+                dist.all_reduce(total, group=self.layout.tp_group)
             return total.sqrt()
-        prev, nxt = stage_neighbours(self.pp_group)
+        prev, nxt = stage_neighbours(self.layout.pp_group)
         total = zero.clone()
         if prev is not None:
-            dist.recv(total, prev, group=self.pp_group)
-        if self.tp_size == 1:
+            dist.recv(total, prev, group=self.layout.pp_group)
+        if self.layout.tp_size == 1:
             total = add_squares(total)
         else:
             part = add_squares(zero)
-            dist.all_reduce(part, group=self.tp_group)
+            dist.all_reduce(part, group=self.layout.tp_group)
             total += part
         if nxt is not None:
-            dist.send(total, nxt, group=self.pp_group)
-        dist.broadcast(total, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
+            dist.send(total, nxt, group=self.layout.pp_group)
+        dist.broadcast(total, src=dist.get_global_rank(self.layout.pp_group, self.layout.pp_size - 1), group=self.layout.pp_group)
         return total.sqrt()
 
     def _add_squares_over_experts(self, total: torch.Tensor) -> torch.Tensor:
@@ -62,14 +67,14 @@ class PolicyGrads:
         added in the one-process model's parameter order: each layer's experts of EP rank 0, then of
         rank 1, ... (so the norm, and the clipping, equal one process's bit for bit). One all-gather of
         the per-parameter squares over the expert-parallel group."""
-        named = [(n, p) for n, p in self.gpt.named_parameters() if self._global_names[n] is not None]
+        named = [(n, p) for n, p in self.gpt.named_parameters() if self.global_names[n] is not None]
 
         def squares(p: nn.Parameter) -> torch.Tensor:
             return p.grad.detach().float().pow(2).sum() if p.grad is not None else total.new_zeros(())
 
         mine = torch.stack([squares(p) for n, p in named if is_expert_param(n)] or [total.new_zeros(())])
-        every = [torch.empty_like(mine) for _ in range(self.ep_size)]
-        dist.all_gather(every, mine.contiguous(), group=self.ep_group)
+        every = [torch.empty_like(mine) for _ in range(self.layout.ep_size)]
+        dist.all_gather(every, mine.contiguous(), group=self.layout.ep_group)
         i, k = 0, 0  # next parameter, next local expert parameter
         while i < len(named):
             if not is_expert_param(named[i][0]):
@@ -91,7 +96,7 @@ class PolicyGrads:
         norm = self.grad_norm()
         coef = max_norm / (norm + 1e-6)
         if bool(coef < 1):
-            for p in self.parameters():
+            for p in self.gpt.parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)
         return norm

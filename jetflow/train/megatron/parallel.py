@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,3 +80,47 @@ def expert_data_parallel_group() -> tuple[object, int, int]:
     from megatron.core import parallel_state as ps
     group = ps.get_expert_data_parallel_group()
     return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's place in Megatron's process grid, read once from its parallel_state (`read_layout`): what
+    the policy's weights and gradients (weights.py, grads.py) need to gather and reduce over."""
+
+    tp_size: int
+    tp_rank: int
+    tp_group: Any
+    pp_size: int
+    pp_rank: int
+    pp_group: Any
+    ep_size: int
+    """Expert parallelism: the ranks of one EP group hold different experts (and different data)."""
+    ep_rank: int
+    ep_group: Any
+    mp_group: Any
+    """The ranks that hold one copy of the model between them (TP x PP): one optimizer shard each."""
+    state_group: Any
+    """The ranks whose trainer state differs: the model-parallel parts and, under EP, the ranks holding
+    other experts (EP x PP: MoE runs with TP = 1). A checkpoint holds one part per rank of this group."""
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def read_layout(tensor_parallel_size: int, pipeline_parallel_size: int, expert_parallel_size: int) -> ParallelLayout:
+    """The layout of this rank once `initialize_parallel` has made the groups."""
+    from megatron.core import parallel_state as ps
+    ep = expert_parallel_size
+    mp_group = ps.get_model_parallel_group()
+    return ParallelLayout(
+        tp_size=tensor_parallel_size, tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_size=pipeline_parallel_size, pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        ep_size=ep, ep_rank=ps.get_expert_model_parallel_rank(), ep_group=ps.get_expert_model_parallel_group(),
+        mp_group=mp_group, state_group=ps.get_expert_tensor_model_pipeline_parallel_group() if ep > 1 else mp_group)

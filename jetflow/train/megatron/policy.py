@@ -11,23 +11,23 @@ import torch.nn as nn
 
 from jetflow.model.attention import align_rows
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
-from jetflow.precision import LINEAR_KINDS, NUMERICS, QuantRecipe
+from jetflow.precision import LINEAR_KINDS, NUMERICS, QuantizedTensor, QuantRecipe
 from jetflow.precision.kv import KVQuantizer
 
 from .attention import ModelParallelKVQuantizer, core_attention_modules, unalign_rows
 from .checks import check_layout, padded_vocab_size, segment_kind
 from .deps import _seed_cpu_rng_tracker, patch_megatron_for_cpu
-from .grads import PolicyGrads
+from .grads import ShardedGrads
 from .linear import Segment, _linear_classes
 from .model import _block_spec, _transformer_config
 from .moe import router_modules, use_jetflow_dispatchers
-from .parallel import _GatherLastDim, initialize_parallel
+from .parallel import _GatherLastDim, initialize_parallel, read_layout
 from .pipeline import gpipe
-from .sharding import _qkv_dims, is_expert_param, tensor_parallel_dims
-from .weights import PolicyWeights
+from .sharding import _qkv_dims, is_expert_param
+from .weights import ShardedWeights
 
 
-class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
+class MegatronPolicy(nn.Module):
     """A Megatron-Core GPTModel behind the native Decoder's trainer interface.
 
     kind: fp32 | bf16 | fp8 (as in `apply_precision`; fp8 layers the recipe keeps run in bf16).
@@ -68,7 +68,6 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         check_layout(config, tp, pp, ep, kind, recipe, numerics)
         device = torch.device(device)
         initialize_parallel(tp, pp, device, ep)
-        from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -80,21 +79,14 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
 
         self.config, self.kind, self.recipe, self.gemm_backend = config, kind, recipe, gemm_backend
         self.numerics = numerics
-        self.tp_size, self.tp_rank = tp, ps.get_tensor_model_parallel_rank()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
-        # the ranks that hold one copy of the model between them (TP x PP): one optimizer shard each
-        self.mp_group = ps.get_model_parallel_group()
+        self.layout = layout = read_layout(tp, pp, ep)  # the process grid (parallel.ParallelLayout)
+        # its view for the ShardedPolicy protocol and the trainer, read here once
+        self.tp_size, self.tp_rank, self.tp_group = layout.tp_size, layout.tp_rank, layout.tp_group
+        self.pp_size, self.pp_rank, self.pp_group = layout.pp_size, layout.pp_rank, layout.pp_group
+        self.first_stage, self.last_stage = layout.first_stage, layout.last_stage
+        self.ep_size, self.ep_rank, self.ep_group = layout.ep_size, layout.ep_rank, layout.ep_group
+        self.mp_group, self.state_group = layout.mp_group, layout.state_group
         self.mp_size, self.mp_rank = dist.get_world_size(self.mp_group), dist.get_rank(self.mp_group)
-        # expert parallelism: the ranks of one EP group hold different experts (and different data)
-        self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
-        self.ep_group = ps.get_expert_model_parallel_group()
-        # the ranks whose trainer state (optimizer moments) differs: the model-parallel parts and, under
-        # EP, the ranks holding other experts (EP x PP: MoE runs with TP = 1). A checkpoint holds one part
-        # per rank of this group.
-        self.state_group = ps.get_expert_tensor_model_pipeline_parallel_group() if ep > 1 else self.mp_group
         self.state_size, self.state_rank = dist.get_world_size(self.state_group), dist.get_rank(self.state_group)
         self.params_dtype = params_dtype
         # tied embeddings on 2+ stages: the last stage's lm_head weight is a copy of the embedding
@@ -120,13 +112,16 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
         if self._tied_copy and self.last_stage:
             self._global_names["output_layer.weight"] = None
         self._configure_linears()
+        self.weights = ShardedWeights(self.gpt, config, layout, self._global_names, self._tied_copy,
+                                      self._output_weight, self._linears)
+        self.grads = ShardedGrads(self.gpt, config, layout, self._global_names)
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
         self.embed_grid = embed_grid  # see Decoder.embed_grid
         self._last_mask: torch.Tensor | None = None
         self.to(device)
         if self._tied_copy:
             self._sync_tied_copy()
-        self._num_params = self._count_params()
+        self._num_params = self.weights.count_params(self.padded_vocab)  # a collective over the stages
 
     # Construction helpers ----------------------------------------------------------------------
     def _swap_output_layer(self, mcfg, tied: bool) -> None:
@@ -394,24 +389,29 @@ class MegatronPolicy(PolicyWeights, PolicyGrads, nn.Module):
                                f"per stage: {[o.tolist() for o in every]}); every stage of a pipeline must get the "
                                "same batch (the same data-parallel rank's rows)")
 
+    # Weights and gradients (the ShardedPolicy protocol): weights.py and grads.py ------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.weights.hf_state_dict()
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.weights.load_hf_state_dict(state_dict)
+
+    def quantized_weights(self) -> dict[str, QuantizedTensor]:
+        return self.weights.quantized_weights()
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.grads.grad_norm()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.grads.clip_grad_norm_(max_norm)
+
+    def reduce_data_parallel_grads(self, dp) -> None:
+        self.grads.reduce_data_parallel_grads(dp)
+
     def num_params(self) -> int:
         """Parameters of the full model (every TP shard and pipeline stage, not the vocabulary padding):
         `Decoder.num_params`."""
         return self._num_params
-
-    def _count_params(self) -> int:
-        """num_params, counted once at construction (a collective over the pipeline stages)."""
-        split = set(tensor_parallel_dims(self.config))
-        n = sum(p.numel() * (self.tp_size if self._global_names[name] in split else 1)
-                * (self.ep_size if is_expert_param(name) else 1)  # every EP rank holds as many experts
-                for name, p in self.gpt.named_parameters() if self._global_names[name] is not None)
-        pad = (self.padded_vocab - self.config.vocab_size) * self.config.hidden_size
-        n -= pad * (self.first_stage + (self.last_stage and not self.config.tie_word_embeddings))
-        if self.pp_size > 1:
-            total = torch.tensor([n], dtype=torch.int64, device=self.rope_inv_freq.device)
-            dist.all_reduce(total, group=self.pp_group)
-            n = int(total.item())
-        return n
 
     def attach_kv_quantizer(self, quantizer):
         """Make every attention layer of this stage apply `quantizer` (a jetflow.precision.kv.KVQuantizer,
