@@ -1,0 +1,25 @@
+"""Per-seed table of the grid: held-out pass@1 at RL step 0 (the shared warm-up's end: one value per seed)
+and each arm's mean over its last 5 evaluations (steps 220-300) and last evaluation.
+
+    python results/learning-length/per_seed.py [results/learning-length] [len16]
+"""
+import sys
+from pathlib import Path
+
+from jetflow.ablate.grid import load_ablation
+from jetflow.ablate.length_study import gather
+from jetflow.metrics_log import read_jsonl
+
+out = Path(sys.argv[1] if len(sys.argv) > 1 else "results/learning-length")
+setting = sys.argv[2] if len(sys.argv) > 2 else "len16"
+ab = load_ablation(Path("configs/ablations/learning-length.yaml"), out)
+results = gather(ab)
+arms = [arm for (s, arm) in results if s == setting]
+seeds = sorted({seed for arm in arms for seed in results[(setting, arm)]})
+print("| seed | start (step 0) | " + " | ".join(f"{a}: last 5 (last)" for a in arms) + " |")
+print("|---" * (len(arms) + 2) + "|")
+for seed in seeds:
+    first = next(out / "runs" / f"seed{seed}-{setting}-{a}" for a in arms if seed in results[(setting, a)])
+    start = next(r["eval/pass@1"] for r in read_jsonl(first / "metrics.jsonl") if r.get("phase") == "eval")
+    cells = [results[(setting, a)].get(seed) for a in arms]
+    print(f"| {seed} | {start:.2f} | " + " | ".join(f"{c.late:.3f} ({c.final:.2f})" if c else "" for c in cells) + " |")
