@@ -41,21 +41,18 @@ def _glibc() -> ctypes.CDLL | None:
         return None  # musl, macOS, Windows: their allocators differ; nothing to call
     libc = ctypes.CDLL(None)  # the process's own glibc
     libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    libc.mallinfo2.argtypes, libc.mallinfo2.restype = [], _MallInfo2
+    if hasattr(libc, "mallinfo2"):  # glibc < 2.33 has none: every call trims
+        libc.mallinfo2.argtypes, libc.mallinfo2.restype = [], _MallInfo2
     return libc
-
-
-def free_heap_bytes() -> int:
-    """Bytes the malloc arenas hold free (resident or not); 0 where the C library is not glibc."""
-    libc = _glibc()
-    return 0 if libc is None else int(libc.mallinfo2().fordblks)
 
 
 def release_freed_memory(keep_free: int = KEEP_FREE) -> None:
     """Return the free pages of every malloc arena to the OS once they hold more than `keep_free` bytes
     (a no-op where the C library is not glibc)."""
     libc = _glibc()
-    if libc is not None and libc.mallinfo2().fordblks > keep_free:
+    if libc is None:
+        return
+    if not hasattr(libc, "mallinfo2") or libc.mallinfo2().fordblks > keep_free:
         libc.malloc_trim(0)
 
 
