@@ -22,6 +22,7 @@ import functools
 import os
 import platform
 import sys
+from typing import Callable
 
 
 KEEP_FREE = 256 * 2**20
@@ -36,24 +37,31 @@ class _MallInfo2(ctypes.Structure):  # glibc >= 2.33: struct mallinfo2, all size
 
 
 @functools.cache
-def _glibc() -> ctypes.CDLL | None:
+def _glibc() -> tuple[Callable[[int], int], Callable[[], _MallInfo2] | None] | None:
+    """(malloc_trim, mallinfo2 or None where glibc < 2.33 lacks it), or None where the C library is not glibc
+    (musl, macOS, Windows: their allocators differ; nothing to call)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None  # musl, macOS, Windows: their allocators differ; nothing to call
+        return None
     libc = ctypes.CDLL(None)  # the process's own glibc
-    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    if hasattr(libc, "mallinfo2"):  # glibc < 2.33 has none: every call trims
-        libc.mallinfo2.argtypes, libc.mallinfo2.restype = [], _MallInfo2
-    return libc
+    trim = libc.malloc_trim
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    try:
+        info = libc.mallinfo2
+    except AttributeError:
+        return trim, None
+    info.argtypes, info.restype = [], _MallInfo2
+    return trim, info
 
 
 def release_freed_memory(keep_free: int = KEEP_FREE) -> None:
     """Return the free pages of every malloc arena to the OS once they hold more than `keep_free` bytes
-    (a no-op where the C library is not glibc)."""
-    libc = _glibc()
-    if libc is None:
+    (every call where glibc cannot tell; a no-op where the C library is not glibc)."""
+    glibc = _glibc()
+    if glibc is None:
         return
-    if not hasattr(libc, "mallinfo2") or libc.mallinfo2().fordblks > keep_free:
-        libc.malloc_trim(0)
+    trim, info = glibc
+    if info is None or info().fordblks > keep_free:
+        trim(0)
 
 
 def advise_huge_pages() -> None:
