@@ -9,10 +9,10 @@ Why it is needed: torch's CPU tensors come from glibc's malloc, whose mmap thres
 the largest block freed so far (up to 32 MiB). After the first layers every activation-sized block (one
 4224-token row through SmolLM2's MLP: 26 MB) is carved from the heap instead of its own mapping, and a
 freed block stays resident until the memory above it is free too. A long-response train step's resident
-memory then grows far past what it holds live: SmolLM2 unified, batch 8 x 4096-token responses, 7.15 GB
-peak RSS, 3.8 GB when the heap is trimmed (results/long-train/README.md, "Host memory"). A trim walks the
-free chunks and returns their pages; reusing them costs a page fault every 4 KiB: 18% more CPU on that
-step, about nothing with torch's blocks of 2 MiB or more on transparent huge pages (`advise_huge_pages`).
+memory then grows far past what it holds live: SmolLM2 unified, batch 8 x 4096-token responses, 7.32 GB
+peak RSS, 3.90 GB with these trims (results/long-train/README.md, "Host memory"). A trim walks the free
+chunks and returns their pages; reusing them costs a page fault every 4 KiB: 18% more CPU on that step,
+8% with torch's blocks of 2 MiB or more on transparent huge pages (`advise_huge_pages`).
 """
 
 from __future__ import annotations
