@@ -150,8 +150,8 @@ def pair_table(results: dict[tuple[str, str], dict[int, CellResult]], pairs: lis
     rows = []
     for setting in dict.fromkeys(s for s, _ in results):
         for a, b in pairs:
-            d, late = (paired(*({s: getattr(r, key) for s, r in results.get((setting, arm), {}).items()}
-                                for arm in (a, b))) for key in ("final", "late"))
+            d, late = (paired(_per_seed(results, setting, a, key), _per_seed(results, setting, b, key))
+                       for key in ("final", "late"))
             if not d["n"]:
                 continue
             rows.append({"length": setting, "a - b": f"{a} - {b}", "seeds": d["n"],
@@ -160,6 +160,12 @@ def pair_table(results: dict[tuple[str, str], dict[int, CellResult]], pairs: lis
                          f"last {LATE} evaluations: difference ± SE": _difference(late),
                          f"last {LATE}: a > b / a < b / equal": f"{late['above']} / {late['below']} / {late['equal']}"})
     return rows
+
+
+def _per_seed(results: dict[tuple[str, str], dict[int, CellResult]], setting: str, arm: str,
+              key: str) -> dict[int, float]:
+    """{seed: the cell's `key` (final or late)} of one arm at one setting."""
+    return {s: getattr(r, key) for s, r in results.get((setting, arm), {}).items()}
 
 
 def _difference(d: dict) -> str:
