@@ -4,6 +4,7 @@ MLflow (a local store), read back with each library's own reader; a resume conti
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -48,7 +49,10 @@ def wandb_records(path: Path) -> list:
 
 def wandb_history(run_dir: Path, run_id: str) -> tuple[list[dict], dict, int]:
     """(history rows, config, number of .wandb files) of W&B run `run_id` under <run>/wandb."""
-    files = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    # one directory per W&B process: offline-run-<time>-<id>, or offline-run-<time>-<id>-<n> when a resume
+    # (or the report) starts in the same second as the process before it
+    files = sorted(f for f in (run_dir / "wandb").glob(f"offline-run-*-{run_id}*/run-{run_id}.wandb")
+                   if re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", f.parent.name))
     rows, config = [], {}
     for f in files:
         for r in wandb_records(f):
