@@ -16,6 +16,13 @@ first k operands (for sums, the running sums). Plain: ``"12+34+5="`` -> ``"12 46
 prompt names the prefixes and asks for their values, comma-separated, on the last line:
 ``"12, 46, 51"``.
 
+``modulus`` m takes every value the verifier expects (each prefix value, or the result) modulo m.
+With ``show_work``, single-digit sums and m = 10 the chain is the running sum's last digit,
+``"3+4+1+5="`` -> ``"3 7 8 3"``: every step is one digit plus one digit mod 10 and every answer
+number one character, so the answer's length grows with ``num_operands`` while each step stays
+as hard as the first (without it the prefix sums grow to two and three digits and each step's
+operand sits at a moving distance from it). The prompt is the same with or without it.
+
 Verifier. Numbers are extracted as ``-?digits`` with an optional decimal part (``46.0`` equals 46;
 thousands separators are not understood: ``1,234`` reads as 1 and 234). ``correct``:
 
@@ -78,6 +85,7 @@ class ArithmeticTask(Task):
     ops: the operators to draw from, a subset of "+-*" given as a string or a list.
     style: "plain" (raw character-level prompt) or "chat" (instruct-model question).
     show_work: require the chain of prefix values, not only the result.
+    modulus: if set (an int >= 2), every expected value is taken modulo it (see the module docstring).
     The defaults (single-digit sums, chat) give a ~135M instruct model a mix of right and wrong
     answers.
     """
@@ -93,6 +101,7 @@ class ArithmeticTask(Task):
         show_work: bool = False,
         seed: int = 0,
         format_weight: float = 0.0,
+        modulus: int | None = None,
     ):
         super().__init__(seed=seed, format_weight=format_weight)
         if not isinstance(digits, int) or digits < 1:
@@ -104,7 +113,10 @@ class ArithmeticTask(Task):
             raise ValueError(f"arithmetic: ops must be a non-empty subset of {OPS}, got {op_tuple!r}")
         if style not in STYLES:
             raise ValueError(f"arithmetic: style must be one of {STYLES}, got {style!r}")
+        if modulus is not None and (not isinstance(modulus, int) or modulus < 2):
+            raise ValueError(f"arithmetic: modulus must be an int >= 2 or null, got {modulus!r}")
         self.digits = digits
+        self.modulus = modulus
         self.num_operands = num_operands
         self.ops = tuple(dict.fromkeys(op_tuple))  # dedupe, keep order: draws stay uniform over ops
         self.style = style
@@ -118,6 +130,8 @@ class ArithmeticTask(Task):
         operands = [rng.randint(lo, hi) for _ in range(self.num_operands)]
         ops = [rng.choice(self.ops) for _ in range(self.num_operands - 1)]
         chain = [evaluate(operands[: k + 1], ops[:k]) for k in range(self.num_operands)]
+        if self.modulus is not None:
+            chain = [v % self.modulus for v in chain]
         result = chain[-1]
 
         if self.style == "plain":

@@ -118,6 +118,25 @@ def test_arithmetic_show_work_checks_the_whole_chain():
     assert not chat.score(p, "12, 46, 51\nSo the answer is 51").correct
 
 
+def test_arithmetic_modulus_keeps_the_running_sums_last_digit():
+    task = ArithmeticTask(style="plain", show_work=True, num_operands=4, modulus=10)
+    p = next(p for p in task.sample(20, seed=0) if sum(p.meta["operands"]) >= 10)
+    ops = p.meta["operands"]
+    sums = [sum(ops[: k + 1]) for k in range(4)]
+    by_hand = [v % 10 for v in sums]  # "3+4+1+5=" -> 3 7 8 3
+    assert p.meta["chain"] == by_hand and p.answer == " ".join(map(str, by_hand))
+    assert p.prompt == "+".join(map(str, ops)) + "="  # the prompt does not change
+    assert task.score(p, p.answer + "\n") == Reward(1.0, True, True)
+    assert not task.score(p, " ".join(map(str, sums)) + "\n").correct  # the unreduced chain is wrong
+    wrong = by_hand[:-1] + [(by_hand[-1] + 1) % 10]
+    assert not task.score(p, " ".join(map(str, wrong)) + "\n").correct
+    # Every answer number is one character, whatever the chain's length.
+    long = ArithmeticTask(style="plain", show_work=True, num_operands=32, modulus=10)
+    assert all(len(q.answer) == 2 * 32 - 1 for q in long.sample(20, seed=0))
+    with pytest.raises(ValueError, match="modulus"):
+        ArithmeticTask(modulus=1)
+
+
 def test_arithmetic_reference_answers_verify():
     for style in ("plain", "chat"):
         for show_work in (False, True):
