@@ -8,7 +8,7 @@ import pytest
 
 from jetflow.ablate.grid import load_ablation
 from jetflow.ablate.length_study import (TABLES_BEGIN, TABLES_END, cell_result, collapse_step, gather,
-                                         pair_table, paired, write_tables)
+                                         mismatch_table, pair_table, paired, write_tables)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,8 +39,8 @@ def _ablation(tmp_path: Path):
     for (length, arm, seed), evals in EVALS.items():
         run = ab.out_dir / "runs" / f"seed{seed}-{length}-{arm}"
         run.mkdir(parents=True)
-        rows = [{"step": s, "phase": "rl", "policy/entropy": float(s + 1), "response/length_mean": 10.0 * (s + 1)}
-                for s in range(4)]
+        rows = [{"step": s, "phase": "rl", "policy/entropy": float(s + 1), "response/length_mean": 10.0 * (s + 1),
+                 "mismatch/kl_k3": (0.001 * (s + 1) * (seed + 1)) if arm == "mixed" else 0.0} for s in range(4)]
         rows += [{"step": 10 * i, "phase": "eval", "eval/pass@1": v} for i, v in enumerate(evals or [0.5])]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         if evals is not None:
@@ -108,6 +108,22 @@ def test_tables_by_hand(tmp_path):
     # lenB bf16: finals 0.2, 0.1 -> mean 0.15, sd sqrt(0.005) = 0.0707; no collapse
     assert "| lenB | bf16 | 2 | 0.150 ± 0.071 | 0.10 .. 0.20 | 0.150 | 0 of 2 |  |" in text
     assert "| lenB | mixed | 1 | 0.200 | 0.20 .. 0.20 | 0.200 | 0 of 1 |  |" in text
+
+
+def test_mismatch_by_hand(tmp_path):
+    ab = _ablation(tmp_path)
+    results = gather(ab)
+    # seed s of mixed logs k3 = 0.001 (step + 1) (s + 1) at steps 0-3: mean 0.0025 (s + 1)
+    assert results[("lenA", "mixed")][2].mismatch_kl == pytest.approx(0.0075)
+    rows = {(r["length"], r["arm"]): r for r in mismatch_table(results)}
+    # lenA mixed, seeds 0-2: 0.0025, 0.005, 0.0075 -> 0.005 per token; every run's response length is
+    # (mean of 10, 20, 30 and of 20, 30, 40) / 2 = 25 tokens -> 0.125 per response
+    assert rows[("lenA", "mixed")] == {"length": "lenA", "arm": "mixed", "seeds": 3, "KL per token": "5.00e-03",
+                                       "response tokens": "25.0", "KL per response": "0.125"}
+    assert rows[("lenA", "bf16")]["KL per response"] == "0.000"
+    assert rows[("lenB", "mixed")]["seeds"] == 1  # the partial cell is left out
+    write_tables(ab, ab.out_dir / "README.md")
+    assert (ab.out_dir / "gap_vs_length.png").read_bytes().startswith(b"\x89PNG")  # lenA's pair has 3 seeds
 
 
 def test_the_grid_config(tmp_path):
