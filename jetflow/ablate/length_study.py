@@ -264,9 +264,10 @@ def draw_gap_vs_length(ab: Ablation, path: Path) -> bool:
     fig, (ax,) = plots.figure(1, width=5.5)
     drawn = False
     for i, (a, b) in enumerate(ab.compare):
-        points = [(x, paired(_per_seed(results, s, a, "late"), _per_seed(results, s, b, "late")))
-                  for x, s in enumerate(settings)]
-        points = [(x + 0.06 * (i - (len(ab.compare) - 1) / 2), d) for x, d in points if d["se"] is not None]
+        shift = 0.06 * (i - (len(ab.compare) - 1) / 2)  # the pairs side by side at each setting
+        pairs = [(x + shift, paired(_per_seed(results, s, a, "late"), _per_seed(results, s, b, "late")))
+                 for x, s in enumerate(settings)]
+        points = [(x, d) for x, d in pairs if d["se"] is not None]
         if not points:
             continue
         drawn = True
