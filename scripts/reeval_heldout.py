@@ -11,10 +11,14 @@ bf16 policy of a mixed cell is scored the way bf16's cells are. Unified cells ar
 trainer already computes in the rollout's precision.
 
     python scripts/reeval_heldout.py results/learning [--mode bf16] [--only 'PATTERN' ...]
+        [--problems N] [--all-arms] [--out FILE]
 
-Writes <ablation dir>/trainer_precision_eval.json: per cell, its logged final pass@1, the pass@1 of
-the same weights re-decoded in the cell's own mode (a check: equal to the logged one under exact
-numerics) and in --mode.
+Writes <ablation dir>/trainer_precision_eval.json (or --out): per cell, its logged final pass@1, the
+pass@1 of the same weights re-decoded in the cell's own mode (a check: equal to the logged one under
+exact numerics) and in --mode. --problems N evaluates N held-out problems instead of the cell's
+eval.num_prompts (the first N of the same held-out split: less binomial noise, and then the logged
+value is on other problems); --all-arms takes the unified cells too, so every arm of a grid is scored
+by one and the same decoding engine.
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ def final_logged(run_dir: Path) -> float | None:
     return evals[-1]["eval/pass@1"] if evals else None
 
 
-def evaluate(run_dir: Path, mode: str) -> float:
+def evaluate(run_dir: Path, mode: str, problems: int | None = None) -> float:
     from jetflow.config import derive, load_config
     from jetflow.run.sides import TrainerSide
     from jetflow.train.checkpoint import latest_checkpoint
 
-    cfg = load_config(run_dir / "config.yaml", [f"precision.mode={mode}"])
+    overrides = [f"precision.mode={mode}"] + ([f"eval.num_prompts={problems}"] if problems else [])
+    cfg = load_config(run_dir / "config.yaml", overrides)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     side = TrainerSide(cfg, derive(cfg))
@@ -55,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("ablation_dir", type=Path)
     ap.add_argument("--mode", default="bf16")
     ap.add_argument("--only", nargs="*", default=None, help="cell id patterns")
+    ap.add_argument("--problems", type=int, default=None, help="held-out problems (default: the cell's)")
+    ap.add_argument("--all-arms", action="store_true", help="the unified cells too")
+    ap.add_argument("--out", type=Path, default=None, help="default: <ablation dir>/trainer_precision_eval.json")
     args = ap.parse_args(argv)
-    out_file = args.ablation_dir / "trainer_precision_eval.json"
+    out_file = args.out or args.ablation_dir / "trainer_precision_eval.json"
     results = json.loads(out_file.read_text()) if out_file.exists() else {}
     for run_dir in sorted((args.ablation_dir / "runs").iterdir()):
         if not (run_dir / "COMPLETE").exists():
@@ -64,11 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and not any(fnmatch.fnmatchcase(run_dir.name, p) for p in args.only):
             continue
         own_mode = load_config(run_dir / "config.yaml").precision.mode
-        if own_mode == "unified" or (run_dir.name in results and results[run_dir.name].get("mode") == args.mode):
+        if (own_mode == "unified" and not args.all_arms) or (
+                run_dir.name in results and results[run_dir.name].get("mode") == args.mode):
             continue
-        row = {"own_mode": own_mode, "mode": args.mode, "logged_final": final_logged(run_dir),
-               "own_mode_again": evaluate(run_dir, own_mode),
-               "in_mode": evaluate(run_dir, args.mode) if own_mode != args.mode else None}
+        row = {"own_mode": own_mode, "mode": args.mode, "problems": args.problems, "logged_final": final_logged(run_dir),
+               "own_mode_again": evaluate(run_dir, own_mode, args.problems),
+               "in_mode": evaluate(run_dir, args.mode, args.problems) if own_mode != args.mode else None}
         if row["in_mode"] is None:
             row["in_mode"] = row["own_mode_again"]
         results[run_dir.name] = row
