@@ -1,7 +1,7 @@
 """Per-seed table of the grid: held-out pass@1 at RL step 0 (the shared warm-up's end: one value per seed)
 and each arm's mean over its last 5 evaluations (steps 220-300) and last evaluation.
 
-    python results/learning-length/per_seed.py [results/learning-length] [len16]
+    python results/learning-length/per_seed.py [results/learning-length] [len16] [configs/ablations/learning-length.yaml]
 """
 import sys
 from pathlib import Path
@@ -12,7 +12,8 @@ from jetflow.metrics_log import read_jsonl
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "results/learning-length")
 setting = sys.argv[2] if len(sys.argv) > 2 else "len16"
-ab = load_ablation(Path("configs/ablations/learning-length.yaml"), out)
+ablation = Path(sys.argv[3] if len(sys.argv) > 3 else "configs/ablations/learning-length.yaml")
+ab = load_ablation(ablation, out)
 results = gather(ab)
 arms = [arm for (s, arm) in results if s == setting]
 seeds = sorted({seed for arm in arms for seed in results[(setting, arm)]})
