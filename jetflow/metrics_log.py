@@ -6,6 +6,7 @@ and a tracker that cannot write (jetflow.trackers) is turned off with a warning.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -96,7 +97,10 @@ def parse_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> tuple[list[
     path = Path(path)
     if not path.is_file():
         return [], [], False
-    data = path.read_bytes()
+    return _parse_lines(path.read_bytes(), required)
+
+
+def _parse_lines(data: bytes, required: tuple[str, ...]) -> tuple[list[dict], list[BadLine], bool]:
     lines = data.split(b"\n")
     last = len(lines) - 1  # the text after the last newline: empty unless the last line is torn
     rows, bad, torn = [], [], False
@@ -132,9 +136,14 @@ def _row_problem(raw: bytes, required: tuple[str, ...]) -> str | None:
 
 def read_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:
     """The rows of a JSON-lines file (none if it does not exist). A torn last line is dropped; a bad
-    line anywhere else is skipped with a warning naming it."""
+    line anywhere else is skipped with a warning naming it. Where the file is absent and `<name>.gz`
+    is there (how results/ archives a finished run's per-step files), that one is read."""
     path = Path(path)
-    rows, bad, _ = parse_jsonl(path, required)
+    archived = path.with_name(path.name + ".gz")
+    if not path.exists() and archived.is_file():
+        rows, bad, _ = _parse_lines(gzip.decompress(archived.read_bytes()), required)
+    else:
+        rows, bad, _ = parse_jsonl(path, required)
     if bad:
         warn(f"skipped {_describe(path, bad)}")
     return rows

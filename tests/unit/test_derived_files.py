@@ -178,3 +178,14 @@ def test_config_values_that_failed_late_are_refused_up_front(override, message, 
     with pytest.raises(ConfigError, match=message):
         validate_run(cfg)
     assert not (tmp_path / "tiny").exists()
+
+
+def test_an_archived_metrics_file_is_read_where_the_plain_one_is_absent(tmp_path):
+    """results/ keeps a finished run's per-step files gzipped (metrics.jsonl.gz): the readers take it."""
+    import gzip
+    rows = [{"step": 0, "phase": "rl", "x": 1.0}, {"step": 0, "phase": "eval", "eval/pass@1": 0.5}]
+    (tmp_path / "metrics.jsonl.gz").write_bytes(gzip.compress(rows_text(rows).encode()))
+    assert read_jsonl(tmp_path / "metrics.jsonl") == rows
+    assert read_metrics(tmp_path, "eval") == rows[1:]
+    (tmp_path / "metrics.jsonl").write_text(rows_text(rows[:1]))  # the plain file, where there is one, wins
+    assert read_jsonl(tmp_path / "metrics.jsonl") == rows[:1]
