@@ -13,6 +13,11 @@ case $WHAT in
   run | all) ;;
   *) echo "usage: bash scripts/install.sh [run|all]" >&2; exit 2 ;;
 esac
+if [ -x .venv/bin/python ] && ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  # an install killed while pip replaced itself leaves a .venv whose pip cannot start: start it again
+  echo "[install] .venv is damaged (its pip does not start: an interrupted install?); making it again" >&2
+  rm -rf .venv
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
