@@ -65,6 +65,10 @@ class CellResult:
     over the RL steps (0 when the run is exactly on-policy; None when not logged)."""
 
 
+Results = dict[tuple[str, str], dict[int, CellResult]]
+"""(setting, arm) -> {seed: the complete cell's result} (`gather`)."""
+
+
 def collapse_step(evals: list[tuple[int, float]]) -> int | None:
     """The first step whose value is below half the best value before it (None: never). `evals`:
     (step, held-out pass@1) in step order."""
@@ -101,9 +105,9 @@ def cell_result(run_dir: Path) -> CellResult | None:
                       mismatch_kl=statistics.fmean(kl) if kl else None)
 
 
-def gather(ab: Ablation) -> dict[tuple[str, str], dict[int, CellResult]]:
+def gather(ab: Ablation) -> Results:
     """(setting, arm) -> {seed: result} over the complete cells, settings and arms in grid order."""
-    out: dict[tuple[str, str], dict[int, CellResult]] = {}
+    out: Results = {}
     for p in place_cells(ab):
         res = cell_result(p.run_dir)
         out.setdefault((p.panel, p.line), {})
@@ -132,7 +136,7 @@ def _mean_of(values) -> str:
     return _num(statistics.fmean(vals), ".3g") if vals else ""
 
 
-def arm_table(results: dict[tuple[str, str], dict[int, CellResult]]) -> list[dict]:
+def arm_table(results: Results) -> list[dict]:
     rows = []
     for (setting, arm), seeds in results.items():
         if not seeds:
@@ -154,7 +158,7 @@ def arm_table(results: dict[tuple[str, str], dict[int, CellResult]]) -> list[dic
     return rows
 
 
-def mismatch_table(results: dict[tuple[str, str], dict[int, CellResult]]) -> list[dict]:
+def mismatch_table(results: Results) -> list[dict]:
     """Per setting and arm: the mismatch KL per response token (mean over RL steps, then over seeds) and
     per response (times the mean response length of the run's RL steps): how far the rollout's policy
     is from the trained one, as the response grows."""
@@ -172,7 +176,7 @@ def mismatch_table(results: dict[tuple[str, str], dict[int, CellResult]]) -> lis
     return rows
 
 
-def pair_table(results: dict[tuple[str, str], dict[int, CellResult]], pairs: list[tuple[str, str]]) -> list[dict]:
+def pair_table(results: Results, pairs: list[tuple[str, str]]) -> list[dict]:
     rows = []
     for setting in dict.fromkeys(s for s, _ in results):
         for a, b in pairs:
@@ -188,7 +192,7 @@ def pair_table(results: dict[tuple[str, str], dict[int, CellResult]], pairs: lis
     return rows
 
 
-def _per_seed(results: dict[tuple[str, str], dict[int, CellResult]], setting: str, arm: str,
+def _per_seed(results: Results, setting: str, arm: str,
               key: str) -> dict[int, float]:
     """{seed: the cell's `key` (final or late)} of one arm at one setting."""
     return {s: getattr(r, key) for s, r in results.get((setting, arm), {}).items()}
@@ -198,8 +202,7 @@ def _difference(d: dict) -> str:
     return _num(d["mean"], "+.3f") + (f" ± {d['se']:.3f}" if d["se"] is not None else "")
 
 
-def tables_markdown(ab: Ablation) -> str:
-    results = gather(ab)
+def tables_markdown(ab: Ablation, results: Results) -> str:
     arms, pairs, kl = arm_table(results), pair_table(results, ab.compare), mismatch_table(results)
     arm_cols = ["length", "arm", "seeds", "final held-out pass@1", "seed range", "best (mean)", "collapsed",
                 "collapse steps", "entropy start -> end", "resp len start -> end"]
@@ -232,10 +235,9 @@ def tables_markdown(ab: Ablation) -> str:
     ])
 
 
-def draw_accuracy_vs_length(ab: Ablation, path: Path) -> bool:
+def draw_accuracy_vs_length(ab: Ablation, results: Results, path: Path) -> bool:
     """Final held-out pass@1 against the setting (one x position per length, grid order), a line per
     arm through its seed means with the band from the lowest to the highest seed. False: nothing to draw."""
-    results = gather(ab)
     settings = list(dict.fromkeys(s for s, _ in results))
     if not any(results.values()):
         return False
@@ -256,10 +258,9 @@ def draw_accuracy_vs_length(ab: Ablation, path: Path) -> bool:
     return True
 
 
-def draw_gap_vs_length(ab: Ablation, path: Path) -> bool:
+def draw_gap_vs_length(ab: Ablation, results: Results, path: Path) -> bool:
     """Each `compare` pair's paired difference (a - b, each run's mean over its last LATE evaluations)
     against the setting, with ± one standard error. False: no pair has two common seeds anywhere."""
-    results = gather(ab)
     settings = list(dict.fromkeys(s for (s, _), seeds in results.items() if seeds))  # those with a complete cell
     fig, (ax,) = plots.figure(1, width=5.5)
     drawn = False
@@ -287,15 +288,16 @@ def draw_gap_vs_length(ab: Ablation, path: Path) -> bool:
 def write_tables(ab: Ablation, readme: Path) -> Path:
     """Replace the generated section of `readme` (or append it) with the current tables."""
     text = readme.read_text() if readme.exists() else f"# {ab.name}\n\n"
-    block = tables_markdown(ab)
+    results = gather(ab)  # every cell's metrics read once, for the tables and both figures
+    block = tables_markdown(ab, results)
     if TABLES_BEGIN in text and TABLES_END in text:
         head, rest = text.split(TABLES_BEGIN, 1)
         text = head + block + rest.split(TABLES_END, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     readme.write_text(text)
-    draw_accuracy_vs_length(ab, readme.parent / FIGURE)
-    draw_gap_vs_length(ab, readme.parent / GAP_FIGURE)
+    draw_accuracy_vs_length(ab, results, readme.parent / FIGURE)
+    draw_gap_vs_length(ab, results, readme.parent / GAP_FIGURE)
     return readme
 
 
