@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and not any(fnmatch.fnmatchcase(run_dir.name, p) for p in args.only):
             continue
         own_mode = load_config(run_dir / "config.yaml").precision.mode
+        done = results.get(run_dir.name, {})
         if (own_mode == "unified" and not args.all_arms) or (
-                run_dir.name in results and results[run_dir.name].get("mode") == args.mode):
+                done.get("mode") == args.mode and done.get("problems") == args.problems):
             continue
         row = {"own_mode": own_mode, "mode": args.mode, "problems": args.problems, "logged_final": final_logged(run_dir),
                "own_mode_again": evaluate(run_dir, own_mode, args.problems),
