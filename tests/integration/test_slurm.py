@@ -165,8 +165,10 @@ def test_a_job_signalled_before_its_time_limit_checkpoints_requeues_and_resumes(
     did not requeue: the time limit killed the run and everything since its last checkpoint was lost.
     Now: torchrun's two workers checkpoint at the same step boundary, the job requeues itself, and its
     second run resumes there and completes every step once."""
-    steps = 12
-    # no held-out evaluation (every 5 steps by default): the signal, sent after the first RL step, lands mid-run
+    # enough steps that the signal, sent once the first RL step is logged, lands mid-run: at 12 an idle
+    # machine ran every step (about 0.3 s each) before it arrived (the run was in its final writes); no
+    # held-out evaluation (every 5 steps by default)
+    steps = 40
     job, run_dir, output = _submit(capsys, tmp_path, "slurm-requeue", "--kind", "torchrun", "--nproc-per-node", "2",
                                    steps=steps, extra=("eval.num_prompts=0",))
     script = (run_dir / "launch" / "torchrun.sbatch").read_text()
