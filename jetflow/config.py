@@ -1,7 +1,7 @@
 """Configuration: one dataclass per component, YAML files, and `key=value` overrides (omegaconf).
 `load_config("configs/tiny.yaml", ["precision.mode=mixed"])` merges defaults <- YAML <- overrides. The schema
 is typed: an unknown key, a wrong type, or a choice outside a `Literal` is an error that names the key and
-lists what is valid; ranges and combinations are jetflow.run.validate's. `save_config` writes it beside a run.
+lists what is valid; ranges and combinations are jetflow.run.validate's. `config_text` is what a run saves.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from jetflow import trackers
 from jetflow.errors import UserError
 from jetflow.model.model_config import MOE_TYPES
 from jetflow.precision.modes import PRECISION_MODES, PrecisionMode
 from jetflow.precision.plan import Precision
 from jetflow.precision.recipe import FAMILIES, FORMATS, SCALE_RULES, QuantRecipe
+from jetflow.rl import correction_parameters
 
 
 class ConfigError(UserError, ValueError):
@@ -312,32 +314,41 @@ def _valid_keys(node: Any) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else []
 
 
-def resolve_correction(cfg: Config) -> str:
-    """algo.correction with `auto` resolved: the modes whose rollout policy differs by construction
-    (mixed) get token TIS, the others none."""
-    if cfg.algo.correction != "auto":
-        return cfg.algo.correction
-    return "token_tis" if cfg.precision.precision_mode.off_policy_by_design else "none"
-
-
 @dataclass(frozen=True)
 class Derived:
-    """What a config's values imply, worked out once (`derive`) by the pre-run pass
-    (jetflow.run.validate) and handed down with the config to the builders that need it."""
-    precision: Precision
-    """The run's precision (jetflow.precision.plan): mode, recipe, numerics resolved, GEMM backend."""
-    correction: str
-    """algo.correction with `auto` resolved (resolve_correction)."""
+    """What a config implies, worked out once by `derive` (the pre-run pass) and handed to the builders."""
+    precision: Precision  # the run's precision (jetflow.precision.plan): mode, recipe, numerics, GEMM backend
+    correction: str  # algo.correction; `auto`: token TIS where the rollout differs by design (mixed), else none
+    loggers: tuple[str, ...] = ()  # the trackers the run logs to (run_loggers)
 
 
 def derive(cfg: Config) -> Derived:
-    """The config's derived values; a recipe field out of range raises the recipe's ValueError."""
-    p, tiny, correction = cfg.precision, cfg.model.tiny, resolve_correction(cfg)
+    """The config's derived values, each checked: a value that cannot be derived, or that this machine
+    cannot run, is a ConfigError naming the key (a recipe field out of range, a correction parameter the
+    correction does not take, exact numerics without their kernels, a logger whose library is absent)."""
+    p, tiny, loggers = cfg.precision, cfg.model.tiny, tuple(run_loggers(cfg.run))
+    auto = "token_tis" if p.precision_mode.off_policy_by_design else "none"
+    correction = auto if cfg.algo.correction == "auto" else cfg.algo.correction
+    if why := trackers.unusable(loggers):
+        raise ConfigError(f"run.loggers: {why}")
     split = cfg.train.backend == "megatron" and cfg.model.path == "tiny"  # a checkpoint's Ks: when the policy is built
-    precision = Precision.resolve(p.precision_mode, p.recipe(), p.numerics, p.gemm_backend, p.kv_cache_fp8,
-                                  cfg.model.device, (tiny.hidden_size, tiny.intermediate_size) if split else (),
-                                  cfg.train.tensor_parallel_size)
-    return Derived(precision, correction)
+    try:  # the recipe checks its own fields (blocks, margins, layer counts)
+        precision = Precision.resolve(p.precision_mode, p.recipe(), p.numerics, p.gemm_backend, p.kv_cache_fp8,
+                                      cfg.model.device, (tiny.hidden_size, tiny.intermediate_size) if split else (),
+                                      cfg.train.tensor_parallel_size)
+    except ValueError as e:
+        raise ConfigError(f"precision: {e}") from None
+    if p.numerics == "exact" and precision.exact_blocker:
+        raise ConfigError(f"precision.numerics=exact: {precision.exact_blocker}; use precision.numerics=fast (or auto)")
+    if cfg.rollout.backend == "vllm" and precision.kv_cache_fp8 and not precision.is_exact:
+        raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm needs precision.numerics=exact (or "
+                          "auto): only jetflow's plugin loads the per-step FP8 KV scales")
+    try:
+        correction_parameters(correction, cfg.algo.correction_params)
+    except ValueError as e:
+        why = f"; algo.correction=auto is {correction} under precision.mode={p.mode}"
+        raise ConfigError(f"algo.correction_params: {e}{why if cfg.algo.correction == 'auto' else ''}") from None
+    return Derived(precision, correction, loggers)
 
 
 def _explain(e: OmegaConfBaseException) -> ConfigError:
@@ -408,8 +419,9 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+def config_text(cfg: Config) -> str:
+    """The config as the YAML that load_config reads back."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
 # run.* keys a resumed (or re-run) session may change without changing the run's results

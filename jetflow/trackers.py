@@ -47,6 +47,15 @@ def warn(message: str) -> None:
     print(f"[jetflow] warning: {message}", file=sys.stderr)
 
 
+def unusable(names: Iterable[str]) -> str | None:
+    """Why a run cannot log to trackers `names` (an unknown name, a library not installed), or None."""
+    if unknown := [n for n in names if n not in LOGGERS]:
+        return f"unknown logger(s) {', '.join(map(repr, unknown))}; valid loggers are {', '.join(LOGGERS)}"
+    if absent := missing(names):
+        return f"{', '.join(absent)} not installed: {INSTALL_HINT}"
+    return None
+
+
 def missing(names: Iterable[str]) -> list[str]:
     """The trackers among `names` whose library is not installed (found, not imported: importing
     wandb or mlflow takes seconds)."""

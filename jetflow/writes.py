@@ -16,7 +16,9 @@ checkpoint took (the estimate of the next one), or less than room for two more.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import socket
 import shutil
 import sys
 from contextlib import contextmanager
@@ -163,3 +165,67 @@ def check_free_space(directory: Path, need_bytes: int, what: str, basis: str = "
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+class LockHeld(UserError, RuntimeError):
+    """A live process holds the lock file (`take_lock`): its pid and host."""
+
+    def __init__(self, path: Path, pid: object, host: object):
+        super().__init__(f"{path} is held by pid {pid} on {host}")
+        self.pid, self.host = pid, host
+
+
+@contextmanager
+def lock_file(path: Path, what: str) -> Iterator[Path]:
+    """Hold the lock file `path` inside the block (take_lock, then release_lock however the block ends)."""
+    take_lock(path, what)
+    try:
+        yield path
+    finally:
+        release_lock(path)
+
+
+def take_lock(path: Path, what: str) -> None:
+    """Create the lock file `path` naming its owner (pid, host). A lock whose process is gone from this
+    host (a killed run) is taken over with a warning; a live owner, or one on another host, raises
+    LockHeld; a disk that cannot hold the file, WriteError (`what` names it)."""
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = json.loads(path.read_text())
+            except (OSError, ValueError):
+                owner = {"pid": -1, "host": me["host"]}  # torn by a kill between create and write
+            if owner.get("host") == me["host"] and not _alive(int(owner.get("pid", -1))):
+                print(f"[jetflow] warning: taking over {path} from pid {owner.get('pid')}, which is gone",
+                      file=sys.stderr)
+                path.unlink(missing_ok=True)
+                continue
+            raise LockHeld(path, owner.get("pid"), owner.get("host")) from None
+        except OSError as e:  # a read-only or full disk
+            raise write_error(e, path, what) from None
+        with guarded(path, what, partial=path):
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
+        return
+
+
+def release_lock(path: Path) -> None:
+    """Remove the lock file `path` if this process holds it (a no-op for any other process)."""
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

@@ -41,6 +41,7 @@ def final_logged(run_dir: Path) -> float | None:
 
 def evaluate(run_dir: Path, mode: str, problems: int | None = None) -> float:
     from jetflow.config import derive, load_config
+    from jetflow.run.build import load_inputs
     from jetflow.run.sides import TrainerSide
     from jetflow.train.checkpoint import latest_checkpoint
 
@@ -48,7 +49,7 @@ def evaluate(run_dir: Path, mode: str, problems: int | None = None) -> float:
     cfg = load_config(run_dir / "config.yaml", overrides)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
-    side = TrainerSide(cfg, derive(cfg))
+    side = TrainerSide(cfg, derive(cfg), load_inputs(cfg))
     side.restore(latest_checkpoint(run_dir))
     return side.rl_loop(None).evaluate()["eval/pass@1"]
 

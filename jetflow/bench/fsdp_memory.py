@@ -73,11 +73,11 @@ def main(argv: list[str]) -> None:
     config = argv[argv.index("--config") + 1] if "--config" in argv else None
     overrides = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
     cfg = load_config(config, [*overrides, "eval.num_prompts=0"])
-    derived = validate_run(cfg)
+    derived, inputs = validate_run(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     dp = init_from_env(cfg.model.device)
-    side = TrainerSide(cfg, derived, dp)
+    side = TrainerSide(cfg, derived, inputs, dp)
     side.warmup_step(0)
     with counted_all_gathers() as gathered:  # one whole step (forward and backward gathers)
         side.warmup_step(1)

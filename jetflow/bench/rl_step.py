@@ -26,7 +26,7 @@ import torch
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config
 from jetflow.config import Config, derive
-from jetflow.run.build import prompt_encoder, prompt_text, smollm2_dir
+from jetflow.run.build import load_inputs, prompt_encoder, prompt_text, smollm2_dir
 from jetflow.run.loop import RLLoop
 from jetflow.run.sides import TrainerSide
 from jetflow.tasks import Task
@@ -36,7 +36,7 @@ JETFLOW_MODES = ("fp32", "unified")
 
 def build_loop(cfg: Config) -> tuple[RLLoop, Task, object]:
     """The RL loop of `jetflow train` (jetflow.run.local) without a run directory."""
-    side = TrainerSide(cfg, derive(cfg))
+    side = TrainerSide(cfg, derive(cfg), load_inputs(cfg))
     return side.rl_loop(), side.task, side.tokenizer
 
 

@@ -193,6 +193,21 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     return load_weights(d, config, dtype, device)
 
 
+def check_loaded_model(model: Decoder, tokenizer, path: str | Path) -> None:
+    """A damaged weight file or a tokenizer of another model fails here, in one line, and not as a
+    quantizer error or an index error in the embedding several calls later."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            bad = int((~torch.isfinite(p)).sum())
+            if bad:
+                raise CheckpointError(f"{path}: weight {name} holds {bad} NaN/Inf value(s); the model files are "
+                                      "damaged (convert or download them again)")
+    vocab = model.config.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
+                              f"{vocab}: the tokenizer belongs to another model")
+
+
 def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> Decoder:
     """A `Decoder` of `config` with the (unquantized) tensors of directory `path`; its config.json is

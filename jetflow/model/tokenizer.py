@@ -256,3 +256,9 @@ def render_prompt(tokenizer: Tokenizer | CharTokenizer, prompt: str | list[dict]
     if chat and tokenizer.chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return prompt
+
+
+def encode_prompt(tokenizer: Tokenizer | CharTokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
+    """A prompt's token ids as a run encodes them (render_prompt, then the tokenizer): the one function
+    behind the rollout's prompts and the pre-run length checks."""
+    return tokenizer.encode(render_prompt(tokenizer, prompt, chat))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from jetflow.kernels.support import exact_kernels_missing, unsplit_row_parallel_k
+from jetflow.precision.kv import KVQuantizer
 from jetflow.precision.modes import NUMERICS, PrecisionMode
 from jetflow.precision.recipe import QuantRecipe
 
@@ -109,6 +110,13 @@ class Precision:
         """Under kv_cache_fp8 the rollout always quantizes its K/V; the trainer too under unified (otherwise it
         only observes K/V amax to calibrate the rollout's scales)."""
         return side == "rollout" or self.trainer_quantizes
+
+    def kv_quantizer(self, side: Side, num_layers: int) -> KVQuantizer | None:
+        """Under kv_cache_fp8, `side`'s FP8 K/V quantizer (applied, or only observing amax: quantizes_kv);
+        otherwise None (K/V stay as the mode rounds them)."""
+        if not self.kv_cache_fp8:
+            return None
+        return KVQuantizer(num_layers, margin=self.recipe.margin, apply=self.quantizes_kv(side))
 
 
 def exact_blocker(device: str, row_parallel_ks: tuple[int, ...] = (), tensor_parallel_size: int = 1) -> str | None:

@@ -1,4 +1,5 @@
-"""Build the pieces of a run from its config: policy model, tokenizer, task, prompt encoder."""
+"""Build the pieces of a run from its config: the run's inputs (task, tokenizer, architecture, prompt
+lengths: `load_inputs`, once per process), the policy model, the prompt encoder."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import shutil
 import string
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -14,10 +16,11 @@ import torch
 import torch.nn as nn
 
 from jetflow.config import Config, ConfigError
+from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy, hf_weights
-from jetflow.model import CharTokenizer, CheckpointError, Decoder, ModelConfig, load_hf_dir, load_tokenizer
-from jetflow.model.checkpoint import load_model_config
-from jetflow.model.tokenizer import render_prompt
+from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer
+from jetflow.model.checkpoint import check_loaded_model, load_model_config
+from jetflow.model.tokenizer import encode_prompt, render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
 from jetflow.precision.modes import PrecisionMode
@@ -31,38 +34,97 @@ MAX_PROMPT_TOKENS = "max_prompt_tokens"
 _warned: set[str] = set()
 
 
-def build_task(cfg: Config, tokenizer=None) -> Task:
-    """The run's task (its held-out split set aside when evaluating). Bad task.params raise the task's
-    own TypeError / ValueError: jetflow.run.validate turns them into a ConfigError before a run.
+@dataclass(frozen=True)
+class RunInputs:
+    """What a run reads before it builds a model, read once per process (`load_inputs`) and handed to
+    the pre-run checks and the builders: the task, the tokenizer, the model's architecture (without a
+    weight) and the length of every prompt as the run encodes it."""
+    task: Task
+    tokenizer: object  # a CharTokenizer or a Hugging Face tokenizer (jetflow.model.tokenizer)
+    arch: ModelConfig
+    prompt_lengths: list[tuple[int | None, int]]  # [(data row or None, tokens)]: every data-file row, or 64 generated prompts
+    chat: bool  # prompts go through the tokenizer's chat template (model.chat_template and the task's)
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(n for _, n in self.prompt_lengths)
+
+    def encode(self, problem: Problem) -> list[int]:
+        """A problem's prompt ids as the run encodes them (the prompt lengths were counted so)."""
+        return encode_prompt(self.tokenizer, problem.prompt, self.chat)
+
+
+def load_inputs(cfg: Config) -> RunInputs:
+    """The run's inputs (RunInputs), read in one pass: the tokenizer and the architecture (the tiny
+    model's, or model.path's files), the task (bad task.params are a ConfigError naming them; a data
+    file's or a reward function's own error, a UserError, passes as it is), then every prompt's length.
 
     task.params.max_prompt_tokens (tasks read from a data file): the rows whose prompt, as the run
-    encodes it, is longer are dropped, with a warning that counts them (`tokenizer`: the run's, built
-    here when not given)."""
+    encodes it, is longer are dropped, with a warning that counts them."""
+    params, limit = task_params(cfg)
+    if cfg.model.path == "tiny":
+        tokenizer = tiny_tokenizer(cfg)
+        arch = tiny_model_config(cfg, tokenizer)
+    else:
+        path = model_dir(cfg)
+        tokenizer, arch = load_tokenizer(path), load_model_config(path)
+    try:
+        task = make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
+    except (TypeError, ValueError) as e:
+        raise task_params_error(e) from None
+    if cfg.eval.num_prompts:
+        task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
+    rows = task.dataset_problems()  # every row of a data file; a generated task: its first 64 problems
+    chat = cfg.model.chat_template and task.chat
+    lengths: list[tuple[int | None, int]] = []
+    for p in rows if rows is not None else task.problems(0, 64, cfg.run.seed):
+        row = p.meta["row"] if rows is not None else None
+        try:
+            lengths.append((row, len(encode_prompt(tokenizer, p.prompt, chat))))
+        except ValueError as e:  # a character the tiny model lacks, chat messages without a chat template
+            where = f"{task.path}: row {row}" if rows is not None else f"task {task.name!r}"
+            raise DataError(f"{where}: the prompt cannot be encoded for model.path={cfg.model.path}: {e}") from None
+    if limit is not None:
+        if rows is None:
+            raise ConfigError(f"task.params.{MAX_PROMPT_TOKENS}: task {task.name!r} generates its prompts; the key "
+                              "drops rows of a data file (task.name=custom or math)")
+        by_row = dict(lengths)
+        dropped = task.drop_rows(lambda p: by_row[p.meta["row"]] <= limit)
+        message = (f"[jetflow] warning: task.params.{MAX_PROMPT_TOKENS}={limit}: dropped {len(dropped)} of "
+                   f"{len(lengths)} rows of {task.path} whose prompt is longer (rows {_rows(dropped)})")
+        if dropped and message not in _warned:  # once per process (a tool may read the inputs again)
+            _warned.add(message)
+            print(message, file=sys.stderr)
+        lengths = [(row, n) for row, n in lengths if n <= limit]
+    return RunInputs(task, tokenizer, arch, lengths, chat)
+
+
+def task_params(cfg: Config) -> tuple[dict, int | None]:
+    """(the task's keyword arguments, task.params.max_prompt_tokens or None): the tiny model reads the
+    arithmetic task in its plain style."""
     params = dict(cfg.task.params)
     if cfg.model.path == "tiny" and cfg.task.name == "arithmetic":
         params.setdefault("style", "plain")
     limit = params.pop(MAX_PROMPT_TOKENS, None)
-    task = make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
-    if limit is not None:
-        _drop_long_rows(cfg, task, limit, tokenizer or build_tokenizer(cfg))
-    if cfg.eval.num_prompts:
-        task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
-    return task
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ConfigError(f"task.params: {MAX_PROMPT_TOKENS}={limit!r}: it must be an int >= 1 (tokens)")
+    return params, limit
 
 
-def _drop_long_rows(cfg: Config, task: Task, limit: object, tokenizer) -> None:
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise ValueError(f"{MAX_PROMPT_TOKENS}={limit!r}: it must be an int >= 1 (tokens)")
-    if task.dataset_problems() is None:
-        raise ValueError(f"{MAX_PROMPT_TOKENS}: task {task.name!r} generates its prompts; the key drops rows of a "
-                         "data file (task.name=custom or math)")
-    lengths = dict(prompt_lengths(cfg, tokenizer, task))
-    dropped = task.drop_rows(lambda p: lengths[p.meta["row"]] <= limit)
-    message = (f"[jetflow] warning: task.params.{MAX_PROMPT_TOKENS}={limit}: dropped {len(dropped)} of "
-               f"{len(lengths)} rows of {task.path} whose prompt is longer (rows {_rows(dropped)})")
-    if dropped and message not in _warned:  # once per process: the pre-run checks build the task too
-        _warned.add(message)
-        print(message, file=sys.stderr)
+def task_params_error(e: TypeError | ValueError) -> Exception:
+    """What a task's constructor refusing task.params becomes: a ConfigError naming them (a UserError,
+    such as a data file's or a reward function's own line, stays as it is)."""
+    if isinstance(e, UserError):
+        return e
+    hint = ""
+    if "unknown option" in str(e):  # often the base config's params, kept when task.name was overridden
+        hint = "; task.params={...} replaces the config's params (task.params.KEY=VALUE adds to them)"
+    return ConfigError(f"task.params: {e}{hint}")
+
+
+def build_task(cfg: Config) -> Task:
+    """The run's task alone (see load_inputs), for the tools and tests that need no more."""
+    return load_inputs(cfg).task
 
 
 def _rows(numbers: list[int], n: int = 5) -> str:
@@ -129,15 +191,6 @@ def tiny_model_config(cfg: Config, tok: CharTokenizer) -> ModelConfig:
                        **moe)
 
 
-def build_tiny(cfg: Config) -> tuple[Decoder, CharTokenizer]:
-    """The tiny model, initialized from run.seed, and its tokenizer."""
-    tok = tiny_tokenizer(cfg)
-    torch.manual_seed(cfg.run.seed)
-    model = Decoder(tiny_model_config(cfg, tok))
-    model.apply(_init_small)
-    return model, tok
-
-
 def model_dir(cfg: Config) -> Path:
     """The Hugging Face directory model.path names (`smollm2`: converted on first use); not `tiny`."""
     return smollm2_dir(cfg.model.cache_dir) if cfg.model.path == "smollm2" else Path(cfg.model.path)
@@ -151,26 +204,31 @@ def model_architecture(cfg: Config) -> ModelConfig:
     return load_model_config(model_dir(cfg))
 
 
-def build_policy(cfg: Config):
-    """(model in fp32/bf16 master dtype on cfg.model.device, tokenizer): the config alone decides it."""
+def build_model(cfg: Config, arch: ModelConfig, tokenizer, weights: bool = True) -> Decoder:
+    """The policy in its master dtype on cfg.model.device: the tiny model initialized from run.seed, or
+    the checkpoint model.path names, checked against the run's tokenizer. Without `weights`: its
+    architecture on the meta device, what an FSDP rank other than 0 builds (rank 0 loads the weights
+    and each unit is filled from it as it is sharded: jetflow.train.fsdp.from_rank0)."""
     dtype = getattr(torch, cfg.model.dtype)
+    if not weights:
+        with torch.device("meta"):
+            return Decoder(arch).to(dtype=dtype)
     if cfg.model.path == "tiny":
-        model, tok = build_tiny(cfg)
-        return model.to(device=cfg.model.device, dtype=dtype), tok
+        torch.manual_seed(cfg.run.seed)
+        model = Decoder(arch)
+        model.apply(_init_small)
+        return model.to(device=cfg.model.device, dtype=dtype)
     path = model_dir(cfg)
     model = load_hf_dir(path, dtype=dtype, device=cfg.model.device)
-    tokenizer = load_tokenizer(path)
-    check_loaded_policy(model, tokenizer, path)
-    return model, tokenizer
+    check_loaded_model(model, tokenizer, path)
+    return model
 
 
-def build_policy_shell(cfg: Config):
-    """(the run's model on the meta device: its architecture, no weights, tokenizer): what an FSDP rank
-    other than 0 builds; rank 0 loads the weights and each unit is filled from it as it is sharded
-    (jetflow.train.fsdp.from_rank0)."""
-    with torch.device("meta"):
-        model = Decoder(model_architecture(cfg))
-    return model.to(dtype=getattr(torch, cfg.model.dtype)), build_tokenizer(cfg)
+def build_policy(cfg: Config):
+    """(policy model, tokenizer) from the config alone: for the benches and tools that build a model
+    outside a run (a run builds its RunInputs once and calls build_model)."""
+    tokenizer = build_tokenizer(cfg)
+    return build_model(cfg, model_architecture(cfg), tokenizer), tokenizer
 
 
 def loads_whole_policy(cfg: Config, global_rank: int) -> bool:
@@ -178,48 +236,9 @@ def loads_whole_policy(cfg: Config, global_rank: int) -> bool:
     return cfg.train.backend != "fsdp" or global_rank == 0
 
 
-def check_loaded_policy(model: Decoder, tokenizer, path: str | Path) -> None:
-    """A damaged weight file or a tokenizer of another model fails here, in one line, and not as a
-    quantizer error or an index error in the embedding several calls later."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            bad = int((~torch.isfinite(p)).sum())
-            if bad:
-                raise CheckpointError(f"{path}: weight {name} holds {bad} NaN/Inf value(s); the model files are "
-                                      "damaged (convert or download them again)")
-    vocab = model.config.vocab_size
-    if tokenizer.vocab_size > vocab:
-        raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
-                              f"{vocab}: the tokenizer belongs to another model")
-
-
 def build_tokenizer(cfg: Config):
     """The run's tokenizer alone (what a driver that holds no model needs)."""
     return tiny_tokenizer(cfg) if cfg.model.path == "tiny" else load_tokenizer(model_dir(cfg))
-
-
-def prompt_lengths(cfg: Config, tokenizer, task: Task) -> list[tuple[int | None, int]]:
-    """[(data row or None, tokens)] of every prompt of a task read from a data file (training and
-    held-out rows), else of the task's first 64, as the run encodes them. A row the tokenizer cannot
-    encode (a character the tiny model lacks, chat messages without a chat template) is a DataError
-    naming it."""
-    encode = prompt_encoder(cfg, tokenizer, task)
-    problems = task.dataset_problems()
-    if problems is None:
-        return [(None, len(encode(p))) for p in task.problems(0, 64, cfg.run.seed)]
-    lengths = []
-    for p in problems:
-        try:
-            lengths.append((p.meta["row"], len(encode(p))))
-        except ValueError as e:
-            raise DataError(f"{task.path}: row {p.meta['row']}: the prompt cannot be encoded for model.path="
-                            f"{cfg.model.path}: {e}") from None
-    return lengths
-
-
-def longest_prompt(cfg: Config, tokenizer, task: Task) -> int:
-    """Tokens of the longest prompt (see prompt_lengths)."""
-    return max(n for _, n in prompt_lengths(cfg, tokenizer, task))
 
 
 def copy_model(model: Decoder) -> Decoder:
@@ -243,12 +262,13 @@ def embedding_grid(kind: str) -> torch.dtype | None:
     return None if kind == "fp32" else torch.bfloat16
 
 
-def apply_mode(model: Decoder, precision: Precision, side: Side) -> Decoder:
-    """The run's precision on one side's model, in place: its linears' kind, the embedding grid, the K/V
-    rounding of the mode and the run's numerics."""
-    kind = precision.linear_kind(side)
+def apply_mode(model: Decoder, precision: Precision, side: Side, kv: KVQuantizer | None = None) -> Decoder:
+    """The run's precision on one side's model, in place: its linears' kind, the embedding grid, the run's
+    numerics, and on K/V after RoPE `kv` (the side's FP8 K/V quantizer: Precision.kv_quantizer) or else
+    the mode's own rounding (kv_rounding)."""
+    kind, rounding = precision.linear_kind(side), kv_rounding(precision.mode)
     model.set_numerics(precision.numerics, embedding_grid(kind))
-    attach_kv(model, kv_rounding(precision.mode))
+    attach_kv_quantizer(model, kv if kv is not None else rounding)
     return apply_precision(model, kind, precision.recipe, precision.gemm_backend,
                            num_layers=model.config.num_layers, numerics=precision.numerics)
 
@@ -260,7 +280,9 @@ def prompt_text(cfg: Config, tokenizer, task: Task, problem: Problem) -> str:
 
 
 def prompt_encoder(cfg: Config, tokenizer, task: Task) -> Callable[[Problem], list[int]]:
-    return lambda problem: tokenizer.encode(prompt_text(cfg, tokenizer, task, problem))
+    """A problem's prompt ids as the run encodes them (the lengths in RunInputs are counted the same way)."""
+    chat = cfg.model.chat_template and task.chat
+    return lambda problem: encode_prompt(tokenizer, problem.prompt, chat)
 
 
 def stop_token_ids(tokenizer, model: Decoder, task: Task) -> list[int]:
@@ -276,12 +298,10 @@ def stop_token_ids(tokenizer, model: Decoder, task: Task) -> list[int]:
 
 
 def attach_kv_fp8(model: Decoder, precision: Precision, side: Side) -> KVQuantizer | None:
-    """precision.kv_cache_fp8: the K/V quantizer of `side` (`Precision.quantizes_kv`: applied, or only
-    observing amax to calibrate the rollout's scales). (It replaces the bf16 mode's K/V rounding, `kv_rounding`.)"""
-    if not precision.kv_cache_fp8:
-        return None
-    return attach_kv(model, KVQuantizer(model.config.num_layers, margin=precision.recipe.margin,
-                                        apply=precision.quantizes_kv(side)))
+    """precision.kv_cache_fp8: the K/V quantizer of `side` (Precision.kv_quantizer), attached to a model the
+    mode was applied to (it replaces the mode's K/V rounding, `kv_rounding`); returns the one the run drives."""
+    kv = precision.kv_quantizer(side, model.config.num_layers)
+    return None if kv is None else attach_kv(model, kv)
 
 
 def kv_rounding(mode: PrecisionMode) -> BF16KVRounding | None:

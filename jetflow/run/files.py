@@ -23,15 +23,12 @@ blocks a resume (a damaged row is set aside with a warning), and every final wri
 from __future__ import annotations
 
 import json
-import os
-import socket
-import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from jetflow.config import Config, save_config, to_dict
+from jetflow.config import Config, config_text, to_dict
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.errors import UserError
 from jetflow.precision.plan import Precision
@@ -45,7 +42,7 @@ from jetflow.metrics_log import (
     write_jsonl,
 )
 from jetflow.train.checkpoint import CHECKPOINTS_DIR
-from jetflow.writes import WriteError, append_text, atomic_write_text, guarded, write_error
+from jetflow.writes import LockHeld, WriteError, append_text, atomic_write_text, guarded, lock_file
 
 CONFIG_FILE = "config.yaml"
 POSITIONS_FILE = "mismatch_positions.jsonl"
@@ -91,30 +88,29 @@ def run_directory(cfg: Config, dp: DataParallel = SINGLE) -> Iterator[Path]:
     """The run directory, held while the run is in it: rank 0 takes its LOCK and writes config.yaml
     (the others wait for it); leaving releases the LOCK. What the directory holds was checked by the
     pre-run pass (jetflow.run.validate.check_run_dir)."""
-    run_dir = run_dir_of(cfg)
+    run_dir, text = run_dir_of(cfg), config_text(cfg)
+    lock = run_dir / LOCK_FILE
     dp.barrier()  # no rank may see rank 0's fresh files before it checked
-    refused = None
-    if dp.is_main:
-        try:
-            with guarded(run_dir, "the run directory"):
-                run_dir.mkdir(parents=True, exist_ok=True)
-            take_run_lock(run_dir)
-            (run_dir / COMPLETE).unlink(missing_ok=True)
-            (run_dir / STOPPED).unlink(missing_ok=True)
-            tmp = run_dir / f".{CONFIG_FILE}.tmp-{os.getpid()}"
-            with guarded(run_dir / CONFIG_FILE, "the run config", partial=tmp):
-                save_config(cfg, tmp)
-                os.replace(tmp, run_dir / CONFIG_FILE)
-        except (RunDirectoryInUse, WriteError) as e:
-            refused = e
-            release_run_lock(run_dir)  # where this process took it
-    if dp.sum(float(refused is not None)):  # every rank learns it: none may wait for rank 0 in vain
-        raise refused or RunDirectoryInUse(f"run directory {run_dir} is in use by another run (see rank 0's error)")
-    dp.barrier()
-    try:
+    refused: UserError | None = None
+    with ExitStack() as held:  # the LOCK this process took, released however the block ends
+        if dp.is_main:
+            try:
+                with guarded(run_dir, "the run directory"):
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                held.enter_context(lock_file(lock, "the run's lock file"))
+                (run_dir / COMPLETE).unlink(missing_ok=True)
+                (run_dir / STOPPED).unlink(missing_ok=True)
+                atomic_write_text(run_dir / CONFIG_FILE, text, "the run config")
+            except LockHeld as e:
+                refused = RunDirectoryInUse(f"run directory {run_dir} is in use by pid {e.pid} on {e.host} (its "
+                                            f"{LOCK_FILE}); wait for that run to end, choose another run.name, or, "
+                                            f"if that process is gone, delete {lock}")
+            except WriteError as e:
+                refused = e
+        if dp.sum(float(refused is not None)):  # every rank learns it: none may wait for rank 0 in vain
+            raise refused or RunDirectoryInUse(f"run directory {run_dir} is in use by another run (see rank 0's error)")
+        dp.barrier()
         yield run_dir
-    finally:
-        release_run_lock(run_dir)
 
 
 def describe_position(state: dict) -> str:
@@ -135,55 +131,6 @@ def mark_stopped(run_dir: Path, signame: str, phase: str, at: str) -> str | None
     atomic_write_text(run_dir / STOPPED, json.dumps({"signal": signame, "phase": phase, "stopped_at": at,
                                                       "resumes_at": resumes_at}) + "\n", "the stop mark", RESUME_HINT)
     return resumes_at
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def take_run_lock(run_dir: Path) -> None:
-    """One run per directory: LOCK names the owner (pid, host). A lock whose process is gone from this
-    host (a killed run) is taken over with a warning; a live owner, or one on another host, is refused."""
-    path = run_dir / LOCK_FILE
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                owner = json.loads(path.read_text())
-            except (OSError, ValueError):
-                owner = {"pid": -1, "host": me["host"]}  # torn by a kill between create and write
-            if owner.get("host") == me["host"] and not _alive(int(owner.get("pid", -1))):
-                print(f"[jetflow] warning: taking over {path} from pid {owner.get('pid')}, which is gone",
-                      file=sys.stderr)
-                path.unlink(missing_ok=True)
-                continue
-            raise RunDirectoryInUse(f"run directory {run_dir} is in use by pid {owner.get('pid')} on {owner.get('host')} "
-                              f"(its {LOCK_FILE}); wait for that run to end, choose another run.name, or, if that "
-                              f"process is gone, delete {path}") from None
-        except OSError as e:  # a read-only or full disk
-            raise write_error(e, path, "the run's lock file") from None
-        with guarded(path, "the run's lock file", partial=path):
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me) + "\n")
-        return
-
-
-def release_run_lock(run_dir: Path) -> None:
-    """Remove LOCK if this process holds it (a no-op on the other ranks)."""
-    path = run_dir / LOCK_FILE
-    try:
-        if json.loads(path.read_text()).get("pid") == os.getpid():
-            path.unlink()
-    except (OSError, ValueError):
-        pass
 
 
 def tidy_for_resume(run_dir: Path, state: dict) -> None:

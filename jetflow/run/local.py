@@ -8,14 +8,15 @@ from pathlib import Path
 
 from jetflow.config import Config, Derived
 from jetflow.distributed import DataParallel
+from jetflow.run.build import RunInputs
 from jetflow.run.loop import RLLoop
 from jetflow.run.sides import TrainerSide
 
 
 class LocalPlacement:
-    def __init__(self, cfg: Config, derived: Derived, dp: DataParallel, run_dir: Path):
+    def __init__(self, cfg: Config, derived: Derived, inputs: RunInputs, dp: DataParallel, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
-        self.side = TrainerSide(cfg, derived, dp)
+        self.side = TrainerSide(cfg, derived, inputs, dp)
         self.dp = self.side.dp  # the data-parallel view (Megatron tensor parallelism splits the world further)
         self.is_main, self.data_parallel_size = self.dp.is_main, self.dp.world_size
 

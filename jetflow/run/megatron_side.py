@@ -1,11 +1,12 @@
 """The trainer model of a local run on Megatron-Core (`train.backend=megatron`).
 
-`build_trainer_model(cfg, derived, decoder)` returns what jetflow's `Trainer` trains: the native Decoder
-under the precision mode (`train.backend=native`), or a `jetflow.train.megatron.MegatronPolicy` holding
-the Decoder's weights (`train.backend=megatron`). The policy has the Decoder's trainer interface
-(`forward_hidden`, `lm_head`, `parameters`, `config`, `num_params`), so the same Trainer, loss,
-micro-batching and RL loop run unchanged; what differs goes through the `ShardedPolicy` protocol
-(jetflow.model.protocol), which the Trainer, sync and checkpoints ask for by isinstance:
+`build_trainer_model(cfg, derived, decoder, kv)` returns what jetflow's `Trainer` trains (and the K/V
+quantizer it drives): the native Decoder under the precision mode (`train.backend=native`), or a
+`jetflow.train.megatron.MegatronPolicy` holding the Decoder's weights (`train.backend=megatron`). The
+policy has the Decoder's trainer interface (`forward_hidden`, `lm_head`, `parameters`, `config`,
+`num_params`), so the same Trainer, loss, micro-batching and RL loop run unchanged; what differs goes
+through the `ShardedPolicy` protocol (jetflow.model.protocol), which the Trainer, sync and checkpoints
+ask for by isinstance:
   - gradient clipping: `MegatronPolicy.clip_grad_norm_` (the global norm over the TP group);
   - weight sync: `hf_state_dict()` (HF names, TP shards gathered) and `quantized_weights()` (the FP8
     bytes of its linears, per HF module) used by `jetflow.sync.build_update`;
@@ -32,14 +33,17 @@ from __future__ import annotations
 from jetflow.config import Config, Derived
 from jetflow.model import CheckpointError, Decoder
 from jetflow.model.protocol import model_parallel_size, state_parts
+from jetflow.precision.kv import KVQuantizer
 from jetflow.run.build import apply_mode, embedding_grid, kv_rounding
 
 
 
-def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder):
-    """A MegatronPolicy with `decoder`'s config and weights, its linears under the precision mode and its
-    forward under the run's numerics (exact: the native engine's functions, so the rollout's log-probs
-    equal the trainer's bit for bit at any TP / PP / EP layout the checks accept)."""
+def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder, kv: KVQuantizer | None = None):
+    """(a MegatronPolicy with `decoder`'s config and weights, the K/V quantizer it drives): its linears
+    under the precision mode, its forward under the run's numerics (exact: the native engine's functions,
+    so the rollout's log-probs equal the trainer's bit for bit at any TP / PP / EP layout the checks
+    accept), and on K/V `kv` or else the mode's rounding (under TP or PP the quantizer it drives wraps
+    `kv`: its amax is reduced over the model-parallel group)."""
     from jetflow.train.megatron import MegatronPolicy
 
     precision = derived.precision  # the layout was checked against the model (jetflow.run.validate)
@@ -49,20 +53,21 @@ def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder):
         pipeline_parallel_size=cfg.train.pipeline_parallel_size,
         expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=precision.numerics,
         embed_grid=embedding_grid(precision.trainer_kind))
-    policy.attach_kv_quantizer(kv_rounding(precision.mode))
-    return policy
+    driven = policy.attach_kv_quantizer(kv if kv is not None else kv_rounding(precision.mode))
+    return policy, (driven if kv is not None else None)
 
 
-def build_trainer_model(cfg: Config, derived: Derived, decoder: Decoder):
-    """What the Trainer trains: `decoder` under the precision mode, a MegatronPolicy of it, or (fsdp) it
-    sharded over the data-parallel ranks (jetflow.train.fsdp)."""
+def build_trainer_model(cfg: Config, derived: Derived, decoder: Decoder, kv: KVQuantizer | None = None):
+    """(what the Trainer trains, the K/V quantizer the run drives or None): `decoder` under the precision
+    mode, a MegatronPolicy of it, or (fsdp) it sharded over the data-parallel ranks (jetflow.train.fsdp);
+    `kv`: the trainer's FP8 K/V quantizer (Precision.kv_quantizer), None for the mode's own K/V rounding."""
     if cfg.train.backend == "megatron":
-        return build_megatron_policy(cfg, derived, decoder)
-    model = apply_mode(decoder, derived.precision, "trainer")
+        return build_megatron_policy(cfg, derived, decoder, kv)
+    model = apply_mode(decoder, derived.precision, "trainer", kv)
     if cfg.train.backend == "fsdp":
         from jetflow.train.fsdp import FSDPPolicy
-        return FSDPPolicy(model, cfg.model.device, cfg.train.data_parallel_shard_size)
-    return model
+        return FSDPPolicy(model, cfg.model.device, cfg.train.data_parallel_shard_size), kv
+    return model, kv
 
 
 def model_data_parallel(model, dp):

@@ -435,10 +435,10 @@ def check_memory(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: i
 
 def describe(cfg: Config, derived: Derived) -> str:
     """`jetflow estimate-memory`: the run's terms, the memory the process can have, and the verdict."""
-    from jetflow.run.build import build_task, build_tokenizer, longest_prompt, model_architecture
+    from jetflow.run.build import load_inputs
 
-    arch = model_architecture(cfg)
-    prompt_len = longest_prompt(cfg, build_tokenizer(cfg), build_task(cfg))
+    inputs = load_inputs(cfg)
+    arch, prompt_len = inputs.arch, inputs.longest_prompt
     if cfg.run.orchestrator == "ray" or cfg.train.backend in ("megatron", "fsdp"):
         return ("not estimated: run.orchestrator=ray, train.backend=megatron and train.backend=fsdp split the run "
                 "over processes")

@@ -35,7 +35,7 @@ from jetflow.distributed import free_port
 from jetflow.errors import MissingDependencyError
 from jetflow.rl.experience import Experience
 from jetflow.rollout.types import Rollouts
-from jetflow.run.build import build_task, build_tokenizer, prompt_encoder
+from jetflow.run.build import RunInputs, load_inputs
 from jetflow.run.files import engine_dir
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RESUME_HINT, RunFault
@@ -65,7 +65,8 @@ class RolloutWorker:
     def __init__(self, cfg_dict: dict, derived: Derived, num_threads: int, engine_dir: str):
         torch.set_num_threads(num_threads)
         from jetflow.run.sides import build_rollout_side
-        self.rollout = build_rollout_side(_load_cfg(cfg_dict), derived, engine_dir=Path(engine_dir))
+        cfg = _load_cfg(cfg_dict)  # the actor reads the run's inputs itself (its node's files)
+        self.rollout = build_rollout_side(cfg, derived, load_inputs(cfg), engine_dir=Path(engine_dir))
 
     def load_weights(self, update: WeightUpdate) -> int:
         self.rollout.load_weights(update)  # verifies version, fingerprint, checksum, scales
@@ -99,7 +100,7 @@ class TrainerWorker:
         from jetflow.run.sides import TrainerSide
         cfg = _load_cfg(self.cfg_dict)
         self.dp = init_from_env(cfg.model.device) if self.world_size > 1 else SINGLE
-        self.side = TrainerSide(cfg, self.derived, self.dp)
+        self.side = TrainerSide(cfg, self.derived, load_inputs(cfg), self.dp)  # the inputs: its node's files
 
     def warmup_step(self, step: int) -> dict:
         return self.side.warmup_step(step)
@@ -370,8 +371,8 @@ class RayPlacement:
     is_main = True
     barrier = staticmethod(lambda: None)  # the workers meet at their own barriers (in `save`)
 
-    def __init__(self, cfg: Config, derived: Derived, run_dir: Path):
-        self.cfg, self.derived, self.run_dir = cfg, derived, run_dir
+    def __init__(self, cfg: Config, derived: Derived, inputs: RunInputs, run_dir: Path):
+        self.cfg, self.derived, self.inputs, self.run_dir = cfg, derived, inputs, run_dir
         self.ray = ray = import_ray()
         self.started_here = not ray.is_initialized()
         if self.started_here:
@@ -427,15 +428,13 @@ class RayPlacement:
                                    for wk in self.workers], "while writing a checkpoint")
 
     def build_loop(self) -> RLLoop:
-        cfg = self.cfg
-        task = build_task(cfg)
-        tokenizer = build_tokenizer(cfg)
+        cfg, inputs = self.cfg, self.inputs
         kv_quantizer = RemoteKVQuantizer(self.ray, self.workers) if self.derived.precision.kv_cache_fp8 else None
         if cfg.algo.kl_coef or cfg.algo.log_ref_kl:  # every worker keeps its part of the reference policy
             sizes = [wk.keep_reference.remote(str(self.run_dir)) for wk in self.workers]
             self.trainer.reference_size = trainer_results(self.ray, sizes, "while building the reference policy")[0]
-        return RLLoop(cfg, self.derived, self.trainer, self.rollout, task, prompt_encoder(cfg, tokenizer, task),
-                      tokenizer.pad_token_id, kv_quantizer)
+        return RLLoop(cfg, self.derived, self.trainer, self.rollout, inputs.task, inputs.encode,
+                      inputs.tokenizer.pad_token_id, kv_quantizer)
 
     def step_metrics(self, metrics: dict) -> dict:
         metrics["rollout/actor_restarts_total"] = float(self.rollout.restarts)

@@ -12,6 +12,7 @@ import torch
 
 from jetflow.config import Config, Derived
 from jetflow.distributed import SINGLE, DataParallel, init_from_env, shutdown
+from jetflow.run.build import RunInputs
 from jetflow.run.files import run_directory
 from jetflow.run.sequence import Placement, run_sequence
 from jetflow.run.stop import StopRequests
@@ -27,7 +28,8 @@ def train(cfg: Config) -> Path:
 
 
 def _train(cfg: Config, stop: StopRequests) -> Path:
-    derived = validate_run(cfg)  # the config's derived values (recipe, numerics, ...), handed down from here
+    # the config's derived values (recipe, numerics, ...) and the run's inputs (task, tokenizer, ...), read once
+    derived, inputs = validate_run(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     on_ray = cfg.run.orchestrator == "ray"
@@ -35,9 +37,9 @@ def _train(cfg: Config, stop: StopRequests) -> Path:
     completed = False
     try:
         # the directory's LOCK and config.yaml, then the model load
-        with run_directory(cfg, dp) as run_dir, place(cfg, derived, dp, run_dir) as placement:
+        with run_directory(cfg, dp) as run_dir, place(cfg, derived, inputs, dp, run_dir) as placement:
             stop.take_back()  # ray.init installs a SIGTERM handler of its own (sys.exit)
-            run_sequence(cfg, derived.precision, placement, run_dir, stop)
+            run_sequence(cfg, derived, placement, run_dir, stop)
         completed = True
         return run_dir
     finally:
@@ -45,9 +47,9 @@ def _train(cfg: Config, stop: StopRequests) -> Path:
             shutdown(dp, completed)
 
 
-def place(cfg: Config, derived: Derived, dp: DataParallel, run_dir: Path) -> Placement:
+def place(cfg: Config, derived: Derived, inputs: RunInputs, dp: DataParallel, run_dir: Path) -> Placement:
     if cfg.run.orchestrator == "ray":
         from jetflow.run.ray_placement import RayPlacement
-        return RayPlacement(cfg, derived, run_dir)
+        return RayPlacement(cfg, derived, inputs, run_dir)
     from jetflow.run.local import LocalPlacement
-    return LocalPlacement(cfg, derived, dp, run_dir)
+    return LocalPlacement(cfg, derived, inputs, dp, run_dir)

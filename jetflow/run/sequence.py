@@ -16,9 +16,8 @@ from typing import Callable, Protocol
 
 import torch.distributed
 
-from jetflow.config import Config, run_loggers, to_dict
+from jetflow.config import Config, Derived, to_dict
 from jetflow.metrics_log import MetricsLogger
-from jetflow.precision.plan import Precision
 from jetflow.run.files import append_position_curve, mark_stopped, tidy_for_resume, write_model_dirs, write_summary
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RESUME_HINT, RunStopped, StopRequests, collective_fault
@@ -59,20 +58,20 @@ class Placement(Protocol):
     """True on every rank if `flag` is True on any (a stop request must end all ranks at one step)."""
 
 
-def run_sequence(cfg: Config, precision: Precision, placement: Placement, run_dir: Path,
+def run_sequence(cfg: Config, derived: Derived, placement: Placement, run_dir: Path,
                  stop: StopRequests | None = None) -> Path:
     """Run (or resume) the configured run on `placement`; returns its directory. `stop`: the stop
     requests caught since the run began (its model load included); default: from here on."""
     if stop is not None:
-        return RunSequence(cfg, precision, placement, run_dir, stop).run()
+        return RunSequence(cfg, derived, placement, run_dir, stop).run()
     with StopRequests() as stop:
-        return RunSequence(cfg, precision, placement, run_dir, stop).run()
+        return RunSequence(cfg, derived, placement, run_dir, stop).run()
 
 
 class RunSequence:
-    def __init__(self, cfg: Config, precision: Precision, placement: Placement, run_dir: Path, stop: StopRequests):
+    def __init__(self, cfg: Config, derived: Derived, placement: Placement, run_dir: Path, stop: StopRequests):
         self.cfg, self.placement, self.run_dir, self.stop = cfg, placement, run_dir, stop
-        self.precision = precision  # the run's, resolved once (jetflow.config.derive)
+        self.precision, self.loggers = derived.precision, derived.loggers  # resolved once (jetflow.config.derive)
         self.logger: MetricsLogger | None = None
         self.state: dict = {}  # the newest checkpoint's: next_step, sft_done[, warmup_step]
         self.saved_at: tuple | None = None  # (step, warmup_step) of the newest checkpoint this run holds
@@ -89,7 +88,7 @@ class RunSequence:
                 tidy_for_resume(run_dir, self.state)
                 print(f"[jetflow] run {run_dir}  mode={self.precision.mode.value}  "
                       f"recipe={self.precision.recipe.fingerprint()}  {placement.describe()}", file=sys.stderr)
-                self.logger = MetricsLogger(run_dir, run_loggers(cfg.run), to_dict(cfg), cfg.run.tracker_project,
+                self.logger = MetricsLogger(run_dir, list(self.loggers), to_dict(cfg), cfg.run.tracker_project,
                                             cfg.run.mlflow_tracking_uri)
             self._warmup()
             self._rl_steps()

@@ -14,8 +14,8 @@ import torch
 from jetflow.config import Config, Derived
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rollout.native import NativeRollout
-from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_policy_shell, build_task, copy_model,
-                               loads_whole_policy, longest_prompt, prompt_encoder, stop_token_ids)
+from jetflow.run.build import (RunInputs, apply_mode, attach_kv_fp8, build_model, copy_model,
+                               loads_whole_policy, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.loop import RLLoop
 from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
@@ -41,23 +41,24 @@ class TrainerSide:
     """The trainer half of a run: task, tokenizer, policy model under the precision mode, optimizer,
     optional FP8 KV quantizer. One per process (or per data-parallel rank / Ray trainer worker)."""
 
-    def __init__(self, cfg: Config, derived: Derived, dp: DataParallel = SINGLE):
+    def __init__(self, cfg: Config, derived: Derived, inputs: RunInputs, dp: DataParallel = SINGLE):
         torch.manual_seed(cfg.run.seed)  # the run's RNG streams start here, wherever the side is placed
         random.seed(cfg.run.seed)
-        self.cfg, self.derived = cfg, derived
-        self.task = build_task(cfg)
+        self.cfg, self.derived, self.inputs = cfg, derived, inputs
+        self.task, self.tokenizer = inputs.task, inputs.tokenizer
         # an FSDP rank other than 0 builds a weightless shell, filled from rank 0 unit by unit as it is sharded
         whole = loads_whole_policy(cfg, dp.global_rank)
-        model, self.tokenizer = build_policy(cfg) if whole else build_policy_shell(cfg)
-        self.encode = prompt_encoder(cfg, self.tokenizer, self.task)
-        self.model = build_trainer_model(cfg, derived, model)  # the Decoder under the mode, or a MegatronPolicy of it
+        model = build_model(cfg, inputs.arch, self.tokenizer, weights=whole)
+        self.encode = inputs.encode
+        kv = derived.precision.kv_quantizer("trainer", inputs.arch.num_layers)  # FP8 K/V (precision.kv_cache_fp8)
+        # the Decoder under the mode, or a MegatronPolicy of it; the K/V quantizer the run drives (or None)
+        self.model, self.kv_quantizer = build_trainer_model(cfg, derived, model, kv)
+        self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
         if cfg.train.backend == "fsdp":
             from jetflow.train.fsdp.from_rank0 import share_rng_state
             share_rng_state(cfg.model.device)  # every rank's RNG where rank 0's build (a tiny model's init) left it
-        self.dp = model_data_parallel(self.model, dp)  # under tensor parallelism: Megatron's DP group
         self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp,
                                loss_scale=cfg.algo.loss_scale_factor or cfg.rollout.max_new_tokens)
-        self.kv_quantizer = attach_kv_fp8(self.model, derived.precision, "trainer")
         self.warmup: Warmup | None = None  # while the supervised warm-up runs
 
     def state(self) -> dict:
@@ -137,7 +138,7 @@ class TrainerSide:
         """The RL loop of this process: this side's trainer and a rollout engine beside it (a vLLM engine
         starts from a checkpoint in `run_dir`)."""
         self.keep_reference(run_dir)
-        rollout = build_rollout_side(self.cfg, self.derived, self, run_dir, self.dp)
+        rollout = build_rollout_side(self.cfg, self.derived, self.inputs, self, run_dir, self.dp)
         return RLLoop(self.cfg, self.derived, self.trainer, rollout, self.task, self.encode,
                       self.tokenizer.pad_token_id, self.kv_quantizer, self.dp)
 
@@ -165,20 +166,17 @@ def _frozen_reference(cfg: Config, derived: Derived, model, path: Path | None, d
         tmp = path.with_name(path.name + ".tmp")
         torch.save(reference.state_dict(), tmp)
         os.replace(tmp, path)  # atomic: a resume never reads half a file
-    return freeze_reference(build_trainer_model(cfg, derived, reference))  # the policy's precision and sharding
+    return freeze_reference(build_trainer_model(cfg, derived, reference)[0])  # the policy's precision and sharding
 
 
-def build_rollout_side(cfg: Config, derived: Derived, side: TrainerSide | None = None,
+def build_rollout_side(cfg: Config, derived: Derived, inputs: RunInputs, side: TrainerSide | None = None,
                        run_dir: Path | None = None, dp: DataParallel = SINGLE, engine_dir: Path | None = None):
     """The rollout engine of a run. Beside a trainer (`side`) it starts from a copy of the trainer's
     model; alone (a Ray rollout actor) it builds its own, whose weights the first sync replaces.
     A vLLM engine starts from a checkpoint written to `engine_dir` (default: in the run directory)."""
-    if side is not None:
-        task, tokenizer, source = side.task, side.tokenizer, side.model
-    else:
-        task = build_task(cfg)
-        source, tokenizer = build_policy(cfg)
-    max_seq_len = 2 * longest_prompt(cfg, tokenizer, task) + cfg.rollout.max_new_tokens + 16
+    task, tokenizer = inputs.task, inputs.tokenizer
+    source = side.model if side is not None else build_model(cfg, inputs.arch, tokenizer)
+    max_seq_len = 2 * inputs.longest_prompt + cfg.rollout.max_new_tokens + 16
     eos = stop_token_ids(tokenizer, source, task)
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
         engine_dir = engine_dir or run_engine_dir(run_dir, "local", dp.global_rank)

@@ -1,18 +1,23 @@
 """The one pre-run pass: every check of a run's config, before anything is built or loaded.
 
 The schema (jetflow.config) types every key: an unknown key, a value of the wrong type or a choice
-outside a field's `Literal` fails when the config is loaded. Every other check is here, once, and
-refuses with one line (ConfigError) that names the key and what is valid:
+outside a field's `Literal` fails when the config is loaded; a derived value that cannot be derived
+(the recipe, the correction's typed parameters, exact numerics, the trackers) fails in
+jetflow.config.derive. Every other check is here, once, and refuses with one line (ConfigError) that
+names the key and what is valid:
 
-    check_config(cfg)          what the config alone decides: each value's range (RANGES), the
-                               correction's typed parameters, the combinations the backends run;
-                               returns the config's derived values (jetflow.config.Derived)
-    validate_run(cfg, n)       check_config, then what needs more than the config: the device, the
+    check_config(cfg)          what the config alone decides: each value's range (RANGES) and the
+                               combinations the backends run, then `derive`; returns the config's
+                               derived values (jetflow.config.Derived)
+    validate_run(cfg, n)       check_config, and what needs more than the config: the device, the
                                trainer's process count, the optional packages, the run directory
-                               (a resume continues the same config), the task's parameters, and the
-                               model the run will build, read without loading a weight (its architecture
-                               against the parallel layout, its positions against prompt + response, its
-                               estimated memory against the machine's: jetflow.run.memory_estimate)
+                               (a resume continues the same config); returns the derived values and
+                               the run's inputs (jetflow.run.build.RunInputs: task, tokenizer,
+                               architecture, prompt lengths), read once and checked: the task's
+                               parameters, and the model the run will build, read without loading a
+                               weight (its architecture against the parallel layout, its positions
+                               against prompt + response, its estimated memory against the machine's:
+                               jetflow.run.memory_estimate)
 
 `jetflow train` runs validate_run first; `jetflow ablate` runs it for every cell before the first;
 `jetflow launch` and the benches run check_config.
@@ -28,11 +33,10 @@ from typing import Any, Callable
 
 import torch
 
-from jetflow.config import Config, ConfigError, Derived, config_changes, derive, load_config, run_loggers
+from jetflow.config import Config, ConfigError, Derived, config_changes, derive, load_config
 from jetflow.model.paged_cache import PagePool
 from jetflow.rollout.scheduler import pages_for
-from jetflow.errors import UserError
-from jetflow.run.build import build_task, build_tokenizer, model_architecture, prompt_lengths
+from jetflow.run.build import RunInputs, load_inputs
 from jetflow.run.files import CONFIG_FILE, holds_a_run, run_dir_of
 from jetflow.run.memory_estimate import check_memory
 
@@ -90,33 +94,30 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
 TINY_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position")
 
 
-def validate_run(cfg: Config, processes: int | None = None) -> Derived:
-    """Refuse what `jetflow train` cannot run as asked, before anything is built; returns the config's
-    derived values, which the run's builders take from here. `processes`: the trainer's process count
-    (default: Ray's train.num_workers, else torchrun's WORLD_SIZE)."""
+def validate_run(cfg: Config, processes: int | None = None) -> tuple[Derived, RunInputs]:
+    """Refuse what `jetflow train` cannot run as asked, before any weight is loaded; returns the config's
+    derived values and the run's inputs (task, tokenizer, architecture, prompt lengths), which the run's
+    builders take from here. `processes`: the trainer's process count (default: Ray's train.num_workers,
+    else torchrun's WORLD_SIZE)."""
     if processes is None:
         processes = cfg.train.num_workers if cfg.run.orchestrator == "ray" else int(os.environ.get("WORLD_SIZE", "1"))
-    derived = check_config(cfg)
+    check_ranges(cfg)
+    check_combinations(cfg)
     check_device(cfg)
     check_processes(cfg, processes)
     check_packages(cfg)
     check_run_dir(cfg)
-    check_task_and_model(cfg, derived)
-    return derived
+    derived = derive(cfg)  # each derived value checked (jetflow.config.derive)
+    return derived, check_task_and_model(cfg, derived)
 
 
 # The config alone --------------------------------------------------------------------------------------
 
 def check_config(cfg: Config) -> Derived:
     """Every check the config alone decides; returns the config's derived values."""
-    try:
-        derived = derive(cfg)  # the recipe checks its own fields (blocks, margins, layer counts)
-    except ValueError as e:
-        raise ConfigError(f"precision: {e}") from None
     check_ranges(cfg)
-    check_correction_params(cfg, derived.correction)
-    check_combinations(cfg, derived)
-    return derived
+    check_combinations(cfg)
+    return derive(cfg)
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -146,25 +147,12 @@ def check_ranges(cfg: Config) -> None:
                               f"{tiny.num_kv_heads} and divide hidden_size={tiny.hidden_size}")
 
 
-def check_correction_params(cfg: Config, name: str) -> None:
-    """algo.correction_params: the parameters of correction `name` (algo.correction, `auto` resolved),
-    each in range; a key it does not take is refused by name, with the ones it takes."""
-    from jetflow.rl import correction_parameters
-    try:
-        correction_parameters(name, cfg.algo.correction_params)
-    except ValueError as e:
-        auto = f"; algo.correction=auto is {name} under precision.mode={cfg.precision.mode}"
-        raise ConfigError(f"algo.correction_params: {e}{auto if cfg.algo.correction == 'auto' else ''}") from None
-
-
-def check_combinations(cfg: Config, derived: Derived) -> None:
-    """Values that are valid alone and not together (`derived`: precision.numerics resolved, and why
-    exact numerics cannot run)."""
+def check_combinations(cfg: Config) -> None:
+    """Values that are valid alone and not together (those that involve a derived value, such as the
+    resolved numerics, are jetflow.config.derive's)."""
     t, a = cfg.train, cfg.algo
     if t.steps == 0 and t.sft_warmup_steps == 0:
         raise ConfigError("train.steps=0 and train.sft_warmup_steps=0: the run would do nothing")
-    if cfg.precision.numerics == "exact" and derived.precision.exact_blocker:
-        raise ConfigError(f"precision.numerics=exact: {derived.precision.exact_blocker}; use precision.numerics=fast (or auto)")
     if t.backend != "megatron":
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(t, key) != 1:
@@ -192,9 +180,6 @@ def check_combinations(cfg: Config, derived: Derived) -> None:
                 raise ConfigError(f"algo.routing_replay=true with {key}={value}: routing replay runs with the native "
                                   f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
     check_algorithm(cfg)
-    if cfg.rollout.backend == "vllm" and derived.precision.kv_cache_fp8 and not derived.precision.is_exact:
-        raise ConfigError("precision.kv_cache_fp8=true with rollout.backend=vllm needs precision.numerics=exact (or "
-                          "auto): only jetflow's plugin loads the per-step FP8 KV scales")
     if t.fp8_backend != "jetflow":  # Transformer Engine cannot be installed on the CPU machines
         raise ConfigError(f"train.fp8_backend={t.fp8_backend!r}: `jetflow train` runs train.fp8_backend='jetflow' "
                           f"today; the {t.fp8_backend} backend is available as the library component jetflow.train.te "
@@ -269,18 +254,6 @@ def check_packages(cfg: Config) -> None:
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         from jetflow.rollout.vllm import INSTALL_HINT
         raise ConfigError(f"rollout.backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}")
-    check_loggers(cfg)
-
-
-def check_loggers(cfg: Config) -> None:
-    """run.loggers names known trackers whose libraries are installed."""
-    from jetflow import trackers
-    unknown = [n for n in cfg.run.loggers if n not in trackers.LOGGERS]
-    if unknown:
-        raise ConfigError(f"run.loggers: unknown logger(s) {', '.join(map(repr, unknown))}; valid loggers are "
-                          f"{', '.join(trackers.LOGGERS)}")
-    if absent := trackers.missing(run_loggers(cfg.run)):
-        raise ConfigError(f"run.loggers: {', '.join(absent)} not installed: {trackers.INSTALL_HINT}")
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -308,25 +281,18 @@ def check_run_dir(cfg: Config) -> None:
                           f"run.allow_changes=[{','.join(changed)}], or choose another run.name")
 
 
-def check_task_and_model(cfg: Config, derived: Derived) -> None:
-    """The task's parameters (checked by the task itself) and its held-out split, then the model the run
-    will build, read without loading a weight (`smollm2` is converted on first use): its positions hold
-    the longest prompt and a whole response, the layers kept in high precision exist, routing replay has
-    experts to replay, and Megatron's layout can split it under the run's numerics and recipe
-    (jetflow.train.megatron.checks)."""
+def check_task_and_model(cfg: Config, derived: Derived) -> RunInputs:
+    """The run's inputs, read (the task's parameters checked by the task itself), then checked: the
+    task's held-out split, and the model the run will build, read without loading a weight (`smollm2`
+    is converted on first use): its positions hold the longest prompt and a whole response, the layers
+    kept in high precision exist, routing replay has experts to replay, and Megatron's layout can split
+    it under the run's numerics and recipe (jetflow.train.megatron.checks)."""
     path = cfg.model.path
     if path not in ("tiny", "smollm2") and not Path(path).is_dir():
         raise ConfigError(f"model.path={path!r}: not a directory (use a local Hugging Face directory, `smollm2` or "
                           "`tiny`)")
-    try:
-        task = build_task(cfg)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, UserError):  # a data file or a reward function: its own one line, naming file and row
-            raise
-        hint = ""
-        if "unknown option" in str(e):  # often the base config's params, kept when task.name was overridden
-            hint = "; task.params={...} replaces the config's params (task.params.KEY=VALUE adds to them)"
-        raise ConfigError(f"task.params: {e}{hint}") from None
+    inputs = load_inputs(cfg)
+    task, arch, longest = inputs.task, inputs.arch, inputs.longest_prompt
     if cfg.eval.num_prompts and not task.held_out_problems(1):
         raise ConfigError(f"eval.held_out={cfg.eval.held_out}: no prompt of task {cfg.task.name!r} falls in the "
                           "held-out split; raise eval.held_out, or set eval.num_prompts=0")
@@ -335,9 +301,7 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
         raise ConfigError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps}: the supervised warm-up trains on "
                           "the reference answers, and the task has none; set task.params.answer_key (the field "
                           "holding them) or train.sft_warmup_steps=0")
-    arch, lengths = model_architecture(cfg), prompt_lengths(cfg, build_tokenizer(cfg), task)
-    longest = max(n for _, n in lengths)
-    check_prompt_positions(cfg, task, lengths, arch.max_position_embeddings)
+    check_prompt_positions(cfg, task, inputs.prompt_lengths, arch.max_position_embeddings)
     if cfg.rollout.kv_cache_gib is not None and cfg.rollout.backend == "native":  # the longest request alone, fp32
         need = (pages_for(longest + cfg.rollout.max_new_tokens) + 1) * PagePool.page_bytes(
             arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32)
@@ -356,6 +320,7 @@ def check_task_and_model(cfg: Config, derived: Derived) -> None:
                           "to replay; set algo.routing_replay=false")
     if cfg.train.backend == "megatron":
         check_megatron_model(cfg, arch, derived)
+    return inputs
 
 
 def check_prompt_positions(cfg: Config, task, lengths: list[tuple[int | None, int]], positions: int) -> None:

@@ -72,7 +72,7 @@ def run_case(config: str, case: str, tp: int, pp: int, ep: int, prompts_per_rank
     task = build_task(cfg)
     decoder, tok = build_policy(cfg)
     random_weights(decoder)
-    policy = build_trainer_model(cfg, derived, copy.deepcopy(decoder))
+    policy = build_trainer_model(cfg, derived, copy.deepcopy(decoder))[0]
     world = dist.get_world_size()
     dp = model_data_parallel(policy, DataParallel(rank=dist.get_rank(), world_size=world, global_rank=dist.get_rank()))
     trainer = Trainer(policy, cfg.train, cfg.algo, dp=dp)

@@ -12,6 +12,7 @@ from jetflow.metrics_log import read_metrics
 from jetflow.precision.linear import PrecisionLinear
 from jetflow.rl.experience import pack_experience
 from jetflow.run.runner import train
+from jetflow.run.build import load_inputs
 from jetflow.run.sides import REFERENCE_FILE, TrainerSide, build_reference
 from jetflow.run.validate import check_config
 
@@ -48,7 +49,7 @@ def _first_update(side: TrainerSide):
 @pytest.mark.parametrize("mode", ["unified", "bf16"])
 def test_the_reference_equals_the_trainer_bit_for_bit_until_the_first_update_and_stays_frozen(tmp_path, mode):
     cfg = _cfg(tmp_path, f"precision.mode={mode}", "algo.kl_coef=0.05")
-    side = TrainerSide(cfg, check_config(cfg))
+    side = TrainerSide(cfg, check_config(cfg), load_inputs(cfg))
     side.rl_loop(tmp_path)
     reference, trainer = side.trainer.reference, side.trainer
     fp8 = [m for m in reference.modules() if isinstance(m, PrecisionLinear) and m.kind == "fp8"]
@@ -104,7 +105,7 @@ def test_on_megatron_the_reference_is_a_frozen_policy_of_fp8_bytes_equal_to_the_
     from jetflow.train.reference import FreezableLinear, reference_nbytes
 
     cfg = _cfg(tmp_path, "precision.mode=unified", "train.backend=megatron", "algo.kl_coef=0.05")
-    side = TrainerSide(cfg, check_config(cfg))
+    side = TrainerSide(cfg, check_config(cfg), load_inputs(cfg))
     rng = torch.get_rng_state()
     side.trainer.reference = build_reference(cfg, side.derived, side.model, tmp_path)  # what rl_loop does
     assert torch.equal(torch.get_rng_state(), rng)  # building the reference leaves the run's RNG stream alone

@@ -145,7 +145,7 @@ def test_megatron_policy_sync_copy_and_checkpoint_equal_native(tmp_path, megatro
         for p in decoder.parameters():
             p.add_(0.05 * torch.randn_like(p))
     native = apply_mode(copy.deepcopy(decoder), derived.precision, "trainer")
-    policy = build_trainer_model(cfg, derived, copy.deepcopy(decoder))
+    policy = build_trainer_model(cfg, derived, copy.deepcopy(decoder))[0]
     assert policy.num_params() == native.num_params()
 
     ours, theirs = build_update(policy, "unified", 1, "fp"), build_update(native, "unified", 1, "fp")
@@ -160,7 +160,7 @@ def test_megatron_policy_sync_copy_and_checkpoint_equal_native(tmp_path, megatro
     assert all(torch.equal(a, b) for a, b in zip(clone.state_dict().values(), decoder.state_dict().values()))
 
     save_checkpoint(tmp_path, 1, policy, {}, {"next_step": 1})
-    other = build_trainer_model(cfg, derived, copy.deepcopy(native))
+    other = build_trainer_model(cfg, derived, copy.deepcopy(native))[0]
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()

@@ -115,7 +115,7 @@ def test_only_rejects_patterns_that_match_nothing():
 
 
 def test_a_run_dir_made_with_another_config_is_refused(tmp_path):
-    from jetflow.config import save_config
+    from jetflow.config import config_text
     path = write(tmp_path, {"name": "x", "base_config": str(ROOT / "configs/tiny.yaml"),
                             "grid": {"precision.mode": ["bf16"]}})
     ab = load_ablation(path, tmp_path / "out")
@@ -123,10 +123,10 @@ def test_a_run_dir_made_with_another_config_is_refused(tmp_path):
     run_dir = ab.run_dir(ab.cells[0])
     run_dir.mkdir(parents=True)
     cfg.run.progress = False  # session settings may differ
-    save_config(cfg, run_dir / "config.yaml")
+    (run_dir / "config.yaml").write_text(config_text(cfg))
     resolve_cells(ab, ab.cells)
     cfg.train.lr = 1.0
-    save_config(cfg, run_dir / "config.yaml")
+    (run_dir / "config.yaml").write_text(config_text(cfg))
     with pytest.raises(ConfigError, match=r"cell 'bf16'.*started with another config \(train.lr differ"):
         resolve_cells(ab, ab.cells)
 

@@ -3,7 +3,7 @@ the values' ranges are the pre-run pass's: tests/unit/test_validate.py)."""
 
 import pytest
 
-from jetflow.config import ConfigError, load_config, save_config
+from jetflow.config import ConfigError, config_text, load_config
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
@@ -12,7 +12,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
     cfg = load_config(yaml, ["train.steps=9", "task.params.digits=2"])
     assert cfg.precision.mode == "mixed" and cfg.train.steps == 9 and cfg.task.params == {"digits": 2}
     out = tmp_path / "resolved.yaml"
-    save_config(cfg, out)
+    out.write_text(config_text(cfg))
     assert load_config(out).train.steps == 9
 
 

@@ -13,7 +13,7 @@ from jetflow.config import derive, load_config
 from jetflow.model import Decoder, ModelConfig
 from jetflow.precision import fp8_linears
 from jetflow.rl.experience import pack_experience
-from jetflow.run.build import apply_mode, copy_model
+from jetflow.run.build import apply_mode, copy_model, load_inputs
 from jetflow.run.sides import REFERENCE_FILE, TrainerSide, build_reference
 from jetflow.run.validate import check_config
 from jetflow.train.reference import reference_nbytes
@@ -66,7 +66,7 @@ def test_the_fsdp_reference_keeps_fp8_bytes_and_equals_the_policy_until_the_upda
 
     cfg = load_config("configs/tiny.yaml", [f"run.out_dir={tmp_path}", "precision.mode=unified", "train.backend=fsdp",
                                             "algo.kl_coef=0.05", "run.num_threads=1", "eval.num_prompts=0"])
-    side = TrainerSide(cfg, check_config(cfg))
+    side = TrainerSide(cfg, check_config(cfg), load_inputs(cfg))
     trainer = side.trainer
     side.keep_reference(tmp_path)  # what rl_loop does when RL begins
     reference = trainer.reference

@@ -213,9 +213,9 @@ def test_a_full_disk_while_drawing_the_report_is_one_warning_and_leaves_no_parti
                                                                                           capsys):
     import matplotlib.figure
 
-    from jetflow.config import Config, save_config
+    from jetflow.config import Config, config_text
     from jetflow.run.report import report_at_end
-    save_config(Config(), tmp_path / "config.yaml")
+    (tmp_path / "config.yaml").write_text(config_text(Config()))
     rows = [{"step": s, "phase": "rl", "reward/mean": 0.1 * s, "mismatch/kl_k3": 1e-4, "time/step": 1.0}
             for s in range(3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -258,9 +258,9 @@ def test_generate_from_a_run_and_from_its_checkpoint(run_dir, tmp_path, capsys):
     assert not torch.equal(load_model(run / "checkpoints" / "step_000000")(IDS), model(IDS))  # the newest, not any
 
     from jetflow.config import load_config
-    from jetflow.run.build import build_tiny
+    from jetflow.run.build import build_policy
     cfg = load_config(run / "config.yaml")
-    reference, tok = build_tiny(cfg)
+    reference, tok = build_policy(cfg)
     reference.load_state_dict(stored, strict=False)
     reference.tie_weights()
     expected = greedy(reference.eval(), tok)
@@ -303,11 +303,12 @@ def test_final_model_is_an_hf_directory_and_its_fp8_export(run_dir, tmp_path, ca
     from transformers import AutoModelForCausalLM
 
     from jetflow.config import derive, load_config
+    from jetflow.run.build import load_inputs
     from jetflow.run.sides import TrainerSide
 
     run = older_run(run_dir, tmp_path)
     cfg = load_config(run / "config.yaml")
-    side = TrainerSide(cfg, derive(cfg))  # as the run holds it at its end: the trained weights under unified FP8
+    side = TrainerSide(cfg, derive(cfg), load_inputs(cfg))  # as the run holds it at its end: the trained weights under unified FP8
     side.restore(latest_checkpoint(run))
     final = write_final_model(run, side.model, side.tokenizer, cfg.precision.mode, cfg.precision.recipe())
     assert final == run / FINAL_MODEL_DIR and not list(run.glob(".tmp-*"))

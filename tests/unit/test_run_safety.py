@@ -250,10 +250,11 @@ def test_user_errors_are_one_line_and_exit_2_and_debug_shows_the_traceback(tmp_p
 
 def test_no_checkpoint_replaces_the_last_good_one_during_a_bad_streak(tmp_path, capsys):
     from jetflow.config import derive, load_config
+    from jetflow.run.build import load_inputs
     from jetflow.run.sides import TrainerSide
 
     cfg = load_config("configs/tiny.yaml")
-    side = TrainerSide(cfg, derive(cfg))
+    side = TrainerSide(cfg, derive(cfg), load_inputs(cfg))
     side.save(tmp_path, 2, True)
     side.trainer.consecutive_bad = 1  # the last step was skipped (NaN loss or gradient)
     side.save(tmp_path, 3, True)
@@ -284,9 +285,9 @@ def test_a_mapping_override_replaces_the_free_form_params():
     assert load_config("configs/tiny.yaml", ["task.params.digits=2"]).task.params["style"] == "plain"  # merges
     from jetflow.config import ConfigError, derive
     from jetflow.run.validate import check_task_and_model
-    countdown = load_config("configs/tiny.yaml", ["task.name=countdown"])
+    math = load_config("configs/tiny.yaml", ["task.name=math"])  # the tiny model reads data-file tasks
     with pytest.raises(ConfigError, match=r"unknown option\(s\) digits.*task.params=\{\.\.\.\} replaces"):
-        check_task_and_model(countdown, derive(countdown))
+        check_task_and_model(math, derive(math))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -336,7 +337,7 @@ def test_a_damaged_model_file_or_another_models_tokenizer_is_refused_at_load(mak
     """Before: a NaN weight failed later as a NonFiniteError traceback in the FP8 quantizer; a
     tokenizer with more tokens than the embedding ran silently."""
     from jetflow.model import load_hf_dir
-    from jetflow.run.build import check_loaded_policy
+    from jetflow.model.checkpoint import check_loaded_model
 
     _, src = make_tiny_hf("llama")
     model = load_hf_dir(src)
@@ -344,12 +345,12 @@ def test_a_damaged_model_file_or_another_models_tokenizer_is_refused_at_load(mak
     class Tok:
         vocab_size = model.config.vocab_size
 
-    check_loaded_policy(model, Tok(), src)  # an intact pair passes
+    check_loaded_model(model, Tok(), src)  # an intact pair passes
     Tok.vocab_size += 7
     with pytest.raises(CheckpointError, match=r"the tokenizer has \d+ tokens, the model's embedding \d+"):
-        check_loaded_policy(model, Tok(), src)
+        check_loaded_model(model, Tok(), src)
     Tok.vocab_size -= 7
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, :2] = float("nan")
     with pytest.raises(CheckpointError, match=r"weight model.layers.0.mlp.down_proj.weight holds 2 NaN/Inf"):
-        check_loaded_policy(model, Tok(), src)
+        check_loaded_model(model, Tok(), src)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jetflow.cli import main
-from jetflow.config import ConfigError, load_config, run_loggers
+from jetflow.config import ConfigError, derive, load_config, run_loggers
 from jetflow.metrics_log import read_jsonl
 from jetflow.trackers import mlflow_name, step_key, tag
 
@@ -134,21 +134,20 @@ def test_a_tiny_run_logs_every_metric_config_and_figure_to_wandb_and_mlflow_and_
 
 
 def test_run_tensorboard_is_an_alias_and_unknown_loggers_are_refused(tmp_path):
-    from jetflow.run.validate import check_loggers
     assert run_loggers(load_config("configs/tiny.yaml", []).run) == ["tensorboard"]
     assert run_loggers(load_config("configs/tiny.yaml", ["run.tensorboard=false"]).run) == []
     assert run_loggers(load_config("configs/tiny.yaml", ["run.loggers=[mlflow]", "run.tensorboard=true"]).run) \
         == ["mlflow", "tensorboard"]
+    assert derive(load_config("configs/tiny.yaml", ["run.tensorboard=false"])).loggers == ()  # the run's, derived once
     with pytest.raises(ConfigError, match=r"run.loggers: unknown logger\(s\) 'neptune'; valid loggers are "
                                           r"tensorboard, wandb, mlflow"):
-        check_loggers(load_config("configs/tiny.yaml", ["run.loggers=[neptune]"]))
+        derive(load_config("configs/tiny.yaml", ["run.loggers=[neptune]"]))
 
 
 def test_a_missing_tracker_library_is_one_line_with_the_install_command(monkeypatch):
     import importlib.util
 
-    from jetflow.run.validate import check_loggers
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"run.loggers: wandb not installed: pip install 'jetflow\[trackers\]'"):
-        check_loggers(load_config("configs/tiny.yaml", ["run.loggers=[wandb]"]))
+        derive(load_config("configs/tiny.yaml", ["run.loggers=[wandb]"]))

@@ -82,7 +82,7 @@ def test_a_bad_correction_parameter_is_one_line_before_the_model_loads(tmp_path,
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the config was checked")
     monkeypatch.setattr(build, "build_policy", no_model)
-    monkeypatch.setattr(build, "build_tiny", no_model)
+    monkeypatch.setattr(build, "build_model", no_model)
     rc = main(["train", "--config", TINY, f"run.out_dir={tmp_path}", "algo.correction=token_tis",
                "algo.correction_params={C: 2.0}"])
     err = capsys.readouterr().err
@@ -119,13 +119,13 @@ def test_more_high_precision_layers_than_the_model_has_are_refused_before_it_loa
 def test_a_run_directory_is_resumed_with_its_own_config_only(tmp_path):
     """A directory that holds a run needs run.resume=true; a resume with another config is refused by
     name unless run.allow_changes lists the key; a damaged config.yaml is refused too."""
-    from jetflow.config import save_config
+    from jetflow.config import config_text
     base = [f"run.out_dir={tmp_path}", "run.name=r"]
     cfg = load_config(TINY, base)
     validate_run(cfg)  # nothing there yet
     run_dir = tmp_path / "r"
     run_dir.mkdir()
-    save_config(cfg, run_dir / "config.yaml")
+    (run_dir / "config.yaml").write_text(config_text(cfg))
     (run_dir / "metrics.jsonl").write_text("")
     with pytest.raises(ConfigError, match=r"already holds a run; pass run.resume=true"):
         validate_run(cfg)

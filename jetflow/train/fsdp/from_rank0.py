@@ -1,6 +1,6 @@
 """Weights that only rank 0 loads (`train.backend=fsdp`): every other rank builds the model on the meta
-device (jetflow.run.build.build_policy_shell) and fills one `fully_shard` unit at a time from rank 0 just
-before the unit is sharded, so a rank other than 0 holds at most one unit whole, never the model (FSDP1's
+device (jetflow.run.build.build_model, weights=False) and fills one `fully_shard` unit at a time from
+rank 0 just before the unit is sharded, so a rank other than 0 holds at most one unit whole, never the model (FSDP1's
 `sync_module_states`; torchtitan and torchtune load the full state on rank 0 and scatter it likewise).
 Rank 0 frees the whole weights as each unit is sharded (the shards are copies).
 
