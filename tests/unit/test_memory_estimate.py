@@ -111,7 +111,7 @@ def absurd(tmp_path, *more):
 def test_a_run_that_cannot_fit_is_refused_in_one_line_before_anything_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(me, "available_memory", lambda device: (8 * GIB, "test"))
     built = []
-    monkeypatch.setattr("jetflow.run.sides.build_policy", lambda cfg: built.append(cfg))
+    monkeypatch.setattr("jetflow.run.sides.build_model", lambda cfg, *a, **k: built.append(cfg))
     with pytest.raises(me.MemoryTooSmall) as e:
         validate_run(absurd(tmp_path))
     msg = str(e.value)
