@@ -258,6 +258,15 @@ def render_prompt(tokenizer: Tokenizer | CharTokenizer, prompt: str | list[dict]
     return prompt
 
 
+def eos_token_ids(tokenizer: Tokenizer | CharTokenizer, model_config) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and the model config's eos_token_id (an id or a
+    list of them, as Llama 3's and Qwen's configs give several)."""
+    ids = {tokenizer.eos_token_id}
+    eos = model_config.eos_token_id
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(int(i) for i in ids if i is not None)
+
+
 def encode_prompt(tokenizer: Tokenizer | CharTokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
     """A prompt's token ids as a run encodes them (render_prompt, then the tokenizer): the one function
     behind the rollout's prompts and the pre-run length checks."""

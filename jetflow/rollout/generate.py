@@ -5,22 +5,11 @@ from __future__ import annotations
 import torch
 
 from jetflow.errors import UsageError
-from jetflow.model.tokenizer import TokenizerError, render_prompt
+from jetflow.model.tokenizer import TokenizerError, eos_token_ids, render_prompt
 from jetflow.precision.modes import LINEAR_KINDS
 from jetflow.rollout.engine import RolloutEngine, SamplingParams
 
 PRECISIONS = LINEAR_KINDS  # --precision: the linears' GEMM kind
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    """EOS ids from the tokenizer and from the model config (which may list several)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    cfg_eos = model.config.eos_token_id
-    if cfg_eos is not None:
-        ids.update(int(i) for i in (cfg_eos if isinstance(cfg_eos, (list, tuple)) else [cfg_eos]))
-    return sorted(ids)
 
 
 def encode_prompt(tok, prompt: str, chat: bool, index: int) -> list[int]:
@@ -72,7 +61,7 @@ def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64,
     if precision != "fp32":
         apply_precision(model, precision, QuantRecipe() if precision == "fp8" else None)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    engine = RolloutEngine(model, _eos_ids(model, tok), pad, max_batch=min(len(ids), 32),
+    engine = RolloutEngine(model, eos_token_ids(tok, model.config), pad, max_batch=min(len(ids), 32),
                            max_seq_len=max(map(len, ids)) + max_new_tokens, device=dev, tokenizer=tok)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     out = engine.generate(ids, params, seeds=[seed + i for i in range(len(ids))])

@@ -20,7 +20,7 @@ from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.model.checkpoint import check_loaded_model, load_model_config
-from jetflow.model.tokenizer import encode_prompt, render_prompt
+from jetflow.model.tokenizer import encode_prompt, eos_token_ids, render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
 from jetflow.precision.modes import PrecisionMode
@@ -62,12 +62,7 @@ def load_inputs(cfg: Config) -> RunInputs:
     task.params.max_prompt_tokens (tasks read from a data file): the rows whose prompt, as the run
     encodes it, is longer are dropped, with a warning that counts them."""
     params, limit = task_params(cfg)
-    if cfg.model.path == "tiny":
-        tokenizer = tiny_tokenizer(cfg)
-        arch = tiny_model_config(cfg, tokenizer)
-    else:
-        path = model_dir(cfg)
-        tokenizer, arch = load_tokenizer(path), load_model_config(path)
+    tokenizer, arch = build_tokenizer(cfg), model_architecture(cfg)
     try:
         task = make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
     except (TypeError, ValueError) as e:
@@ -75,7 +70,7 @@ def load_inputs(cfg: Config) -> RunInputs:
     if cfg.eval.num_prompts:
         task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
     rows = task.dataset_problems()  # every row of a data file; a generated task: its first 64 problems
-    chat = cfg.model.chat_template and task.chat
+    chat = uses_chat(cfg, task)
     lengths: list[tuple[int | None, int]] = []
     for p in rows if rows is not None else task.problems(0, 64, cfg.run.seed):
         row = p.meta["row"] if rows is not None else None
@@ -273,28 +268,32 @@ def apply_mode(model: Decoder, precision: Precision, side: Side, kv: KVQuantizer
                            num_layers=model.config.num_layers, numerics=precision.numerics)
 
 
+def uses_chat(cfg: Config, task: Task) -> bool:
+    """Whether a run's text prompts go through the tokenizer's chat template: model.chat_template and the
+    task's own style both ask for it (render_prompt then also needs the tokenizer to have one)."""
+    return bool(cfg.model.chat_template and task.chat)
+
+
 def prompt_text(cfg: Config, tokenizer, task: Task, problem: Problem) -> str:
     """The text of a problem's prompt as the run tokenizes it (chat-templated where model.chat_template,
     the task and the tokenizer all have it)."""
-    return render_prompt(tokenizer, problem.prompt, cfg.model.chat_template and task.chat)
+    return render_prompt(tokenizer, problem.prompt, uses_chat(cfg, task))
 
 
 def prompt_encoder(cfg: Config, tokenizer, task: Task) -> Callable[[Problem], list[int]]:
     """A problem's prompt ids as the run encodes them (the lengths in RunInputs are counted the same way)."""
-    chat = cfg.model.chat_template and task.chat
+    chat = uses_chat(cfg, task)
     return lambda problem: encode_prompt(tokenizer, problem.prompt, chat)
 
 
 def stop_token_ids(tokenizer, model: Decoder, task: Task) -> list[int]:
     """EOS ids of the tokenizer and model config, plus task stop strings that are single tokens."""
-    ids = {tokenizer.eos_token_id}
-    eos = model.config.eos_token_id
-    ids.update(eos if isinstance(eos, list) else [eos])
+    ids = set(eos_token_ids(tokenizer, model.config))
     for s in task.stop:
         enc = tokenizer.encode(s)
         if len(enc) == 1:
             ids.add(enc[0])
-    return sorted(i for i in ids if i is not None)
+    return sorted(ids)
 
 
 def attach_kv_fp8(model: Decoder, precision: Precision, side: Side) -> KVQuantizer | None:
