@@ -10,7 +10,7 @@ import string
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -62,7 +62,7 @@ def load_inputs(cfg: Config) -> RunInputs:
     task.params.max_prompt_tokens (tasks read from a data file): the rows whose prompt, as the run
     encodes it, is longer are dropped, with a warning that counts them."""
     params, limit = task_params(cfg)
-    tokenizer, arch = build_tokenizer(cfg), model_architecture(cfg)
+    tokenizer, arch = model_files(cfg)
     try:
         task = make_task(cfg.task.name, seed=cfg.run.seed, format_weight=cfg.task.format_weight, **params)
     except (TypeError, ValueError) as e:
@@ -70,7 +70,7 @@ def load_inputs(cfg: Config) -> RunInputs:
     if cfg.eval.num_prompts:
         task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
     rows = task.dataset_problems()  # every row of a data file; a generated task: its first 64 problems
-    chat = uses_chat(cfg, task)
+    chat = task.uses_chat(cfg.model.chat_template)
     lengths: list[tuple[int | None, int]] = []
     for p in rows if rows is not None else task.problems(0, 64, cfg.run.seed):
         row = p.meta["row"] if rows is not None else None
@@ -191,12 +191,20 @@ def model_dir(cfg: Config) -> Path:
     return smollm2_dir(cfg.model.cache_dir) if cfg.model.path == "smollm2" else Path(cfg.model.path)
 
 
-def model_architecture(cfg: Config) -> ModelConfig:
-    """The architecture of the model the run builds, read without loading a weight (a checkpoint's
-    config.json, or the tiny model's sizes)."""
+def model_files(cfg: Config) -> tuple[Any, ModelConfig]:
+    """(the run's tokenizer, its model's architecture), read without loading a weight: the tiny model's
+    character tokenizer and sizes, or model.path's tokenizer files and config.json. The one place that
+    tells the tiny model from a Hugging Face directory."""
     if cfg.model.path == "tiny":
-        return tiny_model_config(cfg, tiny_tokenizer(cfg))
-    return load_model_config(model_dir(cfg))
+        tokenizer = tiny_tokenizer(cfg)
+        return tokenizer, tiny_model_config(cfg, tokenizer)
+    path = model_dir(cfg)
+    return load_tokenizer(path), load_model_config(path)
+
+
+def model_architecture(cfg: Config) -> ModelConfig:
+    """The architecture of the model the run builds, read without loading a weight."""
+    return model_files(cfg)[1]
 
 
 def build_model(cfg: Config, arch: ModelConfig, tokenizer, weights: bool = True) -> Decoder:
@@ -222,8 +230,8 @@ def build_model(cfg: Config, arch: ModelConfig, tokenizer, weights: bool = True)
 def build_policy(cfg: Config):
     """(policy model, tokenizer) from the config alone: for the benches and tools that build a model
     outside a run (a run builds its RunInputs once and calls build_model)."""
-    tokenizer = build_tokenizer(cfg)
-    return build_model(cfg, model_architecture(cfg), tokenizer), tokenizer
+    tokenizer, arch = model_files(cfg)
+    return build_model(cfg, arch, tokenizer), tokenizer
 
 
 def loads_whole_policy(cfg: Config, global_rank: int) -> bool:
@@ -233,7 +241,7 @@ def loads_whole_policy(cfg: Config, global_rank: int) -> bool:
 
 def build_tokenizer(cfg: Config):
     """The run's tokenizer alone (what a driver that holds no model needs)."""
-    return tiny_tokenizer(cfg) if cfg.model.path == "tiny" else load_tokenizer(model_dir(cfg))
+    return model_files(cfg)[0]
 
 
 def copy_model(model: Decoder) -> Decoder:
@@ -268,21 +276,15 @@ def apply_mode(model: Decoder, precision: Precision, side: Side, kv: KVQuantizer
                            num_layers=model.config.num_layers, numerics=precision.numerics)
 
 
-def uses_chat(cfg: Config, task: Task) -> bool:
-    """Whether a run's text prompts go through the tokenizer's chat template: model.chat_template and the
-    task's own style both ask for it (render_prompt then also needs the tokenizer to have one)."""
-    return bool(cfg.model.chat_template and task.chat)
-
-
 def prompt_text(cfg: Config, tokenizer, task: Task, problem: Problem) -> str:
     """The text of a problem's prompt as the run tokenizes it (chat-templated where model.chat_template,
     the task and the tokenizer all have it)."""
-    return render_prompt(tokenizer, problem.prompt, uses_chat(cfg, task))
+    return render_prompt(tokenizer, problem.prompt, task.uses_chat(cfg.model.chat_template))
 
 
 def prompt_encoder(cfg: Config, tokenizer, task: Task) -> Callable[[Problem], list[int]]:
     """A problem's prompt ids as the run encodes them (the lengths in RunInputs are counted the same way)."""
-    chat = uses_chat(cfg, task)
+    chat = task.uses_chat(cfg.model.chat_template)
     return lambda problem: encode_prompt(tokenizer, problem.prompt, chat)
 
 

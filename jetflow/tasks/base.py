@@ -103,6 +103,11 @@ class Task(ABC):
         self.format_weight = float(format_weight)
         self.held_out = 0.0
 
+    def uses_chat(self, chat_template: bool) -> bool:
+        """Whether this task's text prompts go through the tokenizer's chat template in a run whose
+        model.chat_template is `chat_template`: both the run and the task's style ask for it."""
+        return bool(chat_template and self.chat)
+
     def set_held_out(self, fraction: float) -> None:
         """Keep the prompts whose hash is below ``fraction`` out of training (for evaluation)."""
         if not 0.0 <= fraction < 1.0:
