@@ -201,7 +201,10 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_the_same_command_resumes_b
     import time
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(_cli_train(tmp_path, "r"), stderr=subprocess.PIPE, text=True, env=env)
+    # held-out evaluations only before the first RL step and after the last, so the signal lands in an RL
+    # step (a busy machine once delivered it during step 5's evaluation, a stop the test did not expect)
+    command = _cli_train(tmp_path, "r", "eval.every=0")
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     metrics = tmp_path / "r" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().count('"phase": "rl"') >= 3):  # 3 RL steps (eval rows too)
@@ -218,9 +221,10 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_the_same_command_resumes_b
     assert json.loads((tmp_path / "r" / "STOPPED").read_text()) == {
         "signal": "SIGTERM", "phase": "rl", "stopped_at": f"step {step}", "resumes_at": f"step {step}"}
 
-    assert subprocess.run(_cli_train(tmp_path, "r"), env=env, capture_output=True).returncode == 0  # same command
+    assert subprocess.run(command, env=env, capture_output=True).returncode == 0  # the same command
     assert not (tmp_path / "r" / "STOPPED").exists() and (tmp_path / "r" / "COMPLETE").exists()
-    assert subprocess.run(_cli_train(tmp_path, "whole"), env=env, capture_output=True).returncode == 0
+    whole = _cli_train(tmp_path, "whole", "eval.every=0")
+    assert subprocess.run(whole, env=env, capture_output=True).returncode == 0
     assert _rows_without_clock(tmp_path / "r") == _rows_without_clock(tmp_path / "whole")
 
 
