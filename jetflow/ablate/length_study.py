@@ -4,7 +4,8 @@ directories to the tables of <out_dir>/README.md.
     python -m jetflow.ablate.length_study results/learning-length [--ablation FILE]
 
 Per setting (a response length) and arm, over the seeds whose cell is complete: the final held-out
-pass@1 (the last evaluation) as mean, sample standard deviation and range; the collapse step; the
+pass@1 (the last evaluation) as mean, sample standard deviation and range; the collapse step and
+whether the run was still collapsed at its last evaluation; the
 policy entropy and mean response length at the start and the end of RL. Per setting and `compare` pair
 (a, b) of the ablation file: the paired difference a - b over the seeds both completed (mean of the
 per-seed differences, SE = their sample standard deviation / sqrt(n)) and how many seeds have
@@ -56,6 +57,9 @@ class CellResult:
     """Mean held-out pass@1 over the last LATE evaluations (all of them when fewer)."""
     best: float
     collapse_step: int | None
+    collapsed_at_end: bool
+    """The last evaluation is below half the best before it: a collapse the run did not recover from
+    (a run can dip below half and climb back, which collapse_step alone counts the same)."""
     entropy_start: float | None
     entropy_end: float | None
     length_start: float | None
@@ -80,6 +84,11 @@ def collapse_step(evals: list[tuple[int, float]]) -> int | None:
     return None
 
 
+def collapsed_at_end(evals: list[tuple[int, float]]) -> bool:
+    """Whether the last value is below half the best value before it. `evals`: (step, pass@1) in step order."""
+    return len(evals) > 1 and evals[-1][1] < 0.5 * max(v for _, v in evals[:-1])
+
+
 def _edge_mean(values: list[float], end: bool) -> float | None:
     vals = values[-EDGE:] if end else values[:EDGE]
     return sum(vals) / len(vals) if vals else None
@@ -99,7 +108,7 @@ def cell_result(run_dir: Path) -> CellResult | None:
     kl = [r["mismatch/kl_k3"] for r in rl if r.get("mismatch/kl_k3") is not None]
     late = [v for _, v in evals[-LATE:]]
     return CellResult(final=evals[-1][1], late=sum(late) / len(late), best=max(v for _, v in evals),
-                      collapse_step=collapse_step(evals),
+                      collapse_step=collapse_step(evals), collapsed_at_end=collapsed_at_end(evals),
                       entropy_start=_edge_mean(ent, False), entropy_end=_edge_mean(ent, True),
                       length_start=_edge_mean(length, False), length_end=_edge_mean(length, True),
                       mismatch_kl=statistics.fmean(kl) if kl else None)
@@ -152,6 +161,7 @@ def arm_table(results: Results) -> list[dict]:
             "best (mean)": _num(statistics.fmean(c.best for c in cells)),
             "collapsed": f"{len(steps)} of {st['n']}",
             "collapse steps": ", ".join(map(str, sorted(steps))),
+            "still collapsed at the end": f"{sum(c.collapsed_at_end for c in cells)} of {st['n']}",
             "entropy start -> end": f"{_mean_of(c.entropy_start for c in cells)} -> {_mean_of(c.entropy_end for c in cells)}",
             "resp len start -> end": f"{_mean_of(c.length_start for c in cells)} -> {_mean_of(c.length_end for c in cells)}",
         })
@@ -205,7 +215,7 @@ def _difference(d: dict) -> str:
 def tables_markdown(ab: Ablation, results: Results) -> str:
     arms, pairs, kl = arm_table(results), pair_table(results, ab.compare), mismatch_table(results)
     arm_cols = ["length", "arm", "seeds", "final held-out pass@1", "seed range", "best (mean)", "collapsed",
-                "collapse steps", "entropy start -> end", "resp len start -> end"]
+                "collapse steps", "still collapsed at the end", "entropy start -> end", "resp len start -> end"]
     pair_cols = ["length", "a - b", "seeds", "paired difference ± SE", "seeds a > b / a < b / equal",
                  f"last {LATE} evaluations: difference ± SE", f"last {LATE}: a > b / a < b / equal"]
     return "\n".join([
@@ -214,7 +224,8 @@ def tables_markdown(ab: Ablation, results: Results) -> str:
         markdown_table(arms, arm_cols) if arms else "(no complete cell yet)", "",
         "Over the seeds whose cell is complete: mean ± sample standard deviation; best: the highest held-out "
         "pass@1 of each run, mean over seeds; collapsed: runs whose held-out pass@1 fell below half the best of "
-        f"their earlier evaluations, at the steps listed; entropy (`policy/entropy`, nats per token) and "
+        "their earlier evaluations, at the steps listed; still collapsed at the end: runs whose last evaluation "
+        f"is below half the best before it (the others climbed back); entropy (`policy/entropy`, nats per token) and "
         f"response length (`response/length_mean`, tokens): mean of the first and of the last {EDGE} RL steps, "
         "mean over seeds.", "",
         "### Paired differences", "",

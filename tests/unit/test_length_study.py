@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from jetflow.ablate.grid import load_ablation
-from jetflow.ablate.length_study import (TABLES_BEGIN, TABLES_END, cell_result, collapse_step, gather,
-                                         mismatch_table, pair_table, paired, write_tables)
+from jetflow.ablate.length_study import (TABLES_BEGIN, TABLES_END, cell_result, collapse_step, collapsed_at_end,
+                                         gather, mismatch_table, pair_table, paired, write_tables)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,10 +57,18 @@ def test_collapse_step():
     assert collapse_step([(0, 1.0), (10, 0.49)]) == 10
 
 
+def test_collapsed_at_end_tells_a_lasting_collapse_from_a_dip_that_recovers():
+    assert collapsed_at_end([(0, 0.72), (20, 0.18), (40, 0.0)])       # mixed-none at len256, seed 1
+    assert not collapsed_at_end([(0, 0.72), (20, 0.32), (40, 0.66)])  # a dip like unified's at len256 (seed 1), recovered
+    assert collapsed_at_end([(0, 0.2), (10, 0.9), (20, 0.44)])        # below half the best before it (0.9)
+    assert not collapsed_at_end([(0, 1.0), (10, 0.5)])                # half is not below half
+    assert not collapsed_at_end([(0, 0.0), (10, 0.0)]) and not collapsed_at_end([(0, 0.5)])
+
+
 def test_cell_result_and_partial_cells(tmp_path):
     ab = _ablation(tmp_path)
     r = cell_result(ab.out_dir / "runs/seed1-lenA-bf16")
-    assert (r.final, r.best, r.collapse_step) == (0.5, 0.8, 10)
+    assert (r.final, r.best, r.collapse_step, r.collapsed_at_end) == (0.5, 0.8, 10, False)  # 0.5 >= 0.8 / 2
     assert r.late == pytest.approx(1.6 / 3)  # the mean of its 3 evaluations, 0.8, 0.3, 0.5
     assert (r.entropy_start, r.entropy_end) == (2.0, 3.0)  # mean of 1, 2, 3 and of 2, 3, 4
     assert (r.length_start, r.length_end) == (20.0, 30.0)
@@ -101,8 +109,8 @@ def test_tables_by_hand(tmp_path):
     assert (ab.out_dir / "accuracy_vs_length.png").read_bytes().startswith(b"\x89PNG")
     assert "![final held-out pass@1 by length](accuracy_vs_length.png)" in text
     # bf16 at lenA: finals 0.9, 0.5, 0.7 -> mean 0.7, sd 0.2; bests 0.9, 0.8, 0.7 -> 0.8; collapsed
-    # seed 1 at step 10; entropy 2 -> 3, response length 20 -> 30 on every seed
-    assert "| lenA | bf16 | 3 | 0.700 ± 0.200 | 0.50 .. 0.90 | 0.800 | 1 of 3 | 10 | 2 -> 3 | 20 -> 30 |" in text
+    # seed 1 at step 10 and climbed back (0.5 >= 0.8 / 2); entropy 2 -> 3, response length 20 -> 30 on every seed
+    assert "| lenA | bf16 | 3 | 0.700 ± 0.200 | 0.50 .. 0.90 | 0.800 | 1 of 3 | 10 | 0 of 3 | 2 -> 3 | 20 -> 30 |" in text
     # mixed at lenA: finals 0.5, 0.6, 0.4 -> mean 0.5, sd 0.1; best 0.8, 0.8, 0.6
     assert "| lenA | mixed | 3 | 0.500 ± 0.100 | 0.40 .. 0.60 | 0.733 | 1 of 3 | 10 |" in text
     # lenB bf16: finals 0.2, 0.1 -> mean 0.15, sd sqrt(0.005) = 0.0707; no collapse
