@@ -5,17 +5,17 @@ from __future__ import annotations
 import torch
 
 from jetflow.errors import UsageError
-from jetflow.model.tokenizer import TokenizerError, eos_token_ids, render_prompt
+from jetflow.model.tokenizer import TokenizerError, encode_prompt, eos_token_ids
 from jetflow.precision.modes import LINEAR_KINDS
 from jetflow.rollout.engine import RolloutEngine, SamplingParams
 
 PRECISIONS = LINEAR_KINDS  # --precision: the linears' GEMM kind
 
 
-def encode_prompt(tok, prompt: str, chat: bool, index: int) -> list[int]:
-    """A prompt's token ids; text the tokenizer cannot encode is one line naming the prompt."""
+def encode_numbered_prompt(tok, prompt: str, chat: bool, index: int) -> list[int]:
+    """A prompt's token ids as a run encodes them; text the tokenizer cannot encode is one line naming the prompt."""
     try:
-        return tok.encode(render_prompt(tok, prompt, chat))
+        return encode_prompt(tok, prompt, chat)
     except TokenizerError as e:
         raise TokenizerError(f"prompt {index}: {e}") from None
 
@@ -55,7 +55,7 @@ def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64,
         raise ValueError(f"precision {precision!r}: valid precisions are {PRECISIONS}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = load_tokenizer(model_path)
-    ids = [encode_prompt(tok, p, chat, i) for i, p in enumerate(prompts)]
+    ids = [encode_numbered_prompt(tok, p, chat, i) for i, p in enumerate(prompts)]
     model = load_model(model_path, device=dev).eval()
     check_positions(ids, max_new_tokens, model.config.max_position_embeddings)
     if precision != "fp32":
