@@ -1,7 +1,8 @@
 """The figures of README's len256 section that the generated tables do not give: mixed-none's mismatch KL by
 quarter of the response over the first 20 RL steps (per length), and seed 1's RL draws (grid cell and replicates):
 start, last-5 mean, last and lowest held-out pass@1, mismatch KL, unified's smallest equal share, and the paired
-differences over the draws (mean ± SE), also on one bf16 engine.
+differences over the draws (mean ± SE), also on one bf16 engine; then the NVFP4 arms at seed 1 and seed 0's RL
+from its warm-up continued to 4500 steps.
 
     python results/learning-length/len256_numbers.py
 """
@@ -36,7 +37,7 @@ engine = {**json.loads((OUT / "len256_bf16_engine_eval_seed1.json").read_text())
           **json.loads((OUT / "replicate-len256/bf16_engine_eval.json").read_text())}
 late, one_engine = {}, {}
 for draw, runs in draws.items():
-    for arm in ("bf16", "mixed-none", "unified"):
+    for arm in ("bf16", "mixed-none", "unified", "mixed-ais"):
         name = f"seed1-len256-{arm}" if draw == 1 else f"seed1r{draw}-len256-{arm}"
         ev = [r["eval/pass@1"] for r in rows(runs / name, "eval")]
         rl = rows(runs / name, "rl")
@@ -45,8 +46,30 @@ for draw, runs in draws.items():
               f"{min(ev):.2f}; KL first 20 {mean(rl[:20], 'mismatch/kl_k3'):.1e} -> steps 200-299 "
               f"{mean(rl[200:], 'mismatch/kl_k3'):.1e}; smallest equal share {min(r['mismatch/equal_frac'] for r in rl):.3f}"
               f"; one bf16 engine {one_engine[(draw, arm)]:.3f}")
-for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified")]:
+for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"), ("mixed-ais", "bf16"),
+             ("mixed-ais", "unified")]:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
         d = [table[(k, a)] - table[(k, b)] for k in draws]
         print(f"{a} - {b}, {label}: {statistics.fmean(d):+.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f} "
               f"({sum(x < 0 for x in d)} of {len(d)} below)")
+
+print("NVFP4 arms from seed 1's warm-up (the first 20 RL steps, then all of them):")
+nvfp4_engine = json.loads((OUT / "nvfp4_bf16_engine_eval.json").read_text())
+for name, cell in (("mixed-none-nvfp4-len256-seed1", OUT / "runs/mixed-none-nvfp4-len256-seed1"),  # stopped at 147:
+                   ("unified-nvfp4-len256-seed1", OUT / "partial/unified-nvfp4-len256-seed1-stopped147")):
+    ev, rl = rows(cell, "eval"), rows(cell, "rl")
+    print(f"{name}: {len(rl)} RL steps; held-out {[r['eval/pass@1'] for r in ev]}; KL per token "
+          f"{mean(rl[:20], 'mismatch/kl_k3'):.2e} -> {mean(rl, 'mismatch/kl_k3'):.2e}; steps with a right sample "
+          f"{sum(r['reward/accuracy'] > 0 for r in rl)}; response length {mean(rl[:20], 'response/length_mean'):.1f}; "
+          f"median s a step {statistics.median(r['time/step'] for r in rl):.1f}; one bf16 engine "
+          f"{nvfp4_engine[name]['in_mode'] if name in nvfp4_engine else 'n/a'}")
+
+print("seed 0 from its warm-up continued to 4500 steps:")
+for arm in ("bf16", "mixed-none", "unified"):
+    cell = OUT / "extended-warmup/runs" / f"seed0x4500-len256-{arm}"
+    ev, rl = rows(cell, "eval"), rows(cell, "rl")
+    right = [r["step"] for r in rl if r["reward/accuracy"] > 0]
+    print(f"{arm}: held-out {[(r['step'], r['eval/pass@1']) for r in ev]}; sampled accuracy over steps 0-19 "
+          f"{mean(rl[:20], 'reward/accuracy'):.3f}; last step with a right sample {max(right) if right else None}; "
+          f"KL per token {mean(rl[:20], 'mismatch/kl_k3'):.1e}; entropy {mean(rl[:20], 'policy/entropy'):.3f} -> "
+          f"{mean(rl[-20:], 'policy/entropy'):.3f}")
