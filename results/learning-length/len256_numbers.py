@@ -73,3 +73,15 @@ for arm in ("bf16", "mixed-none", "unified"):
           f"{mean(rl[:20], 'reward/accuracy'):.3f}; last step with a right sample {max(right) if right else None}; "
           f"KL per token {mean(rl[:20], 'mismatch/kl_k3'):.1e}; entropy {mean(rl[:20], 'policy/entropy'):.3f} -> "
           f"{mean(rl[-20:], 'policy/entropy'):.3f}")
+
+print("seed 0 from the 4500-step warm-up, RL at lr 3e-5 (and bf16 at temperature 0.7, stopped at step 193):")
+lr_engine = json.loads((OUT / "extended-warmup/bf16_engine_eval_lr3e-5.json").read_text())
+for name in ("seed0x4500-len256-bf16-lr3e-5", "seed0x4500-len256-mixed-none-lr3e-5", "seed0x4500-len256-unified-lr3e-5",
+             "seed0x4500-len256-bf16-T0.7"):
+    cell = OUT / "extended-warmup" / ("stopped" if "T0.7" in name else "runs") / name
+    ev, rl = [r["eval/pass@1"] for r in rows(cell, "eval")], rows(cell, "rl")
+    print(f"{name}: {len(rl)} RL steps; start {ev[0]:.2f}, last 5 {statistics.fmean(ev[-5:]):.3f} ({ev[-1]:.2f}), lowest "
+          f"{min(ev):.2f}; sampled accuracy {mean(rl[:20], 'reward/accuracy'):.3f} -> {mean(rl[-20:], 'reward/accuracy'):.3f}"
+          f"; KL per token {mean(rl[:20], 'mismatch/kl_k3'):.1e} -> {mean(rl[-100:], 'mismatch/kl_k3'):.1e}; smallest "
+          f"equal share {min(r['mismatch/equal_frac'] for r in rl):.3f}; one bf16 engine "
+          f"{lr_engine[name]['in_mode'] if name in lr_engine else 'n/a'}")
