@@ -55,8 +55,8 @@ for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unifie
 
 print("NVFP4 arms from seed 1's warm-up (the first 20 RL steps, then all of them):")
 nvfp4_engine = json.loads((OUT / "nvfp4_bf16_engine_eval.json").read_text())
-for name, cell in (("mixed-none-nvfp4-len256-seed1", OUT / "runs/mixed-none-nvfp4-len256-seed1"),  # stopped at 147:
-                   ("unified-nvfp4-len256-seed1", OUT / "partial/unified-nvfp4-len256-seed1-stopped147")):
+for name, cell in (("mixed-none-nvfp4-len256-seed1", OUT / "runs/mixed-none-nvfp4-len256-seed1"),
+                   ("unified-nvfp4-len256-seed1", OUT / "partial/unified-nvfp4-len256-seed1-stopped147")):  # stopped
     ev, rl = rows(cell, "eval"), rows(cell, "rl")
     print(f"{name}: {len(rl)} RL steps; held-out {[r['eval/pass@1'] for r in ev]}; KL per token "
           f"{mean(rl[:20], 'mismatch/kl_k3'):.2e} -> {mean(rl, 'mismatch/kl_k3'):.2e}; steps with a right sample "
@@ -76,9 +76,9 @@ for arm in ("bf16", "mixed-none", "unified"):
 
 print("seed 0 from the 4500-step warm-up, RL at lr 3e-5 (and bf16 at temperature 0.7, stopped at step 193):")
 lr_engine = json.loads((OUT / "extended-warmup/bf16_engine_eval_lr3e-5.json").read_text())
-for name in ("seed0x4500-len256-bf16-lr3e-5", "seed0x4500-len256-mixed-none-lr3e-5", "seed0x4500-len256-unified-lr3e-5",
-             "seed0x4500-len256-bf16-T0.7"):
-    cell = OUT / "extended-warmup" / ("stopped" if "T0.7" in name else "runs") / name
+for where, name in (("runs", "seed0x4500-len256-bf16-lr3e-5"), ("runs", "seed0x4500-len256-mixed-none-lr3e-5"),
+                    ("runs", "seed0x4500-len256-unified-lr3e-5"), ("stopped", "seed0x4500-len256-bf16-T0.7")):
+    cell = OUT / "extended-warmup" / where / name
     ev, rl = [r["eval/pass@1"] for r in rows(cell, "eval")], rows(cell, "rl")
     print(f"{name}: {len(rl)} RL steps; start {ev[0]:.2f}, last 5 {statistics.fmean(ev[-5:]):.3f} ({ev[-1]:.2f}), lowest "
           f"{min(ev):.2f}; sampled accuracy {mean(rl[:20], 'reward/accuracy'):.3f} -> {mean(rl[-20:], 'reward/accuracy'):.3f}"
