@@ -293,14 +293,16 @@ class Placed:
 
 
 def _axis_labels(ab: Ablation, cell: Cell) -> dict[str, str]:
-    """axis name -> the label of the value this cell took on it (axes the cell skipped are absent)."""
+    """axis name -> the label of the value this cell took on it (axes the cell skipped are absent). Where
+    several values of a linked axis agree with the cell (len256 and len256-lr3e-5, which adds train.lr), the
+    one that sets the most keys is the cell's."""
     labels = {}
     for name, spec in ab.grid.items():
-        for label, settings in _parse_axis(name, spec)[0]:
-            if all(k in cell.settings and format_value(cell.settings[k]) == format_value(v)
-                   for k, v in settings.items()):
-                labels[name] = label
-                break
+        agree = [(len(settings), label) for label, settings in _parse_axis(name, spec)[0]
+                 if all(k in cell.settings and format_value(cell.settings[k]) == format_value(v)
+                        for k, v in settings.items())]
+        if agree:
+            labels[name] = max(agree, key=lambda a: a[0])[1]  # the first of the most specific
     return labels
 
 

@@ -244,6 +244,20 @@ def test_difference_of_means_and_its_standard_errors_by_hand():
     assert one["diff"] == 0.25 and one["se"] is None and one["paired_n"] == 0 and one["paired_diff"] is None
 
 
+def test_a_cell_is_drawn_under_the_most_specific_value_of_a_linked_axis(tmp_path):
+    """len-lr's settings contain len's: its cells are drawn in their own panel, not in len's (the first that
+    agrees), whichever order the values come in."""
+    from jetflow.ablate.grid import place_cells
+
+    for rows in (["long", "long-lr"], ["long-lr", "long"]):
+        values = {"long": {"id": "long", "rollout.max_new_tokens": 64},
+                  "long-lr": {"id": "long-lr", "rollout.max_new_tokens": 64, "train.lr": 3.0e-5}}
+        grid = {"setting": [values[r] for r in rows], "precision.mode": ["bf16", "mixed"], "run.seed": [0]}
+        placed = place_cells(load_ablation(write(tmp_path, {"name": "c", "grid": grid})))
+        assert {p.cell.id: p.panel for p in placed} == {"long-bf16-seed0": "long", "long-mixed-seed0": "long",
+                                                       "long-lr-bf16-seed0": "long-lr", "long-lr-mixed-seed0": "long-lr"}
+
+
 def test_compare_pairs_are_checked_against_the_variants(tmp_path):
     grid = {"precision.mode": ["bf16", "mixed"],
             "precision.family": {"values": [{"id": "fp8", "precision.family": "fp8_block"},

@@ -135,16 +135,17 @@ def test_mismatch_by_hand(tmp_path):
 
 
 def test_the_grid_config(tmp_path):
-    """configs/ablations/learning-length.yaml: 8 seeds x 3 lengths x 5 arms and two NVFP4 arms at seed 1,
-    len256, which start RL from that seed's shared warm-up; the lengths it names (the reference answers'
-    characters, one token each, plus the newline), and room for them."""
+    """configs/ablations/learning-length.yaml: 8 seeds x 4 settings (3 lengths and len256 at lr 3e-5) x 5 arms
+    and two NVFP4 arms at seed 1, len256; the lr 3e-5 row and the NVFP4 arms start RL from the seed's len256
+    warm-up; the lengths it names (the reference answers' characters, one token each, plus the newline), and
+    room for them."""
     from jetflow.ablate.grid import cell_config, place_cells
     from jetflow.tasks.base import make_task
 
     ab = load_ablation(ROOT / "configs/ablations/learning-length.yaml", out_dir=tmp_path)
     placed = place_cells(ab)
-    assert len(ab.cells) == 8 * 3 * 5 + 2
-    assert list(dict.fromkeys(p.panel for p in placed)) == ["len16", "len64", "len256"]
+    assert len(ab.cells) == 8 * 4 * 5 + 2
+    assert list(dict.fromkeys(p.panel for p in placed)) == ["len16", "len64", "len256", "len256-lr3e-5"]
     assert list(dict.fromkeys(p.line for p in placed)) == ["bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified",
                                                            "mixed-none-nvfp4", "unified-nvfp4"]
     groups = ab.warmup_groups()
@@ -152,6 +153,11 @@ def test_the_grid_config(tmp_path):
         assert groups[nvfp4] == groups["seed1-len256-unified"] == "seed1-len256-bf16"
         cfg = cell_config(ab, next(c for c in ab.cells if c.id == nvfp4))
         assert (cfg.precision.family, cfg.task.params["num_operands"], cfg.train.sft_warmup_steps) == ("nvfp4", 70, 3000)
+    for arm in ("bf16", "mixed-none", "unified"):
+        assert groups[f"seed2-len256-lr3e-5-{arm}"] == "seed2-len256-bf16"
+        lrs = {cell_config(ab, next(c for c in ab.cells if c.id == f"seed2-{row}-{arm}")).train.lr
+               for row in ("len256", "len256-lr3e-5")}
+        assert lrs == {1e-4, 3e-5}
     for cell, target in (("seed0-len16-bf16", 16), ("seed0-len64-mixed-ais", 64), ("seed0-len256-unified", 256)):
         cfg = cell_config(ab, next(c for c in ab.cells if c.id == cell))
         task = make_task(cfg.task.name, **cfg.task.params)
