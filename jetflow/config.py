@@ -83,8 +83,7 @@ class TinyModelConfig:
     intermediate_size: int = 384
     max_position: int = 512
     num_experts: int = 0
-    """0: a dense Llama-style model. > 0: a mixture-of-experts model (see `moe_family`) with this many
-    experts in every layer."""
+    """0: a dense Llama-style model. > 0: a mixture-of-experts model (see `moe_family`) with this many experts a layer."""
     moe_family: Literal[MOE_TYPES] = "qwen3_moe"
     """MoE: `qwen3_moe` (q/k norms, renormalized top-k) or `mixtral` (its names: block_sparse_moe, w1/w2/w3)."""
     experts_per_token: int = 2
@@ -98,8 +97,7 @@ class PolicyConfig:
     """The `model:` section: which policy model the run trains, its master dtype and device, and how
     prompts are rendered (the architecture itself is jetflow.model.ModelConfig)."""
     path: str = "smollm2"
-    """A local Hugging Face directory, `smollm2` (SmolLM2-135M-Instruct converted on first use), or
-    `tiny` (built from scratch with a character tokenizer, see `tiny`)."""
+    """A local Hugging Face directory, `smollm2` (SmolLM2-135M-Instruct converted on first use), or `tiny` (see `tiny`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Master weight dtype: float32 (the CPU default) or bfloat16."""
     device: str = "cpu"
@@ -127,11 +125,11 @@ class RolloutConfig:
     max_batch: int = 64
     """Largest batch the engine decodes at once."""
     kv_cache_gib: float | None = None
-    """The KV cache's budget in GiB: a pool of 64-position pages shared by the requests (memory follows the
-    tokens held; a waiting request starts when pages free up, the youngest is preempted and recomputed when
-    they run out). Native engine, and vLLM on the CPU (on a GPU vLLM takes vllm_gpu_memory_utilization).
-    null: native, room for max_batch sequences of the run's longest prompt + max_new_tokens at fp32;
-    vLLM, max_batch full-length sequences in its cache's bytes (FP8: 1 byte), plus 25%."""
+    """The KV cache's budget in GiB: a pool of 64-position pages shared by the requests (memory follows the tokens
+    held; a waiting request starts when pages free up, the youngest is preempted and recomputed when they run out).
+    Native engine, and vLLM on the CPU (on a GPU vLLM takes vllm_gpu_memory_utilization). null: native, room for
+    max_batch sequences of the longest prompt + max_new_tokens at fp32; vLLM, max_batch full-length ones in its cache
+    dtype (FP8: 1 byte), plus 25%."""
     num_engines: int = 1
     """run.orchestrator=ray: rollout engine replicas (Ray actors); each step's requests are split among them."""
     vllm_gpu_memory_utilization: float = 0.2
@@ -222,8 +220,7 @@ class TrainConfig:
     prompts_per_step: int = 6
     lr: float = 2e-5
     weight_decay: float = 0.0
-    """AdamW's decoupled weight decay of the linears' matrices (norms, biases and the embedding are
-    never decayed)."""
+    """AdamW's decoupled weight decay of the linears' matrices (norms, biases and the embedding are never decayed)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
@@ -267,6 +264,9 @@ class RunConfig:
     out_dir: str = "runs"
     """Runs go to <out_dir>/<name>/."""
     seed: int = 0
+    rl_seed: int | None = None
+    """The RL phase's draws (sampling seeds, training and held-out problems); null: run.seed. RL replicates from one
+    warm-up differ in it alone (an ablation axis its shared_warmup ignores). The warm-up and model init use run.seed."""
     resume: bool = False
     """Continue from the last checkpoint in the run directory."""
     progress: bool = True
@@ -293,9 +293,8 @@ class RunConfig:
     """run.resume=true: config keys that may differ from the run's config.yaml (e.g. [train.steps,
     train.lr]); they take effect from the resumed step. Any other difference is refused."""
     memory_check: bool = True
-    """Estimate the run's memory before it starts (jetflow.run.memory_estimate) and refuse a run that cannot
-    fit in what the process can have (RAM and cgroup limit on the CPU, free device memory on CUDA); warn
-    when close. false skips the check (`jetflow estimate-memory` still prints the estimate)."""
+    """Estimate the run's memory before it starts (jetflow.run.memory_estimate) and refuse a run that cannot fit in what the
+    process can have (RAM and cgroup limit on the CPU, free device memory on CUDA); warn when close. false skips it."""
 
 
 @dataclass

@@ -17,6 +17,8 @@ The ablation file (configs/ablations/precision.yaml is the full example, with co
         only_when: {precision.mode: mixed}             # axes listed before it); the others keep
                                                        # the base value and get no label
       run.seed: [0, 1]
+      # run.rl_seed: [1, 11, 12]     # RL replicates: other RL draws from each seed's warm-up (list it in
+                                     # shared_warmup.ignore so that they share it)
     extra:                           # optional cells outside the grid: {id: ..., key: value, ...}
       - {id: mixed-seqtis, precision.mode: mixed, algo.correction: seq_tis}
     compare:                         # optional: variant pairs [a, b] whose difference of means a - b
@@ -27,7 +29,7 @@ The ablation file (configs/ablations/precision.yaml is the full example, with co
 
 A cell's id joins one label per axis (`mixed-token_mis-len64-seed0`): the value itself for
 precision.mode and algo.correction, `len<N>` for rollout.max_new_tokens, `seed<N>` for run.seed,
-`<last key part><value>` otherwise, the `id` of a linked value, or an axis' own `label: "lr{}"`.
+`draw<N>` for run.rl_seed, `<last key part><value>` otherwise, the `id` of a linked value, or an axis' own `label: "lr{}"`.
 
 Every cell's config is resolved and goes through the pre-run pass (jetflow.run.validate) before
 anything runs, so a typo fails at once and names the cell.
@@ -54,9 +56,13 @@ from jetflow.run.validate import validate_run
 
 RUNS = "runs"
 SEED_AXIS = "run.seed"
+RL_SEED_AXIS = "run.rl_seed"
+SEED_AXES = (SEED_AXIS, RL_SEED_AXIS)  # pooled over in a line, paired between lines (replicate)
+Replicate = tuple[int, int]  # (run.seed, RL draw)
 LINE_AXES = ("precision.mode", "precision.family", "algo.correction")
 # Axis labels: "{}" is the value. Other keys get "<last key part><value>".
-LABELS = {"precision.mode": "{}", "algo.correction": "{}", "rollout.max_new_tokens": "len{}", "run.seed": "seed{}"}
+LABELS = {"precision.mode": "{}", "algo.correction": "{}", "rollout.max_new_tokens": "len{}", "run.seed": "seed{}",
+          "run.rl_seed": "draw{}"}
 
 
 @dataclass
@@ -292,6 +298,13 @@ class Placed:
     """The panel's label on each panel axis, in grid order."""
 
 
+def replicate(cell: Cell) -> Replicate:
+    """Which repeat of its variant a cell is, where a line's cells are pooled and two lines' are paired: its
+    run.seed and its RL draw (run.rl_seed, else run.seed)."""
+    seed, draw = int(cell.settings.get(SEED_AXIS, 0)), cell.settings.get(RL_SEED_AXIS)
+    return seed, seed if draw is None else int(draw)
+
+
 def _axis_labels(ab: Ablation, cell: Cell) -> dict[str, str]:
     """axis name -> the label of the value this cell took on it (axes the cell skipped are absent). Where
     several values of a linked axis agree with the cell (len256 and len256-lr3e-5, which adds train.lr), the
@@ -318,7 +331,7 @@ def _mode(run_dir: Path, cell: Cell) -> str | None:
 def place_cells(ab: Ablation) -> list[Placed]:
     """Where each cell is drawn and compared: its variant (the figures' line; `compare` names these) and
     its setting (the panel). See jetflow.ablate.figures for the rules."""
-    axes = [a for a in ab.grid if a != SEED_AXIS]
+    axes = [a for a in ab.grid if a not in SEED_AXES]
     line_axes = [a for a in axes if a in LINE_AXES] or axes[:1]
     panel_axes = [a for a in axes if a not in line_axes]
     grid_ids = _grid_ids(ab)

@@ -27,12 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jetflow import plots
 from jetflow.ablate.figures import _styles
-from jetflow.ablate.grid import SEED_AXIS, Ablation, load_ablation, place_cells
+from jetflow.ablate.grid import Ablation, Replicate, load_ablation, place_cells, replicate
 from jetflow.ablate.report import seed_stats
 from jetflow.bench.common import markdown_table
 from jetflow.metrics_log import METRICS_FILE, read_jsonl
@@ -69,7 +71,7 @@ class CellResult:
     over the RL steps (0 when the run is exactly on-policy; None when not logged)."""
 
 
-Results = dict[tuple[str, str], dict[int, CellResult]]
+Results = dict[tuple[str, str], dict[Replicate, CellResult]]
 """(setting, arm) -> {seed: the complete cell's result} (`gather`)."""
 
 
@@ -121,11 +123,11 @@ def gather(ab: Ablation) -> Results:
         res = cell_result(p.run_dir)
         out.setdefault((p.panel, p.line), {})
         if res is not None:
-            out[(p.panel, p.line)][int(p.cell.settings.get(SEED_AXIS, 0))] = res
+            out[(p.panel, p.line)][replicate(p.cell)] = res
     return out
 
 
-def paired(a: dict[int, float], b: dict[int, float]) -> dict:
+def paired(a: Mapping[Any, float], b: Mapping[Any, float]) -> dict:
     """a - b over the seeds both have: n, mean, SE (sample sd / sqrt(n); None below 2 seeds), and the
     seeds with a > b, a < b, a = b."""
     diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
@@ -203,7 +205,7 @@ def pair_table(results: Results, pairs: list[tuple[str, str]]) -> list[dict]:
 
 
 def _per_seed(results: Results, setting: str, arm: str,
-              key: str) -> dict[int, float]:
+              key: str) -> dict[Replicate, float]:
     """{seed: the cell's `key` (final or late)} of one arm at one setting."""
     return {s: getattr(r, key) for s, r in results.get((setting, arm), {}).items()}
 

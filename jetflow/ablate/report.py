@@ -37,10 +37,11 @@ import json
 import os
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from jetflow.ablate.figures import draw_all
-from jetflow.ablate.grid import Ablation, load_ablation, place_cells
+from jetflow.ablate.grid import Ablation, Replicate, load_ablation, place_cells, replicate
 from jetflow.bench.common import environment, markdown_table
 from jetflow.metrics_log import METRICS_FILE, read_jsonl
 from jetflow.run.files import ERROR_FILE, POSITIONS_FILE, run_status
@@ -144,7 +145,7 @@ def seed_stats(values: list[float]) -> dict[str, float | None]:
     return {"n": n, "mean": mean, "sd": sd, "min": min(values) if n else None, "max": max(values) if n else None}
 
 
-def difference(a: dict[int, float], b: dict[int, float]) -> dict[str, float | None]:
+def difference(a: Mapping[Any, float], b: Mapping[Any, float]) -> dict[str, float | None]:
     """Difference of means a - b of two variants' per-seed values ({seed: value}): Welch's standard
     error over all seeds of each, and the paired difference over the seeds both have."""
     sa, sb = seed_stats(list(a.values())), seed_stats(list(b.values()))
@@ -169,12 +170,12 @@ ARM_METRICS = {  # summary.json key -> what summary.md calls it
 }
 
 
-def _per_seed(placed: list, by_cell: dict[str, dict], panel: str, line: str, key: str) -> dict[int, float]:
+def _per_seed(placed: list, by_cell: dict[str, dict], panel: str, line: str, key: str) -> dict[Replicate, float]:
     out = {}
     for p in placed:
         row = by_cell[p.cell.id]
         if (p.panel, p.line) == (panel, line) and row["steps"] and row.get(key) is not None:
-            out[int(p.cell.settings.get("run.seed", 0))] = row[key]
+            out[replicate(p.cell)] = row[key]
     return out
 
 

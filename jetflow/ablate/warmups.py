@@ -13,7 +13,8 @@ bf16 on both sides and mixed does not, so their warm-ups differ in the last bits
 A study that compares RL recipes from one starting point also ignores `precision.mode`: every arm then
 starts RL from the group's first cell's warm-up (configs/ablations/learning-length.yaml: the bf16 arm's),
 as the arms of the papers' ablations start from one pretrained model, and the other arms are no longer
-what they would be run whole: only their RL steps differ.
+what they would be run whole: only their RL steps differ. RL replicates of one start are a `run.rl_seed` axis
+(the RL phase's draws; jetflow.config.RunConfig) that `ignore` lists.
 
 Cells whose settings agree once those keys are dropped form a group. The group's
 warm-up runs once, as its own run: <out_dir>/warmups/<the group's first cell id>/, the first cell's config

@@ -85,6 +85,7 @@ class RLLoop:
                  encode_prompt: Callable[[Problem], list[int]], pad_id: int,
                  kv_quantizer: KVCalibration | None = None, dp: DataParallel = SINGLE):
         self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task
+        self.seed = cfg.run.seed if cfg.run.rl_seed is None else cfg.run.rl_seed  # the RL phase's draws (run.rl_seed)
         self.dp = dp  # data-parallel ranks: each runs its share of the step's prompt groups
         self.encode_prompt, self.pad_id, self.precision = encode_prompt, pad_id, derived.precision
         self.kv_quantizer = kv_quantizer  # the trainer's FP8 KV quantizer (precision.kv_cache_fp8), or None
@@ -121,7 +122,7 @@ class RLLoop:
         """Held-out evaluation with the current weights: greedy pass@1 and mean reward over the
         task's held-out problems (eval.num_prompts of them; each rank decodes its share)."""
         if self._eval_problems is None:
-            self._eval_problems = self.task.held_out_problems(self.cfg.eval.num_prompts, self.cfg.run.seed)
+            self._eval_problems = self.task.held_out_problems(self.cfg.eval.num_prompts, self.seed)
         problems, rank, ranks = self._eval_problems, self.dp.rank, self.dp.world_size
         problems_here = problems[len(problems) * rank // ranks:len(problems) * (rank + 1) // ranks]
         prompts = [self.encode_prompt(p) for p in problems_here]
@@ -161,7 +162,7 @@ class RLLoop:
         punishment. Round r's requests are seeded after the step's earlier rounds' (round 0: as ever)."""
         cfg, group = self.cfg, self.cfg.rollout.group_size
         offset = round_ * cfg.train.prompts_per_step * group
-        seeds = [request_seed(cfg.run.seed, step, offset + first + i) for i in range(len(prompts))]
+        seeds = [request_seed(self.seed, step, offset + first + i) for i in range(len(prompts))]
         out = self.rollout.generate(prompts, seeds)
         if out.weight_version != self.trainer.version:
             raise StaleWeightsError(f"rollout used weight version {out.weight_version}, "
@@ -199,7 +200,7 @@ class RLLoop:
             if sum(len(k.prompts) for k in kept) // group >= wanted or round_ > cfg.algo.dynamic_sampling_max_rounds:
                 break
             problems = self.task.problems(step * cfg.train.prompts_per_step + first // group, len(problems),
-                                          refill_seed(cfg.run.seed, round_))
+                                          refill_seed(self.seed, round_))
             batch = self._sample(step, problems, [self.encode_prompt(p) for p in problems for _ in range(group)],
                                  first, round_)
             generated += sum(len(t) for t in batch.out.token_ids)
@@ -227,7 +228,7 @@ class RLLoop:
         t_start = time.perf_counter()
         n, group = cfg.train.prompts_per_step, cfg.rollout.group_size
         mine = self.dp.shard(n)  # this rank's prompt groups (all of them in a single process)
-        problems = self.task.problems(step * n + mine.start, len(mine), cfg.run.seed)
+        problems = self.task.problems(step * n + mine.start, len(mine), self.seed)
         prompts = [self.encode_prompt(p) for p in problems for _ in range(group)]
         if self.kv_quantizer is not None and not self.kv_quantizer.calibrated:
             self._calibrate_kv(prompts[::group])

@@ -19,8 +19,9 @@ arms = [arm for (s, arm) in results if s == setting]
 seeds = sorted({seed for arm in arms for seed in results[(setting, arm)]})
 print("| seed | start (step 0) | " + " | ".join(f"{a}: last 5 (last)" for a in arms) + " |")
 print("|---" * (len(arms) + 2) + "|")
-for seed in seeds:
-    first = next(out / "runs" / f"seed{seed}-{setting}-{a}" for a in arms if seed in results[(setting, a)])
+for key in seeds:  # (run.seed, RL draw): the grid has no draw axis, so the draw is the seed
+    seed = key[0]
+    first = next(out / "runs" / f"seed{seed}-{setting}-{a}" for a in arms if key in results[(setting, a)])
     start = next(r["eval/pass@1"] for r in read_jsonl(first / "metrics.jsonl") if r.get("phase") == "eval")
-    cells = [results[(setting, a)].get(seed) for a in arms]
+    cells = [results[(setting, a)].get(key) for a in arms]
     print(f"| {seed} | {start:.2f} | " + " | ".join(f"{c.late:.3f} ({c.final:.2f})" if c else "" for c in cells) + " |")

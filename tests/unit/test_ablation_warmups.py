@@ -85,3 +85,44 @@ def test_arms_of_every_precision_share_one_warm_up_when_the_mode_is_ignored(tmp_
     assert any(not torch.equal(end[0][k], end[1][k]) for k in end[0])  # then each arm's own RL
     rl = read_metrics(runs / "unified")
     assert len(rl) == 2 and all(r["mismatch/kl_k1"] == 0.0 for r in rl)  # unified stays exactly on-policy
+
+
+def test_rl_draws_share_one_warm_up_and_are_the_runs_resumed_from_it_with_another_seed(tmp_path):
+    """run.rl_seed: RL replicates of one start. The draws of a grid share its warm-up, are pooled in a line and
+    paired between lines by draw, and each is bit for bit what the warm-up resumed with run.seed set to the draw
+    gives (how results/learning-length's replicates were made by hand)."""
+    from jetflow.ablate.length_study import gather
+    from jetflow.ablate.warmups import start_from_warmup
+    from jetflow.config import load_config
+    from jetflow.run.runner import train
+
+    spec = {"name": "d", "base_config": str(ROOT / "configs/tiny.yaml"), "overrides": COMMON,
+            "grid": {"precision.mode": ["bf16", "mixed"], "run.rl_seed": [5, 6]},
+            "shared_warmup": {"ignore": ["precision.mode", "run.rl_seed"]}}
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    out, logs = tmp_path / "out", []
+    ab = load_ablation(path, out)
+    assert ab.warmup_groups() == dict.fromkeys(["bf16-draw5", "bf16-draw6", "mixed-draw5", "mixed-draw6"], "bf16-draw5")
+    assert run_ablation(path, out_dir=out, command="test", log=logs.append) == 0
+    assert sum("shared warm-up bf16-draw5: starting" in line for line in logs) == 1
+    results = gather(ab)
+    assert {key: sorted(draws) for key, draws in results.items()} == {("all cells", "bf16"): [(0, 5), (0, 6)],
+                                                                     ("all cells", "mixed"): [(0, 5), (0, 6)]}
+
+    def weights(run: Path, step: str) -> dict:
+        return load_file(str(run / "checkpoints" / step / "model.safetensors"))
+
+    runs = out / "runs"
+    start, ends = weights(runs / "bf16-draw5", "step_000000"), [weights(runs / f"bf16-draw{d}", "step_000002") for d in (5, 6)]
+    assert all(torch.equal(start[k], weights(runs / "bf16-draw6", "step_000000")[k]) for k in start)  # one start
+    assert any(not torch.equal(ends[0][k], ends[1][k]) for k in start)  # two draws
+
+    hand = tmp_path / "hand"
+    start_from_warmup(out / "warmups" / "bf16-draw5", hand / "draw5")
+    train(load_config(runs / "bf16-draw5" / "config.yaml", ["run.rl_seed=null", "run.seed=5", f"run.out_dir={hand}",
+                                                           "run.name=draw5", "run.resume=true"]))
+    by_hand = weights(hand / "draw5", "step_000002")
+    assert all(torch.equal(by_hand[k], ends[0][k]) for k in start)
+    for phase in ("rl", "eval"):
+        assert without_times(read_metrics(hand / "draw5", phase)) == without_times(read_metrics(runs / "bf16-draw5", phase))

@@ -74,8 +74,8 @@ def test_cell_result_and_partial_cells(tmp_path):
     assert (r.length_start, r.length_end) == (20.0, 30.0)
     assert cell_result(ab.out_dir / "runs/seed1-lenB-mixed") is None  # partial
     results = gather(ab)
-    assert sorted(results[("lenB", "mixed")]) == [0]
-    assert sorted(results[("lenA", "bf16")]) == [0, 1, 2]
+    assert sorted(results[("lenB", "mixed")]) == [(0, 0)]  # (run.seed, RL draw)
+    assert sorted(results[("lenA", "bf16")]) == [(0, 0), (1, 1), (2, 2)]
 
 
 def test_paired_by_hand():
@@ -122,7 +122,7 @@ def test_mismatch_by_hand(tmp_path):
     ab = _ablation(tmp_path)
     results = gather(ab)
     # seed s of mixed logs k3 = 0.001 (step + 1) (s + 1) at steps 0-3: mean 0.0025 (s + 1)
-    assert results[("lenA", "mixed")][2].mismatch_kl == pytest.approx(0.0075)
+    assert results[("lenA", "mixed")][(2, 2)].mismatch_kl == pytest.approx(0.0075)
     rows = {(r["length"], r["arm"]): r for r in mismatch_table(results)}
     # lenA mixed, seeds 0-2: 0.0025, 0.005, 0.0075 -> 0.005 per token; every run's response length is
     # (mean of 10, 20, 30 and of 20, 30, 40) / 2 = 25 tokens -> 0.125 per response
