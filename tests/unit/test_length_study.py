@@ -169,15 +169,15 @@ def test_the_grid_config(tmp_path):
 
 
 def test_the_draws_config_is_the_grids_seed_1_at_len256_with_rl_draws(tmp_path):
-    """configs/ablations/learning-length-draws.yaml: 8 RL draws x 4 arms from one warm-up, each cell the grid's
-    seed1-len256 cell of its arm but for the RL draw (run.rl_seed); draw 1 is that cell."""
+    """configs/ablations/learning-length-draws.yaml: 8 RL draws x 2 learning rates x 4 arms from one warm-up, each
+    cell the grid's seed 1 cell of its arm and row (len256, len256-lr3e-5) but for the RL draw (run.rl_seed)."""
     from jetflow.ablate.grid import cell_config, place_cells
     from jetflow.config import to_dict
 
     draws = load_ablation(ROOT / "configs/ablations/learning-length-draws.yaml", out_dir=tmp_path / "d")
     grid = load_ablation(ROOT / "configs/ablations/learning-length.yaml", out_dir=tmp_path / "g")
-    assert len(draws.cells) == 8 * 4 and set(draws.warmup_groups().values()) == {"draw1-bf16"}
-    assert {p.panel for p in place_cells(draws)} == {"all cells"}  # the draws are pooled, not panels
+    assert len(draws.cells) == 8 * 2 * 4 and set(draws.warmup_groups().values()) == {"draw1-lr1e-4-bf16"}
+    assert {p.panel for p in place_cells(draws)} == {"lr1e-4", "lr3e-5"}  # the draws are pooled, not panels
 
     def settings(ab, cell_id: str) -> dict:
         cfg = to_dict(cell_config(ab, next(c for c in ab.cells if c.id == cell_id)))
@@ -185,5 +185,6 @@ def test_the_draws_config_is_the_grids_seed_1_at_len256_with_rl_draws(tmp_path):
         return cfg
 
     for arm in ("bf16", "mixed-none", "mixed-ais", "unified"):
-        assert settings(draws, f"draw12-{arm}") == settings(grid, f"seed1-len256-{arm}")
-    assert cell_config(draws, draws.cells[4]).run.rl_seed == 11
+        assert settings(draws, f"draw12-lr1e-4-{arm}") == settings(grid, f"seed1-len256-{arm}")
+        assert settings(draws, f"draw12-lr3e-5-{arm}") == settings(grid, f"seed1-len256-lr3e-5-{arm}")
+    assert cell_config(draws, draws.cells[8]).run.rl_seed == 11
