@@ -250,9 +250,12 @@ def cell_config(ab: Ablation, cell: Cell, resume: bool = False) -> Config:
 
 def warmup_config(ab: Ablation, name: str) -> Config:
     """A shared warm-up's run: its first cell's config with no RL step, in warmups/. (Its held-out evaluation
-    stays: eval.num_prompts also decides which prompts are held out of training, the warm-up's included.)"""
+    stays: eval.num_prompts also decides which prompts are held out of training, the warm-up's included.) The
+    warm-up there may have been made under another name and other values of the keys it does not read (a copy of
+    another ablation's: configs/ablations/learning-length-draws.yaml); any other difference is refused."""
     cell = next(c for c in ab.cells if c.id == name)
-    resume = ["run.resume=true"] if ab.warmup_dir(name).exists() else []
+    unread = [*(ab.shared_warmup.ignore if ab.shared_warmup else []), "run.name"]
+    resume = ["run.resume=true", f"run.allow_changes=[{','.join(unread)}]"] if ab.warmup_dir(name).exists() else []
     return load_config(ab.base_config, [*ab.overrides, *cell.overrides, "train.steps=0",
                                         f"run.out_dir={ab.out_dir / WARMUPS}", f"run.name={name}", *resume])
 

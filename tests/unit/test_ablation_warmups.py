@@ -126,3 +126,32 @@ def test_rl_draws_share_one_warm_up_and_are_the_runs_resumed_from_it_with_anothe
     assert all(torch.equal(by_hand[k], ends[0][k]) for k in start)
     for phase in ("rl", "eval"):
         assert without_times(read_metrics(hand / "draw5", phase)) == without_times(read_metrics(runs / "bf16-draw5", phase))
+
+
+def test_a_warm_up_copied_from_another_ablation_is_used_when_only_unread_keys_differ(tmp_path):
+    """A shared warm-up may be another ablation's, copied in under this group's name: it may differ in its name
+    and the keys the warm-up does not read (shared_warmup.ignore), and nothing else."""
+    import shutil
+
+    first = tmp_path / "first"
+    assert run_ablation(ablation(tmp_path, "s", SHARED), out_dir=first, only=["mixed-token_tis"], command="test",
+                        log=lambda s: None) == 0
+
+    def reuse(name: str, overrides: list[str]) -> Path:
+        spec = {"name": name, "base_config": str(ROOT / "configs/tiny.yaml"),
+                "overrides": [*COMMON, "precision.mode=mixed", *overrides],
+                "grid": {"algo.correction": ["token_tis", "none"]}, "shared_warmup": SHARED}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        shutil.copytree(first / "warmups" / "mixed-none", tmp_path / name / "warmups" / "token_tis")
+        return path
+
+    logs: list[str] = []
+    assert run_ablation(reuse("again", []), out_dir=tmp_path / "again", only=["token_tis"], command="test",
+                        log=logs.append) == 0
+    assert not any("shared warm-up" in line for line in logs)  # not rerun
+    a, b = (load_file(str(run / "checkpoints" / "step_000002" / "model.safetensors"))
+            for run in (first / "runs" / "mixed-token_tis", tmp_path / "again" / "runs" / "token_tis"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match=r"shared warm-up 'token_tis'.*train.sft_lr"):
+        run_ablation(reuse("other", ["train.sft_lr=1e-3"]), out_dir=tmp_path / "other", command="test")
