@@ -85,3 +85,34 @@ for where, name in (("runs", "seed0x4500-len256-bf16-lr3e-5"), ("runs", "seed0x4
           f"; KL per token {mean(rl[:20], 'mismatch/kl_k3'):.1e} -> {mean(rl[-100:], 'mismatch/kl_k3'):.1e}; smallest "
           f"equal share {min(r['mismatch/equal_frac'] for r in rl):.3f}; one bf16 engine "
           f"{lr_engine[name]['in_mode'] if name in lr_engine else 'n/a'}")
+
+print("len256 at RL lr 3e-5 from the 3000-step warm-ups (the grid's len256-lr3e-5 row; seed 1's RL draws 11 and 12 "
+      "from configs/ablations/learning-length-draws.yaml):")
+lr_row_engine = {**json.loads((OUT / "len256_lr3e-5_bf16_engine_eval.json").read_text()),
+                 **json.loads((OUT / "draws-len256/bf16_engine_eval.json").read_text())}
+LR_ARMS = ("bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified")
+lr_cells = {(1, 1): "runs/seed1-len256-lr3e-5-{}", (1, 11): "draws-len256/runs/draw11-lr3e-5-{}",
+            (1, 12): "draws-len256/runs/draw12-lr3e-5-{}", (0, 0): "runs/seed0-len256-lr3e-5-{}"}
+late, one_engine = {}, {}
+for (seed, draw), pattern in lr_cells.items():
+    for arm in LR_ARMS:
+        cell = OUT / pattern.format(arm)
+        if not (cell / "COMPLETE").exists():
+            continue
+        ev, rl = [r["eval/pass@1"] for r in rows(cell, "eval")], rows(cell, "rl")
+        late[(seed, draw, arm)], one_engine[(seed, draw, arm)] = statistics.fmean(ev[-5:]), lr_row_engine[cell.name]["in_mode"]
+        print(f"seed {seed} draw {draw} {arm}: start {ev[0]:.2f}, last 5 {late[(seed, draw, arm)]:.3f} ({ev[-1]:.2f}), "
+              f"lowest {min(ev):.2f}; sampled accuracy {mean(rl[:20], 'reward/accuracy'):.3f} -> "
+              f"{mean(rl[-20:], 'reward/accuracy'):.3f}; KL per token {mean(rl[:20], 'mismatch/kl_k3'):.1e} -> steps "
+              f"200-299 {mean(rl[200:], 'mismatch/kl_k3'):.1e}; entropy {mean(rl[:20], 'policy/entropy'):.3f} -> "
+              f"{mean(rl[-20:], 'policy/entropy'):.3f}; smallest equal share "
+              f"{min(r['mismatch/equal_frac'] for r in rl):.3f}; one bf16 engine {one_engine[(seed, draw, arm)]:.3f}")
+for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"), ("mixed-ais", "bf16")]:
+    for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
+        for which, keys in (("seed 1's draws", [(1, d) for d in (1, 11, 12)]), ("seeds 0 and 1", [(0, 0), (1, 1)])):
+            d = [table[(*k, a)] - table[(*k, b)] for k in keys if (*k, a) in table and (*k, b) in table]
+            if len(d) == len(keys):
+                print(f"{a} - {b}, {which}, {label}: {statistics.fmean(d):+.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f} "
+                      f"({sum(x < 0 for x in d)} of {len(d)} below)")
+            elif d:
+                print(f"{a} - {b}, {which}, {label}: {d[0]:+.3f} (one pair: {len(d)} of the {len(keys)} have both)")
