@@ -107,7 +107,8 @@ for (seed, draw), pattern in lr_cells.items():
               f"200-299 {mean(rl[200:], 'mismatch/kl_k3'):.1e}; entropy {mean(rl[:20], 'policy/entropy'):.3f} -> "
               f"{mean(rl[-20:], 'policy/entropy'):.3f}; smallest equal share "
               f"{min(r['mismatch/equal_frac'] for r in rl):.3f}; one bf16 engine {one_engine[(seed, draw, arm)]:.3f}")
-for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"), ("mixed-ais", "bf16")]:
+for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"), ("mixed-ais", "bf16"),
+             ("mixed-ais", "unified")]:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
         for which, keys in (("seed 1's draws", [(1, d) for d in (1, 11, 12)]), ("seeds 0 and 1", [(0, 0), (1, 1)])):
             d = [table[(*k, a)] - table[(*k, b)] for k in keys if (*k, a) in table and (*k, b) in table]
