@@ -36,8 +36,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from jetflow.ablate.figures import draw_all

@@ -23,7 +23,7 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.config import Config, derive, load_config
-from jetflow.run.loop import observe_kv_amax, request_seed
+from jetflow.run.loop import observe_kv_amax, request_seed, rl_seed
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
                                prompt_encoder, stop_token_ids)
 from jetflow.rollout.native import NativeRollout
@@ -67,7 +67,7 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
         observe_kv_amax(forward, kv_quantizer, prompts, tokenizer.pad_token_id, cfg.model.device)
         kv_scales = kv_quantizer.recalibrate()
     rollout.load_weights(build_update(trainer_model, mode, 0, fingerprint, kv_scales=kv_scales))
-    seeds = [request_seed(cfg.run.seed, 0, i) for i in range(len(prompts))]
+    seeds = [request_seed(rl_seed(cfg.run), 0, i) for i in range(len(prompts))]
     t0 = time.perf_counter()
     out = rollout.generate(prompts, seeds)
     t_rollout = time.perf_counter() - t0
@@ -152,7 +152,7 @@ def run(config: str | None = None, overrides: tuple[str, ...] = (), modes: tuple
     task = build_task(cfg)
     base_model, tokenizer = build_policy(cfg)
     encode = prompt_encoder(cfg, tokenizer, task)
-    prompts = [encode(p) for p in task.problems(0, num_prompts, cfg.run.seed) for _ in range(group_size)]
+    prompts = [encode(p) for p in task.problems(0, num_prompts, rl_seed(cfg.run)) for _ in range(group_size)]
     rows = []
     for mode in modes:
         mode_cfg = copy.deepcopy(cfg)

@@ -27,7 +27,7 @@ from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config
 from jetflow.config import Config, derive
 from jetflow.run.build import load_inputs, prompt_encoder, prompt_text, smollm2_dir
-from jetflow.run.loop import RLLoop
+from jetflow.run.loop import RLLoop, rl_seed
 from jetflow.run.sides import TrainerSide
 from jetflow.tasks import Task
 
@@ -73,7 +73,7 @@ def run(model: str = "smollm2", prompts: int = 4, group_size: int = 4, max_new_t
     loops, task, tokenizer = {}, None, None
     for mode, mode_cfg in cfgs.items():
         loops[mode], task, tokenizer = build_loop(mode_cfg)
-    problems = task.problems(0, steps * prompts, cfg.run.seed)  # what RLLoop.step(k) draws, k = 0 .. steps-1
+    problems = task.problems(0, steps * prompts, rl_seed(cfg.run))  # what RLLoop.step(k) draws, k = 0 .. steps-1
     texts = [prompt_text(cfg, tokenizer, task, p) for p in problems]
     encode = prompt_encoder(cfg, tokenizer, task)
     jetflow_ids = [encode(p) for p in problems]

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from jetflow.config import Config, Derived
+from jetflow.config import Config, Derived, RunConfig
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl import apply_correction, group_advantages, low_prob_metrics, mismatch_metrics
 from jetflow.rl.correction import ROW_LOCAL
@@ -40,6 +40,11 @@ def observe_kv_amax(logprobs_fn: Callable[[Experience], torch.Tensor], quantizer
         logprobs_fn(exp)
     finally:
         quantizer.calibrating = False
+
+
+def rl_seed(run: RunConfig) -> int:
+    """The seed of the RL phase's draws (sampling, training and held-out problems): run.rl_seed, else run.seed."""
+    return run.seed if run.rl_seed is None else run.rl_seed
 
 
 def request_seed(run_seed: int, step: int, index: int) -> int:
@@ -85,7 +90,7 @@ class RLLoop:
                  encode_prompt: Callable[[Problem], list[int]], pad_id: int,
                  kv_quantizer: KVCalibration | None = None, dp: DataParallel = SINGLE):
         self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task
-        self.seed = cfg.run.seed if cfg.run.rl_seed is None else cfg.run.rl_seed  # the RL phase's draws (run.rl_seed)
+        self.seed = rl_seed(cfg.run)
         self.dp = dp  # data-parallel ranks: each runs its share of the step's prompt groups
         self.encode_prompt, self.pad_id, self.precision = encode_prompt, pad_id, derived.precision
         self.kv_quantizer = kv_quantizer  # the trainer's FP8 KV quantizer (precision.kv_cache_fp8), or None
