@@ -23,6 +23,11 @@ def mean(rs, key):
     return statistics.fmean(r[key] for r in rs)
 
 
+def paired(d: list[float]) -> str:
+    """Paired differences: mean ± SE and how many are below 0."""
+    return f"{statistics.fmean(d):+.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f} ({sum(x < 0 for x in d)} of {len(d)} below)"
+
+
 print("| length | cell | KL per token | by quarter | KL per response | entropy |")
 for length, seeds in [("len16", range(8)), ("len64", range(8)), ("len256", [1]), ("len256", [0])]:
     first = [rows(OUT / "runs" / f"seed{s}-{length}-mixed-none", "rl")[:20] for s in seeds]
@@ -50,8 +55,7 @@ for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unifie
              ("mixed-ais", "unified")]:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
         d = [table[(k, a)] - table[(k, b)] for k in draws]
-        print(f"{a} - {b}, {label}: {statistics.fmean(d):+.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f} "
-              f"({sum(x < 0 for x in d)} of {len(d)} below)")
+        print(f"{a} - {b}, {label}: {paired(d)}")
 
 print("NVFP4 arms from seed 1's warm-up (the first 20 RL steps, then all of them):")
 nvfp4_engine = json.loads((OUT / "nvfp4_bf16_engine_eval.json").read_text())
@@ -113,7 +117,6 @@ for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unifie
         for which, keys in (("seed 1's draws", [(1, d) for d in (1, 11, 12)]), ("seeds 0 and 1", [(0, 0), (1, 1)])):
             d = [table[(*k, a)] - table[(*k, b)] for k in keys if (*k, a) in table and (*k, b) in table]
             if len(d) == len(keys):
-                print(f"{a} - {b}, {which}, {label}: {statistics.fmean(d):+.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f} "
-                      f"({sum(x < 0 for x in d)} of {len(d)} below)")
+                print(f"{a} - {b}, {which}, {label}: {paired(d)}")
             elif d:
                 print(f"{a} - {b}, {which}, {label}: {d[0]:+.3f} (one pair: {len(d)} of the {len(keys)} have both)")
