@@ -95,8 +95,8 @@ print("len256 at RL lr 3e-5 from the 3000-step warm-ups (the grid's len256-lr3e-
 lr_row_engine = {**json.loads((OUT / "len256_lr3e-5_bf16_engine_eval.json").read_text()),
                  **json.loads((OUT / "draws-len256/bf16_engine_eval.json").read_text())}
 LR_ARMS = ("bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified")
-lr_cells = {(1, 1): "runs/seed1-len256-lr3e-5-{}", (1, 11): "draws-len256/runs/draw11-lr3e-5-{}",
-            (1, 12): "draws-len256/runs/draw12-lr3e-5-{}", (0, 0): "runs/seed0-len256-lr3e-5-{}"}
+DRAWS = (1, 11, 12, 13, 14, 15, 16, 17)  # seed 1's RL draws (draws-len256/runs/draw1-* are copies of the grid cells)
+lr_cells = {(0, 0): "runs/seed0-len256-lr3e-5-{}", **{(1, d): f"draws-len256/runs/draw{d}-lr3e-5-{{}}" for d in DRAWS}}
 late, one_engine = {}, {}
 for (seed, draw), pattern in lr_cells.items():
     for arm in LR_ARMS:
@@ -114,9 +114,10 @@ for (seed, draw), pattern in lr_cells.items():
 for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"), ("mixed-ais", "bf16"),
              ("mixed-ais", "unified")]:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
-        for which, keys in (("seed 1's draws", [(1, d) for d in (1, 11, 12)]), ("seeds 0 and 1", [(0, 0), (1, 1)])):
+        for which, keys in (("seed 1's draws", [(1, d) for d in DRAWS]), ("seed 1's draws 1, 11, 12", [(1, d) for d in DRAWS[:3]]),
+                            ("seeds 0 and 1", [(0, 0), (1, 1)])):
             d = [table[(*k, a)] - table[(*k, b)] for k in keys if (*k, a) in table and (*k, b) in table]
-            if len(d) == len(keys):
-                print(f"{a} - {b}, {which}, {label}: {paired(d)}")
+            if len(d) > 1:
+                print(f"{a} - {b}, {which}, {label}: {paired(d)}" + (f" [{len(d)} of {len(keys)} draws]" if len(d) < len(keys) else ""))
             elif d:
                 print(f"{a} - {b}, {which}, {label}: {d[0]:+.3f} (one pair: {len(d)} of the {len(keys)} have both)")
