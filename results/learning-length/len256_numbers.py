@@ -90,7 +90,7 @@ for where, name in (("runs", "seed0x4500-len256-bf16-lr3e-5"), ("runs", "seed0x4
           f"equal share {min(r['mismatch/equal_frac'] for r in rl):.3f}; one bf16 engine "
           f"{lr_engine[name]['in_mode'] if name in lr_engine else 'n/a'}")
 
-print("len256 at RL lr 3e-5 from the 3000-step warm-ups (the grid's len256-lr3e-5 row; seed 1's RL draws 11 and 12 "
+print("len256 at RL lr 3e-5 from the 3000-step warm-ups (the grid's len256-lr3e-5 row; seed 1's RL draws 11-17 "
       "from configs/ablations/learning-length-draws.yaml):")
 lr_row_engine = {**json.loads((OUT / "len256_lr3e-5_bf16_engine_eval.json").read_text()),
                  **json.loads((OUT / "draws-len256/bf16_engine_eval.json").read_text())}
