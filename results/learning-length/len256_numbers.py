@@ -23,6 +23,22 @@ def mean(rs, key):
     return statistics.fmean(r[key] for r in rs)
 
 
+PAIRS = [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"), ("mixed-ais", "bf16"),
+         ("mixed-ais", "unified")]
+
+
+def describe(label: str, cell: Path, engine_score: float) -> float:
+    """Print a finished RL cell's held-out and mismatch figures; return its mean of the last 5 evaluations."""
+    ev, rl = [r["eval/pass@1"] for r in rows(cell, "eval")], rows(cell, "rl")
+    late = statistics.fmean(ev[-5:])
+    print(f"{label}: start {ev[0]:.2f}, last 5 {late:.3f} ({ev[-1]:.2f}), lowest {min(ev):.2f}; sampled accuracy "
+          f"{mean(rl[:20], 'reward/accuracy'):.3f} -> {mean(rl[-20:], 'reward/accuracy'):.3f}; KL per token "
+          f"{mean(rl[:20], 'mismatch/kl_k3'):.1e} -> steps 200-299 {mean(rl[200:], 'mismatch/kl_k3'):.1e}; entropy "
+          f"{mean(rl[:20], 'policy/entropy'):.3f} -> {mean(rl[-20:], 'policy/entropy'):.3f}; smallest equal share "
+          f"{min(r['mismatch/equal_frac'] for r in rl):.3f}; one bf16 engine {engine_score:.3f}")
+    return late
+
+
 def paired(d: list[float]) -> str:
     """Paired differences: mean ± SE and how many are below 0."""
     return f"{statistics.fmean(d):+.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f} ({sum(x < 0 for x in d)} of {len(d)} below)"
@@ -44,15 +60,9 @@ late, one_engine = {}, {}
 for draw, runs in draws.items():
     for arm in ("bf16", "mixed-none", "unified", "mixed-ais"):
         name = f"seed1-len256-{arm}" if draw == 1 else f"seed1r{draw}-len256-{arm}"
-        ev = [r["eval/pass@1"] for r in rows(runs / name, "eval")]
-        rl = rows(runs / name, "rl")
-        late[(draw, arm)], one_engine[(draw, arm)] = statistics.fmean(ev[-5:]), engine[name]["in_mode"]
-        print(f"draw {draw} {arm}: start {ev[0]:.2f}, last 5 {late[(draw, arm)]:.3f} ({ev[-1]:.2f}), lowest "
-              f"{min(ev):.2f}; KL first 20 {mean(rl[:20], 'mismatch/kl_k3'):.1e} -> steps 200-299 "
-              f"{mean(rl[200:], 'mismatch/kl_k3'):.1e}; smallest equal share {min(r['mismatch/equal_frac'] for r in rl):.3f}"
-              f"; one bf16 engine {one_engine[(draw, arm)]:.3f}")
-for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"), ("mixed-ais", "bf16"),
-             ("mixed-ais", "unified")]:
+        one_engine[(draw, arm)] = engine[name]["in_mode"]
+        late[(draw, arm)] = describe(f"draw {draw} {arm}", runs / name, one_engine[(draw, arm)])
+for a, b in PAIRS:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
         d = [table[(k, a)] - table[(k, b)] for k in draws]
         print(f"{a} - {b}, {label}: {paired(d)}")
@@ -103,21 +113,16 @@ for (seed, draw), pattern in lr_cells.items():
         cell = OUT / pattern.format(arm)
         if not (cell / "COMPLETE").exists():
             continue
-        ev, rl = [r["eval/pass@1"] for r in rows(cell, "eval")], rows(cell, "rl")
-        late[(seed, draw, arm)], one_engine[(seed, draw, arm)] = statistics.fmean(ev[-5:]), lr_row_engine[cell.name]["in_mode"]
-        print(f"seed {seed} draw {draw} {arm}: start {ev[0]:.2f}, last 5 {late[(seed, draw, arm)]:.3f} ({ev[-1]:.2f}), "
-              f"lowest {min(ev):.2f}; sampled accuracy {mean(rl[:20], 'reward/accuracy'):.3f} -> "
-              f"{mean(rl[-20:], 'reward/accuracy'):.3f}; KL per token {mean(rl[:20], 'mismatch/kl_k3'):.1e} -> steps "
-              f"200-299 {mean(rl[200:], 'mismatch/kl_k3'):.1e}; entropy {mean(rl[:20], 'policy/entropy'):.3f} -> "
-              f"{mean(rl[-20:], 'policy/entropy'):.3f}; smallest equal share "
-              f"{min(r['mismatch/equal_frac'] for r in rl):.3f}; one bf16 engine {one_engine[(seed, draw, arm)]:.3f}")
-for a, b in [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"), ("mixed-ais", "bf16"),
-             ("mixed-ais", "unified")]:
+        one_engine[(seed, draw, arm)] = lr_row_engine[cell.name]["in_mode"]
+        late[(seed, draw, arm)] = describe(f"seed {seed} draw {draw} {arm}", cell, one_engine[(seed, draw, arm)])
+for a, b in PAIRS:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
-        for which, keys in (("seed 1's draws", [(1, d) for d in DRAWS]), ("seed 1's draws 1, 11, 12", [(1, d) for d in DRAWS[:3]]),
+        for which, keys in (("seed 1's draws", [(1, d) for d in DRAWS]),
+                            ("seed 1's draws 1, 11, 12", [(1, d) for d in DRAWS[:3]]),
                             ("seeds 0 and 1", [(0, 0), (1, 1)])):
             d = [table[(*k, a)] - table[(*k, b)] for k in keys if (*k, a) in table and (*k, b) in table]
             if len(d) > 1:
-                print(f"{a} - {b}, {which}, {label}: {paired(d)}" + (f" [{len(d)} of {len(keys)} draws]" if len(d) < len(keys) else ""))
+                some = f" [{len(d)} of {len(keys)} draws]" if len(d) < len(keys) else ""
+                print(f"{a} - {b}, {which}, {label}: {paired(d)}{some}")
             elif d:
                 print(f"{a} - {b}, {which}, {label}: {d[0]:+.3f} (one pair: {len(d)} of the {len(keys)} have both)")
