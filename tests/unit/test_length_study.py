@@ -169,14 +169,14 @@ def test_the_grid_config(tmp_path):
 
 
 def test_the_draws_config_is_the_grids_seed_1_at_len256_with_rl_draws(tmp_path):
-    """configs/ablations/learning-length-draws.yaml: 8 RL draws x 2 learning rates x 4 arms from one warm-up, each
+    """configs/ablations/learning-length-draws.yaml: 8 RL draws x 2 learning rates x 5 arms from one warm-up, each
     cell the grid's seed 1 cell of its arm and row (len256, len256-lr3e-5) but for the RL draw (run.rl_seed)."""
     from jetflow.ablate.grid import cell_config, place_cells
     from jetflow.config import to_dict
 
     draws = load_ablation(ROOT / "configs/ablations/learning-length-draws.yaml", out_dir=tmp_path / "d")
     grid = load_ablation(ROOT / "configs/ablations/learning-length.yaml", out_dir=tmp_path / "g")
-    assert len(draws.cells) == 8 * 2 * 4 and set(draws.warmup_groups().values()) == {"draw1-lr1e-4-bf16"}
+    assert len(draws.cells) == 8 * 2 * 5 and set(draws.warmup_groups().values()) == {"draw1-lr1e-4-bf16"}
     assert {p.panel for p in place_cells(draws)} == {"lr1e-4", "lr3e-5"}  # the draws are pooled, not panels
 
     def settings(ab, cell_id: str) -> dict:
@@ -184,7 +184,7 @@ def test_the_draws_config_is_the_grids_seed_1_at_len256_with_rl_draws(tmp_path):
         cfg["run"] = {k: v for k, v in cfg["run"].items() if k not in ("name", "out_dir", "rl_seed")}
         return cfg
 
-    for arm in ("bf16", "mixed-none", "mixed-ais", "unified"):
+    for arm in ("bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified"):
         assert settings(draws, f"draw12-lr1e-4-{arm}") == settings(grid, f"seed1-len256-{arm}")
         assert settings(draws, f"draw12-lr3e-5-{arm}") == settings(grid, f"seed1-len256-lr3e-5-{arm}")
-    assert cell_config(draws, draws.cells[8]).run.rl_seed == 11
+    assert cell_config(draws, draws.cells[10]).run.rl_seed == 11
