@@ -25,6 +25,7 @@ def mean(rs, key):
 
 PAIRS = [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"), ("mixed-ais", "bf16"),
          ("mixed-ais", "unified")]
+LR_PAIRS = PAIRS + [("mixed-token_tis", "bf16"), ("mixed-token_tis", "unified")]  # token TIS: at lr 3e-5 only
 
 
 def describe(label: str, cell: Path, engine_score: float) -> float:
@@ -115,7 +116,7 @@ for (seed, draw), pattern in lr_cells.items():
             continue
         one_engine[(seed, draw, arm)] = lr_row_engine[cell.name]["in_mode"]
         late[(seed, draw, arm)] = describe(f"seed {seed} draw {draw} {arm}", cell, one_engine[(seed, draw, arm)])
-for a, b in PAIRS:
+for a, b in LR_PAIRS:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
         for which, keys in (("seed 1's draws", [(1, d) for d in DRAWS]),
                             ("seed 1's draws 1, 11, 12", [(1, d) for d in DRAWS[:3]]),
