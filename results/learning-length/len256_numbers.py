@@ -2,7 +2,8 @@
 quarter of the response over the first 20 RL steps (per length), and seed 1's RL draws (grid cell and replicates):
 start, last-5 mean, last and lowest held-out pass@1, mismatch KL, unified's smallest equal share, and the paired
 differences over the draws (mean ± SE), also on one bf16 engine; then the NVFP4 arms at seed 1 and seed 0's RL
-from its warm-up continued to 4500 steps.
+from its warm-up continued to 4500 steps; the len256 warm-ups' loss by seed; the lr 3e-5 row's cells (seeds 0
+and 3, seed 1's draws, token TIS and AIS among them) and their pairs over draws and over starts.
 
     python results/learning-length/len256_numbers.py
 """
@@ -101,13 +102,23 @@ for where, name in (("runs", "seed0x4500-len256-bf16-lr3e-5"), ("runs", "seed0x4
           f"equal share {min(r['mismatch/equal_frac'] for r in rl):.3f}; one bf16 engine "
           f"{lr_engine[name]['in_mode'] if name in lr_engine else 'n/a'}")
 
+print("len256's 3000-step warm-ups: SFT loss per token, mean of steps b..b+49, by seed")
+WARMUPS = {**{s: f"warmups/seed{s}-len256-bf16" for s in range(4)},
+           4: "partial/warmup-seed4-len256-bf16-stopped1518"}  # seed 4's stopped at warm-up step 1518
+for seed, where in WARMUPS.items():
+    warm = [r["loss/sft"] for r in read_jsonl(OUT / where / "metrics.jsonl") if r.get("loss/sft") is not None]
+    print(f"seed {seed} ({len(warm)} steps): " + " ".join(f"{b}: {statistics.fmean(warm[b:b + 50]):.3f}"
+                                      for b in (500, 1000, 1250, 1500, 2000, 2500, 2950) if b + 50 <= len(warm)))
+
 print("len256 at RL lr 3e-5 from the 3000-step warm-ups (the grid's len256-lr3e-5 row; seed 1's RL draws 11-17 "
       "from configs/ablations/learning-length-draws.yaml):")
 lr_row_engine = {**json.loads((OUT / "len256_lr3e-5_bf16_engine_eval.json").read_text()),
                  **json.loads((OUT / "draws-len256/bf16_engine_eval.json").read_text())}
 LR_ARMS = ("bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified")
 DRAWS = (1, 11, 12, 13, 14, 15, 16, 17)  # seed 1's RL draws (draws-len256/runs/draw1-* are copies of the grid cells)
-lr_cells = {(0, 0): "runs/seed0-len256-lr3e-5-{}", **{(1, d): f"draws-len256/runs/draw{d}-lr3e-5-{{}}" for d in DRAWS}}
+STARTS = (0, 1, 3, 4)  # the row's seeds with RL cells (seed 2's warm-up leaves held-out pass@1 at 0)
+lr_cells = {**{(s, 0): f"runs/seed{s}-len256-lr3e-5-{{}}" for s in STARTS if s != 1},
+            **{(1, d): f"draws-len256/runs/draw{d}-lr3e-5-{{}}" for d in DRAWS}}
 late, one_engine = {}, {}
 for (seed, draw), pattern in lr_cells.items():
     for arm in LR_ARMS:
@@ -115,12 +126,13 @@ for (seed, draw), pattern in lr_cells.items():
         if not (cell / "COMPLETE").exists():
             continue
         one_engine[(seed, draw, arm)] = lr_row_engine[cell.name]["in_mode"]
-        late[(seed, draw, arm)] = describe(f"seed {seed} draw {draw} {arm}", cell, one_engine[(seed, draw, arm)])
+        late[(seed, draw, arm)] = describe(f"seed {seed} draw {draw or '-'} {arm}", cell, one_engine[(seed, draw, arm)])
 for a, b in LR_PAIRS:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
         for which, keys in (("seed 1's draws", [(1, d) for d in DRAWS]),
                             ("seed 1's draws 1, 11, 12", [(1, d) for d in DRAWS[:3]]),
-                            ("seeds 0 and 1", [(0, 0), (1, 1)])):
+                            ("seeds 0, 1, 3, 4 (seed 1: draw 1)", [(0, 0), (1, 1), (3, 0), (4, 0)]),
+                            ("strong starts: seeds 1, 3, 4 (seed 1: draw 1)", [(1, 1), (3, 0), (4, 0)])):
             d = [table[(*k, a)] - table[(*k, b)] for k in keys if (*k, a) in table and (*k, b) in table]
             if len(d) > 1:
                 some = f" [{len(d)} of {len(keys)} draws]" if len(d) < len(keys) else ""
