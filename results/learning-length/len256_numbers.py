@@ -115,8 +115,9 @@ print("len256 at RL lr 3e-5 from the 3000-step warm-ups (the grid's len256-lr3e-
 lr_row_engine = {**json.loads((OUT / "len256_lr3e-5_bf16_engine_eval.json").read_text()),
                  **json.loads((OUT / "draws-len256/bf16_engine_eval.json").read_text())}
 LR_ARMS = ("bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified")
-DRAWS = (1, 11, 12, 13, 14, 15, 16, 17)  # seed 1's RL draws (draws-len256/runs/draw1-* are copies of the grid cells)
-STARTS = (0, 1, 3, 4)  # the row's seeds with RL cells (seed 2's warm-up leaves held-out pass@1 at 0)
+DRAWS = (1, 11, 12, 13, 14, 15, 16, 17)  # seed 1's RL draws (draws-len256/runs/draw1-* but token TIS: copies of grid cells)
+STARTS = (0, 1, 3)  # the row's seeds with RL cells (seed 2's warm-up leaves held-out pass@1 at 0, seed 4's is not done)
+START_KEYS = [(s, 1 if s == 1 else 0) for s in STARTS]  # one draw a start: seed 1's draw 1 is its grid cell
 lr_cells = {**{(s, 0): f"runs/seed{s}-len256-lr3e-5-{{}}" for s in STARTS if s != 1},
             **{(1, d): f"draws-len256/runs/draw{d}-lr3e-5-{{}}" for d in DRAWS}}
 late, one_engine = {}, {}
@@ -131,11 +132,11 @@ for a, b in LR_PAIRS:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
         for which, keys in (("seed 1's draws", [(1, d) for d in DRAWS]),
                             ("seed 1's draws 1, 11, 12", [(1, d) for d in DRAWS[:3]]),
-                            ("seeds 0, 1, 3, 4 (seed 1: draw 1)", [(0, 0), (1, 1), (3, 0), (4, 0)]),
-                            ("strong starts: seeds 1, 3, 4 (seed 1: draw 1)", [(1, 1), (3, 0), (4, 0)])):
+                            (f"seeds {STARTS} (seed 1: draw 1)", START_KEYS),
+                            ("strong starts (seed 1: draw 1)", [k for k in START_KEYS if k[0] != 0])):
             d = [table[(*k, a)] - table[(*k, b)] for k in keys if (*k, a) in table and (*k, b) in table]
             if len(d) > 1:
-                some = f" [{len(d)} of {len(keys)} draws]" if len(d) < len(keys) else ""
+                some = f" [{len(d)} of {len(keys)} have both]" if len(d) < len(keys) else ""
                 print(f"{a} - {b}, {which}, {label}: {paired(d)}{some}")
             elif d:
                 print(f"{a} - {b}, {which}, {label}: {d[0]:+.3f} (one pair: {len(d)} of the {len(keys)} have both)")
