@@ -3,7 +3,8 @@ quarter of the response over the first 20 RL steps (per length), and seed 1's RL
 start, last-5 mean, last and lowest held-out pass@1, mismatch KL, unified's smallest equal share, and the paired
 differences over the draws (mean ± SE), also on one bf16 engine; then the NVFP4 arms at seed 1 and seed 0's RL
 from its warm-up continued to 4500 steps; the len256 warm-ups' loss by seed; the lr 3e-5 row's cells (seeds 0
-and 3, seed 1's draws, token TIS and AIS among them) and their pairs over draws and over starts.
+to 4, seed 1's draws, token TIS and AIS among them) and their pairs over draws and over starts (all of them, and
+the strong ones: a start is strong when its bf16 arm's held-out pass@1 at RL step 0 is at least 0.5).
 
     python results/learning-length/len256_numbers.py
 """
@@ -103,8 +104,7 @@ for where, name in (("runs", "seed0x4500-len256-bf16-lr3e-5"), ("runs", "seed0x4
           f"{lr_engine[name]['in_mode'] if name in lr_engine else 'n/a'}")
 
 print("len256's 3000-step warm-ups: SFT loss per token, mean of steps b..b+49, by seed")
-WARMUPS = {**{s: f"warmups/seed{s}-len256-bf16" for s in range(4)},
-           4: "partial/warmup-seed4-len256-bf16-stopped1518"}  # seed 4's stopped at warm-up step 1518
+WARMUPS = {s: f"warmups/seed{s}-len256-bf16" for s in range(5)}
 for seed, where in WARMUPS.items():
     warm = [r["loss/sft"] for r in read_jsonl(OUT / where / "metrics.jsonl") if r.get("loss/sft") is not None]
     print(f"seed {seed} ({len(warm)} steps): " + " ".join(f"{b}: {statistics.fmean(warm[b:b + 50]):.3f}"
@@ -116,7 +116,8 @@ lr_row_engine = {**json.loads((OUT / "len256_lr3e-5_bf16_engine_eval.json").read
                  **json.loads((OUT / "draws-len256/bf16_engine_eval.json").read_text())}
 LR_ARMS = ("bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified")
 DRAWS = (1, 11, 12, 13, 14, 15, 16, 17)  # seed 1's RL draws (draws-len256/runs/draw1-* but token TIS: copies of grid cells)
-STARTS = (0, 1, 3)  # the row's seeds with RL cells (seed 2's warm-up leaves held-out pass@1 at 0, seed 4's is not done)
+STARTS = (0, 1, 2, 3, 4)  # the row's seeds with RL cells
+STRONG_START = 0.5  # a start is strong when its bf16 arm's held-out pass@1 at RL step 0 reaches this
 START_KEYS = [(s, 1 if s == 1 else 0) for s in STARTS]  # one draw a start: seed 1's draw 1 is its grid cell
 lr_cells = {**{(s, 0): f"runs/seed{s}-len256-lr3e-5-{{}}" for s in STARTS if s != 1},
             **{(1, d): f"draws-len256/runs/draw{d}-lr3e-5-{{}}" for d in DRAWS}}
@@ -128,12 +129,16 @@ for (seed, draw), pattern in lr_cells.items():
             continue
         one_engine[(seed, draw, arm)] = lr_row_engine[cell.name]["in_mode"]
         late[(seed, draw, arm)] = describe(f"seed {seed} draw {draw or '-'} {arm}", cell, one_engine[(seed, draw, arm)])
+start_bf16 = {k: rows(OUT / lr_cells[k].format("bf16"), "eval")[0]["eval/pass@1"] for k in START_KEYS
+              if (*k, "bf16") in late}  # held-out pass@1 at RL step 0
+strong_keys = [k for k, start in start_bf16.items() if start >= STRONG_START]
+print(f"strong starts (bf16 held-out pass@1 at RL step 0 >= {STRONG_START}): seeds {[k[0] for k in strong_keys]}")
 for a, b in LR_PAIRS:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
         for which, keys in (("seed 1's draws", [(1, d) for d in DRAWS]),
                             ("seed 1's draws 1, 11, 12", [(1, d) for d in DRAWS[:3]]),
                             (f"seeds {STARTS} (seed 1: draw 1)", START_KEYS),
-                            ("strong starts (seed 1: draw 1)", [k for k in START_KEYS if k[0] != 0])):
+                            ("strong starts (seed 1: draw 1)", strong_keys)):
             d = [table[(*k, a)] - table[(*k, b)] for k in keys if (*k, a) in table and (*k, b) in table]
             if len(d) > 1:
                 some = f" [{len(d)} of {len(keys)} have both]" if len(d) < len(keys) else ""
