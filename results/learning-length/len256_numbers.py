@@ -12,6 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
+from jetflow.ablate.length_study import paired
 from jetflow.metrics_log import read_jsonl
 
 OUT = Path("results/learning-length")
@@ -42,9 +43,14 @@ def describe(label: str, cell: Path, engine_score: float) -> float:
     return late
 
 
-def paired(d: list[float]) -> str:
-    """Paired differences: mean ± SE and how many are below 0."""
-    return f"{statistics.fmean(d):+.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f} ({sum(x < 0 for x in d)} of {len(d)} below)"
+def arm_pair(table: dict, keys: list, a: str, b: str) -> dict:
+    """jetflow's paired a - b (n, mean, SE, how many below) over the keys where `table` has both arms."""
+    return paired({k: table[(*k, a)] for k in keys if (*k, a) in table},
+                  {k: table[(*k, b)] for k in keys if (*k, b) in table})
+
+
+def paired_text(p: dict) -> str:
+    return f"{p['mean']:+.3f} ± {p['se']:.3f} ({p['below']} of {p['n']} below)"
 
 
 print("| length | cell | KL per token | by quarter | KL per response | entropy |")
@@ -67,8 +73,7 @@ for draw, runs in draws.items():
         late[(draw, arm)] = describe(f"draw {draw} {arm}", runs / name, one_engine[(draw, arm)])
 for a, b in PAIRS:
     for label, table in (("own engines", late), ("one bf16 engine", one_engine)):
-        d = [table[(k, a)] - table[(k, b)] for k in draws]
-        print(f"{a} - {b}, {label}: {paired(d)}")
+        print(f"{a} - {b}, {label}: {paired_text(arm_pair(table, [(k,) for k in draws], a, b))}")
 
 print("NVFP4 arms from seed 1's warm-up (the first 20 RL steps, then all of them):")
 nvfp4_engine = json.loads((OUT / "nvfp4_bf16_engine_eval.json").read_text())
@@ -139,9 +144,9 @@ for a, b in LR_PAIRS:
                             ("seed 1's draws 1, 11, 12", [(1, d) for d in DRAWS[:3]]),
                             (f"seeds {STARTS} (seed 1: draw 1)", START_KEYS),
                             ("strong starts (seed 1: draw 1)", strong_keys)):
-            d = [table[(*k, a)] - table[(*k, b)] for k in keys if (*k, a) in table and (*k, b) in table]
-            if len(d) > 1:
-                some = f" [{len(d)} of {len(keys)} have both]" if len(d) < len(keys) else ""
-                print(f"{a} - {b}, {which}, {label}: {paired(d)}{some}")
-            elif d:
-                print(f"{a} - {b}, {which}, {label}: {d[0]:+.3f} (one pair: {len(d)} of the {len(keys)} have both)")
+            pair = arm_pair(table, keys, a, b)
+            if pair["n"] > 1:
+                some = f" [{pair['n']} of {len(keys)} have both]" if pair["n"] < len(keys) else ""
+                print(f"{a} - {b}, {which}, {label}: {paired_text(pair)}{some}")
+            elif pair["n"]:
+                print(f"{a} - {b}, {which}, {label}: {pair['mean']:+.3f} (one pair: 1 of the {len(keys)} have both)")
