@@ -162,7 +162,13 @@ class _JetflowLinearMixin:
         return self.local_linear(input, weight, bias)
 
     def local_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x (..., K_local) -> (..., N_local); one GEMM per segment when kinds differ or any is fp8."""
+        """x (..., K_local) -> (..., N_local); one GEMM per segment when kinds differ or any is fp8.
+
+        x is made contiguous first: on a strided (B, T, K) view (the output layer's input, forward_hidden's
+        transpose) torch.matmul folds the rows into one GEMM only when the weight requires grad, and runs
+        B batched GEMMs otherwise, whose fp32 rounding differs on the Intel Xeon kind; so the frozen
+        reference (weights without grad) and the policy would part in the last bits on equal weights."""
+        x = x.contiguous()  # (..., K_local)
         kinds = {s.kind for s in self.segments} or {"fp32"}
         if len(kinds) == 1 and "fp8" not in kinds:
             return _dense(kinds.pop(), x, weight, bias)
