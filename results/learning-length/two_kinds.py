@@ -1,0 +1,42 @@
+"""One setting of the grid on both machine kinds: each arm minus bf16 (and mixed-none minus unified), paired by
+seed, for the Intel Xeon kind, the AMD EPYC Zen 5 kind and the two pooled, every arm's final weights scored by one
+bf16 engine (scripts/reeval_heldout.py --all-arms --problems 200). The kind is one more source of randomness: the
+same seed number on two kinds is another draw (another warm-up, other RL samples), so pooled seeds are keyed by
+(kind, seed).
+
+    python results/learning-length/two_kinds.py len64 results/learning-length/len64_bf16_engine_eval.json \
+        results/learning-length/intel-len64/bf16_engine_eval.json
+"""
+import json
+import re
+import sys
+
+from jetflow.ablate.length_study import paired
+
+ARMS = ["bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified"]
+PAIRS = [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"),
+         ("mixed-token_tis", "bf16"), ("mixed-ais", "bf16")]
+
+
+def load(path: str, setting: str, kind: str) -> dict[str, dict[tuple[str, int], float]]:
+    scores: dict[str, dict[tuple[str, int], float]] = {arm: {} for arm in ARMS}
+    for cell, row in json.load(open(path)).items():
+        m = re.fullmatch(rf"seed(\d+)-{re.escape(setting)}-(.+)", cell)
+        if m and m.group(2) in scores:
+            scores[m.group(2)][(kind, int(m.group(1)))] = row["in_mode"]
+    return scores
+
+
+def cell(scores: dict[str, dict], a: str, b: str) -> str:
+    d = paired(scores[a], scores[b])
+    return f"{d['mean']:+.3f} ± {d['se']:.3f} ({d['above']} / {d['below']} / {d['equal']})"
+
+
+setting, amd_file, intel_file = sys.argv[1:4]
+amd, intel = load(amd_file, setting, "amd"), load(intel_file, setting, "intel")
+pooled = {arm: {**amd[arm], **intel[arm]} for arm in ARMS}
+sizes = [len(intel["bf16"]), len(amd["bf16"]), len(pooled["bf16"])]
+print(f"| a - b | Intel, {sizes[0]} seeds | AMD Zen 5, {sizes[1]} seeds | both kinds, {sizes[2]} seeds |")
+print("|---|---|---|---|")
+for a, b in PAIRS:
+    print(f"| {a} - {b} | {cell(intel, a, b)} | {cell(amd, a, b)} | {cell(pooled, a, b)} |")
