@@ -2,6 +2,8 @@
 (scripts/reeval_heldout.py --all-arms --problems 200): per seed, and each arm minus bf16, paired by seed.
 
     python results/learning-length/engine_eval.py results/learning-length/len64_bf16_engine_eval.json len64
+
+`load` reads such a file for one setting of the grid; two_kinds.py imports it.
 """
 import json
 import re
@@ -10,23 +12,36 @@ import sys
 from jetflow.ablate.length_study import paired
 
 ARMS = ["bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified"]
-rows = json.load(open(sys.argv[1]))
-setting = sys.argv[2]
-scores: dict[str, dict[int, float]] = {arm: {} for arm in ARMS}
-for cell, row in rows.items():
-    m = re.fullmatch(rf"seed(\d+)-{re.escape(setting)}-(.+)", cell)
-    if m and m.group(2) in scores:
-        scores[m.group(2)][int(m.group(1))] = row["in_mode"]
-seeds = sorted(set().union(*scores.values()))
-print("| seed | " + " | ".join(ARMS) + " |")
-print("|---" * (len(ARMS) + 1) + "|")
-for s in seeds:
-    print(f"| {s} | " + " | ".join(f"{scores[a][s]:.3f}" if s in scores[a] else "" for a in ARMS) + " |")
-print()
-print("| a - bf16 | seeds | difference ± SE | a > b / a < b / equal |")
-print("|---|---|---|---|")
-for a in ARMS[1:] + [("mixed-none", "unified")]:
-    a, b = a if isinstance(a, tuple) else (a, "bf16")
-    d = paired(scores[a], scores[b])
-    se = f" ± {d['se']:.3f}" if d["se"] is not None else ""
-    print(f"| {a} - {b} | {d['n']} | {d['mean']:+.3f}{se} | {d['above']} / {d['below']} / {d['equal']} |")
+
+
+def load(path: str, setting: str, kind: str | None = None) -> dict[str, dict]:
+    """arm -> {seed: pass@1 on the one engine} for the cells `seed<N>-<setting>-<arm>`; with `kind` the seeds
+    are keyed (kind, N), so that files from the two machine kinds can be pooled."""
+    scores: dict[str, dict] = {arm: {} for arm in ARMS}
+    for cell, row in json.load(open(path)).items():
+        m = re.fullmatch(rf"seed(\d+)-{re.escape(setting)}-(.+)", cell)
+        if m and m.group(2) in scores:
+            seed = int(m.group(1))
+            scores[m.group(2)][seed if kind is None else (kind, seed)] = row["in_mode"]
+    return scores
+
+
+def main(path: str, setting: str) -> None:
+    scores = load(path, setting)
+    seeds = sorted(set().union(*scores.values()))
+    print("| seed | " + " | ".join(ARMS) + " |")
+    print("|---" * (len(ARMS) + 1) + "|")
+    for s in seeds:
+        print(f"| {s} | " + " | ".join(f"{scores[a][s]:.3f}" if s in scores[a] else "" for a in ARMS) + " |")
+    print()
+    print("| a - bf16 | seeds | difference ± SE | a > b / a < b / equal |")
+    print("|---|---|---|---|")
+    for a in ARMS[1:] + [("mixed-none", "unified")]:
+        a, b = a if isinstance(a, tuple) else (a, "bf16")
+        d = paired(scores[a], scores[b])
+        se = f" ± {d['se']:.3f}" if d["se"] is not None else ""
+        print(f"| {a} - {b} | {d['n']} | {d['mean']:+.3f}{se} | {d['above']} / {d['below']} / {d['equal']} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

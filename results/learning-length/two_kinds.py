@@ -7,24 +7,14 @@ same seed number on two kinds is another draw (another warm-up, other RL samples
     python results/learning-length/two_kinds.py len64 results/learning-length/len64_bf16_engine_eval.json \
         results/learning-length/intel-len64/bf16_engine_eval.json
 """
-import json
-import re
 import sys
+
+from engine_eval import ARMS, load  # this directory's engine_eval.py (the script's folder is on sys.path)
 
 from jetflow.ablate.length_study import paired
 
-ARMS = ["bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified"]
 PAIRS = [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"),
          ("mixed-token_tis", "bf16"), ("mixed-ais", "bf16")]
-
-
-def load(path: str, setting: str, kind: str) -> dict[str, dict[tuple[str, int], float]]:
-    scores: dict[str, dict[tuple[str, int], float]] = {arm: {} for arm in ARMS}
-    for cell, row in json.load(open(path)).items():
-        m = re.fullmatch(rf"seed(\d+)-{re.escape(setting)}-(.+)", cell)
-        if m and m.group(2) in scores:
-            scores[m.group(2)][(kind, int(m.group(1)))] = row["in_mode"]
-    return scores
 
 
 def cell(scores: dict[str, dict], a: str, b: str) -> str:
