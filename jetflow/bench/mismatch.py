@@ -39,7 +39,16 @@ MODES = ("bf16", "mixed", "unified")
 def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list[int]], micro_batch: int = 16,
                     ignore_eos: bool = False, engine_dir: str | None = None) -> tuple[Experience, torch.Tensor, dict]:
     """Rollout and trainer log-probs of the same sampled tokens under cfg's precision mode:
-    (exp with exp.rollout_logprobs (B, R), trainer log-probs (B, R), timings)."""
+    (exp with exp.rollout_logprobs (B, R), trainer log-probs (B, R), timings). A vLLM engine's model
+    directory is engine_dir, or a temporary one removed on return."""
+    if cfg.rollout.backend != "vllm" or engine_dir is not None:
+        return _paired_logprobs(cfg, base_model, tokenizer, task, prompts, micro_batch, ignore_eos, engine_dir)
+    with tempfile.TemporaryDirectory(prefix="jetflow-vllm-") as tmp:
+        return _paired_logprobs(cfg, base_model, tokenizer, task, prompts, micro_batch, ignore_eos, tmp)
+
+
+def _paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list[int]], micro_batch: int,
+                     ignore_eos: bool, engine_dir: str | None) -> tuple[Experience, torch.Tensor, dict]:
     mode, derived = cfg.precision.mode, derive(cfg)
     trainer_model = apply_mode(copy_model(base_model), derived.precision, "trainer")
     fingerprint = derived.precision.fingerprint
@@ -48,9 +57,8 @@ def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list
     rollout_model = None  # the model the rollout computes with, when it is a jetflow Decoder
     if cfg.rollout.backend == "vllm":
         from jetflow.run.vllm_side import build_vllm_rollout
-        engine_dir = Path(engine_dir or tempfile.mkdtemp(prefix="jetflow-vllm-"))
         rollout = build_vllm_rollout(cfg, derived, copy_model(base_model), tokenizer, [] if ignore_eos else eos,
-                                     task.stop, max_seq_len, engine_dir)
+                                     task.stop, max_seq_len, Path(engine_dir))
         rollout_model = rollout.policy  # the exact engine's modules (None when vLLM runs its own kernels)
     else:
         rollout_model = apply_mode(copy_model(base_model), derived.precision, "rollout")

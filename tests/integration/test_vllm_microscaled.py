@@ -6,9 +6,13 @@ rollout.backend=vllm); skipped where vLLM cannot be imported."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from jetflow.bench.mismatch import paired_logprobs
+from jetflow.run import vllm_side
 from test_exact_on_policy import assert_exact, mixed_length_prompts
 from test_vllm_exact import tiny, vllm_importable  # noqa: F401  (the fixture)
 
@@ -23,11 +27,22 @@ def test_vllm_unified_rollout_logprobs_equal_trainer_bit_for_bit(family, capsys)
     assert f"{name} with jetflow's kernels" in captured.out + captured.err  # the engine's log line names the recipe
 
 
-def test_vllm_mixed_nvfp4_rollout_keeps_its_mismatch():
-    """bf16 trainer, NVFP4 rollout inside vLLM (the rollout quantizes the synced bf16 weights itself)."""
+def test_vllm_mixed_nvfp4_rollout_keeps_its_mismatch(monkeypatch, tmp_path):
+    """bf16 trainer, NVFP4 rollout inside vLLM (the rollout quantizes the synced bf16 weights itself);
+    the engine's temporary model directory is gone when paired_logprobs returns."""
     cfg, model, tok, task = tiny("mixed", False)
     cfg.precision.family = "nvfp4"
     cfg.rollout.max_new_tokens = 32
+    engine_dirs = []
+    build = vllm_side.build_vllm_rollout
+
+    def recording_build(*args):
+        engine_dirs.append(Path(args[-1]))
+        return build(*args)
+
+    monkeypatch.setattr(vllm_side, "build_vllm_rollout", recording_build)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     exp, trainer_lp, _ = paired_logprobs(cfg, model, tok, task, mixed_length_prompts(tok, 8, 3, 30), ignore_eos=True)
     mask = exp.response_mask > 0
     assert (exp.rollout_logprobs[mask] - trainer_lp[mask]).abs().max() > 0
+    assert len(engine_dirs) == 1 and engine_dirs[0].parent == tmp_path and not engine_dirs[0].exists()
