@@ -3,7 +3,8 @@
 
     python results/learning-length/engine_eval.py results/learning-length/len64_bf16_engine_eval.json len64
 
-`load` reads such a file for one setting of the grid; two_kinds.py imports it.
+`load` reads such a file for one setting of the grid, `difference` prints a paired difference; two_kinds.py
+imports both.
 """
 import json
 import re
@@ -26,6 +27,15 @@ def load(path: str, setting: str, kind: str | None = None) -> dict[str, dict]:
     return scores
 
 
+def difference(d: dict) -> str:
+    """A paired difference (jetflow.ablate.length_study.paired) as "mean ± SE (above / below / equal)":
+    no ± below 2 seeds, empty without a seed."""
+    if not d["n"]:
+        return ""
+    se = f" ± {d['se']:.3f}" if d["se"] is not None else ""
+    return f"{d['mean']:+.3f}{se} ({d['above']} / {d['below']} / {d['equal']})"
+
+
 def main(path: str, setting: str) -> None:
     scores = load(path, setting)
     seeds = sorted(set().union(*scores.values()))
@@ -39,6 +49,8 @@ def main(path: str, setting: str) -> None:
     for a in ARMS[1:] + [("mixed-none", "unified")]:
         a, b = a if isinstance(a, tuple) else (a, "bf16")
         d = paired(scores[a], scores[b])
+        if not d["n"]:  # an arm not run at these seeds (yet)
+            continue
         se = f" ± {d['se']:.3f}" if d["se"] is not None else ""
         print(f"| {a} - {b} | {d['n']} | {d['mean']:+.3f}{se} | {d['above']} / {d['below']} / {d['equal']} |")
 

@@ -9,7 +9,7 @@ same seed number on two kinds is another draw (another warm-up, other RL samples
 """
 import sys
 
-from engine_eval import ARMS, load  # this directory's engine_eval.py (the script's folder is on sys.path)
+from engine_eval import ARMS, difference, load  # this directory's engine_eval.py (the script's folder is on sys.path)
 
 from jetflow.ablate.length_study import paired
 
@@ -18,8 +18,7 @@ PAIRS = [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"),
 
 
 def cell(scores: dict[str, dict], a: str, b: str) -> str:
-    d = paired(scores[a], scores[b])
-    return f"{d['mean']:+.3f} ± {d['se']:.3f} ({d['above']} / {d['below']} / {d['equal']})"
+    return difference(paired(scores[a], scores[b]))
 
 
 setting, amd_file, intel_file = sys.argv[1:4]
