@@ -1,0 +1,49 @@
+"""The figures of this folder's README that the grid's scripts do not print: each len256 warm-up's loss (mean of its
+last 50 steps) against the start it gives (held-out pass@1 at RL step 0 of its bf16 cell), both machine kinds; and per
+Intel cell its held-out curve, mismatch KL per token and policy entropy (first 20 RL steps -> steps 200-299), and for
+unified the largest |KL| and the smallest equal share over all RL steps.
+
+    python results/learning-length/intel-len256/cell_figures.py
+"""
+import statistics
+from pathlib import Path
+
+from jetflow.metrics_log import read_jsonl
+
+HERE = Path(__file__).parent
+KINDS = {"AMD Zen 5": HERE.parent, "Intel Xeon": HERE}
+
+
+def warmup_loss(root: Path, seed: int) -> float | None:
+    rows = read_jsonl(root / "warmups" / f"seed{seed}-len256-bf16" / "metrics.jsonl")
+    losses = [r["loss/sft"] for r in rows if "loss/sft" in r]
+    return statistics.fmean(losses[-50:]) if losses else None
+
+
+def evals(rows: list[dict]) -> list[tuple[int, float]]:
+    return [(r["step"], r["eval/pass@1"]) for r in rows if r.get("phase") == "eval"]
+
+
+def first_and_late(rows: list[dict], key: str) -> str:
+    vals = [r[key] for r in rows if key in r]  # one per RL step
+    return f"{statistics.fmean(vals[:20]):.2e} -> {statistics.fmean(vals[200:300]):.2e}"
+
+
+print("| kind | seed | warm-up loss (last 50 steps) | start (step 0, bf16 engine) |")
+print("|---|---|---|---|")
+for kind, root in KINDS.items():
+    for seed in range(8):
+        loss = warmup_loss(root, seed)
+        cell = root / "runs" / f"seed{seed}-len256-lr3e-5-bf16" / "metrics.jsonl"
+        if loss is not None and evals(read_jsonl(cell)):
+            print(f"| {kind} | {seed} | {loss:.3f} | {evals(read_jsonl(cell))[0][1]:.2f} |")
+
+for run in sorted((HERE / "runs").iterdir()):
+    rows = read_jsonl(run / "metrics.jsonl")
+    print(f"\n{run.name}: held-out {evals(rows)}")
+    print(f"  mismatch KL per token {first_and_late(rows, 'mismatch/kl_k3')}, "
+          f"entropy {first_and_late(rows, 'policy/entropy')}")
+    if run.name.endswith("unified"):
+        kl = [abs(r["mismatch/kl_k3"]) for r in rows if "mismatch/kl_k3" in r]
+        eq = [r["mismatch/equal_frac"] for r in rows if "mismatch/equal_frac" in r]
+        print(f"  {len(kl)} RL steps: max |KL| {max(kl)}, min equal share {min(eq)}")
