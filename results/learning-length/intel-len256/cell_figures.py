@@ -34,9 +34,9 @@ print("|---|---|---|---|")
 for kind, root in KINDS.items():
     for seed in range(8):
         loss = warmup_loss(root, seed)
-        cell = root / "runs" / f"seed{seed}-len256-lr3e-5-bf16" / "metrics.jsonl"
-        if loss is not None and evals(read_jsonl(cell)):
-            print(f"| {kind} | {seed} | {loss:.3f} | {evals(read_jsonl(cell))[0][1]:.2f} |")
+        curve = evals(read_jsonl(root / "runs" / f"seed{seed}-len256-lr3e-5-bf16" / "metrics.jsonl"))
+        if loss is not None and curve:
+            print(f"| {kind} | {seed} | {loss:.3f} | {curve[0][1]:.2f} |")
 
 for run in sorted((HERE / "runs").iterdir()):
     rows = read_jsonl(run / "metrics.jsonl")
