@@ -1,5 +1,6 @@
 """The figures of this folder's README that the grid's scripts do not print: each len256 warm-up's loss (mean of its
-last 50 steps) against the start it gives (held-out pass@1 at RL step 0 of its bf16 cell), both machine kinds; and per
+last 50 steps) against the start it gives (its final held-out pass@1: the figure every arm's RL step 0 repeats), both
+machine kinds, so a seed shows here once its warm-up is done, before its arms run; and per
 Intel cell its held-out curve, mismatch KL per token and policy entropy (first 20 RL steps -> steps 200-299), and for
 unified the largest |KL| and the smallest equal share over all RL steps.
 
@@ -14,14 +15,16 @@ HERE = Path(__file__).parent
 KINDS = {"AMD Zen 5": HERE.parent, "Intel Xeon": HERE}
 
 
-def warmup_loss(root: Path, seed: int) -> float | None:
-    rows = read_jsonl(root / "warmups" / f"seed{seed}-len256-bf16" / "metrics.jsonl")
-    losses = [r["loss/sft"] for r in rows if "loss/sft" in r]
-    return statistics.fmean(losses[-50:]) if losses else None
-
-
 def evals(rows: list[dict]) -> list[tuple[int, float]]:
     return [(r["step"], r["eval/pass@1"]) for r in rows if r.get("phase") == "eval"]
+
+
+def warmup_loss_and_start(root: Path, seed: int) -> tuple[float, float] | None:
+    """A finished warm-up's loss (mean of its last 50 steps) and its final held-out pass@1; None if unfinished."""
+    rows = read_jsonl(root / "warmups" / f"seed{seed}-len256-bf16" / "metrics.jsonl")
+    losses = [r["loss/sft"] for r in rows if "loss/sft" in r]
+    curve = evals(rows)
+    return (statistics.fmean(losses[-50:]), curve[-1][1]) if curve else None
 
 
 def first_and_late(rows: list[dict], key: str) -> str:
@@ -33,10 +36,8 @@ print("| kind | seed | warm-up loss (last 50 steps) | start (step 0, bf16 engine
 print("|---|---|---|---|")
 for kind, root in KINDS.items():
     for seed in range(8):
-        loss = warmup_loss(root, seed)
-        curve = evals(read_jsonl(root / "runs" / f"seed{seed}-len256-lr3e-5-bf16" / "metrics.jsonl"))
-        if loss is not None and curve:
-            print(f"| {kind} | {seed} | {loss:.3f} | {curve[0][1]:.2f} |")
+        if (warmup := warmup_loss_and_start(root, seed)) is not None:
+            print(f"| {kind} | {seed} | {warmup[0]:.3f} | {warmup[1]:.2f} |")
 
 for run in sorted((HERE / "runs").iterdir()):
     rows = read_jsonl(run / "metrics.jsonl")
