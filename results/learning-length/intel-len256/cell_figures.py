@@ -20,7 +20,8 @@ def evals(rows: list[dict]) -> list[tuple[int, float]]:
 
 
 def warmup_loss_and_start(root: Path, seed: int) -> tuple[float, float] | None:
-    """A finished warm-up's loss (mean of its last 50 steps) and its final held-out pass@1; None if unfinished."""
+    """A warm-up's loss (mean of its last 50 steps) and its last held-out pass@1 (the start once the warm-up has
+    finished: a stopped one prints its latest evaluation); None before its first evaluation."""
     rows = read_jsonl(root / "warmups" / f"seed{seed}-len256-bf16" / "metrics.jsonl")
     losses = [r["loss/sft"] for r in rows if "loss/sft" in r]
     curve = evals(rows)
