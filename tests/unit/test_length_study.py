@@ -135,7 +135,7 @@ def test_mismatch_by_hand(tmp_path):
 
 
 def test_the_grid_config(tmp_path):
-    """configs/ablations/learning-length.yaml: 8 seeds x 4 settings (3 lengths and len256 at lr 3e-5) x 5 arms
+    """configs/ablations/learning-length.yaml: 10 seeds x 4 settings (3 lengths and len256 at lr 3e-5) x 5 arms
     and two NVFP4 arms at seed 1, len256; the lr 3e-5 row and the NVFP4 arms start RL from the seed's len256
     warm-up; the lengths it names (the reference answers' characters, one token each, plus the newline), and
     room for them."""
@@ -144,7 +144,7 @@ def test_the_grid_config(tmp_path):
 
     ab = load_ablation(ROOT / "configs/ablations/learning-length.yaml", out_dir=tmp_path)
     placed = place_cells(ab)
-    assert len(ab.cells) == 8 * 4 * 5 + 2
+    assert len(ab.cells) == 10 * 4 * 5 + 2
     assert list(dict.fromkeys(p.panel for p in placed)) == ["len16", "len64", "len256", "len256-lr3e-5"]
     assert list(dict.fromkeys(p.line for p in placed)) == ["bf16", "mixed-none", "mixed-token_tis", "mixed-ais", "unified",
                                                            "mixed-none-nvfp4", "unified-nvfp4"]
