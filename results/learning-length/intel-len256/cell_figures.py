@@ -36,7 +36,7 @@ def first_and_late(rows: list[dict], key: str) -> str:
 print("| kind | seed | warm-up loss (last 50 steps) | start (step 0, bf16 engine) |")
 print("|---|---|---|---|")
 for kind, root in KINDS.items():
-    for seed in range(8):
+    for seed in range(10):
         if (warmup := warmup_loss_and_start(root, seed)) is not None:
             print(f"| {kind} | {seed} | {warmup[0]:.3f} | {warmup[1]:.2f} |")
 
