@@ -15,7 +15,9 @@ from engine_eval import ARMS, difference, load  # this directory's engine_eval.p
 from jetflow.ablate.length_study import paired
 
 PAIRS = [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-none", "unified"),
-         ("mixed-token_tis", "bf16"), ("mixed-ais", "bf16")]
+         ("mixed-token_tis", "bf16"), ("mixed-ais", "bf16"),
+         ("mixed-token_tis", "unified"), ("mixed-ais", "unified"),
+         ("mixed-token_tis", "mixed-none"), ("mixed-ais", "mixed-none")]
 
 
 def cell(scores: dict[str, dict], a: str, b: str) -> str:
