@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -121,8 +123,29 @@ class DataParallel:
 SINGLE = DataParallel()
 
 
+EPHEMERAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    """A TCP port free on this machine right now (for a rendezvous: torchrun, gloo, Ray trainer workers)."""
+    """A TCP port free on this machine right now, for a process to bind a moment later (a rendezvous: torchrun,
+    gloo, Ray trainer workers; a test's SLURM or Ray head).
+
+    Chosen below the kernel's ephemeral range, where no other process's `bind(0)` or outgoing connection lands: a
+    port from `bind(0)` is ephemeral, and between its choice here and the rendezvous binding it another process
+    could take it (EADDRINUSE in fresh-clone CI, twice, beside the Ray tests). The draw is random per call, so
+    processes choosing at once rarely meet; outside Linux, or with nothing free there, it is `bind(0)`'s port.
+    """
+    try:
+        low = int(EPHEMERAL_PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for port in random.sample(range(max(1024, low - 10000), low), min(200, max(0, low - 1024))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

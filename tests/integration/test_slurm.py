@@ -11,9 +11,7 @@ test is skipped. Deselect with `-m "not slurm"`.
 import json
 import os
 import re
-import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -151,23 +149,8 @@ def job_env(slurm, monkeypatch):
     """The cluster's client environment; sbatch exports it to the job (MASTER_PORT, RAY_* included)."""
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", str(rendezvous_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     return slurm
-
-
-def rendezvous_port() -> int:
-    """A free port below the kernel's ephemeral range, where no other process's `bind(0)` or outgoing
-    connection lands: a port from free_port() (ephemeral) was once taken between its choice and the job's
-    torchrun binding it (EADDRINUSE, fresh-clone CI on 2026-11-28)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.Random(os.getpid()).sample(range(max(1024, low - 10000), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
 
 
 def test_torchrun_job_two_processes_completes(job_env, tmp_path, capsys):
