@@ -132,14 +132,16 @@ def free_port() -> int:
 
     Chosen below the kernel's ephemeral range, where no other process's `bind(0)` or outgoing connection lands: a
     port from `bind(0)` is ephemeral, and between its choice here and the rendezvous binding it another process
-    could take it (EADDRINUSE in fresh-clone CI, twice, beside the Ray tests). The draw is random per call, so
+    could take it (EADDRINUSE in fresh-clone CI, beside the Ray tests). The draw is from the OS's entropy, so
     processes choosing at once rarely meet; outside Linux, or with nothing free there, it is `bind(0)`'s port.
     """
     try:
         low = int(EPHEMERAL_PORT_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
-    for port in random.sample(range(max(1024, low - 10000), low), min(200, max(0, low - 1024))):
+    draw = random.SystemRandom()  # not the global `random`: runs seed that alike (run.seed), so two test
+    # workers or two launchers in one process would draw the same ports
+    for port in draw.sample(range(max(1024, low - 10000), low), min(200, max(0, low - 1024))):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -1,6 +1,7 @@
 """jetflow.distributed.free_port: a port for a rendezvous to bind a moment later, outside the kernel's ephemeral
 range so that no other process's bind(0) or outgoing connection takes it in between."""
 
+import random
 import socket
 
 import pytest
@@ -16,6 +17,13 @@ def test_the_port_is_below_the_ephemeral_range_and_bindable():
     ports = {free_port() for _ in range(20)}
     assert all(max(1024, low - 10000) <= p < low for p in ports)
     assert len(ports) > 1  # drawn at random: two processes choosing at once rarely meet
+    same = []
+    for _ in range(3):  # not from the global RNG, which runs seed alike (run.seed): after one seed, other ports
+        random.seed(0)
+        first = free_port()
+        random.seed(0)
+        same.append(free_port() == first)
+    assert not all(same)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))
 
