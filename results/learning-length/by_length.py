@@ -9,7 +9,7 @@ control), len64, and len256 at RL lr 3e-5. Seeds are keyed (kind, seed) and pool
 import statistics
 from pathlib import Path
 
-from engine_eval import ARMS, load  # this directory's engine_eval.py (the script's folder is on sys.path)
+from engine_eval import ARMS, difference, load, pool  # this directory's engine_eval.py (the script's folder is on sys.path)
 
 from jetflow.ablate.length_study import paired
 
@@ -27,8 +27,7 @@ PAIRS = [("mixed-none", "bf16"), ("unified", "bf16"), ("mixed-token_tis", "bf16"
 
 
 def pooled(setting: str, amd_file: str, intel_file: str) -> dict[str, dict]:
-    amd, intel = load(str(HERE / amd_file), setting, "amd"), load(str(HERE / intel_file), setting, "intel")
-    return {arm: {**amd[arm], **intel[arm]} for arm in ARMS}
+    return pool(load(str(HERE / amd_file), setting, "amd"), load(str(HERE / intel_file), setting, "intel"))
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -53,10 +52,7 @@ def main() -> None:
     print("| length | " + " | ".join(f"{a} - {b}" for a, b in PAIRS) + " |")
     print("|---" * (len(PAIRS) + 1) + "|")
     for (tokens, label, *_), by_arm in zip(ROWS, scores):
-        cells = []
-        for a, b in PAIRS:
-            d = paired(by_arm[a], by_arm[b])
-            cells.append(f"{d['mean']:+.3f} ± {d['se']:.3f} (n={d['n']}, {d['below']} below)")
+        cells = [difference(paired(by_arm[a], by_arm[b])) for a, b in PAIRS]
         print(f"| {label} ({tokens} tokens) | " + " | ".join(cells) + " |")
     common = [common_seeds(by_arm) for by_arm in scores]
     print("\n| length | seeds with every arm | " + " | ".join(ARMS) + " |")

@@ -3,8 +3,8 @@
 
     python results/learning-length/engine_eval.py results/learning-length/len64_bf16_engine_eval.json len64
 
-`load` reads such a file for one setting of the grid, `difference` prints a paired difference; two_kinds.py
-imports both.
+`load` reads such a file for one setting of the grid, `pool` joins two kinds' files, `difference` prints a paired
+difference; two_kinds.py and by_length.py import them.
 """
 import json
 import re
@@ -25,6 +25,11 @@ def load(path: str, setting: str, kind: str | None = None) -> dict[str, dict]:
             seed = int(m.group(1))
             scores[m.group(2)][seed if kind is None else (kind, seed)] = row["in_mode"]
     return scores
+
+
+def pool(*by_kind: dict[str, dict]) -> dict[str, dict]:
+    """Files of several machine kinds (each `load`ed with its `kind`) as one: arm -> {(kind, seed): pass@1}."""
+    return {arm: {key: v for scores in by_kind for key, v in scores[arm].items()} for arm in ARMS}
 
 
 def difference(d: dict) -> str:

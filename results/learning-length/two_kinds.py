@@ -10,7 +10,7 @@ issue's "N seeds" counted without a second draw of one seed.
 """
 import sys
 
-from engine_eval import ARMS, difference, load  # this directory's engine_eval.py (the script's folder is on sys.path)
+from engine_eval import ARMS, difference, load, pool  # this directory's engine_eval.py (the script's folder is on sys.path)
 
 from jetflow.ablate.length_study import paired
 
@@ -26,7 +26,7 @@ def cell(scores: dict[str, dict], a: str, b: str) -> str:
 
 setting, amd_file, intel_file = sys.argv[1:4]
 amd, intel = load(amd_file, setting, "amd"), load(intel_file, setting, "intel")
-pooled = {arm: {**amd[arm], **intel[arm]} for arm in ARMS}
+pooled = pool(amd, intel)
 amd_seeds = {seed for _, seed in amd["bf16"]}
 one_draw = {arm: {**amd[arm], **{k: v for k, v in intel[arm].items() if k[1] not in amd_seeds}} for arm in ARMS}
 print("| a - b | Intel Xeon | AMD Zen 5 | both kinds | one draw per seed number |")
