@@ -134,6 +134,18 @@ class RolloutConfig:
     """run.orchestrator=ray: rollout engine replicas (Ray actors); each step's requests are split among them."""
     vllm_gpu_memory_utilization: float = 0.2
     """vLLM: fraction of device memory (on CPU: of RAM) reserved for the KV cache."""
+    max_turns: int = 1
+    """Model turns per conversation (multi-turn rollouts: a custom task with task.params.tools or task.params.env,
+    jetflow.rollout.conversation). 1: one response per prompt, as ever. max_new_tokens is then per turn."""
+    max_total_tokens: int = 0
+    """Multi-turn: most tokens of a conversation, its prompt, every turn and every observation; one that reaches it
+    ends with finish reason `length` and is trained on what it has. 0: the longest prompt + 2 x max_turns x
+    max_new_tokens."""
+    tool_format: Literal["hermes"] = "hermes"
+    """How the model writes a tool call (jetflow.rollout.tool_format): hermes, <tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>, as vLLM's hermes parser reads it."""
+    tool_timeout_s: float = 30.0
+    """Multi-turn: the longest a tool call may run; past it the model reads a timeout error as the tool's result."""
 
 
 @dataclass
@@ -319,6 +331,14 @@ class Derived:
     precision: Precision  # the run's precision (jetflow.precision.plan): mode, recipe, numerics, GEMM backend
     correction: str  # algo.correction; `auto`: token TIS where the rollout differs by design (mixed), else none
     loggers: tuple[str, ...] = ()  # the trackers the run logs to (run_loggers)
+
+
+def conversation_tokens(rollout: RolloutConfig, longest_prompt: int) -> int:
+    """The most positions one request takes: a prompt and one response, or under rollout.max_turns > 1 a whole
+    conversation (rollout.max_total_tokens; 0: the longest prompt + 2 x max_turns x max_new_tokens)."""
+    if rollout.max_turns <= 1:
+        return longest_prompt + rollout.max_new_tokens
+    return rollout.max_total_tokens or longest_prompt + 2 * rollout.max_turns * rollout.max_new_tokens
 
 
 def derive(cfg: Config) -> Derived:

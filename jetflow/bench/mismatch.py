@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from jetflow.bench.common import markdown_table, write_results
-from jetflow.config import Config, derive, load_config
+from jetflow.config import Config, conversation_tokens, derive, load_config
 from jetflow.run.loop import observe_kv_amax, request_seed, rl_seed
 from jetflow.run.build import (apply_mode, attach_kv_fp8, build_policy, build_task, copy_model,
                                prompt_encoder, stop_token_ids)
+from jetflow.rollout.conversation import conversation_driver
 from jetflow.rollout.native import NativeRollout
 from jetflow.rl import mismatch_metrics, mismatch_position_curves
 from jetflow.rl.experience import Experience, pack_experience
@@ -37,33 +38,38 @@ MODES = ("bf16", "mixed", "unified")
 
 
 def paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list[int]], micro_batch: int = 16,
-                    ignore_eos: bool = False, engine_dir: str | None = None) -> tuple[Experience, torch.Tensor, dict]:
+                    ignore_eos: bool = False, engine_dir: str | None = None,
+                    problems: list | None = None) -> tuple[Experience, torch.Tensor, dict]:
     """Rollout and trainer log-probs of the same sampled tokens under cfg's precision mode:
     (exp with exp.rollout_logprobs (B, R), trainer log-probs (B, R), timings). A vLLM engine's model
-    directory is engine_dir, or a temporary one removed on return."""
+    directory is engine_dir, or a temporary one removed on return. `problems` (one per prompt): under
+    rollout.max_turns > 1 the conversations' problems (exp.response_mask then marks the model's tokens)."""
     if cfg.rollout.backend != "vllm" or engine_dir is not None:
-        return _paired_logprobs(cfg, base_model, tokenizer, task, prompts, micro_batch, ignore_eos, engine_dir)
+        return _paired_logprobs(cfg, base_model, tokenizer, task, prompts, micro_batch, ignore_eos, engine_dir, problems)
     with tempfile.TemporaryDirectory(prefix="jetflow-vllm-") as tmp:
-        return _paired_logprobs(cfg, base_model, tokenizer, task, prompts, micro_batch, ignore_eos, tmp)
+        return _paired_logprobs(cfg, base_model, tokenizer, task, prompts, micro_batch, ignore_eos, tmp, problems)
 
 
 def _paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[list[int]], micro_batch: int,
-                     ignore_eos: bool, engine_dir: str | None) -> tuple[Experience, torch.Tensor, dict]:
+                     ignore_eos: bool, engine_dir: str | None, problems: list | None) -> tuple[Experience, torch.Tensor, dict]:
     mode, derived = cfg.precision.mode, derive(cfg)
     trainer_model = apply_mode(copy_model(base_model), derived.precision, "trainer")
     fingerprint = derived.precision.fingerprint
     max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
+    driver = conversation_driver(cfg, task, tokenizer) if problems is not None else None
+    if driver is not None:
+        max_seq_len = conversation_tokens(cfg.rollout, max(len(p) for p in prompts))
     eos = stop_token_ids(tokenizer, base_model, task)
     rollout_model = None  # the model the rollout computes with, when it is a jetflow Decoder
     if cfg.rollout.backend == "vllm":
         from jetflow.run.vllm_side import build_vllm_rollout
         rollout = build_vllm_rollout(cfg, derived, copy_model(base_model), tokenizer, [] if ignore_eos else eos,
-                                     task.stop, max_seq_len, Path(engine_dir))
+                                     task.stop, max_seq_len, Path(engine_dir), driver=driver)
         rollout_model = rollout.policy  # the exact engine's modules (None when vLLM runs its own kernels)
     else:
         rollout_model = apply_mode(copy_model(base_model), derived.precision, "rollout")
         attach_kv_fp8(rollout_model, derived.precision, "rollout")
-        rollout = NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len, fingerprint)
+        rollout = NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len, fingerprint, driver)
         if ignore_eos:
             rollout.params = dataclasses.replace(rollout.params, ignore_eos=True)
     kv_scales = None
@@ -77,16 +83,19 @@ def _paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[lis
     rollout.load_weights(build_update(trainer_model, mode, 0, fingerprint, kv_scales=kv_scales))
     seeds = [request_seed(rl_seed(cfg.run), 0, i) for i in range(len(prompts))]
     t0 = time.perf_counter()
-    out = rollout.generate(prompts, seeds)
+    out = rollout.generate(prompts, seeds, **({"problems": problems} if driver is not None else {}))
     t_rollout = time.perf_counter() - t0
     zeros = torch.zeros(len(prompts))
     exp = pack_experience(prompts, out.token_ids, out.logprobs, zeros, zeros, tokenizer.pad_token_id,
-                          cfg.model.device, routed_experts=out.routed_experts)  # algo.routing_replay: replayed
+                          cfg.model.device, routed_experts=out.routed_experts,  # algo.routing_replay: replayed
+                          token_masks=out.token_masks)
     t0 = time.perf_counter()
     with torch.no_grad():
         trainer_lp = torch.cat([response_logprobs(trainer_model, mb, cfg.rollout.temperature)
                                 for mb in exp.micro_batches(micro_batch)])
     timings = {"rollout_s": t_rollout, "trainer_s": time.perf_counter() - t0}
+    if out.turn_stats is not None:  # conversations: their turns and tool calls (not a timing)
+        timings["turn_stats"] = out.turn_stats
     if cfg.rollout.backend == "vllm":  # a vLLM engine: its memory and parallel groups go now, not at exit
         rollout.close()
     if rollout_model is not None and moe_blocks(trainer_model):

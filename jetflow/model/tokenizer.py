@@ -149,11 +149,13 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The conversation as text; `kwargs` reach the template (``tools=[schema, ...]``, as transformers')."""
         if not self.chat_template:
             raise ValueError(f"{self.path} has no chat template (tokenizer_config.json / chat_template.jinja)")
         return _render(self.chat_template, messages, add_generation_prompt, self.template_source,
-                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", pad_token=self.pad_token or "")
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", pad_token=self.pad_token or "",
+                       **kwargs)
 
 
 class CharTokenizer:
@@ -199,8 +201,9 @@ class CharTokenizer:
                 raise ValueError(f"token id {i} out of range for CharTokenizer (vocab {self.vocab_size})")
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return _render(self.chat_template, messages, add_generation_prompt, str(self.path or "the CharTokenizer"))
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        return _render(self.chat_template, messages, add_generation_prompt, str(self.path or "the CharTokenizer"),
+                       **kwargs)
 
     def save(self, path: str | Path) -> Path:
         """Write char_tokenizer.json into directory `path` (or to `path` if it ends in .json)."""

@@ -3,6 +3,11 @@
 B sequences; P = longest prompt, R = longest response. Prompts are left-padded and responses
 right-padded, so every response starts at column P and the logits that predict response token r sit
 at column P - 1 + r. Positions come from the attention mask, exactly as in the rollout engine.
+
+A multi-turn trajectory is one sequence too: its response holds the model's turns and the observations
+between them (tool results, environment answers) as the engine appended them; `response_mask` is 1 on
+the model's tokens only, so the loss, the mismatch metrics and the corrections count those, and an
+observation token's rollout log-prob (0.0) is never read.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ class Experience:
     input_ids: Tensor  # (B, P + R) left-padded prompt, then right-padded response
     attention_mask: Tensor  # (B, P + R) bool, True on real tokens
     response_ids: Tensor  # (B, R) sampled tokens a_t (pad after the end)
-    response_mask: Tensor  # (B, R) float, 1 on response tokens
+    response_mask: Tensor  # (B, R) float, 1 on the tokens the model sampled (0 on padding and observations)
     rollout_logprobs: Tensor  # (B, R) log pi_rollout(a_t | s_t), from the rollout engine
     rewards: Tensor  # (B,)
     advantages: Tensor  # (B,)
@@ -47,8 +52,12 @@ class Experience:
 
 def pack_experience(prompts: list[list[int]], responses: list[list[int]], rollout_logprobs: list[list[float]],
                     rewards: Tensor, advantages: Tensor, pad_id: int, device: torch.device | str = "cpu",
-                    routed_experts: list[Tensor] | None = None) -> Experience:
+                    routed_experts: list[Tensor] | None = None,
+                    token_masks: list[list[int]] | None = None) -> Experience:
     """Build an Experience from per-sequence token lists (one response per prompt entry).
+
+    token_masks: multi-turn responses, per sequence 1 on each token the model sampled and 0 on each
+    observation token (the response mask); None: every response token is the model's.
 
     routed_experts: per sequence the rollout's expert ids at its first positions, (n, L_moe, K) with
     n <= len(prompt) + len(response) (`RolloutOutput.routed_experts`), placed at the same columns as
@@ -56,8 +65,9 @@ def pack_experience(prompts: list[list[int]], responses: list[list[int]], rollou
     if not (len(prompts) == len(responses) == len(rollout_logprobs) == len(rewards) == len(advantages)):
         raise ValueError("pack_experience: prompts, responses, logprobs, rewards and advantages differ in length")
     for i, (resp, lps) in enumerate(zip(responses, rollout_logprobs)):
-        if len(resp) != len(lps):
-            raise ValueError(f"sequence {i}: {len(resp)} response tokens but {len(lps)} logprobs")
+        if len(resp) != len(lps) or (token_masks is not None and len(token_masks[i]) != len(resp)):
+            raise ValueError(f"sequence {i}: {len(resp)} response tokens but {len(lps)} logprobs"
+                             + ("" if token_masks is None else f" and {len(token_masks[i])} mask entries"))
     B = len(prompts)
     P = max(len(p) for p in prompts)
     R = max(1, max(len(r) for r in responses))
@@ -72,7 +82,7 @@ def pack_experience(prompts: list[list[int]], responses: list[list[int]], rollou
         if resp:
             input_ids[i, P:P + len(resp)] = torch.tensor(resp, dtype=torch.long)
             response_ids[i, :len(resp)] = torch.tensor(resp, dtype=torch.long)
-            response_mask[i, :len(resp)] = 1.0
+            response_mask[i, :len(resp)] = 1.0 if token_masks is None else torch.tensor(token_masks[i], dtype=torch.float32)
             logprobs[i, :len(resp)] = torch.tensor(lps, dtype=torch.float32)
     dev = torch.device(device)
     exp = Experience(input_ids.to(dev), attention_mask.to(dev), response_ids.to(dev), response_mask.to(dev),

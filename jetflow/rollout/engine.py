@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import resource
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -110,6 +112,9 @@ class RolloutOutput:
     """The engine's weight_version when this call started (which policy produced the tokens)."""
     stats: dict = field(default_factory=dict)
     """prefill_s, decode_s, new_tokens, tokens_per_s, ..."""
+    token_mask: list[list[int]] | None = None
+    """Conversations (`on_turn_end`): per request 1 on each token the engine sampled, 0 on each observation
+    token appended between turns (their logprobs entries are 0.0 and mean nothing); None for one turn."""
     routed_experts: list[torch.Tensor] | None = None
     """With `record_routing`: per request the expert ids each MoE layer chose at every position the
     engine ran, (len(prompt) + len(tokens) - 1, L_moe, K) int16 (the last sampled token is never fed
@@ -130,6 +135,13 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     routing: list[torch.Tensor] = field(default_factory=list)  # (n, L_moe, K) per forward that ran it
+    mask: list[int] = field(default_factory=list)  # conversations: 1 on a sampled token, 0 on an observation's
+    turn_start: int = 0  # the current turn's first index in tokens
+    pending: Future | None = None  # conversations: the observation its last turn is waiting for
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt) + len(self.tokens)
 
     def restart(self) -> None:
         """Preempted: forget its tokens and restart its sampler, so the recomputation draws the same."""
@@ -211,11 +223,23 @@ class RolloutEngine:
     # public API
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
-                 seeds: list[int] | None = None, max_new_tokens: list[int] | None = None) -> RolloutOutput:
+                 seeds: list[int] | None = None, max_new_tokens: list[int] | None = None,
+                 on_turn_end: Callable[[int, list[int], str], Future | None] | None = None,
+                 max_total_tokens: int | None = None) -> RolloutOutput:
         """Generate for every prompt (token ids). `seeds[i]` seeds request i's own generator, so a
         request reproduces whatever else is in the batch; None draws seeds from torch's global RNG.
-        `max_new_tokens[i]` (optional, at most params.max_new_tokens) caps request i's own length."""
+        `max_new_tokens[i]` (optional, at most params.max_new_tokens) caps request i's own length.
+
+        Conversations (multi-turn, token in, token out): with `on_turn_end`, a request whose turn ends on
+        EOS or a stop string is handed over as `on_turn_end(i, turn_ids, reason)`, which returns None (the
+        conversation is over) or a Future of the observation's token ids (None: over). While it waits its
+        pages stay held and the others decode; once the ids come they are appended to the same sequence
+        (only they are prefilled: the prefix's K/V stay in the pages) and the next turn is sampled, up to
+        max_new_tokens a turn. A conversation ends with "length" when a turn reaches max_new_tokens or the
+        whole (prompt, turns, observations) would pass `max_total_tokens`; a preempted conversation is
+        recomputed from its whole context, its sampler going on where it was."""
         params = params or SamplingParams()
+        total = max_total_tokens if on_turn_end is not None and max_total_tokens else None
         caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(n) for n in max_new_tokens]
         if len(caps) != len(prompts) or not all(1 <= n <= params.max_new_tokens for n in caps):
             raise ValueError(f"max_new_tokens: one value in [1, {params.max_new_tokens}] per prompt")
@@ -229,32 +253,49 @@ class RolloutEngine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
-            if len(p) + params.max_new_tokens > self.max_seq_len:
+            need = total if total is not None else len(p) + params.max_new_tokens
+            if total is not None and len(p) >= total:
+                raise ValueError(f"request {i}: its {len(p)}-token prompt leaves no room in max_total_tokens={total}")
+            if need > self.max_seq_len:
                 raise ValueError(
                     f"request {i} needs {len(p)} prompt + {params.max_new_tokens} new tokens = "
-                    f"{len(p) + params.max_new_tokens} slots > max_seq_len={self.max_seq_len} of this engine")
-            if pages_for(len(p) + params.max_new_tokens) > pool.num_pages:
-                raise ValueError(f"request {i} needs {pages_for(len(p) + params.max_new_tokens)} KV pages of 64 "
+                    f"{need} slots > max_seq_len={self.max_seq_len} of this engine" if total is None else
+                    f"conversation {i} may take max_total_tokens={total} slots > max_seq_len={self.max_seq_len} "
+                    "of this engine")
+            if pages_for(need) > pool.num_pages:
+                raise ValueError(f"request {i} needs {pages_for(need)} KV pages of 64 "
                                  f"positions; the {self.kv_pool_bytes}-byte pool holds {pool.num_pages} "
                                  f"({pool.dtype}): raise the KV cache budget")
+        if on_turn_end is not None and self._moe:
+            raise ValueError("record_routing (routing replay) is not built for conversations (on_turn_end)")
         version = self.weight_version
         requests = [
             _Request(i, list(map(int, p)),
                      torch.Generator(self.device).manual_seed(int(s)) if params.temperature > 0 else None, int(s), n)
             for i, (p, s, n) in enumerate(zip(prompts, seeds, caps))
         ]
-        stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0}
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0, "prefill_tokens": 0}
         sched = Scheduler(pool, self.max_batch, self.continuous)
         sched.add([Sequence(len(r.prompt), r) for r in requests])
+        self._turns = _Turns(on_turn_end, total) if on_turn_end is not None else None
         with torch.inference_mode(), self._packed.applied(version) if self._packed else nullcontext():
-            while not sched.done:
+            while not sched.done or (self._turns is not None and self._turns.parked):
+                if self._turns is not None:
+                    self._turns.resume_ready(sched, block=not sched.running and not sched.waiting)
                 new = sched.admit()
+                if self._turns is not None and not new and not sched.running and sched.waiting:
+                    sched.evict_idle(self._turns.parked)  # every free page is held by waiting conversations
+                    new = sched.admit()
                 if new:
                     self._prefill(new, params, sched, stats)
-                for s in sched.grow():  # preempted: recomputed from the prompt later
-                    s.request.restart()
+                for s in sched.grow():  # preempted: recomputed later (a conversation from its whole context)
+                    if self._turns is None:
+                        s.request.restart()
+                    else:
+                        s.prompt_len = s.request.context_len
                 if sched.running:
                     self._decode_step(sched, params, stats)
+        self._turns = None
         self.pool = pool
         new_tokens = sum(len(r.tokens) for r in requests)
         elapsed = stats["prefill_s"] + stats["decode_s"]
@@ -271,6 +312,7 @@ class RolloutEngine:
             text=text,
             weight_version=version,
             stats=stats,
+            token_mask=[r.mask for r in requests] if on_turn_end is not None else None,
             routed_experts=[torch.cat(r.routing) for r in requests] if self._moe else None,
         )
 
@@ -328,10 +370,11 @@ class RolloutEngine:
         lens = torch.tensor([s.prompt_len for s in seqs], device=dev)  # (B,)
         P = int(lens.max())
         ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)  # (B, P), right-padded
-        for b, s in enumerate(seqs):
-            ids[b, :s.prompt_len] = torch.tensor(s.request.prompt)
-        cache = sched.pool.view(self._table(seqs, pages_for(P), sched.pool))
-        positions = torch.arange(P, device=dev).expand(B, P)  # slot = position
+        for b, s in enumerate(seqs):  # the prompt, or a conversation's tokens past those its pages hold
+            ids[b, :s.prompt_len] = torch.tensor((s.request.prompt + s.request.tokens)[s.written:s.written + s.prompt_len])
+        starts = torch.tensor([s.written for s in seqs], device=dev)  # (B,) 0 but for a conversation's next turn
+        cache = sched.pool.view(self._table(seqs, pages_for(int(starts.max()) + P), sched.pool))
+        positions = starts[:, None] + torch.arange(P, device=dev)  # (B, P) slot = position
         h = self.model.forward_hidden(ids.to(dev), position_ids=positions, cache=cache)  # (B, P, C)
         logits = self.model.lm_head(h[torch.arange(B, device=dev), lens - 1])  # (B, V): each last prompt token
         if self._moe:
@@ -339,9 +382,10 @@ class RolloutEngine:
             for b, s in enumerate(seqs):
                 s.request.routing.append(routing[b, :s.prompt_len])
         for s in seqs:
-            s.written = s.prompt_len
+            s.written += s.prompt_len
         stats["prefill_s"] += _elapsed(t0, dev)
         stats["prefills"] += 1
+        stats["prefill_tokens"] += int(lens.sum())
         self._sample(seqs, logits, params, sched)
 
     def _decode_step(self, sched: Scheduler, params: SamplingParams, stats: dict) -> None:
@@ -367,18 +411,26 @@ class RolloutEngine:
         gens = [s.request.generator for s in seqs] if params.temperature > 0 else None
         tokens, logprobs = sample(logits, params.temperature, params.top_k, params.top_p, gens)  # (B,), (B,)
         window = stop_window(params.stop)
+        turns = self._turns
         for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             r = s.request
             r.tokens.append(t)
             r.logprobs.append(lp)
+            if turns is not None:
+                r.mask.append(1)
             if t in self.eos_token_ids and not params.ignore_eos:
                 r.finish_reason = "eos"
-            elif window and hits_stop(self.tokenizer, r.tokens, params.stop, window):
+            elif window and hits_stop(self.tokenizer, r.tokens[r.turn_start:], params.stop, window):
                 r.finish_reason = "stop"
-            elif len(r.tokens) >= r.max_new_tokens:
+            elif len(r.tokens) - r.turn_start >= r.max_new_tokens:
                 r.finish_reason = "length"
-            if r.finish_reason is not None:
-                sched.retire(s)
+            elif turns is not None and turns.total is not None and r.context_len >= turns.total:
+                r.finish_reason = "length"  # the conversation's whole budget
+            if r.finish_reason is None:
+                continue
+            if turns is not None and r.finish_reason != "length" and turns.turn_ended(s, sched):
+                continue  # waiting for its observation, its pages held
+            sched.retire(s)
 
     @staticmethod
     def _table(seqs: list[Sequence], width: int, pool: PagePool) -> torch.Tensor:
@@ -402,6 +454,46 @@ class RolloutEngine:
         (norms, RoPE, SwiGLU); the GEMMs themselves stay ATen's. The first call compiles (tens of
         seconds on a CPU)."""
         return torch.compile(self.model.forward_hidden, mode="default", dynamic=True)
+
+
+class _Turns:
+    """The conversations of one generate(): who waits for an observation, and the appending of it."""
+
+    def __init__(self, on_turn_end: Callable[[int, list[int], str], Future | None], total: int | None):
+        self.on_turn_end, self.total = on_turn_end, total
+        self.parked: dict[Sequence, Future] = {}  # waiting for their observations, pages held
+
+    def turn_ended(self, s: Sequence, sched: Scheduler) -> bool:
+        """A turn ended on EOS or a stop string: hand it over; True when the conversation goes on (parked)."""
+        r = s.request
+        future = self.on_turn_end(r.index, r.tokens[r.turn_start:], r.finish_reason)
+        if future is None:
+            return False
+        sched.park(s)
+        self.parked[s] = future
+        return True
+
+    def resume_ready(self, sched: Scheduler, block: bool) -> None:
+        """Append the observations that have come (waiting for one when nothing else can run); a conversation
+        whose observation is None is over, one whose observation does not fit max_total_tokens ends "length"."""
+        if not self.parked:
+            return
+        if block:
+            wait(self.parked.values(), return_when=FIRST_COMPLETED)
+        for s, future in [(s, f) for s, f in self.parked.items() if f.done()]:
+            del self.parked[s]
+            r, ids = s.request, future.result()  # an environment's error ends the generate here
+            if ids is not None and self.total is not None and r.context_len + len(ids) + 1 > self.total:
+                r.finish_reason, ids = "length", None  # trained on what it has
+            if ids is None:
+                sched.retire(s)
+                continue
+            r.tokens += ids
+            r.logprobs += [0.0] * len(ids)
+            r.mask += [0] * len(ids)
+            r.turn_start, r.finish_reason = len(r.tokens), None
+            s.prompt_len = r.context_len - s.written  # the last sampled token and the observation
+            sched.resume(s)
 
 
 def _elapsed(t0: float, device: torch.device) -> float:

@@ -11,14 +11,18 @@ from dataclasses import replace
 from jetflow.config import Config
 from jetflow.model import Decoder
 from jetflow.rollout import RolloutEngine, SamplingParams
+from jetflow.rollout.conversation import ConversationDriver
 from jetflow.rollout.types import Rollouts
 from jetflow.sync import WeightUpdate, apply_update
 
 
 class NativeRollout:
     def __init__(self, model: Decoder, cfg: Config, tokenizer, eos_token_ids: list[int], stop: tuple[str, ...],
-                 max_seq_len: int, fingerprint: str | None):
-        self.model, self.fingerprint = model, fingerprint
+                 max_seq_len: int, fingerprint: str | None, driver: ConversationDriver | None = None):
+        """`driver`: a multi-turn run's conversations (jetflow.rollout.conversation); None: one turn a prompt."""
+        self.model, self.fingerprint, self.driver = model, fingerprint, driver
+        self.max_total_tokens = max_seq_len
+        self.eos = frozenset(eos_token_ids)
         self.engine = RolloutEngine(model, eos_token_ids=eos_token_ids, pad_token_id=tokenizer.pad_token_id,
                                     max_batch=cfg.rollout.max_batch, max_seq_len=max_seq_len,
                                     device=cfg.model.device, tokenizer=tokenizer,
@@ -27,17 +31,29 @@ class NativeRollout:
                                     record_routing=cfg.algo.routing_replay)
         r = cfg.rollout
         single_token_stops = {s for s in stop if len(tokenizer.encode(s)) == 1}
+        turn_stops = driver.stop if driver is not None else ()  # a tool call's close ends a turn
         self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                     top_k=r.top_k, stop=tuple(s for s in (*stop, *r.stop) if s not in single_token_stops))
+                                     top_k=r.top_k, stop=tuple(s for s in (*stop, *r.stop, *turn_stops)
+                                                               if s not in single_token_stops))
         self.weight_version = -1
 
     def load_weights(self, update: WeightUpdate) -> None:
         self.weight_version = apply_update(self.model, update, self.weight_version, self.fingerprint)
         self.engine.weight_version = self.weight_version
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
+    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False,
+                 problems: list | None = None) -> Rollouts:
         params = replace(self.params, temperature=0.0) if greedy else self.params
-        out = self.engine.generate(prompts, params, seeds=seeds)
+        if self.driver is None or problems is None:
+            out = self.engine.generate(prompts, params, seeds=seeds)
+            return Rollouts(token_ids=out.token_ids, logprobs=out.logprobs, texts=out.text,
+                            finish_reasons=out.finish_reason, weight_version=out.weight_version,
+                            routed_experts=out.routed_experts)
+        self.driver.start(problems)  # conversations: the engine keeps each one's pages between its turns
+        out = self.engine.generate(prompts, params, seeds=seeds, on_turn_end=self.driver.after_turn,
+                                   max_total_tokens=self.max_total_tokens)
         return Rollouts(token_ids=out.token_ids, logprobs=out.logprobs, texts=out.text,
                         finish_reasons=out.finish_reason, weight_version=out.weight_version,
-                        routed_experts=out.routed_experts)
+                        token_masks=out.token_mask, completions=self.driver.completions(),
+                        env_rewards=[c.env_reward for c in self.driver.conversations],
+                        turn_stats=self.driver.turn_stats(prompts, out.token_ids, self.eos))

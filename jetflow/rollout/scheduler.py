@@ -17,6 +17,12 @@ its pages freed and the sequence put back at the head of the queue to be recompu
 (vLLM's recompute preemption), never an out-of-memory error. The engine restarts a preempted
 sequence's sampler, so the recomputed tokens are the same (exact numerics: a row's arithmetic does not
 depend on its neighbours).
+
+Conversations (multi-turn): a sequence whose turn ended is parked (`park`: out of the batch, its pages
+held) while its observation is made, then queued again (`resume`) with `prompt_len` set to the tokens
+past those its pages hold; admission gives it the pages those need. When nothing runs and the next in
+line cannot get its pages, `evict_idle` frees the pages of parked and queued conversations (they are
+then recomputed from their whole context), so held pages never deadlock the pool.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def pages_for(positions: int) -> int:
 class Sequence:
     """A request as the scheduler sees it: its prompt length, the positions it has written, its pages."""
 
-    prompt_len: int
+    prompt_len: int  # tokens its next prefill writes: the prompt, or a conversation's tokens past `written`
     request: object = None  # the engine's own state for it
     pages: list[int] = field(default_factory=list)
     written: int = 0  # positions [0, written) hold K/V
@@ -74,10 +80,11 @@ class Scheduler:
         new = []
         while self.waiting and len(self.running) < self.max_batch:
             s = self.waiting[0]
-            if self.pool.free_pages < pages_for(s.prompt_len + 1):  # its prompt and its first decoded token
+            end = s.written + s.prompt_len
+            if self.pool.free_pages < pages_for(end + 1) - len(s.pages):  # its prompt and its first decoded token
                 break
             self.waiting.popleft()
-            s.pages = self.pool.alloc(pages_for(s.prompt_len))
+            s.pages += self.pool.alloc(pages_for(end) - len(s.pages)) or []
             s.admitted_at, self._admissions = self._admissions, self._admissions + 1
             self.running.append(s)
             new.append(s)
@@ -103,10 +110,28 @@ class Scheduler:
         return preempted
 
     def retire(self, s: Sequence) -> None:
-        """A finished sequence leaves the batch; its pages return to the pool."""
-        self.running.remove(s)
+        """A finished sequence leaves the batch (or its parked place); its pages return to the pool."""
+        if s in self.running:
+            self.running.remove(s)
         self.pool.free(s.pages)
         s.pages = []
+
+    def park(self, s: Sequence) -> None:
+        """A conversation waits for its observation: out of the batch, its pages held."""
+        self.running.remove(s)
+
+    def resume(self, s: Sequence) -> None:
+        """A parked conversation's observation came: queued to prefill its `prompt_len` new tokens."""
+        self.waiting.append(s)
+
+    def evict_idle(self, parked) -> None:
+        """Nothing runs and the next in line cannot start: free the pages of the parked conversations and
+        of those queued behind it (written = 0: each is recomputed from its whole context)."""
+        for s in [*parked, *list(self.waiting)[1:]]:
+            if s.pages:
+                self.pool.free(s.pages)
+                s.prompt_len += s.written
+                s.pages, s.written = [], 0
 
     def _preempt(self, s: Sequence) -> None:
         self.running.remove(s)

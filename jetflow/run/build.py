@@ -20,11 +20,13 @@ from jetflow.errors import UserError
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.model.checkpoint import check_loaded_model, load_model_config
-from jetflow.model.tokenizer import encode_prompt, eos_token_ids, render_prompt
+from jetflow.model.tokenizer import eos_token_ids, render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
 from jetflow.precision.modes import PrecisionMode
 from jetflow.precision.plan import Precision, Side
+from jetflow.rollout.conversation import turn_renderer
+from jetflow.rollout.turns import TurnRenderer
 from jetflow.tasks import DataError, Problem, Task, make_task
 
 
@@ -44,6 +46,7 @@ class RunInputs:
     arch: ModelConfig
     prompt_lengths: list[tuple[int | None, int]]  # [(data row or None, tokens)]: every data-file row, or 64 generated prompts
     chat: bool  # prompts go through the tokenizer's chat template (model.chat_template and the task's)
+    renderer: TurnRenderer  # the prompts' ids (with the task's tools, where it has any) and a conversation's turns
 
     @property
     def longest_prompt(self) -> int:
@@ -51,7 +54,7 @@ class RunInputs:
 
     def encode(self, problem: Problem) -> list[int]:
         """A problem's prompt ids as the run encodes them (the prompt lengths were counted so)."""
-        return encode_prompt(self.tokenizer, problem.prompt, self.chat)
+        return self.renderer.prompt_ids(problem.prompt)
 
 
 def load_inputs(cfg: Config) -> RunInputs:
@@ -71,11 +74,12 @@ def load_inputs(cfg: Config) -> RunInputs:
         task.set_held_out(cfg.eval.held_out)  # those prompts are evaluated, never trained on
     rows = task.dataset_problems()  # every row of a data file; a generated task: its first 64 problems
     chat = task.uses_chat(cfg.model.chat_template)
+    renderer = turn_renderer(cfg, task, tokenizer)
     lengths: list[tuple[int | None, int]] = []
     for p in rows if rows is not None else task.problems(0, 64, cfg.run.seed):
         row = p.meta["row"] if rows is not None else None
         try:
-            lengths.append((row, len(encode_prompt(tokenizer, p.prompt, chat))))
+            lengths.append((row, len(renderer.prompt_ids(p.prompt))))
         except ValueError as e:  # a character the tiny model lacks, chat messages without a chat template
             where = f"{task.path}: row {row}" if rows is not None else f"task {task.name!r}"
             raise DataError(f"{where}: the prompt cannot be encoded for model.path={cfg.model.path}: {e}") from None
@@ -91,7 +95,7 @@ def load_inputs(cfg: Config) -> RunInputs:
             _warned.add(message)
             print(message, file=sys.stderr)
         lengths = [(row, n) for row, n in lengths if n <= limit]
-    return RunInputs(task, tokenizer, arch, lengths, chat)
+    return RunInputs(task, tokenizer, arch, lengths, chat, renderer)
 
 
 def task_params(cfg: Config) -> tuple[dict, int | None]:
@@ -284,8 +288,8 @@ def prompt_text(cfg: Config, tokenizer, task: Task, problem: Problem) -> str:
 
 def prompt_encoder(cfg: Config, tokenizer, task: Task) -> Callable[[Problem], list[int]]:
     """A problem's prompt ids as the run encodes them (the lengths in RunInputs are counted the same way)."""
-    chat = task.uses_chat(cfg.model.chat_template)
-    return lambda problem: encode_prompt(tokenizer, problem.prompt, chat)
+    renderer = turn_renderer(cfg, task, tokenizer)
+    return lambda problem: renderer.prompt_ids(problem.prompt)
 
 
 def stop_token_ids(tokenizer, model: Decoder, task: Task) -> list[int]:

@@ -22,6 +22,7 @@ from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience, pack_experience
 from jetflow.rl.kl import kl_estimate
 from jetflow.rl.shaping import informative_groups, overlong_penalty
+from jetflow.rollout.conversation import multiturn_metrics
 from jetflow.rollout.types import RolloutEngineSide, Rollouts
 from jetflow.sync import StaleWeightsError
 from jetflow.tasks import Problem, Reward, RewardError, Task
@@ -67,22 +68,20 @@ class Sampled:
     def groups(self, keep: list[int], group: int) -> "Sampled":
         """The samples of groups `keep` (indices into this batch's groups), in that order."""
         rows = [g * group + j for g in keep for j in range(group)]
-        out = self.out
-        routed = None if out.routed_experts is None else [out.routed_experts[i] for i in rows]
-        picked = Rollouts([out.token_ids[i] for i in rows], [out.logprobs[i] for i in rows],
-                          [out.texts[i] for i in rows], [out.finish_reasons[i] for i in rows], out.weight_version,
-                          routed)
-        return Sampled([self.prompts[i] for i in rows], picked, [self.scores[i] for i in rows], self.rewards[rows])
+        return Sampled([self.prompts[i] for i in rows], self.out.select(rows), [self.scores[i] for i in rows],
+                       self.rewards[rows])
 
     @staticmethod
     def concat(parts: list["Sampled"]) -> "Sampled":
-        outs = [p.out for p in parts]
-        routed = None if outs[0].routed_experts is None else [r for o in outs for r in o.routed_experts]
-        out = Rollouts([t for o in outs for t in o.token_ids], [lp for o in outs for lp in o.logprobs],
-                       [t for o in outs for t in o.texts], [f for o in outs for f in o.finish_reasons],
-                       outs[0].weight_version, routed)
-        return Sampled([p for s in parts for p in s.prompts], out, [x for s in parts for x in s.scores],
-                       torch.cat([s.rewards for s in parts]))
+        return Sampled([p for s in parts for p in s.prompts], Rollouts.concat([p.out for p in parts]),
+                       [x for s in parts for x in s.scores], torch.cat([s.rewards for s in parts]))
+
+
+def sampled_counts(out: Rollouts) -> list[int]:
+    """Tokens the model sampled in each response (a conversation's observations left out)."""
+    if out.token_masks is None:
+        return [len(t) for t in out.token_ids]
+    return [sum(m) for m in out.token_masks]
 
 
 class RLLoop:
@@ -137,21 +136,30 @@ class RLLoop:
         self._eval_sync = self.sync()  # reported with the next step, which then finds the weights in place
         correct = reward = 0.0
         if prompts:
-            out = self.rollout.generate(prompts, [0] * len(prompts), greedy=True)
-            scores = self._score(problems_here, out.texts)
+            out = self.rollout.generate(prompts, [0] * len(prompts), greedy=True,
+                                        **self._conversations(problems_here))
+            scores = self._score(problems_here, out)
             correct, reward = float(sum(s.correct for s in scores)), float(sum(s.total for s in scores))
         totals = self.dp.sum_dict({"correct": correct, "reward": reward})
         n = max(len(problems), 1)
         return {"eval/pass@1": totals["correct"] / n, "eval/reward": totals["reward"] / n,
                 "eval/num_prompts": float(len(problems)), "time/eval": time.perf_counter() - t0}
 
-    def _score(self, problems: list[Problem], texts: list[str]) -> list[Reward]:
-        """The task's rewards for one batch. A reward function's error (RewardError: one line naming the
-        function and the row) ends the step on every rank alike, before the update, so the run can
-        checkpoint the step's starting state (jetflow.run.sequence)."""
+    def _conversations(self, problems: list[Problem]) -> dict:
+        """generate()'s keyword for a multi-turn run: the problems whose conversations the engine drives."""
+        return {"problems": problems} if self.cfg.rollout.max_turns > 1 else {}
+
+    def _score(self, problems: list[Problem], out: Rollouts) -> list[Reward]:
+        """The task's rewards for one batch (a conversation's: its messages, plus its environment's rewards).
+        A reward function's error (RewardError: one line naming the function and the row) ends the step on
+        every rank alike, before the update, so the run can checkpoint the step's starting state
+        (jetflow.run.sequence)."""
         error = None
         try:
-            scores = self.task.score_batch(problems, texts)
+            if out.completions is None:
+                scores = self.task.score_batch(problems, out.texts)
+            else:
+                scores = self.task.score_batch(problems, out.completions, env_rewards=out.env_rewards)
         except RewardError as e:
             error = e
         if self.dp.enabled and self.dp.any_in_world(error is not None) and error is None:
@@ -168,14 +176,15 @@ class RLLoop:
         cfg, group = self.cfg, self.cfg.rollout.group_size
         offset = round_ * cfg.train.prompts_per_step * group
         seeds = [request_seed(self.seed, step, offset + first + i) for i in range(len(prompts))]
-        out = self.rollout.generate(prompts, seeds)
+        requests = [problems[i // group] for i in range(len(prompts))]
+        out = self.rollout.generate(prompts, seeds, **self._conversations(requests))
         if out.weight_version != self.trainer.version:
             raise StaleWeightsError(f"rollout used weight version {out.weight_version}, "
                                     f"trainer is at {self.trainer.version}")
-        scores = self._score([problems[i // group] for i in range(len(out.texts))], out.texts)
+        scores = self._score(requests, out)
         rewards = torch.tensor([s.total for s in scores], dtype=torch.float32)  # (N,)
         if cfg.algo.overlong_buffer:  # DAPO's soft overlong punishment
-            lengths = torch.tensor([len(t) for t in out.token_ids])
+            lengths = torch.tensor(sampled_counts(out))
             rewards = rewards + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)
         return Sampled(prompts, out, scores, rewards)
@@ -188,7 +197,7 @@ class RLLoop:
         first round's when none). Returns (the training samples, the first round's, tokens generated)."""
         cfg, group = self.cfg, self.cfg.rollout.group_size
         first_round = self._sample(step, problems, prompts, first, 0)
-        generated = sum(len(t) for t in first_round.out.token_ids)
+        generated = sum(sampled_counts(first_round.out))
         if cfg.algo.overlong_buffer:  # the mean reward the punishment took from the policy's own samples
             task_rewards = torch.tensor([s.total for s in first_round.scores], dtype=torch.float32)
             metrics["reward/overlong_penalty"] = float((first_round.rewards - task_rewards).mean())
@@ -208,7 +217,7 @@ class RLLoop:
                                           refill_seed(self.seed, round_))
             batch = self._sample(step, problems, [self.encode_prompt(p) for p in problems for _ in range(group)],
                                  first, round_)
-            generated += sum(len(t) for t in batch.out.token_ids)
+            generated += sum(sampled_counts(batch.out))
         sampled = Sampled.concat(kept)
         groups = len(sampled.prompts) // group
         metrics.update({"sampling/kept_group_frac": n_kept / n_generated, "sampling/rounds": float(round_),
@@ -269,7 +278,8 @@ class RLLoop:
         cfg = self.cfg
         exp = pack_experience(sampled.prompts, sampled.out.token_ids, sampled.out.logprobs, sampled.rewards,
                               group_advantages(sampled.rewards, cfg.rollout.group_size, cfg.algo.adv_norm), self.pad_id,
-                              device=cfg.model.device, routed_experts=sampled.out.routed_experts)
+                              device=cfg.model.device, routed_experts=sampled.out.routed_experts,
+                              token_masks=sampled.out.token_masks)
         if self.with_reference:  # log pi_ref of the same tokens (the frozen reference policy)
             t0 = time.perf_counter()
             exp.ref_logprobs = self.trainer.compute_logprobs(exp, cfg.rollout.temperature, reference=True)
@@ -320,7 +330,9 @@ class RLLoop:
     def _sample_metrics(self, exp: Experience, first_round: Sampled, generated: int, metrics: dict[str, float]) -> None:
         """Rewards, lengths and throughput of the policy's own samples (the first round: no refills)."""
         out, scores = first_round.out, first_round.scores
-        lengths = [len(t) for t in out.token_ids]
+        lengths = sampled_counts(out)
+        if out.turn_stats is not None:  # multi-turn: turns, tool calls, observations, re-tokenization drift
+            metrics.update(multiturn_metrics(out.turn_stats, out.token_masks))
         mask = exp.response_mask
         metrics.update({
             # the rollout's own log-perplexity of what it sampled (nats per token)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config, Derived
+from jetflow.config import Config, Derived, conversation_tokens
 from jetflow.distributed import SINGLE, DataParallel
+from jetflow.rollout.conversation import conversation_driver
 from jetflow.rollout.native import NativeRollout
 from jetflow.run.build import (RunInputs, apply_mode, attach_kv_fp8, build_model, copy_model,
                                loads_whole_policy, stop_token_ids)
@@ -177,6 +178,9 @@ def build_rollout_side(cfg: Config, derived: Derived, inputs: RunInputs, side: T
     task, tokenizer = inputs.task, inputs.tokenizer
     source = side.model if side is not None else build_model(cfg, inputs.arch, tokenizer)
     max_seq_len = 2 * inputs.longest_prompt + cfg.rollout.max_new_tokens + 16
+    driver = conversation_driver(cfg, task, tokenizer)  # multi-turn (rollout.max_turns > 1), else None
+    if driver is not None:  # a conversation's budget: its prompt, turns and observations
+        max_seq_len = conversation_tokens(cfg.rollout, inputs.longest_prompt)
     eos = stop_token_ids(tokenizer, source, task)
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
         engine_dir = engine_dir or run_engine_dir(run_dir, "local", dp.global_rank)
@@ -184,4 +188,4 @@ def build_rollout_side(cfg: Config, derived: Derived, inputs: RunInputs, side: T
     rollout_model = apply_mode(copy_model(source), derived.precision, "rollout")
     attach_kv_fp8(rollout_model, derived.precision, "rollout")
     return NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,
-                         fingerprint=derived.precision.fingerprint)
+                         fingerprint=derived.precision.fingerprint, driver=driver)

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from jetflow.config import Config, ConfigError, Derived, config_changes, derive, load_config
+from jetflow.config import Config, ConfigError, Derived, config_changes, conversation_tokens, derive, load_config
 from jetflow.model.paged_cache import PagePool
 from jetflow.rollout.scheduler import pages_for
 from jetflow.run.build import RunInputs, load_inputs
@@ -74,6 +74,9 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("rollout.top_k", lambda v: v >= 0, ">= 0 (0 turns top-k off)"),
     ("rollout.vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.max_turns", lambda v: v >= 1, ">= 1 (1: one response per prompt)"),
+    ("rollout.max_total_tokens", lambda v: v >= 0, ">= 0 (0: the longest prompt + 2 x max_turns x max_new_tokens)"),
+    ("rollout.tool_timeout_s", lambda v: v > 0, "> 0 seconds"),
     ("precision.group_size", lambda v: v >= 1, ">= 1"),
     ("algo.ppo_epochs", lambda v: v >= 1, ">= 1"),
     ("algo.clip_low", lambda v: 0 <= v < 1, "in [0, 1) (the ratio is clipped below at 1 - clip_low)"),
@@ -180,12 +183,33 @@ def check_combinations(cfg: Config) -> None:
                 raise ConfigError(f"algo.routing_replay=true with {key}={value}: routing replay runs with the native "
                                   f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
     check_algorithm(cfg)
+    check_turns(cfg)
     if t.fp8_backend != "jetflow":  # Transformer Engine cannot be installed on the CPU machines
         raise ConfigError(f"train.fp8_backend={t.fp8_backend!r}: `jetflow train` runs train.fp8_backend='jetflow' "
                           f"today; the {t.fp8_backend} backend is available as the library component jetflow.train.te "
                           "but is not wired into the training loop yet")
     if unknown := [k for k in cfg.run.allow_changes if not _is_key(k)]:
         raise ConfigError(f"run.allow_changes: {', '.join(unknown)} is not a config key (e.g. train.steps)")
+
+
+def check_turns(cfg: Config) -> None:
+    """Multi-turn rollouts: a custom task that has something to answer the model (tools or an environment)."""
+    r, params = cfg.rollout, cfg.task.params
+    talks = cfg.task.name == "custom" and bool(params.get("tools") or params.get("env"))
+    if r.max_turns > 1 and not talks:
+        raise ConfigError(f"rollout.max_turns={r.max_turns}: a multi-turn rollout needs something to answer the model "
+                          "between turns: task.name=custom with task.params.tools or task.params.env (README: Your own "
+                          "task); or rollout.max_turns=1")
+    if talks and r.max_turns == 1:
+        key = "tools" if params.get("tools") else "env"
+        raise ConfigError(f"task.params.{key} answers the model between turns, and rollout.max_turns=1 gives it one "
+                          "turn; set rollout.max_turns (for example 4)")
+    if r.max_turns > 1 and cfg.algo.routing_replay:
+        raise ConfigError("algo.routing_replay=true with rollout.max_turns > 1: routing replay is not built for "
+                          "multi-turn rollouts; set algo.routing_replay=false")
+    if r.max_turns > 1 and r.max_total_tokens and r.max_total_tokens <= r.max_new_tokens:
+        raise ConfigError(f"rollout.max_total_tokens={r.max_total_tokens} holds a conversation's prompt, turns and "
+                          f"observations: it must exceed rollout.max_new_tokens={r.max_new_tokens} (a turn)")
 
 
 def check_algorithm(cfg: Config) -> None:
@@ -302,12 +326,17 @@ def check_task_and_model(cfg: Config, derived: Derived) -> RunInputs:
                           "the reference answers, and the task has none; set task.params.answer_key (the field "
                           "holding them) or train.sft_warmup_steps=0")
     check_prompt_positions(cfg, task, inputs.prompt_lengths, arch.max_position_embeddings)
+    request = conversation_tokens(cfg.rollout, longest)  # a prompt and its response, or a whole conversation
+    if cfg.rollout.max_turns > 1 and request > arch.max_position_embeddings:
+        raise ConfigError(f"rollout.max_total_tokens: a conversation may take {request} tokens, past the model's "
+                          f"{arch.max_position_embeddings} positions; set rollout.max_total_tokens <= "
+                          f"{arch.max_position_embeddings}")
     if cfg.rollout.kv_cache_gib is not None and cfg.rollout.backend == "native":  # the longest request alone, fp32
-        need = (pages_for(longest + cfg.rollout.max_new_tokens) + 1) * PagePool.page_bytes(
+        need = (pages_for(request) + 1) * PagePool.page_bytes(
             arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32)
         if cfg.rollout.kv_cache_gib * 2**30 < need:
-            raise ConfigError(f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: one request of {longest} + "
-                              f"{cfg.rollout.max_new_tokens} tokens needs {need / 2**30:.4g} GiB of fp32 KV pages")
+            raise ConfigError(f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: one request of {request} tokens "
+                              f"needs {need / 2**30:.4g} GiB of fp32 KV pages")
     if cfg.run.memory_check:  # before any weight is loaded: a run that cannot fit is refused in one line
         check_memory(cfg, derived, arch, longest)
     kept = cfg.precision.keep_first_layers + cfg.precision.keep_last_layers

@@ -169,6 +169,10 @@ class Task(ABC):
         functions take batches (the custom task) overrides it."""
         return [self.score(p, c) for p, c in zip(problems, completions, strict=True)]
 
+    def row_of(self, problem: Problem) -> tuple[dict, str]:
+        """The problem as a data row (what a multi-turn environment is built with) and a name for it."""
+        return {"prompt": problem.prompt, "answer": problem.answer, **problem.meta}, f"a problem of task {self.name!r}"
+
     def dataset_problems(self) -> list[Problem] | None:
         """Every problem of a task read from a data file, in file order (the length checks read them
         all); None for a generated task (its problem space has no end)."""

@@ -8,11 +8,19 @@
         answer_key: answer          # optional: the reference answer (the supervised warm-up's target)
         reward: [my_rewards:exact, rewards/style.py:short]   # module:function or file.py:function
         reward_weights: [1.0, 0.2]
+        tools: [my_tools:multiply]  # multi-turn (rollout.max_turns > 1): functions the model may call
+        env: my_env:GuessNumber     # or an environment that answers each turn (reward optional then)
 
 The rows and their errors: jetflow.tasks.data. The reward functions, their signature and their
 errors: jetflow.tasks.rewards. A completion's reward is the weighted sum of the functions' values;
 ``correct`` (reward/accuracy, eval/pass@1) when that sum reaches ``pass_threshold``. Each function's
 own mean is logged as reward/fn/<name>.
+
+Multi-turn (jetflow.rollout.conversation): the tools (jetflow.tasks.tools) and the environment class
+(jetflow.tasks.environment, built per conversation with the data row) are loaded here, with the rewards.
+A conversation's completion, as the reward functions get it, is its messages after the prompt (assistant,
+tool and user messages, as TRL gives a conversational completion), or its text for a raw-text prompt; the
+environment's rewards, summed over the turns, are added to the functions' weighted sum (reward/fn/env).
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ from pathlib import Path
 
 from jetflow.tasks.base import Problem, Reward, register_task
 from jetflow.tasks.data import DataError, DataTask, field, read_rows
-from jetflow.tasks.rewards import load_rewards
+from jetflow.tasks.environment import load_environment
+from jetflow.tasks.rewards import RewardFunction, load_rewards
+from jetflow.tasks.tools import load_tools
 
 COLUMNS = "columns"  # Problem.meta key of the row's other columns
 
@@ -46,9 +56,10 @@ class CustomTask(DataTask):
     """Prompts from ``path``, scored by the user's reward functions (see the module docstring).
 
     path: the data file. prompt_key: the field holding the prompt. answer_key: the field holding the
-    reference answer, or None. reward: one function spec or a list. reward_weights: one weight per
-    function (default 1 each). pass_threshold: the weighted reward that counts as correct. split: the
-    split of a DatasetDict directory.
+    reference answer, or None. reward: one function spec or a list (optional with an environment).
+    reward_weights: one weight per function (default 1 each). pass_threshold: the weighted reward that
+    counts as correct. split: the split of a DatasetDict directory. tools: functions the model may call
+    (module:function or file.py:function). env: an environment class (module:Class or file.py:Class).
     """
 
     name = "custom"
@@ -56,12 +67,14 @@ class CustomTask(DataTask):
     def __init__(
         self,
         path: str,
-        reward: str | list[str],
+        reward: str | list[str] | None = None,
         prompt_key: str = "prompt",
         answer_key: str | None = None,
         reward_weights: list[float] | None = None,
         pass_threshold: float = 1.0,
         split: str = "train",
+        tools: str | list[str] | None = None,
+        env: str | None = None,
         seed: int = 0,
         format_weight: float = 0.0,
     ):
@@ -77,7 +90,10 @@ class CustomTask(DataTask):
         # every field but the prompt reaches the rewards (a row without one gets None, as in datasets)
         self.columns = [k for k in dict.fromkeys(k for _, row in rows for k in row) if k != prompt_key]
         self._set_rows([(number, self._row_problem(number, row)) for number, row in rows])
-        self.rewards = load_rewards(reward, reward_weights, self.columns)
+        self.tools = load_tools(tools)
+        self.env, self.env_class = env, (load_environment(env) if env else None)
+        self.rewards: list[RewardFunction] = [] if (reward is None and env) else load_rewards(reward or [], reward_weights,
+                                                                                              self.columns)
         names = [f.name for f in self.rewards]  # the logs' reward/fn/<name>: the spec where two share a name
         self.part_names = [f.name if names.count(f.name) == 1 else f.spec for f in self.rewards]
 
@@ -94,13 +110,19 @@ class CustomTask(DataTask):
     def row_name(self, problem: Problem) -> str:
         return f"row {problem.meta['row']} of {self.path}"
 
+    def row_of(self, problem: Problem) -> tuple[dict, str]:
+        """The data row an environment is built with (every field, the prompt's too) and its name."""
+        return {self.prompt_key: problem.prompt, **problem.meta[COLUMNS]}, self.row_name(problem)
+
     def score(self, problem: Problem, completion: str) -> Reward:
         return self.score_batch([problem], [completion])[0]
 
-    def score_batch(self, problems: list[Problem], completions: list[str]) -> list[Reward]:
-        """Each reward function once over the batch (TRL's calling convention), then the weighted sum."""
+    def score_batch(self, problems: list[Problem], completions: list, env_rewards: list[float] | None = None
+                    ) -> list[Reward]:
+        """Each reward function once over the batch (TRL's calling convention), then the weighted sum, plus
+        each conversation's environment rewards. A completion is text, or (a conversation) its messages."""
         prompts = [p.prompt for p in problems]
-        shaped = [c if isinstance(p.prompt, str) else [{"role": "assistant", "content": c}]
+        shaped = [c if isinstance(p.prompt, str) or isinstance(c, list) else [{"role": "assistant", "content": c}]
                   for p, c in zip(problems, completions, strict=True)]
         columns = {k: [p.meta[COLUMNS][k] for p in problems] for k in self.columns}
         rows = [self.row_name(p) for p in problems]
@@ -109,5 +131,8 @@ class CustomTask(DataTask):
         for i in range(len(problems)):
             parts = {name: v[i] for name, v in zip(self.part_names, values)}
             total = sum(f.weight * v[i] for f, v in zip(self.rewards, values))
+            if self.env_class is not None:
+                parts["env"] = env_rewards[i] if env_rewards is not None else 0.0
+                total += parts["env"]
             rewards.append(Reward(total, total >= self.pass_threshold, False, parts))
         return rewards

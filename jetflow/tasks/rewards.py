@@ -43,7 +43,8 @@ class RewardError(UserError, ValueError):
     """A reward function of the user's cannot be loaded, cannot be called, or returned a bad value."""
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
     text = (str(e).strip().splitlines() or [""])[0]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -59,11 +60,12 @@ def _on_path(directory: str):
             sys.path.remove(directory)
 
 
-def load_function(spec: str) -> Callable:
-    """The function ``spec`` names: ``module:function`` or ``path/to/file.py:function``."""
+def load_function(spec: str, key: str = "task.params.reward") -> Callable:
+    """The function ``spec`` names: ``module:function`` or ``path/to/file.py:function`` (``key``: the config
+    key that names it, for the error)."""
     where, sep, name = str(spec).rpartition(":")
     if not sep or not where or not name.isidentifier():
-        raise RewardError(f"task.params.reward={spec!r}: expected module:function or path/to/file.py:function")
+        raise RewardError(f"{key}={spec!r}: expected module:function or path/to/file.py:function")
     try:
         if where.endswith(".py"):
             module = _import_file(Path(where), spec)
@@ -75,7 +77,7 @@ def load_function(spec: str) -> Callable:
     except BaseException as e:  # SyntaxError, ImportError, anything the module raises at import (SystemExit too)
         if isinstance(e, KeyboardInterrupt):
             raise
-        raise RewardError(f"reward {spec}: importing {where} failed ({_first_line(e)})") from None
+        raise RewardError(f"reward {spec}: importing {where} failed ({first_line(e)})") from None
     fn = getattr(module, name, None)
     if fn is None:
         raise RewardError(f"reward {spec}: {where} has no function {name!r}")
@@ -160,8 +162,8 @@ class RewardFunction:
             try:
                 _invoke(self.fn, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()})
             except Exception as single:
-                return f"reward {self.spec} raised {_first_line(single)} on {rows[i]}"
-        return f"reward {self.spec} raised {_first_line(e)} on the batch of {_some(rows)} (each row alone passes)"
+                return f"reward {self.spec} raised {first_line(single)} on {rows[i]}"
+        return f"reward {self.spec} raised {first_line(e)} on the batch of {_some(rows)} (each row alone passes)"
 
 
 def _invoke(fn: Callable, prompts, completions, columns):

@@ -18,7 +18,14 @@ def graph():
 
 def test_no_module_over_the_line_limit():
     files, _ = graph()
-    assert [f.name for f in files if len(f.read_text().splitlines()) > layers.LINE_LIMIT] == []
+    assert [f.name for f in files if layers.code_lines(f.read_text()) > layers.LINE_LIMIT] == []
+
+
+def test_the_limit_counts_code_not_documentation():
+    """Docstrings (module, function, attribute), comments and blank lines are free; code is counted."""
+    source = '"""Module\ndocstring."""\n\n# a comment\nx = 1  # trailing\n"""x\'s docstring."""\n\n\ndef f():\n' \
+             '    """One\n    two."""\n    return "not a docstring"\n'
+    assert layers.code_lines(source) == 3
 
 
 def test_every_module_has_a_layer_and_no_import_runs_up():
