@@ -195,6 +195,7 @@ class RolloutEngine:
         self.tokenizer = tokenizer
         self.fp8_pages, self.continuous = fp8_pages, continuous
         self.weight_version = 0
+        self.last_stats: dict = {}
         self.vocab_size = model.config.vocab_size
         self._rss_start = _max_rss_bytes()
         self.cache_dtype = cache_dtype or model.model.embed_tokens.weight.dtype
@@ -225,7 +226,7 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
                  seeds: list[int] | None = None, max_new_tokens: list[int] | None = None,
                  on_turn_end: Callable[[int, list[int], str], Future | None] | None = None,
-                 max_total_tokens: int | None = None) -> RolloutOutput:
+                 max_total_tokens: int | None = None, reprefill_turns: bool = False) -> RolloutOutput:
         """Generate for every prompt (token ids). `seeds[i]` seeds request i's own generator, so a
         request reproduces whatever else is in the batch; None draws seeds from torch's global RNG.
         `max_new_tokens[i]` (optional, at most params.max_new_tokens) caps request i's own length.
@@ -237,7 +238,8 @@ class RolloutEngine:
         (only they are prefilled: the prefix's K/V stay in the pages) and the next turn is sampled, up to
         max_new_tokens a turn. A conversation ends with "length" when a turn reaches max_new_tokens or the
         whole (prompt, turns, observations) would pass `max_total_tokens`; a preempted conversation is
-        recomputed from its whole context, its sampler going on where it was."""
+        recomputed from its whole context, its sampler going on where it was. `reprefill_turns` (to measure
+        what page reuse saves): each turn starts by prefilling the whole conversation again, pages freed."""
         params = params or SamplingParams()
         total = max_total_tokens if on_turn_end is not None and max_total_tokens else None
         caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(n) for n in max_new_tokens]
@@ -277,7 +279,7 @@ class RolloutEngine:
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefills": 0, "prefill_tokens": 0}
         sched = Scheduler(pool, self.max_batch, self.continuous)
         sched.add([Sequence(len(r.prompt), r) for r in requests])
-        self._turns = _Turns(on_turn_end, total) if on_turn_end is not None else None
+        self._turns = _Turns(on_turn_end, total, reprefill_turns) if on_turn_end is not None else None
         with torch.inference_mode(), self._packed.applied(version) if self._packed else nullcontext():
             while not sched.done or (self._turns is not None and self._turns.parked):
                 if self._turns is not None:
@@ -295,12 +297,13 @@ class RolloutEngine:
                         s.prompt_len = s.request.context_len
                 if sched.running:
                     self._decode_step(sched, params, stats)
-        self._turns = None
+        self_turns, self._turns = self._turns is not None, None
         self.pool = pool
-        new_tokens = sum(len(r.tokens) for r in requests)
+        new_tokens = sum(sum(r.mask) if self_turns else len(r.tokens) for r in requests)  # sampled, not observed
         elapsed = stats["prefill_s"] + stats["decode_s"]
         stats.update(new_tokens=new_tokens, tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0,
                      preemptions=sched.preemptions, kv_pages_peak=pool.peak_held)
+        self.last_stats = stats  # the last generate's, for the benches (RolloutOutput.stats is the same dict)
         text = None
         if self.tokenizer is not None:
             text = [final_text(self.tokenizer, r.tokens, params.stop, r.finish_reason == "stop") for r in requests]
@@ -459,8 +462,9 @@ class RolloutEngine:
 class _Turns:
     """The conversations of one generate(): who waits for an observation, and the appending of it."""
 
-    def __init__(self, on_turn_end: Callable[[int, list[int], str], Future | None], total: int | None):
-        self.on_turn_end, self.total = on_turn_end, total
+    def __init__(self, on_turn_end: Callable[[int, list[int], str], Future | None], total: int | None,
+                 reprefill: bool = False):
+        self.on_turn_end, self.total, self.reprefill = on_turn_end, total, reprefill
         self.parked: dict[Sequence, Future] = {}  # waiting for their observations, pages held
 
     def turn_ended(self, s: Sequence, sched: Scheduler) -> bool:
@@ -492,6 +496,9 @@ class _Turns:
             r.logprobs += [0.0] * len(ids)
             r.mask += [0] * len(ids)
             r.turn_start, r.finish_reason = len(r.tokens), None
+            if self.reprefill:  # the cost page reuse saves: the whole conversation again
+                sched.pool.free(s.pages)
+                s.pages, s.written = [], 0
             s.prompt_len = r.context_len - s.written  # the last sampled token and the observation
             sched.resume(s)
 

@@ -14,7 +14,8 @@ next generation prompt adds. Without a chat template (raw-text tasks) an observa
 Tools reach the model through the template (``tools=`` where the template uses them), or, where it has
 none (SmolLM2's ChatML, the tiny model's), as a system message in the tool format's words; tool results
 are then user messages in the format's wrapping (hermes: <tool_response> ... </tool_response>), as
-Qwen2.5's template renders them.
+Qwen2.5's template renders them. A raw-text prompt (no chat template) is the user's text as it is: no
+schema is added (the prompt describes its tools itself), and a tool result is its wrapping alone.
 """
 
 from __future__ import annotations
@@ -61,10 +62,8 @@ class TurnRenderer:
 
     def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
         """The ids a conversation starts from (encode_prompt's, with the tools where the run has them)."""
-        if not self.tools:
+        if not self.tools or not self.chat:  # a raw-text prompt is the user's text as it is (no schema added)
             return encode_prompt(self.tok, prompt, self.chat)
-        if not self.chat:
-            return self.tok.encode(f"{self.fmt.system_prompt(self.tools)}\n\n{render_prompt(self.tok, prompt, False)}")
         return self.tok.encode(self._render(self.prompt_messages(prompt), True))
 
     # -- observations ---------------------------------------------------------------------------------
@@ -112,9 +111,7 @@ class TurnRenderer:
         """The conversation re-rendered from its messages (the model's turns as decoded text) and tokenized
         again, as a trainer that keeps messages instead of ids would."""
         if not self.chat:
-            text = render_prompt(self.tok, prompt, False) if not self.tools else \
-                f"{self.fmt.system_prompt(self.tools)}\n\n{render_prompt(self.tok, prompt, False)}"
-            return self.tok.encode(text + "".join(m["content"] for m in messages))
+            return self.tok.encode(render_prompt(self.tok, prompt, False) + "".join(m["content"] for m in messages))
         return self.tok.encode(self._render(self.prompt_messages(prompt) + messages, False))
 
 

@@ -104,3 +104,217 @@ def test_every_model_token_of_a_tool_conversation_equals_the_trainer(tmp_path, e
     assert observed > 0, "no observation was appended"
     assert torch.equal(exp.rollout_logprobs[mask], trainer_lp[mask]), (
         f"{mode}: {int((exp.rollout_logprobs[mask] != trainer_lp[mask]).sum())} of {int(mask.sum())} differ")
+
+
+# --- the tool-call format, tools and environments: hand-made cases -----------------------------------------
+
+def test_hermes_parses_calls_and_reports_malformed_ones():
+    calls = tf.parse_hermes('x <tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call> y '
+                            '<tool_call>{"name": oops}</tool_call><tool_call>[1, 2]</tool_call>')
+    assert (calls[0].name, calls[0].arguments, calls[0].error) == ("multiply", {"a": 3, "b": 4}, None)
+    assert calls[1].error.startswith("Error: the tool call is not valid JSON")
+    assert calls[2].error.startswith("Error: a tool call must be a JSON object")
+    assert tf.parse_hermes("no call here") == []
+    with pytest.raises(ValueError, match="valid formats are hermes"):
+        tf.tool_format("json")
+
+
+def test_a_tool_that_raises_times_out_or_gets_bad_arguments_answers_with_an_error_text(tmp_path):
+    import concurrent.futures
+
+    from jetflow.tasks.tools import load_tools
+    (tmp_path / "t.py").write_text(TOOLS + '''
+
+def boom(x: int) -> int:
+    """Fail.
+
+    Args:
+        x: Anything.
+    """
+    raise KeyError("nope")
+
+
+async def later(x: int) -> dict:
+    """Answer asynchronously.
+
+    Args:
+        x: A number.
+    """
+    return {"twice": 2 * x}
+''')
+    echo, slow, boom, later = load_tools([f"{tmp_path / 't.py'}:{n}" for n in ("echo", "slow", "boom", "later")])
+    assert echo.schema["function"]["parameters"]["properties"]["text"]["type"] == "string"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert (echo.call({"text": "hi"}, 5, pool).content, echo.call({"text": "hi"}, 5, pool).error) == ("[hi]", False)
+        assert later.call({"x": 3}, 5, pool).content == '{"twice": 6}'
+        raised = boom.call({"x": 1}, 5, pool)
+        assert raised.error and raised.content == "Error: boom raised KeyError: 'nope'"
+        timed_out = slow.call({"text": "z"}, 0.1, pool)
+        assert timed_out.error and "timed out after 0.1 s" in timed_out.content
+        wrong = echo.call({"txt": "hi"}, 5, pool)
+        assert wrong.error and "cannot take" in wrong.content
+        assert echo.call([1], 5, pool).error
+
+
+def test_tools_that_cannot_be_described_or_share_a_name_are_one_line(tmp_path):
+    from jetflow.tasks.tools import ToolError, load_tools
+    (tmp_path / "bad.py").write_text("def nodoc(x):\n    return x\n")
+    with pytest.raises(ToolError, match=r"^tool .*bad.py:nodoc: its JSON schema cannot be made"):
+        load_tools([f"{tmp_path / 'bad.py'}:nodoc"])
+    (tmp_path / "t.py").write_text(TOOLS)
+    with pytest.raises(ToolError, match="two tools are named echo"):
+        load_tools([f"{tmp_path / 't.py'}:echo", f"{tmp_path / 't.py'}:echo"])
+    with pytest.raises(ToolError, match="has no function 'missing'"):
+        load_tools([f"{tmp_path / 't.py'}:missing"])
+
+
+def test_an_environment_that_raises_or_answers_the_wrong_shape_is_one_line_naming_class_and_row(tmp_path):
+    from jetflow.tasks.environment import EnvError, Environment, load_environment
+    (tmp_path / "env.py").write_text('''
+class Broken:
+    def __init__(self, row):
+        self.row = row
+
+    def step(self, completion):
+        if completion == "raise":
+            raise RuntimeError("lost")
+        return "only two", 1.0
+
+
+class NoStep:
+    pass
+''')
+    cls = load_environment(f"{tmp_path / 'env.py'}:Broken")
+    env = Environment("env.py:Broken", cls, {"secret": 3}, "row 7 of games.jsonl")
+    with pytest.raises(EnvError, match=r"^env env.py:Broken: step raised RuntimeError: lost on row 7 of games.jsonl$"):
+        env.step("raise")
+    with pytest.raises(EnvError, match=r"step returned tuple .* on row 7 of games.jsonl; it must return \(observation"):
+        env.step("x")
+    with pytest.raises(EnvError, match="class NoStep has no step"):
+        load_environment(f"{tmp_path / 'env.py'}:NoStep")
+
+
+# --- the engine: pages kept between turns, observations of any delay, the budget -------------------------
+
+def engine_and_driver(tmp_path, *overrides: str):
+    cfg = tiny_tool_config(tmp_path, "precision.mode=fp32", "precision.numerics=exact", *overrides)
+    task = build_task(cfg)
+    model, tok = build_policy(cfg)
+    from jetflow.rollout.conversation import conversation_driver
+    from jetflow.rollout.native import NativeRollout
+    driver = conversation_driver(cfg, task, tok)
+    rollout = NativeRollout(model, cfg, tok, [tok.eos_token_id], (), cfg.rollout.max_total_tokens, None, driver)
+    problems = [task.problem(i) for i in range(8)]
+    return rollout, driver, problems, [prompt_encoder(cfg, tok, task)(p) for p in problems]
+
+
+def test_only_the_observations_are_prefilled_between_turns(tmp_path, every_turn_calls):
+    """Page reuse: a turn's prefill is the model's last token and the observation, never the prefix again."""
+    rollout, driver, problems, prompts = engine_and_driver(tmp_path)
+    out = rollout.generate(prompts, list(range(8)), problems=problems)
+    stats = rollout.engine.last_stats
+    observations = [sum(1 for a, b in zip(m, m[1:] + [1]) if a == 0 and b == 1) for m in out.token_masks]
+    observed_tokens = sum(len(m) - sum(m) for m in out.token_masks)
+    assert stats["prefill_tokens"] == sum(map(len, prompts)) + observed_tokens + sum(observations)
+    assert sum(observations) > 0 and stats["preemptions"] == 0
+
+
+def test_a_slow_tool_stalls_only_its_own_conversation(tmp_path, every_turn_calls):
+    """Conversation 0's observations come 2 s late; the seven others go on decoding meanwhile and end first."""
+    import concurrent.futures
+    import threading
+    import time
+    rollout, driver, problems, prompts = engine_and_driver(tmp_path, "rollout.max_turns=3")
+    ended: dict[int, float] = {}
+    after_turn = driver.after_turn
+
+    def timed_after_turn(index, turn_ids, reason):
+        future = after_turn(index, turn_ids, reason)
+        if future is None:
+            ended.setdefault(index, time.perf_counter())
+            return None
+        if index == 0:  # a slow tool: its result arrives 2 s after the call
+            late: concurrent.futures.Future = concurrent.futures.Future()
+            threading.Timer(2.0, lambda: late.set_result(future.result())).start()
+            return late
+        future.add_done_callback(lambda f: f.result() is None and ended.setdefault(index, time.perf_counter()))
+        return future
+    driver.after_turn = timed_after_turn
+    t0 = time.perf_counter()
+    out = rollout.generate(prompts, list(range(8)), problems=problems)
+    assert out.token_masks[0].count(0) > 0 and time.perf_counter() - t0 >= 2.0  # conversation 0 waited for its tool
+    others = [ended[i] - t0 for i in range(1, 8) if i in ended]
+    assert len(others) >= 4 and max(others) < 2.0, others
+
+
+def test_a_conversation_that_reaches_max_total_tokens_ends_length_and_keeps_its_tokens(tmp_path, every_turn_calls):
+    rollout, driver, problems, prompts = engine_and_driver(tmp_path, "rollout.max_total_tokens=40",
+                                                            "rollout.max_new_tokens=24")
+    out = rollout.generate(prompts, list(range(8)), problems=problems)
+    for p, toks, reason in zip(prompts, out.token_ids, out.finish_reasons):
+        assert len(p) + len(toks) <= 40
+    assert "length" in out.finish_reasons
+    assert all(len(t) == len(m) == len(lp) for t, m, lp in zip(out.token_ids, out.token_masks, out.logprobs))
+
+
+def test_an_environments_error_ends_generate_with_its_line(tmp_path):
+    (tmp_path / "env.py").write_text('''
+class Fails:
+    def __init__(self, row):
+        self.word = row["answer"]
+
+    def step(self, completion):
+        raise ValueError("bad " + self.word)
+''')
+    cfg_over = [f"task.params.env={tmp_path / 'env.py'}:Fails", "task.params.tools=null", "rollout.max_new_tokens=4"]
+    rollout, driver, problems, prompts = engine_and_driver(tmp_path, *cfg_over)
+    from jetflow.tasks.environment import EnvError
+    with pytest.raises(EnvError, match=r"^env .*env.py:Fails: step raised ValueError: bad \w+ on row \d+ of "):
+        rollout.generate(prompts, list(range(8)), problems=problems)
+
+
+# --- token in, token out with a real chat template (SmolLM2's ChatML) ------------------------------------
+
+def test_chatml_observations_close_the_turn_and_open_the_next(smollm2_dir):
+    from jetflow.model.tokenizer import load_tokenizer
+    from jetflow.rollout.turns import TurnRenderer
+    tok = load_tokenizer(smollm2_dir)
+    schema = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    r = TurnRenderer(tok, True, [schema], tf.FORMATS["hermes"])
+    prompt = r.prompt_ids("hi")
+    text = tok.decode(prompt)
+    assert text.startswith("<|im_start|>system\n# Tools") and '"name": "f"' in text  # ChatML has no tools=: a system message
+    messages = r.observation_messages("tool", ["42"])
+    after_eos = tok.decode(r.observation_ids(messages, turn_ended_with_eos=True))
+    after_stop = tok.decode(r.observation_ids(messages, turn_ended_with_eos=False))
+    assert after_eos == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert after_stop == "<|im_end|>" + after_eos
+    # the whole conversation, appended as ids, is what message mode renders when the turn tokenizes back to itself
+    turn = tok.encode('<tool_call>{"name": "f", "arguments": {}}</tool_call>') + [tok.eos_token_id]
+    answer = tok.encode("It is 42.") + [tok.eos_token_id]
+    trained = prompt + turn + r.observation_ids(messages, True) + answer
+    assistant = [{"role": "assistant", "content": tok.decode(t, skip_special_tokens=True)} for t in (turn, answer)]
+    again = r.message_mode_ids("hi", assistant[:1] + messages + assistant[1:])
+    from jetflow.rollout.turns import retokenized_differs
+    assert not retokenized_differs(trained, again, True, frozenset([tok.eos_token_id]))
+    other = tok.encode("I") + tok.encode("t is 42.") + [tok.eos_token_id]  # the same text as `answer`, other ids
+    split = prompt + turn + r.observation_ids(messages, True) + other  # what message mode would not train on
+    assert split != trained and retokenized_differs(split, again, True, frozenset([tok.eos_token_id]))
+
+
+# --- the config: one line each --------------------------------------------------------------------------
+
+def test_multi_turn_keys_that_cannot_run_are_refused_in_one_line(tmp_path):
+    from jetflow.config import ConfigError
+    from jetflow.run.validate import check_config
+    with pytest.raises(ConfigError, match=r"^rollout.max_turns=3: a multi-turn rollout needs something to answer"):
+        check_config(load_config(str(ROOT / "configs/tiny.yaml"), ["rollout.max_turns=3"]))
+    with pytest.raises(ConfigError, match=r"^task.params.tools answers the model between turns, and rollout.max_turns=1"):
+        check_config(tiny_tool_config(tmp_path, "rollout.max_turns=1"))
+    with pytest.raises(ConfigError, match=r"^rollout.max_turns=0 is not valid|rollout.max_turns=0"):
+        check_config(tiny_tool_config(tmp_path, "rollout.max_turns=0"))
+    with pytest.raises(ConfigError, match=r"^rollout.max_total_tokens=20 holds a conversation"):
+        check_config(tiny_tool_config(tmp_path, "rollout.max_total_tokens=20"))
+    for key, value in (("rollout.backend", "vllm"), ("run.orchestrator", "ray")):
+        with pytest.raises(ConfigError, match=rf"^{key}={value} with rollout.max_turns=4: multi-turn rollouts run on"):
+            check_config(tiny_tool_config(tmp_path, f"{key}={value}"))
