@@ -8,7 +8,8 @@ comes back at once. Two ways to continue a conversation, the same tokens under e
 Printed per arm: tokens prefilled per conversation, wall seconds, sampled tokens per second.
 
 Then the slow tool: one conversation's observations arrive 2 s late; the others' sampled tokens per second
-(their tokens over the time until the last of them ends) against the same run with every observation at once.
+(their tokens over the time until the last of them ends) against the same others run without that conversation
+(others_alone: the same seeds; with it in the batch and fast, the others share the steps with one more row).
 
     python scripts/multiturn_cost.py --turns 4 16 --conversations 4 > results/multiturn/cost.jsonl
 """
@@ -29,7 +30,8 @@ from jetflow.rollout.turns import TurnRenderer
 from jetflow.run.build import build_policy
 
 
-def run(engine, renderer, prompts, turns: int, reprefill: bool, slow: int | None = None) -> dict:
+def run(engine, renderer, prompts, turns: int, reprefill: bool, slow: int | None = None,
+        seeds: list[int] | None = None) -> dict:
     done: dict[int, float] = {}
     counts = [0] * len(prompts)
     obs = renderer.observation_messages("env", ["Go on."])
@@ -49,7 +51,7 @@ def run(engine, renderer, prompts, turns: int, reprefill: bool, slow: int | None
 
     params = SamplingParams(max_new_tokens=64, temperature=1.0, stop=(".",))
     t0 = time.perf_counter()
-    out = engine.generate(prompts, params, seeds=list(range(len(prompts))), on_turn_end=on_turn_end,
+    out = engine.generate(prompts, params, seeds=seeds or list(range(len(prompts))), on_turn_end=on_turn_end,
                           max_total_tokens=engine.max_seq_len, reprefill_turns=reprefill)
     wall = time.perf_counter() - t0
     sampled = [sum(m) for m in out.token_mask]
@@ -85,8 +87,10 @@ def main() -> None:
         reuse, again = run(engine, renderer, prompts, turns, False), run(engine, renderer, prompts, turns, True)
         assert reuse["tokens"] == again["tokens"], "page reuse changed the tokens"
         rows += [reuse, again]
-        if turns == min(args.turns):
+        if turns == min(args.turns):  # the slow tool, and the same others without the slow conversation
             rows.append(run(engine, renderer, prompts, turns, False, slow=0))
+            alone = run(engine, renderer, prompts[1:], turns, False, seeds=list(range(1, len(prompts))))
+            rows.append({**alone, "arm": "others_alone"})
     for r in rows:
         r.pop("tokens")
         print(json.dumps(r))

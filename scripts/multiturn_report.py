@@ -29,7 +29,7 @@ def read(run: Path) -> dict:
 
 def main() -> None:
     runs_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
-    runs = [read(d) for d in sorted(runs_dir.iterdir()) if (d / "metrics.jsonl").is_file()]
+    runs = [r for r in (read(d) for d in sorted(runs_dir.iterdir()) if (d / "metrics.jsonl").is_file()) if r["rl_steps"]]
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning.json").write_text(json.dumps(runs, indent=1) + "\n")
     print("| run | held-out pass@1 before | after | RL steps | max mismatch KL | min equal share | turns | tool calls "
