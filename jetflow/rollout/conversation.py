@@ -1,9 +1,10 @@
-"""Multi-turn rollouts: the conversation loop above the engines (native and vLLM share it).
+"""Multi-turn rollouts: the conversation loop above the engine (only the native engine drives it today;
+vLLM and Ray placement refuse multi-turn in jetflow.run.validate).
 
-    driver = ConversationDriver(renderer, tools, env, max_turns=4, tool_timeout_s=30, ...)
-    convs = driver.start(problems, rows)               # one Conversation per request
-    future = driver.after_turn(conv, turn_ids, reason)  # the engine's hand-over at each turn's end
-    ...                                                 # -> the ids of the next observation, or None: over
+    driver = conversation_driver(cfg, task, tokenizer)   # None when rollout.max_turns == 1
+    convs = driver.start(problems)                       # one Conversation per request (an env from its row)
+    future = driver.after_turn(i, turn_ids, reason)      # the engine's hand-over at each turn's end
+    ...                                                  # -> the ids of the next observation, or None: over
 
 After each model turn the driver reads the turn's text: with tools, the calls in it (the run's tool format)
 run in a thread pool, each at most tool_timeout_s, and their results become the next observation; a turn

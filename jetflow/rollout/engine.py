@@ -241,7 +241,8 @@ class RolloutEngine:
         recomputed from its whole context, its sampler going on where it was. `reprefill_turns` (to measure
         what page reuse saves): each turn starts by prefilling the whole conversation again, pages freed."""
         params = params or SamplingParams()
-        total = max_total_tokens if on_turn_end is not None and max_total_tokens else None
+        conversations = on_turn_end is not None
+        total = max_total_tokens if conversations and max_total_tokens else None
         caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(n) for n in max_new_tokens]
         if len(caps) != len(prompts) or not all(1 <= n <= params.max_new_tokens for n in caps):
             raise ValueError(f"max_new_tokens: one value in [1, {params.max_new_tokens}] per prompt")
@@ -268,7 +269,7 @@ class RolloutEngine:
                 raise ValueError(f"request {i} needs {pages_for(need)} KV pages of 64 "
                                  f"positions; the {self.kv_pool_bytes}-byte pool holds {pool.num_pages} "
                                  f"({pool.dtype}): raise the KV cache budget")
-        if on_turn_end is not None and self._moe:
+        if conversations and self._moe:
             raise ValueError("record_routing (routing replay) is not built for conversations (on_turn_end)")
         version = self.weight_version
         requests = [
@@ -297,9 +298,9 @@ class RolloutEngine:
                         s.prompt_len = s.request.context_len
                 if sched.running:
                     self._decode_step(sched, params, stats)
-        self_turns, self._turns = self._turns is not None, None
+        self._turns = None
         self.pool = pool
-        new_tokens = sum(sum(r.mask) if self_turns else len(r.tokens) for r in requests)  # sampled, not observed
+        new_tokens = sum(sum(r.mask) if conversations else len(r.tokens) for r in requests)  # sampled, not observed
         elapsed = stats["prefill_s"] + stats["decode_s"]
         stats.update(new_tokens=new_tokens, tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0,
                      preemptions=sched.preemptions, kv_pages_peak=pool.peak_held)
@@ -315,7 +316,7 @@ class RolloutEngine:
             text=text,
             weight_version=version,
             stats=stats,
-            token_mask=[r.mask for r in requests] if on_turn_end is not None else None,
+            token_mask=[r.mask for r in requests] if conversations else None,
             routed_experts=[torch.cat(r.routing) for r in requests] if self._moe else None,
         )
 
@@ -497,8 +498,7 @@ class _Turns:
             r.mask += [0] * len(ids)
             r.turn_start, r.finish_reason = len(r.tokens), None
             if self.reprefill:  # the cost page reuse saves: the whole conversation again
-                sched.pool.free(s.pages)
-                s.pages, s.written = [], 0
+                sched.drop_pages(s)
             s.prompt_len = r.context_len - s.written  # the last sampled token and the observation
             sched.resume(s)
 

@@ -129,13 +129,16 @@ class Scheduler:
         of those queued behind it (written = 0: each is recomputed from its whole context)."""
         for s in [*parked, *list(self.waiting)[1:]]:
             if s.pages:
-                self.pool.free(s.pages)
                 s.prompt_len += s.written
-                s.pages, s.written = [], 0
+                self.drop_pages(s)
+
+    def drop_pages(self, s: Sequence) -> None:
+        """Free a sequence's pages: it will be recomputed from its first position (written = 0)."""
+        self.pool.free(s.pages)
+        s.pages, s.written = [], 0
 
     def _preempt(self, s: Sequence) -> None:
         self.running.remove(s)
-        self.pool.free(s.pages)
-        s.pages, s.written = [], 0
+        self.drop_pages(s)
         self.waiting.appendleft(s)
         self.preemptions += 1

@@ -42,7 +42,7 @@ class TurnRenderer:
         self.chat = bool(chat and tokenizer.chat_template)
         self.native_tools = self.chat and "tools" in tokenizer.chat_template  # the template renders tools=
         self.eos_texts = {tokenizer.decode([i]) for i in {tokenizer.eos_token_id} if i is not None}
-        self._suffix: str | None = None  # the template's text after an assistant message (read on first use)
+        self._base: str | None = None  # the template's rendering of _BASE (read on first use)
 
     # -- the prompt ---------------------------------------------------------------------------------
 
@@ -81,14 +81,12 @@ class TurnRenderer:
         sampled), the observation's messages and the next generation prompt."""
         if not self.chat:
             return "".join(m["content"] for m in messages)
-        base = self._render(_BASE, False)
+        base = self._base_text()
         full = self._render(_BASE + messages, True)
         if not full.startswith(base):
             raise TemplateError("the chat template renders a conversation differently once an observation is appended "
                                 "(it is not append-only), so an observation cannot be appended as token ids")
-        if self._suffix is None:
-            self._suffix = self._assistant_suffix()
-        suffix = self._suffix
+        suffix = base[base.index(_SENTINEL) + len(_SENTINEL):]  # the template's text after an assistant message
         if turn_ended_with_eos:
             for eos in self.eos_texts:
                 if eos and suffix.startswith(eos):
@@ -99,11 +97,14 @@ class TurnRenderer:
     def observation_ids(self, messages: list[dict], turn_ended_with_eos: bool) -> list[int]:
         return self.tok.encode(self.observation_text(messages, turn_ended_with_eos))
 
-    def _assistant_suffix(self) -> str:
-        base = self._render(_BASE, False)
-        if _SENTINEL not in base:
-            raise TemplateError("the chat template does not render an assistant message's content")
-        return base[base.index(_SENTINEL) + len(_SENTINEL):]
+    def _base_text(self) -> str:
+        """A user message and an assistant message, rendered once (the template does not change)."""
+        if self._base is None:
+            base = self._render(_BASE, False)
+            if _SENTINEL not in base:
+                raise TemplateError("the chat template does not render an assistant message's content")
+            self._base = base
+        return self._base
 
     # -- the diagnostic: what message mode would have trained on ---------------------------------------
 
