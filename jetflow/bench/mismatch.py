@@ -58,15 +58,13 @@ def _paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[lis
     max_seq_len = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens + 8
     driver = conversation_driver(cfg, task, tokenizer) if problems is not None else None
     if driver is not None:
-        if cfg.rollout.backend == "vllm":
-            raise ValueError("multi-turn rollouts run on the native engine only (rollout.backend=native)")
         max_seq_len = conversation_tokens(cfg.rollout, max(len(p) for p in prompts))
     eos = stop_token_ids(tokenizer, base_model, task)
     rollout_model = None  # the model the rollout computes with, when it is a jetflow Decoder
     if cfg.rollout.backend == "vllm":
         from jetflow.run.vllm_side import build_vllm_rollout
         rollout = build_vllm_rollout(cfg, derived, copy_model(base_model), tokenizer, [] if ignore_eos else eos,
-                                     task.stop, max_seq_len, Path(engine_dir))
+                                     task.stop, max_seq_len, Path(engine_dir), driver)
         rollout_model = rollout.policy  # the exact engine's modules (None when vLLM runs its own kernels)
     else:
         rollout_model = apply_mode(copy_model(base_model), derived.precision, "rollout")

@@ -1,5 +1,5 @@
-"""Multi-turn rollouts: the conversation loop above the engine (only the native engine drives it today;
-vLLM and Ray placement refuse multi-turn in jetflow.run.validate).
+"""Multi-turn rollouts: the conversations above the engine (the native engine runs them in its scheduler,
+vLLM turn by turn through jetflow.rollout.turn_loop; Ray placement refuses multi-turn in jetflow.run.validate).
 
     driver = conversation_driver(cfg, task, tokenizer)   # None when rollout.max_turns == 1
     convs = driver.start(problems)                       # one Conversation per request (an env from its row)
@@ -28,6 +28,7 @@ from typing import Callable
 from jetflow.config import Config
 from jetflow.rollout.tool_format import ToolFormat, tool_format
 from jetflow.rollout.turns import TurnRenderer, retokenized_differs
+from jetflow.rollout.types import Rollouts
 from jetflow.tasks import Problem, Task
 from jetflow.tasks.environment import Environment
 from jetflow.tasks.tools import Tool, ToolResult
@@ -130,11 +131,32 @@ class ConversationDriver:
         return [c.messages if self.renderer.chat else "".join(m["content"] for m in c.messages)
                 for c in self.conversations]
 
+    def rollouts(self, prompts_ids: list[list[int]], token_ids: list[list[int]], logprobs: list[list[float]],
+                 masks: list[list[int]], texts: list[str], reasons: list[str], version: int,
+                 eos_ids: frozenset[int]) -> Rollouts:
+        """The engine's conversations as the loop takes them: the tokens after each prompt with their mask, and
+        what the driver holds (the reward functions' completions, the environment's rewards, the turn stats).
+        The messages follow the ids: a last turn that ran out of tokens (never handed to the driver) joins
+        them, an observation that did not fit in max_total_tokens (not appended to the ids) leaves them."""
+        for conv, tokens, mask in zip(self.conversations, token_ids, masks):
+            starts = [j for j, m in enumerate(mask) if m and (j == 0 or not mask[j - 1])]
+            if len(starts) > sum(m["role"] == "assistant" for m in conv.messages):
+                cut = tokens[starts[-1]:]
+                conv.messages.append({"role": "assistant", "content": self.renderer.tok.decode(cut, skip_special_tokens=True)})
+            while mask and mask[-1] and conv.messages[-1]["role"] != "assistant":
+                conv.messages.pop()
+        return Rollouts(token_ids=token_ids, logprobs=logprobs, texts=texts, finish_reasons=reasons,
+                        weight_version=version, token_masks=masks, completions=self.completions(),
+                        env_rewards=[c.env_reward for c in self.conversations],
+                        turn_stats=self.turn_stats(prompts_ids, token_ids, eos_ids))
+
     def turn_stats(self, prompts_ids: list[list[int]], responses: list[list[int]],
                    eos_ids: frozenset[int]) -> list[dict[str, float]]:
-        """Per conversation: its turns, tool calls and errors, and whether message mode's re-tokenization of it
-        differs from the ids trained on (`multiturn_metrics` averages them over a batch)."""
-        return [{"turns": float(c.turns), "tool_calls": float(c.tool_calls), "tool_errors": float(c.tool_errors),
+        """Per conversation: its model turns (the last one too when it ran out of tokens), tool calls and
+        errors, and whether message mode's re-tokenization of it differs from the ids trained on
+        (`multiturn_metrics` averages them over a batch)."""
+        return [{"turns": float(sum(m["role"] == "assistant" for m in c.messages)), "tool_calls": float(c.tool_calls),
+                 "tool_errors": float(c.tool_errors),
                  "retokenize_differs": float(retokenized_differs(p + r, self.renderer.message_mode_ids(c.prompt, c.messages),
                                                                  self.renderer.chat, eos_ids))}
                 for c, p, r in zip(self.conversations, prompts_ids, responses)]

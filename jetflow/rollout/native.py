@@ -52,8 +52,5 @@ class NativeRollout:
         self.driver.start(problems)  # conversations: the engine keeps each one's pages between its turns
         out = self.engine.generate(prompts, params, seeds=seeds, on_turn_end=self.driver.after_turn,
                                    max_total_tokens=self.max_total_tokens)
-        return Rollouts(token_ids=out.token_ids, logprobs=out.logprobs, texts=out.text,
-                        finish_reasons=out.finish_reason, weight_version=out.weight_version,
-                        token_masks=out.token_mask, completions=self.driver.completions(),
-                        env_rewards=[c.env_reward for c in self.driver.conversations],
-                        turn_stats=self.driver.turn_stats(prompts, out.token_ids, self.eos))
+        return self.driver.rollouts(prompts, out.token_ids, out.logprobs, out.token_mask, out.text, out.finish_reason,
+                                    out.weight_version, self.eos)

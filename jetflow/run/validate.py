@@ -204,10 +204,9 @@ def check_turns(cfg: Config) -> None:
         key = "tools" if params.get("tools") else "env"
         raise ConfigError(f"task.params.{key} answers the model between turns, and rollout.max_turns=1 gives it one "
                           "turn; set rollout.max_turns (for example 4)")
-    for key, value, built in (("rollout.backend", r.backend, "native"), ("run.orchestrator", cfg.run.orchestrator, "local")):
-        if r.max_turns > 1 and value != built:
-            raise ConfigError(f"{key}={value} with rollout.max_turns={r.max_turns}: multi-turn rollouts run on the native "
-                              f"engine in this process today; use {key}={built}")
+    if r.max_turns > 1 and cfg.run.orchestrator != "local":
+        raise ConfigError(f"run.orchestrator={cfg.run.orchestrator} with rollout.max_turns={r.max_turns}: multi-turn "
+                          "rollouts run in the trainer's process today (native or vLLM engine); use run.orchestrator=local")
     if r.max_turns > 1 and cfg.algo.routing_replay:
         raise ConfigError("algo.routing_replay=true with rollout.max_turns > 1: routing replay is not built for "
                           "multi-turn rollouts; set algo.routing_replay=false")

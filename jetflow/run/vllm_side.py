@@ -102,9 +102,10 @@ def write_engine_checkpoint(model: Decoder, tokenizer, out_dir: Path, execution:
 
 
 def build_vllm_rollout(cfg: Config, derived: Derived, model: Decoder, tokenizer, eos_token_ids: list[int],
-                       stop: tuple[str, ...], max_seq_len: int, engine_dir: Path):
+                       stop: tuple[str, ...], max_seq_len: int, engine_dir: Path, driver=None):
     """A started VLLMRollout holding `model`'s weights (a plain Decoder: a copy of the trainer's), started
-    from a checkpoint written to `engine_dir` (replaced if it exists)."""
+    from a checkpoint written to `engine_dir` (replaced if it exists). `driver`: a multi-turn run's
+    conversations (max_seq_len then a conversation's whole budget)."""
     from jetflow.rollout.vllm import VLLMRollout, import_vllm
 
     try:
@@ -122,7 +123,8 @@ def build_vllm_rollout(cfg: Config, derived: Derived, model: Decoder, tokenizer,
     max_model_len = min(max_seq_len, model.config.max_position_embeddings)
     r = cfg.rollout
     single_token_stops = {s for s in stop if len(tokenizer.encode(s)) == 1}  # already in eos_token_ids
-    stops = tuple(s for s in (*stop, *r.stop) if s not in single_token_stops)
+    turn_stops = driver.stop if driver is not None else ()  # a tool call's close ends a turn
+    stops = tuple(s for s in (*stop, *r.stop, *turn_stops) if s not in single_token_stops)
     path = write_engine_checkpoint(model, tokenizer, Path(engine_dir), execution, precision.recipe)
     element = 2 if dtype == "bfloat16" else 4
     if policy is not None:  # the exact engine's cache holds its K/V rounding's bytes (E4M3 codes, bf16)
@@ -135,7 +137,7 @@ def build_vllm_rollout(cfg: Config, derived: Derived, model: Decoder, tokenizer,
                           recipe=precision.shipped_recipe,
                           eos_token_ids=eos_token_ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                           top_p=r.top_p, top_k=r.top_k, stop=stops, tokenizer=tokenizer, max_model_len=max_model_len,
-                          max_batch=r.max_batch, **kw)
+                          max_batch=r.max_batch, driver=driver, **kw)
     print(f"[jetflow] rollout: vLLM execution={rollout.description} dtype={dtype} from {path}"
           + (" (W8A32: FP8-grid weights, unquantized activations; not FP8 execution)"
              if rollout.execution == "fp8_weights_dequantized" else ""), file=sys.stderr)

@@ -89,10 +89,23 @@ train: {{steps: 1, prompts_per_step: 4}}
 CASES = [("fp32", False), ("bf16", False), ("unified", False), ("unified", True)]
 
 
+def vllm_or_skip() -> None:
+    from jetflow.rollout.vllm import import_vllm
+    try:
+        import_vllm()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("backend", ["native", "vllm"])
 @pytest.mark.parametrize("mode,kv_fp8", CASES)
-def test_every_model_token_of_a_tool_conversation_equals_the_trainer(tmp_path, every_turn_calls, mode, kv_fp8):
+def test_every_model_token_of_a_tool_conversation_equals_the_trainer(tmp_path, every_turn_calls, mode, kv_fp8, backend):
+    """The native engine keeps each conversation's pages; vLLM (the exact plugin) gets each turn as a request of
+    the conversation's ids (jetflow.rollout.turn_loop). Either way every sampled token's log-prob is the trainer's."""
+    if backend == "vllm":
+        vllm_or_skip()
     cfg = tiny_tool_config(tmp_path, f"precision.mode={mode}", f"precision.kv_cache_fp8={str(kv_fp8).lower()}",
-                           "precision.numerics=exact")
+                           "precision.numerics=exact", f"rollout.backend={backend}")
     task = build_task(cfg)
     model, tok = build_policy(cfg)
     problems = [task.problem(i) for i in range(8)]
@@ -265,6 +278,12 @@ def test_a_slow_tool_stalls_only_its_own_conversation(tmp_path, every_turn_calls
     assert out.token_masks[0].count(0) > 0  # and conversation 0 went on after its observation came
 
 
+def tok_text(rollout, toks: list[int], mask: list[int]) -> str:
+    """The text of a conversation's last run of model tokens."""
+    start = max(j for j, m in enumerate(mask) if m and (j == 0 or not mask[j - 1]))
+    return rollout.engine.tokenizer.decode(toks[start:], skip_special_tokens=True)
+
+
 def test_a_conversation_that_reaches_max_total_tokens_ends_length_and_keeps_its_tokens(tmp_path, every_turn_calls):
     rollout, driver, problems, prompts = engine_and_driver(tmp_path, "rollout.max_total_tokens=40",
                                                             "rollout.max_new_tokens=24")
@@ -273,6 +292,11 @@ def test_a_conversation_that_reaches_max_total_tokens_ends_length_and_keeps_its_
         assert len(p) + len(toks) <= 40
     assert "length" in out.finish_reasons
     assert all(len(t) == len(m) == len(lp) for t, m, lp in zip(out.token_ids, out.token_masks, out.logprobs))
+    for conv, toks, mask, stats in zip(driver.conversations, out.token_ids, out.token_masks, out.turn_stats):
+        # the messages the reward functions get follow the ids: a turn cut by the budget is the last message
+        turns = [m for m in conv.messages if m["role"] == "assistant"]
+        assert stats["turns"] == len(turns) == sum(1 for j, m in enumerate(mask) if m and (j == 0 or not mask[j - 1]))
+        assert conv.messages[-1]["role"] == "assistant" and tok_text(rollout, toks, mask).endswith(turns[-1]["content"])
 
 
 def test_an_environments_error_ends_generate_with_its_line(tmp_path):
@@ -333,6 +357,47 @@ def test_multi_turn_keys_that_cannot_run_are_refused_in_one_line(tmp_path):
         check_config(tiny_tool_config(tmp_path, "rollout.max_turns=0"))
     with pytest.raises(ConfigError, match=r"^rollout.max_total_tokens=20 holds a conversation"):
         check_config(tiny_tool_config(tmp_path, "rollout.max_total_tokens=20"))
-    for key, value in (("rollout.backend", "vllm"), ("run.orchestrator", "ray")):
-        with pytest.raises(ConfigError, match=rf"^{key}={value} with rollout.max_turns=4: multi-turn rollouts run on"):
-            check_config(tiny_tool_config(tmp_path, f"{key}={value}"))
+    with pytest.raises(ConfigError, match=r"^run.orchestrator=ray with rollout.max_turns=4: multi-turn rollouts run in"):
+        check_config(tiny_tool_config(tmp_path, "run.orchestrator=ray"))
+
+
+# --- the turn-by-turn loop of engines that take token-id prompts (vLLM): hand-made cases ------------------
+
+class _Driver:
+    """Answers every turn with observation [7, 7] until a conversation has had `turns` turns."""
+
+    def __init__(self, turns: int):
+        self.turns, self.seen = turns, {}
+
+    def after_turn(self, index, turn_ids, reason):
+        import concurrent.futures
+        self.seen[index] = self.seen.get(index, 0) + 1
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result([7, 7] if self.seen[index] < self.turns else None)
+        return future
+
+
+def test_the_turn_loop_appends_observations_as_ids_and_ends_at_the_budget():
+    """Each turn the engine gets the conversation's whole context; its new tokens (mask 1, their log-probs) and
+    the observation's ids (mask 0, log-prob 0.0) are appended as they are; a turn that reaches its limit ends the
+    conversation "length", and so does an observation that leaves no room for one more token."""
+    from jetflow.rollout.turn_loop import generate_by_turns, turn_seed
+    calls = []
+
+    def generate_turn(contexts, seeds, limits):  # every request samples 3 tokens [1, 2, 3] then stops
+        calls.append((contexts, seeds, limits))
+        n = [min(3, m) for m in limits]
+        return [[1, 2, 3][:k] for k in n], [[-0.5] * k for k in n], ["stop" if k == 3 else "length" for k in n]
+
+    prompts = [[9], [9, 9, 9, 9, 9, 9, 9, 9]]
+    tokens, lps, masks, reasons = generate_by_turns(generate_turn, _Driver(turns=3), prompts, [5, 6],
+                                                    max_new_tokens=4, max_total_tokens=16)
+    assert tokens[0] == [1, 2, 3, 7, 7, 1, 2, 3, 7, 7, 1, 2, 3] and reasons[0] == "stop"  # three turns, then over
+    assert masks[0] == [1, 1, 1, 0, 0] * 2 + [1, 1, 1] and lps[0] == ([-0.5] * 3 + [0.0] * 2) * 2 + [-0.5] * 3
+    # conversation 1: 8 + 3 + 2 = 13 after one turn, 13 + 3 = 16 after the second: the observation does not fit
+    assert tokens[1] == [1, 2, 3, 7, 7, 1, 2, 3] and reasons[1] == "length"
+    assert calls[0] == ([[9], [9] * 8], [turn_seed(5, 0), turn_seed(6, 0)], [4, 4])
+    assert calls[1] == ([[9, 1, 2, 3, 7, 7], [9] * 8 + [1, 2, 3, 7, 7]], [turn_seed(5, 1), turn_seed(6, 1)], [4, 3])
+    assert turn_seed(5, 0) == 5 and len({turn_seed(5, t) for t in range(4)}) == 4
+    with pytest.raises(ValueError, match="leaves no room in max_total_tokens=16"):
+        generate_by_turns(generate_turn, _Driver(1), [[9] * 16], [0], 4, 16)

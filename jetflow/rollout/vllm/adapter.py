@@ -43,6 +43,8 @@ Sampling and log-probs follow the native engine (`jetflow.rollout.engine` / `sam
 - Stop strings: checked on the decoded tail of the new tokens as the native engine does (finish
   reason "stop"); vLLM also gets them when it has a tokenizer, which only saves tokens.
 - Texts are decoded with jetflow's tokenizer (special tokens skipped, cut before the stop string).
+- Conversations (multi-turn, a `driver`): each turn is a request of the conversation's whole context as
+  token ids (jetflow.rollout.turn_loop), its observations appended as ids; nothing is re-tokenized.
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here): updates hand vLLM
 the tensors themselves, and the exact plugin finds its policy here. vLLM's CPU worker replaces
@@ -96,7 +98,7 @@ class VLLMRollout:
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop: tuple[str, ...] = (), tokenizer=None, max_model_len: int = 1024, max_batch: int = 64,
                  gpu_memory_utilization: float = 0.2, kv_cache_bytes: int | None = None, enforce_eager: bool = True,
-                 prefix_caching: bool = True, policy=None, engine_args: dict | None = None):
+                 prefix_caching: bool = True, policy=None, engine_args: dict | None = None, driver=None):
         """
         model_dir: HF directory to start from: fp32 / bf16 weights (`save_hf_dir`), or an FP8 export
             (`export_fp8`) for execution="fp8"; for execution="exact" only its config.json and
@@ -119,6 +121,9 @@ class VLLMRollout:
             choice on a CPU, where the engine shares its process with the trainer).
         engine_args: further arguments of vllm.LLM (e.g. max_num_batched_tokens, which sets the
             prefill chunk).
+        driver: a multi-turn run's conversations (jetflow.rollout.conversation.ConversationDriver): generate()
+            with problems runs them turn by turn (jetflow.rollout.turn_loop), max_model_len being a
+            conversation's whole budget (rollout.max_total_tokens); its stop strings must be in `stop`.
         """
         self.llm, self.token, self.starting = None, None, False  # what close() releases, whenever it runs
         if policy is not None:  # an exact engine: refuse what the plugin cannot serve before anything else
@@ -146,6 +151,7 @@ class VLLMRollout:
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.stop = (stop,) if isinstance(stop, str) else tuple(stop)
         self.max_model_len = max_model_len
+        self.driver = driver
         self.has_hf_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = self._tokenizer(tokenizer)
         self.weight_version = -1  # the checkpoint the engine starts from is not a trainer version
@@ -302,30 +308,49 @@ class VLLMRollout:
     # ------------------------------------------------------------------------------------------
     # generation
 
-    def sampling_params(self, seed: int, greedy: bool = False):
+    def sampling_params(self, seed: int, greedy: bool = False, max_tokens: int | None = None):
         vllm = import_vllm()
         vllm_stop = list(self.stop) if self.has_hf_tokenizer else []  # vLLM needs its own tokenizer for them
         return vllm.SamplingParams(
             n=1, temperature=0.0 if greedy else self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=self.max_new_tokens,
+            max_tokens=self.max_new_tokens if max_tokens is None else max_tokens,
             seed=int(seed), logprobs=0, ignore_eos=True, stop_token_ids=list(self.eos_token_ids), stop=vllm_stop,
             detokenize=bool(vllm_stop))
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
+    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False,
+                 problems: list | None = None) -> Rollouts:
+        """Sample each prompt once with its seed; with a `driver` and the run's `problems` (multi-turn), each
+        prompt is a conversation (jetflow.rollout.turn_loop: every turn a request from the conversation's ids)."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        for i, p in enumerate(prompts):
+        version = self.weight_version
+        if self.driver is None or problems is None:
+            tokens, logprobs, reasons = self._generate(prompts, seeds, [self.max_new_tokens] * len(prompts), greedy)
+            return Rollouts(token_ids=tokens, logprobs=logprobs, texts=[self._text(t, r) for t, r in zip(tokens, reasons)],
+                            finish_reasons=reasons, weight_version=version)
+        from jetflow.rollout.turn_loop import generate_by_turns
+
+        self.driver.start(problems)
+        tokens, logprobs, masks, reasons = generate_by_turns(partial(self._generate, greedy=greedy), self.driver, prompts,
+                                                             seeds, self.max_new_tokens, self.max_model_len)
+        texts = [self._text(t, r) for t, r in zip(tokens, reasons)]
+        return self.driver.rollouts(prompts, tokens, logprobs, masks, texts, reasons, version,
+                                    frozenset(self.eos_token_ids))
+
+    def _generate(self, prompts: list[list[int]], seeds: list[int], limits: list[int], greedy: bool = False
+                  ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        """One request per prompt, at most `limits[i]` new tokens: (tokens, log-probs, finish reasons)."""
+        for i, (p, limit) in enumerate(zip(prompts, limits)):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-            if len(p) + self.max_new_tokens > self.max_model_len:
-                raise ValueError(f"request {i} needs {len(p)} prompt + {self.max_new_tokens} new tokens > "
+            if len(p) + limit > self.max_model_len:
+                raise ValueError(f"request {i} needs {len(p)} prompt + {limit} new tokens > "
                                  f"max_model_len={self.max_model_len} of this vLLM engine")
         from vllm.inputs import TokensPrompt
 
-        version = self.weight_version
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
-                                    [self.sampling_params(s, greedy) for s in seeds], use_tqdm=False)
-        token_ids, logprobs, texts, reasons = [], [], [], []
+                                    [self.sampling_params(s, greedy, m) for s, m in zip(seeds, limits)], use_tqdm=False)
+        token_ids, logprobs, reasons = [], [], []
         for out in outputs:
             o = out.outputs[0]
             tokens = list(o.token_ids)
@@ -340,9 +365,7 @@ class VLLMRollout:
             token_ids.append(tokens)
             logprobs.append(lps)
             reasons.append(reason)
-            texts.append(self._text(tokens, reason))
-        return Rollouts(token_ids=token_ids, logprobs=logprobs, texts=texts, finish_reasons=reasons,
-                        weight_version=version)
+        return token_ids, logprobs, reasons
 
     def _stop_cut(self, tokens: list[int]) -> int | None:
         """Length up to the token that completed a stop string, or None: the native engine's rule
