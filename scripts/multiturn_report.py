@@ -37,16 +37,27 @@ def main() -> None:
     for r in runs:
         print(f"| {r['run']} | {r['before']} | {r['after']} | {r['rl_steps']} | {r['kl_k3_max']} | {r['equal_frac_min']} "
               f"| {r['turns_mean']:.2f} | {r['tool_calls_mean']:.2f} | {r['retokenize_mismatch_frac']:.3f} |")
+    groups: dict[str, list[dict]] = {}
+    for r in runs:  # one example's seeds: runs named <example>-seed<N>
+        groups.setdefault(r["run"].rsplit("-seed", 1)[0], []).append(r)
+    print()
+    for name, rs in groups.items():
+        pairs = [(r["before"], r["after"]) for r in rs if r["before"] is not None]
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        print(f"{name}: {len(pairs)} seeds, held-out pass@1 before {mean([b for b, _ in pairs]):.3f}, after "
+              f"{mean([a for _, a in pairs]):.3f}; {sum(a > b for b, a in pairs)} of {len(pairs)} seeds rose")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for r in runs:
-        ax.plot([s for s, _ in r["evals"]], [p for _, p in r["evals"]], marker="o", label=r["run"])
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out pass@1 (greedy)")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.5), squeeze=False)
+    for ax, (name, rs) in zip(axes[0], groups.items()):
+        for r in rs:
+            ax.plot([s for s, _ in r["evals"]], [p for _, p in r["evals"]], marker="o", label=r["run"])
+        ax.set_title(name)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("held-out pass@1 (greedy)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "learning.png", dpi=120)
 
