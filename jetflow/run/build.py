@@ -310,10 +310,12 @@ def attach_kv_fp8(model: Decoder, precision: Precision, side: Side) -> KVQuantiz
 
 
 def kv_rounding(mode: PrecisionMode) -> BF16KVRounding | None:
-    """What the mode itself rounds K/V to after RoPE, on both sides: bf16 under the bf16 mode (the rollout's
-    KV pages hold bf16, half of fp32's bytes), nothing under the others (fp32 pages; FP8 KV is the
-    precision.kv_cache_fp8 option)."""
-    return BF16KVRounding() if mode is PrecisionMode.BF16 else None
+    """What the mode itself rounds K/V to after RoPE, on both sides: bf16 under the bf16 and mixed modes (the
+    rollout's KV pages hold bf16, half of fp32's bytes), nothing under the others (fp32 pages; FP8 KV is the
+    precision.kv_cache_fp8 option). Mixed rounds as bf16 does so that its trainer is the bf16 mode's trainer
+    exactly and "mixed against bf16" differs in the rollout's FP8 linears alone (issue 70; runs before
+    2026-12-07 kept fp32 K/V under mixed)."""
+    return BF16KVRounding() if mode in (PrecisionMode.BF16, PrecisionMode.MIXED) else None
 
 
 def attach_kv(model, quantizer):
