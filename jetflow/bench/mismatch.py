@@ -64,7 +64,7 @@ def _paired_logprobs(cfg: Config, base_model, tokenizer, task, prompts: list[lis
     if cfg.rollout.backend == "vllm":
         from jetflow.run.vllm_side import build_vllm_rollout
         rollout = build_vllm_rollout(cfg, derived, copy_model(base_model), tokenizer, [] if ignore_eos else eos,
-                                     task.stop, max_seq_len, Path(engine_dir), driver)
+                                     task.stop, max_seq_len, Path(engine_dir), driver=driver)
         rollout_model = rollout.policy  # the exact engine's modules (None when vLLM runs its own kernels)
     else:
         rollout_model = apply_mode(copy_model(base_model), derived.precision, "rollout")

@@ -185,7 +185,7 @@ def build_rollout_side(cfg: Config, derived: Derived, inputs: RunInputs, side: T
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
         engine_dir = engine_dir or run_engine_dir(run_dir, "local", dp.global_rank)
         return build_vllm_rollout(cfg, derived, copy_model(source), tokenizer, eos, task.stop, max_seq_len, engine_dir,
-                                  driver)
+                                  driver=driver)
     rollout_model = apply_mode(copy_model(source), derived.precision, "rollout")
     attach_kv_fp8(rollout_model, derived.precision, "rollout")
     return NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,

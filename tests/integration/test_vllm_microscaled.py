@@ -36,9 +36,9 @@ def test_vllm_mixed_nvfp4_rollout_keeps_its_mismatch(monkeypatch, tmp_path):
     engine_dirs = []
     build = vllm_side.build_vllm_rollout
 
-    def recording_build(*args):
-        engine_dirs.append(Path(args[-1]))
-        return build(*args)
+    def recording_build(*args, **kwargs):
+        engine_dirs.append(Path(args[-1]))  # engine_dir, the last positional argument
+        return build(*args, **kwargs)
 
     monkeypatch.setattr(vllm_side, "build_vllm_rollout", recording_build)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
