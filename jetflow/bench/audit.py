@@ -29,6 +29,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -39,8 +40,8 @@ from jetflow.precision import QuantRecipe
 from jetflow.precision.linear import PrecisionLinear, layer_index
 from jetflow.rl.advantage import group_advantages
 from jetflow.rl.experience import Experience, pack_experience
-from jetflow.rollout import RolloutEngine, SamplingParams
-from jetflow.run.build import apply_mode, build_policy, build_task, prompt_encoder, stop_token_ids
+from jetflow.rollout.native import NativeRollout
+from jetflow.run.build import RunInputs, apply_mode, build_model, load_inputs, stop_token_ids
 from jetflow.run.loop import request_seed
 
 KINDS = ("linear", "layer", "projection", "all")
@@ -183,69 +184,59 @@ def compare(got: list[Tensor], ref: list[Tensor]) -> tuple[float, float]:
 def keep_settings(probe: Probe, effects: list[GroupEffect], num_layers: int, target_kl: float) -> dict:
     """precision.keep_* settings that bring the quantized model within target_kl of bf16: the first layers, the
     last layers and whole projection kinds, each tried in the order of its own damage (the larger of the first /
-    last layer's, a projection kind's), kept while the KL is above the target; each try is one forward."""
+    last layer's, a projection kind's), kept while the KL is above the target; each try is one forward. Each
+    candidate is the recipe with those keep_* fields, and its FP8 linears are the ones it does not keep
+    (QuantRecipe.keeps_in_high_precision, as a run decides)."""
     by_group = {e.group: e for e in effects}
-    first = last = 0
-    patterns: list[str] = []
+    recipe = dataclasses.replace(probe.recipe, keep_first_layers=0, keep_last_layers=0)
 
-    def kept() -> set[str]:
-        out = set()
-        for name in probe.linears:
-            index = layer_index(name)
-            if index is not None and (index < first or index >= num_layers - last):
-                continue
-            if any(f"*{projection(name)}*" == p for p in patterns):
-                continue
-            out.add(name)
-        return out
-    trials: list[tuple[float, str, int]] = [(by_group["all"].kl, "start", len(probe.linears))]
+    def fp8(r: QuantRecipe) -> set[str]:
+        return {n for n in probe.linears if not r.keeps_in_high_precision(n, layer_index(n), num_layers)}
     kl = by_group["all"].kl
+    trials: list[tuple[float, str, int]] = [(kl, "start", len(probe.linears))]
     candidates = sorted((e for e in effects if e.kind == "projection"), key=lambda e: -e.kl)
-    while kl > target_kl and len(kept()) > 0:
+    quantized = fp8(recipe)
+    while kl > target_kl and quantized:
+        first, last = recipe.keep_first_layers, recipe.keep_last_layers
         options = []
         if first + last < num_layers:
             options.append((by_group.get(f"layer {first}", by_group["all"]).kl, "first"))
             options.append((by_group.get(f"layer {num_layers - 1 - last}", by_group["all"]).kl, "last"))
-        options += [(e.kl, e.group) for e in candidates if e.group not in patterns]
+        options += [(e.kl, e.group) for e in candidates if e.group not in recipe.keep_high_precision]
         if not options:
             break
         _, choice = max(options)
         if choice == "first":
-            first += 1
+            recipe = dataclasses.replace(recipe, keep_first_layers=first + 1)
         elif choice == "last":
-            last += 1
+            recipe = dataclasses.replace(recipe, keep_last_layers=last + 1)
         else:
-            patterns.append(choice)
-        kl = probe.kl(kept())
-        trials.append((kl, choice, len(kept())))
-    overrides = [f"precision.keep_first_layers={first}", f"precision.keep_last_layers={last}"]
-    if patterns:
-        default = list(QuantRecipe().keep_high_precision)
-        overrides.append("precision.keep_high_precision=[" + ",".join(f'"{p}"' for p in default + patterns) + "]")
+            recipe = dataclasses.replace(recipe, keep_high_precision=(*recipe.keep_high_precision, choice))
+        quantized = fp8(recipe)
+        kl = probe.kl(quantized)
+        trials.append((kl, choice, len(quantized)))
+    overrides = [f"precision.keep_first_layers={recipe.keep_first_layers}",
+                 f"precision.keep_last_layers={recipe.keep_last_layers}"]
+    if recipe.keep_high_precision != probe.recipe.keep_high_precision:
+        overrides.append("precision.keep_high_precision=[" + ",".join(f'"{p}"' for p in recipe.keep_high_precision) + "]")
     return {"target_kl": target_kl, "kl": kl, "reached": kl <= target_kl, "overrides": overrides,
-            "fp8_linears": len(kept()), "of": len(probe.linears),
+            "fp8_linears": len(quantized), "of": len(probe.linears),
             "trials": [{"kl": k, "kept": c, "fp8_linears": n} for k, c, n in trials]}
 
 
-def rollout_batch(cfg: Config, model: Decoder, tokenizer, task, prompts: int) -> tuple[Experience, Tensor, list[float]]:
-    """`prompts` x rollout.group_size samples from the model (the bf16 trainer's copy) with the native engine;
-    the Experience, the GRPO advantages (see the module docstring) and the rewards."""
-    problems = task.problems(0, prompts, seed=cfg.run.seed)
-    encode = prompt_encoder(cfg, tokenizer, task)
-    G = cfg.rollout.group_size
-    prompt_ids = [encode(p) for p in problems for _ in range(G)]
-    engine = RolloutEngine(model, eos_token_ids=stop_token_ids(tokenizer, model, task),
-                           pad_token_id=tokenizer.pad_token_id, max_batch=len(prompt_ids),
-                           max_seq_len=max(map(len, prompt_ids)) + cfg.rollout.max_new_tokens + 8,
-                           device=cfg.model.device, tokenizer=tokenizer)
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop=task.stop)
-    out = engine.generate(prompt_ids, params, seeds=[request_seed(cfg.run.seed, 0, i) for i in range(len(prompt_ids))])
-    texts = out.text if out.text is not None else [tokenizer.decode(t) for t in out.token_ids]
-    rewards = [r.total for r in task.score_batch([p for p in problems for _ in range(G)], texts)]
+def rollout_batch(cfg: Config, model: Decoder, inputs: RunInputs, prompts: int) -> tuple[Experience, Tensor, list[float]]:
+    """`prompts` x rollout.group_size samples from the model (the bf16 trainer's copy) with the run's native
+    rollout; the Experience, the GRPO advantages (see the module docstring) and the rewards."""
+    task, tokenizer = inputs.task, cast(Any, inputs.tokenizer)  # a CharTokenizer or a Hugging Face one
+    problems = [p for p in task.problems(0, prompts, seed=cfg.run.seed) for _ in range(cfg.rollout.group_size)]
+    prompt_ids = [inputs.renderer.prompt_ids(p.prompt) for p in problems]
+    rollout = NativeRollout(model, cfg, tokenizer, stop_token_ids(tokenizer, model, task), task.stop,
+                            max_seq_len=max(map(len, prompt_ids)) + cfg.rollout.max_new_tokens + 8, fingerprint=None)
+    out = rollout.generate(prompt_ids, [request_seed(cfg.run.seed, 0, i) for i in range(len(prompt_ids))])
+    rewards = [r.total for r in task.score_batch(problems, out.texts)]
     r = torch.tensor(rewards)
     if float(r.max() - r.min()) > 0:
-        advantages = group_advantages(r, G)
+        advantages = group_advantages(r, cfg.rollout.group_size)
     else:  # one reward for all: a direction to compare, +1 / -1 alternating
         advantages = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(rewards))])
     exp = pack_experience(prompt_ids, out.token_ids, out.logprobs, r, advantages, tokenizer.pad_token_id,
@@ -259,15 +250,14 @@ def run_audit(cfg: Config, model: Decoder | None = None, prompts: int = 2, targe
     effects (sorted by KL within each kind), the keep_* settings and the run time."""
     t0 = time.perf_counter()
     torch.manual_seed(cfg.run.seed)
-    built, tokenizer = build_policy(cfg)
-    model = model if model is not None else built
-    task = build_task(cfg)
+    inputs = load_inputs(cfg)  # the tokenizer, the architecture and the task, read once
+    model = model if model is not None else build_model(cfg, inputs.arch, inputs.tokenizer)
     bf16 = copy.deepcopy(cfg)
     bf16.precision.mode, bf16.precision.numerics = "bf16", "fast"
     apply_mode(model, derive(bf16).precision, "trainer")  # the bf16 trainer: bf16 linears, embedding grid, K/V rounding
     precision = derive(cfg).precision
     recipe, backend = precision.recipe, precision.gemm_backend
-    exp, advantages, rewards = rollout_batch(cfg, model, tokenizer, task, prompts)
+    exp, advantages, rewards = rollout_batch(cfg, model, inputs, prompts)
     linears = quantized_linears(model, recipe)
     if not linears:
         raise ValueError("the recipe quantizes no linear of this model (precision.keep_high_precision keeps them all)")

@@ -61,12 +61,12 @@ def test_a_damaged_linear_ranks_first(monkeypatch):
 def test_nothing_quantized_is_the_bf16_trainer_and_groups_cover_the_model():
     from jetflow.bench.audit import rollout_batch
     from jetflow.config import derive
-    from jetflow.run.build import apply_mode, build_policy, build_task
+    from jetflow.run.build import apply_mode, build_policy, load_inputs
     cfg = tiny_cfg()
-    model, tok = build_policy(cfg)
+    model, _ = build_policy(cfg)
     bf16 = load_config(str(ROOT / "configs/tiny.yaml"), ["precision.mode=bf16", "precision.numerics=fast"])
     apply_mode(model, derive(bf16).precision, "trainer")
-    exp, advantages, _ = rollout_batch(cfg, model, tok, build_task(cfg), 2)
+    exp, advantages, _ = rollout_batch(cfg, model, load_inputs(cfg), 2)
     precision = derive(cfg).precision
     linears = quantized_linears(model, precision.recipe)
     assert len(linears) == 7 * cfg.model.tiny.num_layers  # q k v o gate up down; lm_head and embeddings stay bf16
