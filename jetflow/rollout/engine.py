@@ -460,6 +460,13 @@ class RolloutEngine:
         return torch.compile(self.model.forward_hidden, mode="default", dynamic=True)
 
 
+def observation_fits(context_len: int, observation_len: int, total: int | None) -> bool:
+    """Whether an observation may join a conversation of `context_len` tokens: within max_total_tokens (`total`;
+    None: no budget) with room left for one more model token. The rule of every engine (jetflow.rollout.turn_loop
+    too); a conversation whose observation does not fit ends "length"."""
+    return total is None or context_len + observation_len + 1 <= total
+
+
 class _Turns:
     """The conversations of one generate(): who waits for an observation, and the appending of it."""
 
@@ -488,7 +495,7 @@ class _Turns:
         for s, future in [(s, f) for s, f in self.parked.items() if f.done()]:
             del self.parked[s]
             r, ids = s.request, future.result()  # an environment's error ends the generate here
-            if ids is not None and self.total is not None and r.context_len + len(ids) + 1 > self.total:
+            if ids is not None and not observation_fits(r.context_len, len(ids), self.total):
                 r.finish_reason, ids = "length", None  # trained on what it has
             if ids is None:
                 sched.retire(s)

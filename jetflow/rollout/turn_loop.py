@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jetflow.rollout.conversation import ConversationDriver
+from jetflow.rollout.engine import observation_fits
 
 # contexts (token ids), seeds and each request's token limit -> (tokens, log-probs, finish reasons) per request
 TurnGenerate = Callable[[list[list[int]], list[int], list[int]], tuple[list[list[int]], list[list[float]], list[str]]]
@@ -61,7 +62,7 @@ def generate_by_turns(generate_turn: TurnGenerate, driver: ConversationDriver, p
         live = []
         for i, future in handed.items():
             ids = future.result()  # an environment's error ends the generate here
-            if ids is not None and len(prompts[i]) + len(tokens[i]) + len(ids) + 1 > max_total_tokens:
+            if ids is not None and not observation_fits(len(prompts[i]) + len(tokens[i]), len(ids), max_total_tokens):
                 reasons[i], ids = "length", None
             if ids is None:
                 continue
