@@ -267,6 +267,10 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from jetflow.bench.audit import KINDS, audit_config, run_audit, write_report
+    from jetflow.errors import UsageError
+    if args.prompts < 1 or not args.target_kl > 0:
+        raise UsageError(f"--prompts {args.prompts} --target-kl {args.target_kl}: the batch needs at least one prompt "
+                         "and the target a KL above 0")
     cfg, model = audit_config(args.model, args.config, args.overrides)
     kinds = tuple(k for k in KINDS if k != "linear" or not args.groups_only)
 

@@ -100,3 +100,11 @@ def test_the_keep_settings_reach_the_target_and_the_report_is_written(tmp_path):
     assert loose["reached"] and loose["fp8_linears"] == loose["of"] and len(loose["trials"]) == 1
     text = write_report(audit, tmp_path)
     assert "## layer" in text and (tmp_path / "audit.png").stat().st_size > 0 and (tmp_path / "audit.json").is_file()
+
+
+@pytest.mark.parametrize("args", [["--prompts", "0"], ["--target-kl", "0"]])
+def test_a_batch_without_prompts_or_a_target_of_zero_is_one_line(args, capsys):
+    from jetflow.cli import main
+    assert main(["audit", "--model", "tiny", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "needs at least one prompt and the target a KL above 0" in err
