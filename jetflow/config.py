@@ -48,6 +48,10 @@ class PrecisionConfig:
     keep_high_precision: list[str] = field(default_factory=lambda: list(QuantRecipe().keep_high_precision))
     """Module-name patterns that stay in bf16 (default: the recipe's own list: embeddings, lm_head, norms,
     MoE routers)."""
+    dgrad: Literal["fp8", "bf16"] = "fp8"
+    """The input-gradient GEMM: fp8 (the recipe's) or bf16 (fp8_block; jetflow.precision.recipe)."""
+    wgrad: Literal["fp8", "bf16"] = "fp8"
+    """The weight-gradient GEMM: fp8 or bf16 (the input saved in bf16). dgrad=bf16 wgrad=bf16: forward-only FP8."""
     keep_first_layers: int = 0
     """First N decoder layers stay in bf16."""
     keep_last_layers: int = 0
@@ -69,6 +73,7 @@ class PrecisionConfig:
     def recipe(self) -> QuantRecipe:
         return QuantRecipe(family=self.family, fmt=self.fmt, weight_block=tuple(self.weight_block),
                          group_size=self.group_size, scale_rule=self.scale_rule, margin=self.margin,
+                         dgrad=self.dgrad, wgrad=self.wgrad,
                          keep_high_precision=tuple(self.keep_high_precision),
                          keep_first_layers=self.keep_first_layers, keep_last_layers=self.keep_last_layers)
 

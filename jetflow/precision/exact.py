@@ -187,7 +187,7 @@ def _cached_call(x: Tensor, weight: Tensor, kind: str, recipe: QuantRecipe | Non
             (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return None
     if kind == "fp8":
-        if recipe is None or wq is None or recipe.family != "fp8_block" or recipe.group_size != 128 \
+        if recipe is None or wq is None or not recipe.canonical_blocks \
                 or wq.block != (128, 128) or wq.fmt != "e4m3":
             return None
         packed, sw = wq.panels(), wq.scale_inv

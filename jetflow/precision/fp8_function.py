@@ -4,8 +4,11 @@
     dgrad  dX = dY @ W      dY: 1x128 groups             W^T: the same blocks, transposed
     wgrad  dW = dY^T @ X    dY^T: 1x128 along tokens     X^T: 1x128 along tokens (= X in 128x1)
 Gradients are E5M2 under the `hybrid` format. X is saved for backward in FP8 (its 128x1 quantization),
-never in high precision. Used by PrecisionLinear (jetflow.precision.linear), the exact linear
-(jetflow.precision.exact) and Megatron's parallel linears. The mxfp8 and nvfp4 recipe families run
+never in high precision, unless the recipe keeps the wgrad in bf16 (`wgrad="bf16"`: X saved in bf16, the
+GEMM on bf16 operands with fp32 accumulation); `dgrad="bf16"` likewise multiplies dY and the
+high-precision weight rounded to bf16. Both: FP8 in the forward alone.
+Used by PrecisionLinear (jetflow.precision.linear), the exact linear (jetflow.precision.exact) and
+Megatron's parallel linears. The mxfp8 and nvfp4 recipe families run
 jetflow.precision.microscaled instead: `quantize_weight_for_recipe` and `fp8_linear` hand them over.
 """
 
@@ -15,6 +18,7 @@ import torch
 
 from jetflow.kernels import invariant
 from jetflow.precision import microscaled
+from jetflow.precision.gathered import GatheredFP8Weight
 from jetflow.precision.gemm import fp8_kernel_matmul, fp8_matmul
 from jetflow.precision.quant import QuantizedTensor, quantize_blocks
 from jetflow.precision.recipe import QuantRecipe
@@ -40,11 +44,16 @@ class _FP8LinearFunction(torch.autograd.Function):
         y = fp8_matmul(xq, wq, out_dtype=out_dtype, backend=backend, numerics=numerics, groups=groups)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        if save_input:
+        ctx.saved_xt = ctx.saved_x_bf16 = None
+        if save_input and recipe.wgrad == "bf16":
+            ctx.saved_x_bf16 = x2.detach().bfloat16()  # (M, K)
+        elif save_input:
             # Saved in FP8 for the wgrad GEMM: X quantized in 128 x 1 groups (along tokens), kept as
             # X^T (K, M) in 1 x 128 groups, the operand the wgrad GEMM reads.
             ctx.saved_xt = quantize_rows(x2.t(), recipe, recipe.forward_format, f"{name}.input", numerics)
         ctx.saved_w = wq
+        if recipe.dgrad == "bf16":  # the high-precision weight (FSDP's FP8 all-gather brings none: its bytes')
+            ctx.save_for_backward(weight if not isinstance(weight, GatheredFP8Weight) else None)
         ctx.recipe, ctx.backend, ctx.name, ctx.numerics = recipe, backend, name, numerics
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
@@ -58,17 +67,32 @@ class _FP8LinearFunction(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
         grad_x = grad_w = grad_b = None
         numerics = ctx.numerics
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and recipe.dgrad == "bf16":
+            (weight,) = ctx.saved_tensors
+            w = ctx.saved_w.dequantize() if weight is None else weight  # (N, K)
+            grad_x = bf16_product(g2, w.detach(), ctx.x_dtype).reshape(ctx.x_shape)  # (M, N) @ (N, K)
+        elif ctx.needs_input_grad[0]:
             gq = quantize_rows(g2, recipe, gfmt, f"{name}.grad_output", numerics)
             grad_x = _backward_matmul(gq, ctx.saved_w.t(), ctx.x_dtype, backend, numerics, ctx.saved_w)  # (M, K)
             grad_x = grad_x.reshape(ctx.x_shape)
-        if ctx.weight_requires_grad and ctx.needs_input_grad[1]:
+        if ctx.weight_requires_grad and ctx.needs_input_grad[1] and recipe.wgrad == "bf16":
+            grad_w = bf16_product(g2.t(), ctx.saved_x_bf16, ctx.weight_dtype)  # (N, M) @ (M, K) -> (N, K)
+        elif ctx.weight_requires_grad and ctx.needs_input_grad[1]:
             gq_t = quantize_rows(g2.t(), recipe, gfmt, f"{name}.grad_output", numerics)  # dY^T (N, M), 1x128 along M
             grad_w = _backward_matmul(gq_t, ctx.saved_xt, ctx.weight_dtype, backend, numerics)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.weight_dtype)
-        ctx.saved_xt = ctx.saved_w = None
+        ctx.saved_xt = ctx.saved_w = ctx.saved_x_bf16 = None
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def bf16_product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (M, K) @ b (K, N) as a bf16 GEMM computes it: both operands rounded to bf16, fp32 accumulation
+    (on the CPU the bf16 values multiplied in fp32: bf16 matmul is a slow fallback there, FACTS.md). The
+    recipe's `dgrad="bf16"` / `wgrad="bf16"` backward GEMMs."""
+    if a.is_cuda:  # cuBLAS: fp32 accumulation, bf16 out
+        return (a.bfloat16() @ b.bfloat16()).to(out_dtype)
+    return (a.bfloat16().float() @ b.bfloat16().float()).to(out_dtype)
 
 
 def quantize_input(x2: torch.Tensor, recipe: QuantRecipe, name: str, numerics: str = "fast") -> QuantizedTensor:
@@ -111,7 +135,7 @@ def _backward_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dt
 def exact_fp8_product(x2: torch.Tensor, wq: QuantizedTensor, recipe: QuantRecipe, name: str = "linear",
                       groups: int | None = None) -> torch.Tensor:
     """The exact fprop without autograd (rollout, no-grad forwards): x2 (M, K) -> (M, N) fp32."""
-    if wq.block == (128, 128) and wq.fmt == "e4m3":
+    if wq.block == (128, 128) and wq.fmt == "e4m3" and recipe.group_size == 128:
         return exact_fp8_fprop(x2, recipe, name, wq.panels(), wq.scale_inv, wq.shape[0], groups)
     return fp8_matmul(quantize_input(x2, recipe, name, "exact"), wq, torch.float32, numerics="exact", groups=groups)
 

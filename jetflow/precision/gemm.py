@@ -23,6 +23,11 @@ the two block scales, groups, a pairwise tree), on the CPU (jetflow.kernels.inva
 weight read as its FP8 bytes) and on CUDA (the Triton kernel; cuBLAS picks kernels by shape, split-K
 for small M, so scaled_mm cannot promise this). A row's result then depends neither on how many rows
 share the call nor on how K is sharded over tensor-parallel ranks (`groups`).
+
+Other block sizes of the fp8_block recipe (32-wide groups and blocks, say: no FP8 kernel here reads
+them) run on their values: each operand dequantized (fp8 * its block's scale_inv, one fp32 rounding an
+element), then the canonical fp32 GEMM under exact numerics (the same function of the bytes on every
+side, so the rollout and the trainer still agree bit for bit) and the emulation under `auto`.
 """
 
 from __future__ import annotations
@@ -69,12 +74,15 @@ def fp8_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = 
         raise ValueError(f"fp8_matmul: a must be blocked 1 x g along K, got block {a.block}")
     if numerics == "exact":
         invariant.check_device(a.data.device)
-        if a.block != (1, 128) or b.block != (128, 128) or a.fmt != "e4m3" or b.fmt != "e4m3":
-            raise ValueError(f"exact fp8_matmul runs the fprop (E4M3 1x128 x 128x128), got {a.fmt} {a.block} x "
-                             f"{b.fmt} {b.block}")
+        if a.fmt != "e4m3" or b.fmt != "e4m3" or b.block[0] == 1:
+            raise ValueError(f"exact fp8_matmul runs the fprop (E4M3 activations x E4M3 weight blocks), got "
+                             f"{a.fmt} {a.block} x {b.fmt} {b.block}")
+        if a.block != (1, 128) or b.block != (128, 128):  # blocks no FP8 kernel reads: their values
+            return invariant.gemm(a.dequantize(), b.value_panels(), b.shape[0], groups=groups).to(out_dtype)
         out = invariant.fp8_gemm(a.data, a.scale_inv, b.panels(), b.scale_inv, b.shape[0], groups=groups)
         return out.to(out_dtype)
-    backend = resolve_backend(backend, a.data.device)
+    kernel_blocks = a.block == (1, 128) and b.block in ((128, 128), (1, 128))
+    backend = resolve_backend(backend, a.data.device) if kernel_blocks or backend != "auto" else "emulate"
     if backend == "triton":
         return _triton_blockwise(a, b, out_dtype)
     if backend == "scaled_mm":

@@ -165,7 +165,7 @@ def sibling_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[tor
     fusable = (not x.is_cuda and all(isinstance(m, PrecisionLinear) for m in linears)
                and all(m.numerics == "exact" and m.kind == first.kind and m.recipe == first.recipe
                        and not (m._forward_hooks or m._forward_pre_hooks) for m in linears)
-               and (first.kind != "fp8" or first.recipe.family == "fp8_block")
+               and (first.kind != "fp8" or first.recipe.canonical_blocks)
                and not (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears))))
     if not fusable:
         return [m(x) for m in linears]

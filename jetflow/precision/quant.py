@@ -84,6 +84,8 @@ class QuantizedTensor:
     """Cached panels of the FP8 bytes for the canonical GEMM (exact numerics: `panels`)."""
     packed_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Cached panels of the transposed bytes (the dgrad GEMM of an exact linear: `panels_t`)."""
+    packed_values: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Cached fp32 panels of the dequantized values (exact numerics on blocks no FP8 kernel reads: `value_panels`)."""
 
     kind = "fp8_block"
     """The recipe family whose bytes these are (jetflow.precision.mx.MXTensor and
@@ -122,6 +124,13 @@ class QuantizedTensor:
             self.packed_t = invariant.pack_weight(self.data.t())
         return self.packed_t
 
+    def value_panels(self) -> torch.Tensor:
+        """The canonical fp32 GEMM's panels of the dequantized values, packed once (the exact product of
+        block sizes other than 128x128, jetflow.precision.gemm.fp8_matmul)."""
+        if self.packed_values is None:
+            self.packed_values = invariant.pack_weight(dequantize(self, torch.float32))
+        return self.packed_values
+
     def share_panels(self, view: torch.Tensor) -> None:
         """Use `view` (its panels, already packed, inside a larger tensor: the sibling linears' panels
         side by side, jetflow.precision.exact.exact_linears) instead of a copy of its own."""
@@ -137,7 +146,7 @@ class QuantizedTensor:
     def __setstate__(self, state: dict) -> None:
         self.data = state["bytes"].view(getattr(torch, state["dtype"]))
         self.scale_inv, self.block, self.dequantized = state["scale_inv"], tuple(state["block"]), None
-        self.packed = self.packed_t = None
+        self.packed = self.packed_t = self.packed_values = None
 
     def t(self) -> "QuantizedTensor":
         """Transpose: the same bytes and scales, blocks transposed (exact, no requantization)."""

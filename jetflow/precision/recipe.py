@@ -41,10 +41,14 @@ ROLES = ("weight", "activation", "gradient")
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+GRAD_PRECISIONS = ("fp8", "bf16")
 
 # family -> (weight block, activation / gradient group, fields that do not apply to it)
-_FAMILY_BLOCKS = {"mxfp8": ((1, 32), 32, ("scale_rule", "margin")),
-                  "nvfp4": ((16, 16), 16, ("fmt", "scale_rule", "margin"))}
+_FAMILY_BLOCKS = {"mxfp8": ((1, 32), 32, ("scale_rule", "margin", "dgrad", "wgrad")),
+                  "nvfp4": ((16, 16), 16, ("fmt", "scale_rule", "margin", "dgrad", "wgrad"))}
+# fields written into to_dict (and so the fingerprint) only when they differ from their default: fields
+# added after runs were made, whose recipes keep the fingerprints they had
+_LATER_FIELDS = ("dgrad", "wgrad")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,13 @@ class QuantRecipe:
     family: Literal["fp8_block", "mxfp8", "nvfp4"] = "fp8_block"
     """fp8_block | mxfp8 | nvfp4 (see the module docstring). The mxfp8 and nvfp4 families set
     weight_block and group_size to their own blocks and refuse a non-default value of a field they do not use."""
+    dgrad: Literal["fp8", "bf16"] = "fp8"
+    """The input-gradient GEMM (dX = dY @ W): `fp8` (the recipe's gradient groups and weight blocks) or
+    `bf16` (dY and the high-precision weight rounded to bf16, fp32 accumulation). fp8_block only."""
+    wgrad: Literal["fp8", "bf16"] = "fp8"
+    """The weight-gradient GEMM (dW = dY^T @ X): `fp8`, or `bf16` (dY and the input X rounded to bf16, X
+    saved for backward in bf16 instead of FP8: torchao's ROWWISE_WITH_GW_HP). With dgrad=bf16 too, FP8
+    is the forward's alone ("forward-only FP8"). fp8_block only."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -107,6 +118,9 @@ class QuantRecipe:
         object.__setattr__(self, "keep_high_precision", tuple(self.keep_high_precision))
         if self.group_size < 1:
             raise ValueError(f"QuantRecipe.group_size={self.group_size}: must be >= 1")
+        for name in ("dgrad", "wgrad"):
+            if getattr(self, name) not in GRAD_PRECISIONS:
+                raise ValueError(f"QuantRecipe.{name}={getattr(self, name)!r}: valid values are {GRAD_PRECISIONS}")
         if self.margin < 0 or self.keep_first_layers < 0 or self.keep_last_layers < 0:
             raise ValueError("QuantRecipe.margin, keep_first_layers and keep_last_layers must be >= 0")
 
@@ -152,6 +166,13 @@ class QuantRecipe:
         block = self.weight_block if role == "weight" else (1, self.group_size)
         return OperandSpec(fmt, block, self.scale_rule)
 
+    @property
+    def canonical_blocks(self) -> bool:
+        """fp8_block with 128x128 weight blocks and 1x128 groups: the blocks the FP8 kernels read
+        (jetflow.kernels.invariant.fp8_gemm, cuBLAS and the Triton GEMM). Other fp8_block sizes (32-wide
+        blocks, say) run on their dequantized values (jetflow.precision.gemm.fp8_matmul)."""
+        return self.family == "fp8_block" and self.weight_block == (128, 128) and self.group_size == 128
+
     # Which modules are quantized ------------------------------------------------------------
     def keeps_in_high_precision(self, module_name: str, layer_index: int | None = None,
                                 num_layers: int | None = None) -> bool:
@@ -168,15 +189,18 @@ class QuantRecipe:
     # Identity -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Every field that applies: fp8_block without `family` (the fingerprints of earlier runs),
-        mxfp8 / nvfp4 without the fields they do not use."""
+        mxfp8 / nvfp4 without the fields they do not use, dgrad / wgrad only where not `fp8` (the same)."""
         d = dataclasses.asdict(self)
         d["weight_block"] = list(self.weight_block)
         d["keep_high_precision"] = list(self.keep_high_precision)
+        for name in _LATER_FIELDS:
+            if d[name] == "fp8":
+                del d[name]
         if self.family == "fp8_block":
             del d["family"]
         else:
             for name in _FAMILY_BLOCKS[self.family][2]:
-                del d[name]
+                d.pop(name, None)
         return d
 
     @classmethod

@@ -184,12 +184,27 @@ def check_combinations(cfg: Config) -> None:
                                   f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
     check_algorithm(cfg)
     check_turns(cfg)
+    check_blocks(cfg)
     if t.fp8_backend != "jetflow":  # Transformer Engine cannot be installed on the CPU machines
         raise ConfigError(f"train.fp8_backend={t.fp8_backend!r}: `jetflow train` runs train.fp8_backend='jetflow' "
                           f"today; the {t.fp8_backend} backend is available as the library component jetflow.train.te "
                           "but is not wired into the training loop yet")
     if unknown := [k for k in cfg.run.allow_changes if not _is_key(k)]:
         raise ConfigError(f"run.allow_changes: {', '.join(unknown)} is not a config key (e.g. train.steps)")
+
+
+def check_blocks(cfg: Config) -> None:
+    """fp8_block blocks other than 128x128 / 1x128 (finer blocks, say) run on their dequantized values
+    (jetflow.precision.gemm), which the native engine and trainer compute; vLLM's FP8 payload, Megatron-Core's
+    fused weights and FSDP's FP8 all-gather lay out 128-row blocks."""
+    p = cfg.precision
+    if p.family != "fp8_block" or p.mode not in ("mixed", "unified") or (list(p.weight_block), p.group_size) == ([128, 128], 128):
+        return
+    for key, value in (("rollout.backend", cfg.rollout.backend), ("train.backend", cfg.train.backend)):
+        if value != "native":
+            raise ConfigError(f"precision.weight_block={list(p.weight_block)} group_size={p.group_size} with {key}={value}: "
+                              f"fp8_block blocks other than [128, 128] / 128 run on the native rollout engine and trainer "
+                              f"only; use {key}=native or the 128 blocks")
 
 
 def check_turns(cfg: Config) -> None:
