@@ -217,41 +217,66 @@ class Trainer:
         agg = self.algo.loss_agg
         micro = micro_batches(exp, self.cfg, self.model)
         total_denominator = self.dp.sum(sum(agg_denominator(mb.response_mask, agg) for mb in micro)) or 1.0
+        weights = [agg_denominator(mb.response_mask, agg) / total_denominator for mb in micro]
+        (done, failed), bad = self._agreeing_on_nonfinite(lambda: self._forward_backward(
+            micro, weights, lambda mb, hidden: self._micro_loss(mb, temperature, weigh, agg, hidden)))
+        loss_total = float("nan") if failed or bad else sum(value for value, _ in done.values())
         sums: dict[str, float] = {}
         olds: list[Tensor] = []
-        # pipelined: the same steps through the model's pipeline schedule
-        steps = self._pipeline_micro_steps if pipelined(self.model) else self._micro_steps
-        (loss_total, entropy_sum, tokens), bad = self._agreeing_on_nonfinite(
-            lambda: steps(micro, total_denominator, temperature, weigh, olds, sums, agg))
-        if bad:  # a quantizer met NaN/Inf on some expert-parallel rank: a bad step on every rank
-            loss_total = float("nan")
-            olds[:] = [torch.full_like(old, float("nan")) for old in olds]
+        entropy_sum = tokens = 0.0
+        for i, (mb, weight) in enumerate(zip(micro, weights)):
+            shape, device = mb.response_ids.shape, mb.response_ids.device
+            if i not in done:  # no response tokens (all masked: zeros), or after a NaN / Inf (see below)
+                olds.append(torch.zeros(shape, device=device) if weight == 0 and not (failed or bad) else
+                            torch.full(shape, float("nan"), device=device))
+                continue
+            _, (metrics, old, micro_entropy) = done[i]
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+            if old is not None:
+                olds.append(old if not bad else torch.full_like(old, float("nan")))
+            entropy_sum += micro_entropy
+            tokens += float(mb.response_mask.sum())
         # the policy's entropy per response token (nats): this rank's share of the mean over every
         # rank's tokens (the metrics are summed over ranks below)
         all_tokens = self.dp.sum(tokens)
         sums["policy/entropy"] = entropy_sum / all_tokens if all_tokens else 0.0
         return self._apply_gradients(loss_total, sums, t0), (torch.cat(olds) if weigh is not None else None)
 
-    def _micro_steps(self, micro: list[Experience], total_denominator: float, temperature: float, weigh,
-                     olds: list[Tensor], sums: dict[str, float], agg: str) -> tuple[float, float, float]:
-        """`_micro_step` over every micro-batch, one after the other. Returns (loss_total, entropy_sum, tokens)."""
-        loss_total, entropy_sum, tokens = 0.0, 0.0, 0.0
-        for mb in micro:
-            weight = agg_denominator(mb.response_mask, agg) / total_denominator
-            # no response tokens: nothing to learn, and its log-probs are all masked (but an expert-
-            # parallel model still runs it: the other ranks' token dispatch waits for this one)
-            if weight == 0 and not collective_forward(self.model):
-                olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
-                continue
+    def _forward_backward(self, micro: list[Experience], weights: list[float],
+                          loss_of: Callable[[Experience, Tensor | None], tuple[Tensor, Any]]
+                          ) -> tuple[dict[int, tuple[float, Any]], bool]:
+        """The one micro-batch loop of every optimizer step (the policy loss's and the warm-up's): each
+        micro-batch's loss_of(mb, hidden) -> (loss, extra), times its weight, backpropagated, gradients
+        accumulating. A micro-batch of weight 0 (no response tokens: nothing to learn) is skipped, unless the
+        model's forward is a collective (the other ranks' token dispatch waits for it). A pipelined model runs
+        them through its schedule (the loss computed on the last stage from the final hidden states `hidden`,
+        as torchtitan's train step branches on its pipeline); any other one after the other (hidden None).
+
+        Returns ({micro-batch index: (weighted loss value, extra)}, failed): failed when an FP8 quantizer met
+        NaN / Inf (NonFiniteError), which skips the step like a NaN loss (train.max_bad_steps applies); the
+        micro-batches done before it stay in the dict (a pipeline's: none)."""
+        active = [i for i, w in enumerate(weights) if w != 0 or collective_forward(self.model)]
+        done: dict[int, tuple[float, Any]] = {}
+        if pipelined(self.model):
+            def head(j: int, hidden: Tensor):
+                loss, extra = loss_of(micro[active[j]], hidden)
+                weight = weights[active[j]]
+                return loss * weight, (loss.item() * weight, extra)
+
             try:
-                loss_total += self._micro_step(mb, weight, temperature, weigh, olds, sums, agg)
-            except NonFiniteError:  # an FP8 quantizer met NaN/Inf (forward or backward): a bad step,
-                olds += [torch.full(m.response_ids.shape, float("nan"), device=m.response_ids.device)
-                         for m in micro[len(olds):]]  # skipped like a NaN loss (train.max_bad_steps applies)
-                return float("nan"), entropy_sum, tokens
-            entropy_sum += sums.pop("_entropy_sum")
-            tokens += float(mb.response_mask.sum())
-        return loss_total, entropy_sum, tokens
+                results = self.model.pipeline_forward_backward(_stage_inputs([micro[i] for i in active]), head)
+            except NonFiniteError:  # on any stage: every stage skips the step
+                return done, True
+            return dict(zip(active, results)), False
+        for i in active:
+            try:
+                loss, extra = loss_of(micro[i], None)
+                (loss * weights[i]).backward()
+            except NonFiniteError:  # forward or backward
+                return done, True
+            done[i] = (loss.item() * weights[i], extra)
+        return done, False
 
     def _agreeing_on_nonfinite(self, compute: Callable[[], Any]) -> tuple[Any, bool]:
         """compute(), and whether an FP8 quantizer met NaN/Inf in it on any rank: (result, bad).
@@ -265,23 +290,10 @@ class Trainer:
             result = compute()
         return result, self.dp.any_in_world(record.message is not None)
 
-    def _micro_step(self, mb: Experience, weight: float, temperature: float, weigh, olds: list[Tensor],
-                    sums: dict[str, float], agg: str) -> float:
-        """Forward and backward of one micro-batch; adds its metrics to `sums` (its entropy sum under
-        `_entropy_sum`), appends its pi_old to `olds` when `weigh` is given; returns its weighted loss."""
-        loss, metrics, old, entropy_sum = self._micro_loss(mb, temperature, weigh, agg)
-        if old is not None:
-            olds.append(old)
-        (loss * weight).backward()
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v * weight
-        sums["_entropy_sum"] = entropy_sum
-        return loss.item() * weight
-
-    def _micro_loss(self, mb: Experience, temperature: float, weigh, agg: str,
-                    hidden: Tensor | None = None) -> tuple[Tensor, dict[str, float], Tensor | None, float]:
-        """The policy loss of one micro-batch (unweighted), its metrics, its pi_old when `weigh` is given
-        (else None) and its entropy sum over response tokens. `hidden`: see `response_logprobs`."""
+    def _micro_loss(self, mb: Experience, temperature: float, weigh, agg: str, hidden: Tensor | None = None
+                    ) -> tuple[Tensor, tuple[dict[str, float], Tensor | None, float]]:
+        """The policy loss of one micro-batch (unweighted) and (its metrics, its pi_old when `weigh` is given
+        (else None), its entropy sum over response tokens). `hidden`: see `response_logprobs`."""
         logprobs, entropy = self._logprobs(mb, temperature, with_entropy=True, hidden=hidden)  # (b, R) each
         if weigh is None:
             old, is_weights, new_old = mb.old_logprobs, mb.is_weights, None
@@ -302,73 +314,23 @@ class Trainer:
                 metrics["loss/router_aux"] = float(aux.detach())
         if mb.routed_experts is not None and (flips := replay_flip_fraction(self.model)) is not None:
             metrics["moe/router_flip_frac"] = flips  # rollout and trainer routers disagreeing
-        return loss, metrics, new_old, float((entropy * mb.response_mask).sum())
-
-    def _pipeline_micro_steps(self, micro: list[Experience], total_denominator: float, temperature: float, weigh,
-                              olds: list[Tensor], sums: dict[str, float], agg: str) -> tuple[float, float, float]:
-        """`_micro_step` over every micro-batch through a pipelined model's schedule: the loss of each is
-        computed on the last stage, backpropagated through every stage, and its metrics (and pi_old) reach
-        every stage; added up in micro-batch order as in `_policy_step`. Returns (loss_total, entropy_sum, tokens)."""
-        weights = [agg_denominator(mb.response_mask, agg) / total_denominator for mb in micro]
-        active = [i for i, w in enumerate(weights) if w != 0 or collective_forward(self.model)]
-
-        def head(j: int, hidden: Tensor):
-            i = active[j]
-            loss, metrics, old, entropy_sum = self._micro_loss(micro[i], temperature, weigh, agg, hidden)
-            return loss * weights[i], (loss.item() * weights[i], metrics, old, entropy_sum)
-
-        try:
-            results = iter(self.model.pipeline_forward_backward(_stage_inputs([micro[i] for i in active]), head))
-        except NonFiniteError:  # on any stage: every stage skips the step (see _policy_step)
-            olds += [torch.full(m.response_ids.shape, float("nan"), device=m.response_ids.device) for m in micro]
-            return float("nan"), 0.0, 0.0
-        loss_total, entropy_sum, tokens = 0.0, 0.0, 0.0
-        for i, (mb, weight) in enumerate(zip(micro, weights)):
-            if i not in active:
-                olds.append(torch.zeros(mb.response_ids.shape, device=mb.response_ids.device))
-                continue
-            value, metrics, old, micro_entropy = next(results)
-            loss_total += value
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v * weight
-            if old is not None:
-                olds.append(old)
-            entropy_sum += micro_entropy
-            tokens += float(mb.response_mask.sum())
-        return loss_total, entropy_sum, tokens
+        return loss, (metrics, new_old, float((entropy * mb.response_mask).sum()))
 
     def sft_step(self, exp: Experience) -> dict[str, float]:
-        """Supervised step: mean negative log-likelihood of the response tokens."""
+        """Supervised step: mean negative log-likelihood of the response tokens (every micro-batch's loss is
+        already divided by the batch's token count: weight 1)."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         micro = micro_batches(exp, self.cfg, self.model)
         total_tokens = self.dp.sum(float(exp.response_mask.sum())) or 1.0
-        loss_total = 0.0
 
-        def nll_steps() -> float:
-            total = 0.0
-            if pipelined(self.model):  # the same loss through the model's pipeline schedule
-                def head(i: int, hidden: Tensor):
-                    mb = micro[i]
-                    loss = -(self._logprobs(mb, hidden=hidden) * mb.response_mask).sum() / total_tokens
-                    return loss, loss.item()
-                try:
-                    for value in self.model.pipeline_forward_backward(_stage_inputs(micro), head):
-                        total += value
-                except NonFiniteError:  # on any stage: a bad step on every stage
-                    return float("nan")
-                return total
-            for mb in micro:
-                try:
-                    loss = -(self._logprobs(mb) * mb.response_mask).sum() / total_tokens
-                    loss.backward()
-                except NonFiniteError:  # an FP8 quantizer met NaN/Inf: a bad step
-                    return float("nan")
-                total += loss.item()
-            return total
+        def nll(mb: Experience, hidden: Tensor | None) -> tuple[Tensor, None]:
+            return -(self._logprobs(mb, hidden=hidden) * mb.response_mask).sum() / total_tokens, None
 
-        loss_total, bad = self._agreeing_on_nonfinite(nll_steps)
-        return self._apply_gradients(float("nan") if bad else loss_total, {}, t0, sft=True)
+        (done, failed), bad = self._agreeing_on_nonfinite(
+            lambda: self._forward_backward(micro, [1.0] * len(micro), nll))
+        loss_total = float("nan") if failed or bad else sum(value for value, _ in done.values())
+        return self._apply_gradients(loss_total, {}, t0, sft=True)
 
     def _apply_gradients(self, loss_value: float, metrics: dict[str, float], t0: float,
                          sft: bool = False) -> dict[str, float]:
