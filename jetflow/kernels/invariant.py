@@ -274,7 +274,7 @@ def e4m3_to_float(codes: Tensor, variant: str = "native") -> Tensor:
 
 class _Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, packed, dot, groups, ordered_wgrad):
+    def forward(ctx, x, weight, packed, groups, ordered_wgrad):
         ctx.save_for_backward(x, weight)
         ctx.ordered_wgrad = ordered_wgrad
         x2 = x.reshape(-1, x.shape[-1])
@@ -290,7 +290,7 @@ class _Matmul(torch.autograd.Function):
             grad_x = (g2 @ weight.to(g2.dtype)).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = (weight_grad(g2, x2) if ctx.ordered_wgrad else g2.t() @ x2.to(g2.dtype)).to(weight.dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def weight_grad(g2: Tensor, x2: Tensor) -> Tensor:
@@ -299,18 +299,15 @@ def weight_grad(g2: Tensor, x2: Tensor) -> Tensor:
     return gemm(g2.float().t(), pack_weight(x2.float().t()), x2.shape[1], groups=1)
 
 
-def matmul(x: Tensor, weight: Tensor, packed: Tensor, dot: str = "fp32", groups: int | None = None,
-           ordered_wgrad: bool = False) -> Tensor:
+def matmul(x: Tensor, weight: Tensor, packed: Tensor, groups: int | None = None, ordered_wgrad: bool = False) -> Tensor:
     """x (..., K) @ weight^T (weight (N, K), `packed = pack_weight(weight)` or of its bf16 copy): the canonical
     reduction (jetflow.kernels.canonical), so a row's result depends neither on the other rows nor on how K is
     sharded. Differentiable in x and weight (backward through torch's matmul; `ordered_wgrad`: the weight's by
-    `weight_grad`). `dot="bf16"` says both operands lie on the bf16 grid (pack the weight as bfloat16: half
-    the bytes; on CUDA the product runs on bf16 tensor cores)."""
+    `weight_grad`). Operands on the bf16 grid: pack the weight as bfloat16 (half the bytes; on CUDA the
+    product then runs on bf16 tensor cores: `gemm` reads the packed dtype)."""
     check_device(x.device)
-    if dot not in ("fp32", "bf16"):
-        raise ValueError(f"dot={dot!r}: 'fp32' or 'bf16'")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _Matmul.apply(x, weight, packed, dot, groups, ordered_wgrad)
+        return _Matmul.apply(x, weight, packed, groups, ordered_wgrad)
     y = gemm(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], groups=groups)  # no graph to record
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 

@@ -146,8 +146,8 @@ def _product(x: Tensor, weight: Tensor, kind: str, recipe: QuantRecipe | None, w
     if kind == "bf16":
         # the bf16 grid in fp32 storage, for the backward only (the product reads the packed bf16 bytes)
         w = bf16_grid(weight) if torch.is_grad_enabled() and weight.requires_grad else weight
-        return invariant.matmul(bf16_grid(x), w, packed_weight(cache, weight, "bf16"), dot="bf16",
-                                groups=groups, ordered_wgrad=ordered_wgrad)
+        return invariant.matmul(bf16_grid(x), w, packed_weight(cache, weight, "bf16"), groups=groups,
+                                ordered_wgrad=ordered_wgrad)
     if kind == "fp8":
         if recipe is None or wq is None:
             raise ValueError(f"{name}: an exact fp8 product needs the recipe and the quantized weight")

@@ -50,8 +50,9 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's parameter groups: the matrices of the linears decay by `weight_decay`; norms and biases
-    (1-D) and the embedding (with an lm_head tied to it, on any pipeline stage) do not, as in nanoGPT and
-    torchtitan. Empty groups are left out."""
+    (1-D) do not (nanoGPT's configure_optimizers draws the same line), nor does the embedding (with an
+    lm_head tied to it, on any pipeline stage), which nanoGPT does decay: jetflow's choice, so that the
+    rows of tokens a batch never samples keep their pretrained values. Empty groups are left out."""
     tied = model.config.tie_word_embeddings
 
     def decays(name: str, p: nn.Parameter) -> bool:
