@@ -134,8 +134,8 @@ class PrecisionLinear(nn.Linear):
     def _multiplies_dequantized(self, device: torch.device) -> bool:
         """Whether this linear's GEMMs multiply the weight's fp32 dequantization (the CPU emulation of the
         fast path, which then keeps it cached next to the bytes). The exact fp8_block linear reads the FP8
-        bytes themselves (jetflow.kernels.invariant), so a cached fp32 copy would only cost time (~0.17 s a
-        SmolLM2 step) and memory (4 bytes a weight, on the trainer and on the rollout engine)."""
+        bytes themselves (jetflow.kernels.invariant), so a cached fp32 copy would only cost time (its
+        dequantization each weight version) and memory (4 bytes a weight, on the trainer and on the rollout engine)."""
         if self.numerics == "exact" and self.recipe.family == "fp8_block":
             return False
         return resolve_backend(self.gemm_backend, device) == "emulate"

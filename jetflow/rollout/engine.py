@@ -34,11 +34,11 @@ rollout log-probs equal the trainer's full-forward log-probs bit for bit. Under 
 speed on the CPU, plain fp32 linears run on oneDNN-prepacked copies of their weights (same
 products, fp32 accumulation, ~1e-6 apart; `jetflow.rollout.cpu_pack`).
 
-Speed on the CPU (SmolLM2-135M fp32, batch 16, 64 + 128 tokens, 2 cores): a decode step is ~90% GEMM
-at M = 16 rows, the same GEMMs every fp32 implementation runs, so the margin over HF generate()
-comes from running them on prepacked weights and from what surrounds them: no growing cache
-copies, lm_head on the last position only, one random number per row for sampling, and finished
-rows leaving the batch. See results/bench and results/kv-cache-long.
+Speed on the CPU: a decode step is mostly GEMMs of a few rows, the same GEMMs every fp32
+implementation runs, so the margin over HF generate() comes from running them on prepacked weights
+and from what surrounds them: no growing cache copies, lm_head on the last position only, one random
+number per row for sampling, and finished rows leaving the batch. The measurements: results/bench and
+results/kv-cache-long.
 """
 
 from __future__ import annotations
