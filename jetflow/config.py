@@ -183,8 +183,10 @@ class AlgoConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     """Asymmetric PPO clipping (clip-higher)."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
-    """token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO; jetflow.rl.loss)."""
+    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "auto"
+    """auto | token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO;
+    jetflow.rl.loss). auto: the aggregation the ratio level defines (loss_aggregation): token_mean, or
+    seq_mean_token_mean under ratio_level=sequence (GSPO), as verl's GSPO recipe sets it."""
     loss_scale_factor: int = 0  # seq_mean_token_sum_norm's constant divisor; 0: rollout.max_new_tokens
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's per-sequence ratio (jetflow.rl.loss)
     kl_coef: float = 0.0
@@ -439,6 +441,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def loss_aggregation(algo: AlgoConfig) -> str:
+    """algo.loss_agg with auto resolved: GSPO's per-sequence mean under algo.ratio_level=sequence, else the
+    token mean (every reader of the aggregation calls this; a run's config keeps what the user wrote)."""
+    if algo.loss_agg != "auto":
+        return algo.loss_agg
+    return "seq_mean_token_mean" if algo.ratio_level == "sequence" else "token_mean"
+
+
 def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
@@ -465,6 +475,7 @@ def config_changes(saved: Config, cfg: Config) -> list[str]:
         d = to_dict(c)
         for k in SESSION_KEYS:
             d["run"].pop(k, None)
+        d["algo"]["loss_agg"] = loss_aggregation(c.algo)  # a run saved before auto existed wrote token_mean
         return d
 
     def diff(a, b, prefix: str = "") -> list[str]:

@@ -34,7 +34,7 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
-from jetflow.config import derive
+from jetflow.config import derive, loss_aggregation
 from jetflow.run.build import apply_mode, build_policy, copy_model
 from jetflow.precision import PrecisionMode
 from jetflow.rl.experience import Experience
@@ -135,7 +135,7 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
                             "max_tokens_per_micro_batch": cfg.train.max_tokens_per_micro_batch,
                             "micro_batches": len(micro_batches(exp, cfg.train, next(iter(trainers.values())).model)),
                             "tokens_per_step": tokens, "reps": reps, "micro_batch_size": cfg.train.micro_batch_size,
-                            "optimizer": "AdamW (fp32 master weights)", "loss": cfg.algo.loss_agg},
+                            "optimizer": "AdamW (fp32 master weights)", "loss": loss_aggregation(cfg.algo)},
                "rows": rows, "ratios": ratios, "headline": headline, "loadavg_1m": load.record(),
                "peak_rss_gb": peak_rss_gb()}
     md = (f"One training step (forward + backward + AdamW, `Trainer.train_step`) of model `{model}` on a fixed "

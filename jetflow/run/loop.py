@@ -25,7 +25,7 @@ from jetflow.rl.shaping import informative_groups, overlong_penalty
 from jetflow.rollout.conversation import multiturn_metrics
 from jetflow.rollout.types import RolloutEngineSide, Rollouts
 from jetflow.sync import StaleWeightsError
-from jetflow.tasks import Problem, Reward, RewardError, Task
+from jetflow.tasks import Problem, Reward, RewardError, Task, reward_part_means
 from jetflow.train.protocol import KVCalibration, PolicyTrainer
 
 
@@ -97,6 +97,7 @@ class RLLoop:
         # pi_old from the training forward itself: one update per rollout and per-sequence weights.
         # (a KL penalty in the reward needs pi_old before the advantages: a separate forward)
         self.kl_in_reward = cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "reward"
+        self.reward_seconds = 0.0  # the current step's scoring time (time/reward)
         self.old_logprobs_from_update = (cfg.algo.old_logprobs == "auto" and cfg.algo.ppo_epochs == 1
                                          and self.correction in ROW_LOCAL and not self.kl_in_reward)
         self.with_reference = bool(cfg.algo.kl_coef or cfg.algo.log_ref_kl)
@@ -154,7 +155,7 @@ class RLLoop:
         A reward function's error (RewardError: one line naming the function and the row) ends the step on
         every rank alike, before the update, so the run can checkpoint the step's starting state
         (jetflow.run.sequence)."""
-        error = None
+        error, t0 = None, time.perf_counter()
         try:
             if out.completions is None:
                 scores = self.task.score_batch(problems, out.texts)
@@ -162,6 +163,7 @@ class RLLoop:
                 scores = self.task.score_batch(problems, out.completions, env_rewards=out.env_rewards)
         except RewardError as e:
             error = e
+        self.reward_seconds += time.perf_counter() - t0
         if self.dp.enabled and self.dp.any_in_world(error is not None) and error is None:
             raise RewardError("a reward function failed on another data-parallel rank (its line is in that rank's "
                               "log)")
@@ -250,9 +252,10 @@ class RLLoop:
 
         # Rollout: each prompt group_size times (and dynamic sampling's refills).
         first = mine.start * group  # seeds follow the global request index: any rank count samples alike
-        t0 = time.perf_counter()
+        t0, self.reward_seconds = time.perf_counter(), 0.0
         sampled, first_round, generated = self._gather(step, problems, prompts, first, metrics)
-        metrics["time/rollout"] = time.perf_counter() - t0
+        metrics["time/reward"] = self.reward_seconds  # the task's scoring (a reward model's forward passes)
+        metrics["time/rollout"] = time.perf_counter() - t0 - self.reward_seconds
         exp = self._experience(sampled, metrics)
         self._update(exp, metrics)
         self.last_experience = exp
@@ -341,7 +344,7 @@ class RLLoop:
             "reward/accuracy": sum(s.correct for s in scores) / len(scores),
             "reward/format": sum(s.format_ok for s in scores) / len(scores),
             # a custom task's reward functions, each before weighting
-            **{f"reward/fn/{name}": sum(s.parts[name] for s in scores) / len(scores) for name in scores[0].parts},
+            **reward_part_means(scores),
             "response/length_mean": sum(lengths) / len(lengths),
             "response/length_max": float(max(lengths)),
             "response/truncated_frac": sum(r == "length" for r in out.finish_reasons) / len(lengths),

@@ -50,6 +50,7 @@ from pathlib import Path
 from jetflow.config import Config, ConfigError, Derived
 from jetflow.model.attention import GRAD_BLOCK
 from jetflow.model.model_config import ModelConfig
+from jetflow.tasks.reward_model import num_parameters, reward_model_dirs
 
 GIB = 2**30
 RUNTIME_BYTES = int(0.45 * GIB)
@@ -294,7 +295,21 @@ def estimate_run(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: i
     terms.append(_kv_term(cfg, arch, prompt_len, sequences))
     batch = min(r.max_batch, sequences)
     terms.append(Term("sampling logits", 3 * batch * arch.vocab_size * 4, f"3 x {batch} rows x V x 4 B"))
+    terms += _reward_model_terms(cfg)
     return MemoryEstimate(tuple(terms), f"jetflow train, {sequences} sequences of {prompt_len} + {new} positions")
+
+
+def _reward_model_terms(cfg: Config) -> list[Term]:
+    """The custom task's reward models (``model:DIR``), their weights at task.params.reward_model_dtype
+    (the parameter count read from their safetensors headers); none for other tasks."""
+    if cfg.task.name != "custom":
+        return []
+    dirs = [d for d in reward_model_dirs(cfg.task.params.get("reward")) if d.is_dir()]
+    if not dirs:
+        return []
+    width = 2 if cfg.task.params.get("reward_model_dtype", "float32") == "bfloat16" else 4
+    count = sum(num_parameters(d) for d in dirs)
+    return [Term("reward models", count * width, f"{count / 1e6:.1f}M params x {width} B ({len(dirs)} models)")]
 
 
 def _kv_term(cfg: Config, arch: ModelConfig, prompt_len: int, sequences: int) -> Term:
@@ -397,6 +412,9 @@ def knobs(cfg: Config, estimate: MemoryEstimate) -> str:
         "KV cache": [f"set rollout.kv_cache_gib (now {r.kv_cache_gib}) lower" if r.backend == "native"
                      else "lower rollout.vllm_gpu_memory_utilization"]
         + (["set precision.kv_cache_fp8=true"] if r.backend == "native" and not cfg.precision.kv_cache_fp8 else []),
+        "reward models": (["set task.params.reward_model_dtype=bfloat16"]
+                          if cfg.task.params.get("reward_model_dtype", "float32") != "bfloat16" else [])
+        + ["use a smaller reward model"],
     }
     advice["backward working set"] = advice["activations"]
     ranked = sorted((t for t in estimate.terms if t.name in advice), key=lambda t: -t.bytes)

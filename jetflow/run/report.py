@@ -31,8 +31,8 @@ from jetflow.writes import write_error
 
 REPORT_DIR = "report"
 REPORT_FILE = "report.md"
-TIME_PARTS = {"time/rollout": "rollout", "time/old_logprobs": "old log-probs", "time/train": "train",
-              "time/sync": "weight sync"}
+TIME_PARTS = {"time/rollout": "rollout", "time/reward": "reward", "time/old_logprobs": "old log-probs",
+              "time/train": "train", "time/sync": "weight sync"}
 PLOTS = ("reward", "heldout", "mismatch_kl", "mismatch_position", "time_split")
 
 
@@ -115,7 +115,7 @@ def time_rows(rl: list[dict], evals: list[dict]) -> list[tuple[str, float, float
         s = mean(column(rl, key)) or 0.0
         out.append((name, s, s / step if step else 0.0))
     other = max(step - sum(r[1] for r in out), 0.0)
-    out.append(("other (rewards, advantages, logging)", other, other / step if step else 0.0))
+    out.append(("other (advantages, logging)", other, other / step if step else 0.0))
     out.append(("whole RL step", step, 1.0))
     return out
 
@@ -283,7 +283,7 @@ def _plot_time(path: Path, rl: list[dict]) -> None:
         return
     steps = _steps(rl)
     bottom = [0.0] * len(rl)
-    colors = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c")
+    colors = ("#4c72b0", "#937860", "#dd8452", "#55a868", "#c44e52", "#8c8c8c")
     for (key, name), color in zip(TIME_PARTS.items(), colors):
         vals = [r.get(key) or 0.0 for r in rl]
         ax.bar(steps, vals, bottom=bottom, color=color, label=name, width=0.8)

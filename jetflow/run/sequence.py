@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 import torch.distributed
 
-from jetflow.config import Config, Derived, to_dict
+from jetflow.config import Config, Derived, loss_aggregation, to_dict
 from jetflow.metrics_log import MetricsLogger
 from jetflow.run.files import append_position_curve, mark_stopped, tidy_for_resume, write_model_dirs, write_summary
 from jetflow.run.loop import RLLoop
@@ -87,7 +87,8 @@ class RunSequence:
             if placement.is_main:
                 tidy_for_resume(run_dir, self.state)
                 print(f"[jetflow] run {run_dir}  mode={self.precision.mode.value}  "
-                      f"recipe={self.precision.recipe.fingerprint()}  {placement.describe()}", file=sys.stderr)
+                      f"recipe={self.precision.recipe.fingerprint()}  {placement.describe()}{objective_note(cfg)}",
+                      file=sys.stderr)
                 self.logger = MetricsLogger(run_dir, list(self.loggers), to_dict(cfg), cfg.run.tracker_project,
                                             cfg.run.mlflow_tracking_uri)
             self._warmup()
@@ -214,6 +215,13 @@ class RunSequence:
         if placement.is_main:
             write_summary(self.run_dir, cfg, placement.skipped_steps(), placement.data_parallel_size)
         placement.barrier()
+
+
+def objective_note(cfg: Config) -> str:
+    """What the header says of an objective default that followed another key (empty when none did)."""
+    if cfg.algo.loss_agg == "auto" and cfg.algo.ratio_level == "sequence":
+        return f"  algo.loss_agg={loss_aggregation(cfg.algo)} (GSPO's, as algo.ratio_level=sequence defines it)"
+    return ""
 
 
 def _progress_bar(cfg: Config, start: int):

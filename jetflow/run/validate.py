@@ -233,9 +233,9 @@ def check_turns(cfg: Config) -> None:
 def check_algorithm(cfg: Config) -> None:
     """The objective's keys that are valid alone and not together (jetflow.rl)."""
     a = cfg.algo
-    if a.ratio_level == "sequence" and a.loss_agg != "seq_mean_token_mean":
+    if a.ratio_level == "sequence" and a.loss_agg not in ("auto", "seq_mean_token_mean"):
         raise ConfigError(f"algo.ratio_level=sequence with algo.loss_agg={a.loss_agg}: GSPO's sequence ratio is "
-                          "aggregated per sequence; set algo.loss_agg=seq_mean_token_mean")
+                          "aggregated per sequence; set algo.loss_agg=seq_mean_token_mean (or leave it unset: auto)")
     if a.overlong_buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algo.overlong_buffer={a.overlong_buffer} exceeds rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}; it must be in [0, max_new_tokens]")

@@ -3,7 +3,7 @@
 ``make_task(name, **options)`` builds one; ``task.problems(start, n)`` yields batches by position
 and ``task.score_batch(problems, completions)`` returns their Rewards. Built in: arithmetic and
 countdown (generated), math (a data file, math-verify); ``custom`` is a researcher's own data file
-and reward functions. This package imports nothing of jetflow but jetflow.errors.
+and reward functions or reward models. This package imports nothing of jetflow but jetflow.errors.
 """
 
 from jetflow.tasks.base import (
@@ -11,6 +11,7 @@ from jetflow.tasks.base import (
     Reward,
     Task,
     make_task,
+    reward_part_means,
     register_task,
     task_names,
     task_options,
@@ -34,6 +35,7 @@ __all__ = [
     "RewardError",
     "Task",
     "make_task",
+    "reward_part_means",
     "register_task",
     "task_names",
     "task_options",

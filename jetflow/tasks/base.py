@@ -54,6 +54,17 @@ class Reward:
     """The reward's named terms before weighting (a custom task's reward functions), for the logs."""
 
 
+def reward_part_means(scores: list[Reward]) -> dict[str, float]:
+    """``reward/fn/<name>``: each named term's mean over the completions it scored (a reward function's
+    None leaves the completion out, as TRL's nanmean does; a term that scored none is not logged)."""
+    names = list(dict.fromkeys(name for s in scores for name in s.parts))
+    means = {}
+    for name in names:
+        values = [s.parts[name] for s in scores if name in s.parts]
+        means[f"reward/fn/{name}"] = sum(values) / len(values)
+    return means
+
+
 def rng_for(task_name: str, seed: int, index: int) -> random.Random:
     """A generator private to problem ``index`` of stream ``seed``.
 

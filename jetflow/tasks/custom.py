@@ -8,13 +8,16 @@
         answer_key: answer          # optional: the reference answer (the supervised warm-up's target)
         reward: [my_rewards:exact, rewards/style.py:short]   # module:function or file.py:function
         reward_weights: [1.0, 0.2]
+        # a reward model: reward: [model:path/to/rm, ...]; reward_model_dtype: float32 | bfloat16
         tools: [my_tools:multiply]  # multi-turn (rollout.max_turns > 1): functions the model may call
         env: my_env:GuessNumber     # or an environment that answers each turn (reward optional then)
 
 The rows and their errors: jetflow.tasks.data. The reward functions, their signature and their
-errors: jetflow.tasks.rewards. A completion's reward is the weighted sum of the functions' values;
-``correct`` (reward/accuracy, eval/pass@1) when that sum reaches ``pass_threshold``. Each function's
-own mean is logged as reward/fn/<name>.
+errors: jetflow.tasks.rewards; reward models (``model:DIR``): jetflow.tasks.reward_model. A completion's
+reward is the weighted sum of the functions' values, a function's None left out (TRL's convention; a
+completion no reward scores is an error naming its row); ``correct`` (reward/accuracy, eval/pass@1) when
+that sum reaches ``pass_threshold``. Each function's own mean over the completions it scored is logged
+as reward/fn/<name>.
 
 Multi-turn (jetflow.rollout.conversation): the tools (jetflow.tasks.tools) and the environment class
 (jetflow.tasks.environment, built per conversation with the data row) are loaded here, with the rewards.
@@ -31,7 +34,8 @@ from pathlib import Path
 from jetflow.tasks.base import Problem, Reward, register_task
 from jetflow.tasks.data import DataError, DataTask, field, read_rows
 from jetflow.tasks.environment import load_environment
-from jetflow.tasks.rewards import RewardFunction, load_rewards
+from jetflow.tasks.reward_model import RewardModel
+from jetflow.tasks.rewards import RewardError, Scorer, load_rewards, weighted_sum
 from jetflow.tasks.tools import load_tools
 
 COLUMNS = "columns"  # Problem.meta key of the row's other columns
@@ -60,6 +64,8 @@ class CustomTask(DataTask):
     reward_weights: one weight per function (default 1 each). pass_threshold: the weighted reward that
     counts as correct. split: the split of a DatasetDict directory. tools: functions the model may call
     (module:function or file.py:function). env: an environment class (module:Class or file.py:Class).
+    reward_model_dtype / reward_model_batch_size: how the ``model:DIR`` rewards score (float32 or bfloat16;
+    completions a forward).
     """
 
     name = "custom"
@@ -77,6 +83,8 @@ class CustomTask(DataTask):
         env: str | None = None,
         seed: int = 0,
         format_weight: float = 0.0,
+        reward_model_dtype: str = "float32",
+        reward_model_batch_size: int = 16,
     ):
         super().__init__(seed=seed, format_weight=format_weight)
         if format_weight:
@@ -92,8 +100,11 @@ class CustomTask(DataTask):
         self._set_rows([(number, self._row_problem(number, row)) for number, row in rows])
         self.tools = load_tools(tools)
         self.env, self.env_class = env, (load_environment(env) if env else None)
-        self.rewards: list[RewardFunction] = [] if (reward is None and env) else load_rewards(reward or [], reward_weights,
-                                                                                              self.columns)
+        def reward_model(spec: str, weight: float) -> RewardModel:
+            return RewardModel(spec, weight, reward_model_dtype, reward_model_batch_size)
+
+        self.rewards: list[Scorer] = [] if (reward is None and env) else load_rewards(
+            reward or [], reward_weights, self.columns, reward_model)
         names = [f.name for f in self.rewards]  # the logs' reward/fn/<name>: the spec where two share a name
         self.part_names = [f.name if names.count(f.name) == 1 else f.spec for f in self.rewards]
 
@@ -127,12 +138,17 @@ class CustomTask(DataTask):
         columns = {k: [p.meta[COLUMNS][k] for p in problems] for k in self.columns}
         rows = [self.row_name(p) for p in problems]
         values = [f(prompts, shaped, columns, rows) for f in self.rewards]
+        weights = [f.weight for f in self.rewards]
         rewards = []
         for i in range(len(problems)):
-            parts = {name: v[i] for name, v in zip(self.part_names, values)}
-            total = sum(f.weight * v[i] for f, v in zip(self.rewards, values))
+            parts = {name: value for name, v in zip(self.part_names, values) if (value := v[i]) is not None}
+            total = weighted_sum([v[i] for v in values], weights)
             if self.env_class is not None:
-                parts["env"] = env_rewards[i] if env_rewards is not None else 0.0
-                total += parts["env"]
+                env = env_rewards[i] if env_rewards is not None else 0.0
+                parts["env"], total = env, (total or 0.0) + env
+            if total is None:
+                raise RewardError(f"every reward returned None for the completion of {rows[i]} "
+                                  f"({', '.join(f.spec for f in self.rewards)}): at least one must score each "
+                                  "completion")
             rewards.append(Reward(total, total >= self.pass_threshold, False, parts))
         return rewards

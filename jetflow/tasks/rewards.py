@@ -7,9 +7,16 @@ A reward function has the signature of TRL's ``reward_funcs``::
 ``prompts[i]`` is the prompt as the data file holds it (text, or a list of chat messages),
 ``completions[i]`` the generated text (for a chat prompt, TRL's ``[{"role": "assistant", "content":
 text}]``), and every other column of the data file arrives as a keyword list aligned with them
-(``columns["answer"][i]``). An ``async def`` function is run with asyncio. It is named in
+(``columns["answer"][i]``), everything by keyword as TRL passes it (a function may leave out the
+prompts: ``def f(completions, answer, **kwargs)``). An ``async def`` function is run with asyncio. It is named in
 ``task.params.reward`` as ``module:function`` (importable from the current directory) or
 ``path/to/file.py:function``.
+
+A function may return ``None`` for a completion it does not apply to (TRL's convention for multi-task
+data): that completion's reward is the weighted sum of the other functions' values, the function's logged
+mean leaves it out, and a completion that no function (and no environment) scores is an error naming its
+row. A local Hugging Face sequence-classification model scores as a function does: ``model:DIR``
+(jetflow.tasks.reward_model).
 
 Anything wrong is one line (RewardError) naming the function and, once it runs, the data row: an
 import that fails, a signature that cannot take the call, an exception (the row is found by calling
@@ -32,7 +39,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from jetflow.errors import UserError
 
@@ -107,6 +114,21 @@ def _import_file(path: Path, spec: str):
     return module
 
 
+class Scorer(Protocol):
+    """What the custom task calls for each of its rewards: a RewardFunction, or a RewardModel."""
+
+    spec: str
+    weight: float
+
+    @property
+    def name(self) -> str: ...
+
+    def check_signature(self, columns: list[str]) -> None: ...
+
+    def __call__(self, prompts: list, completions: list, columns: dict[str, list], rows: list[str]
+                 ) -> list[float | None]: ...
+
+
 @dataclass
 class RewardFunction:
     """One reward function of the task, with its weight. ``spec``: as task.params.reward names it."""
@@ -126,16 +148,17 @@ class RewardFunction:
         except (TypeError, ValueError):  # a builtin without a signature: its first call tells
             return
         try:
-            sig.bind([], [], **{c: [] for c in columns})
+            sig.bind(prompts=[], completions=[], **{c: [] for c in columns})
         except TypeError as e:
             cols = ", ".join(columns) or "none"
-            raise RewardError(f"reward {self.spec}: its signature {self.name}{sig} cannot take (prompts, completions, "
+            raise RewardError(f"reward {self.spec}: its signature {self.name}{sig} cannot take (prompts=, completions=, "
                               f"**columns) with the data's columns ({cols}): {e}; write it as "
                               f"{SIGNATURE.format(name=self.name)}") from None
 
-    def __call__(self, prompts: list, completions: list, columns: dict[str, list], rows: list[str]) -> list[float]:
-        """The function's values for a batch, each a finite number; ``rows[i]`` names completion i's
-        data row for the error messages."""
+    def __call__(self, prompts: list, completions: list, columns: dict[str, list], rows: list[str]
+                 ) -> list[float | None]:
+        """The function's values for a batch, each a finite number or None (the function does not apply);
+        ``rows[i]`` names completion i's data row for the error messages."""
         try:
             out = _invoke(self.fn, prompts, completions, columns)
         except Exception as e:
@@ -148,13 +171,7 @@ class RewardFunction:
         if len(out) != len(completions):
             raise RewardError(f"reward {self.spec} returned {len(out)} values for {len(completions)} completions "
                               f"(the batch of {_some(rows)}); it must return one float per completion")
-        values = []
-        for value, row in zip(out, rows):
-            if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise RewardError(f"reward {self.spec} returned {value!r} for the completion of {row}; every value "
-                                  "must be a finite number")
-            values.append(float(value))
-        return values
+        return checked_values(self.spec, list(out), rows)
 
     def _raised(self, e: Exception, prompts, completions, columns, rows) -> str:
         """The error message for an exception: the first row whose completion alone raises too."""
@@ -166,8 +183,30 @@ class RewardFunction:
         return f"reward {self.spec} raised {first_line(e)} on the batch of {_some(rows)} (each row alone passes)"
 
 
+def checked_values(spec: str, out: list, rows: list[str]) -> list[float | None]:
+    """A reward's values as floats, None kept (TRL's "does not apply"); anything else that is not a finite
+    number is a RewardError naming the row."""
+    values: list[float | None] = []
+    for value, row in zip(out, rows):
+        if value is None:
+            values.append(None)
+            continue
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(f"reward {spec} returned {value!r} for the completion of {row}; every value must be a "
+                              "finite number (or None where the reward does not apply)")
+        values.append(float(value))
+    return values
+
+
+def weighted_sum(values: list[float | None], weights: list[float]) -> float | None:
+    """TRL's total of one completion: the weighted sum of the values that are not None (None where every
+    value is None)."""
+    present = [w * v for v, w in zip(values, weights) if v is not None]
+    return sum(present) if present else None
+
+
 def _invoke(fn: Callable, prompts, completions, columns):
-    out = fn(prompts, completions, **columns)
+    out = fn(prompts=prompts, completions=completions, **columns)  # by keyword, as TRL calls them
     if inspect.isawaitable(out):  # an async def (or a function that returns a coroutine)
         out = _run(out)
     return out
@@ -191,12 +230,23 @@ def _some(rows: list[str], n: int = 4) -> str:
     return ", ".join(unique[:n]) + more
 
 
-def load_rewards(specs: str | list[str], weights: list[float] | None, columns: list[str]) -> list[RewardFunction]:
-    """task.params.reward and reward_weights as RewardFunctions, each imported and its signature checked."""
+MODEL_PREFIX = "model:"
+"""A task.params.reward entry that names a reward model's directory (jetflow.tasks.reward_model)."""
+
+
+def is_reward_model(spec: object) -> bool:
+    """True for a ``task.params.reward`` entry that names a reward model (``model:DIR``)."""
+    return isinstance(spec, str) and spec.startswith(MODEL_PREFIX)
+
+
+def load_rewards(specs: str | list[str], weights: list[float] | None, columns: list[str],
+                 reward_model: Callable[[str, float], Scorer] | None = None) -> list[Scorer]:
+    """task.params.reward and reward_weights as RewardFunctions, each imported and its signature checked;
+    a ``model:DIR`` entry is what ``reward_model(spec, weight)`` builds (a RewardModel)."""
     specs = [specs] if isinstance(specs, str) else list(specs or [])
     if not specs:
         raise RewardError("task.params.reward: name at least one reward function (module:function or "
-                          "path/to/file.py:function)")
+                          "path/to/file.py:function) or reward model (model:DIR)")
     if weights is None:
         weights = [1.0] * len(specs)
     if isinstance(weights, (int, float)) or len(weights) != len(specs):
@@ -204,7 +254,10 @@ def load_rewards(specs: str | list[str], weights: list[float] | None, columns: l
                           f"({len(specs)}: {', '.join(map(str, specs))})")
     if not all(isinstance(w, numbers.Real) and math.isfinite(w) for w in weights):
         raise RewardError(f"task.params.reward_weights={weights!r}: every weight must be a finite number")
-    functions = [RewardFunction(str(s), load_function(s), float(w)) for s, w in zip(specs, weights)]
+    if reward_model is None and any(is_reward_model(s) for s in specs):
+        raise RewardError("task.params.reward: a reward model (model:DIR) is taken by the custom task only")
+    functions: list[Scorer] = [reward_model(str(s), float(w)) if is_reward_model(s) and reward_model is not None
+                 else RewardFunction(str(s), load_function(s), float(w)) for s, w in zip(specs, weights)]
     for f in functions:
         f.check_signature(columns)
     return functions

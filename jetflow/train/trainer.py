@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from jetflow.config import AlgoConfig, TrainConfig
+from jetflow.config import AlgoConfig, TrainConfig, loss_aggregation
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.model.moe import model_load_balancing_loss, replay_flip_fraction
 from jetflow.model.chunked_logprobs import chunked_token_logprobs
@@ -215,7 +215,7 @@ class Trainer:
         weights. Returns (metrics, old_logprobs (B, R) when weigh is given)."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        agg = self.algo.loss_agg
+        agg = loss_aggregation(self.algo)
         micro = micro_batches(exp, self.cfg, self.model)
         total_denominator = self.dp.sum(sum(agg_denominator(mb.response_mask, agg) for mb in micro)) or 1.0
         weights = [agg_denominator(mb.response_mask, agg) / total_denominator for mb in micro]

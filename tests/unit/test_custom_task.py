@@ -162,7 +162,7 @@ def test_chat_format_prompts_render_with_the_template_and_completions_are_messag
     ("my_rewards:nope", r"reward my_rewards:nope: my_rewards has no function 'nope'"),
     ("my_rewards", r"expected module:function or path/to/file.py:function"),
     ("lib/more_rewards.py:one_arg", r"reward lib/more_rewards.py:one_arg: its signature one_arg\(prompts\) cannot take "
-                                    r"\(prompts, completions, \*\*columns\).*def one_arg\(prompts, completions, "),
+                                    r"\(prompts=, completions=, \*\*columns\).*def one_arg\(prompts, completions, "),
     ("lib/more_rewards.py:longer", None),  # takes n and answer by name: a valid signature
 ])
 def test_a_reward_that_cannot_load_is_one_line_naming_it(workdir, reward, message):

@@ -23,8 +23,8 @@ def make_run(tmp_path: Path, kl: list[float], evals=((0, 0.25), (5, 0.75))) -> P
     rewards = [0.1, 0.2, 0.3, 0.5, 0.6, 0.7]  # first 3: mean 0.2; last 3: mean 0.6; best 0.7
     rows = [{"step": s, "phase": "rl", "reward/mean": r, "mismatch/kl_k3": k, "mismatch/equal_frac": 1.0,
              "policy/entropy": 1.0, "response/length_mean": 4.0, "response/truncated_frac": 0.0,
-             "throughput/tokens_per_s": 100.0, "time/rollout": 1.0, "time/old_logprobs": 0.0, "time/train": 3.0,
-             "time/sync": 0.5, "time/step": 5.0}
+             "throughput/tokens_per_s": 100.0, "time/rollout": 1.0, "time/reward": 0.25, "time/old_logprobs": 0.0,
+             "time/train": 3.0, "time/sync": 0.5, "time/step": 5.0}
             for s, (r, k) in enumerate(zip(rewards, kl))]
     rows += [{"step": s, "phase": "eval", "eval/pass@1": p, "eval/reward": p, "eval/num_prompts": 8.0,
               "time/eval": 2.0} for s, p in evals]
@@ -43,9 +43,9 @@ def test_table_and_plots_of_a_hand_written_run(tmp_path):
     assert "| training reward (mean of 3 steps) | 0.2 | 0.6 | best 0.7 |" in md
     assert "| held-out pass@1 (greedy, 8 prompts) | 0.25 | 0.75 | at steps 0 and 5 |" in md
     assert "(exactly 0 on every step)" in md
-    # time split: 1 + 0 + 3 + 0.5 of a 5 s step, the other 0.5 s is `other`
-    assert "| rollout | 1 | 20% |" in md and "| train | 3 | 60% |" in md
-    assert "| other (rewards, advantages, logging) | 0.5 | 10% |" in md
+    # time split: 1 + 0.25 + 0 + 3 + 0.5 of a 5 s step, the other 0.25 s is `other`
+    assert "| rollout | 1 | 20% |" in md and "| reward | 0.25 | 5% |" in md and "| train | 3 | 60% |" in md
+    assert "| other (advantages, logging) | 0.25 | 5% |" in md
     assert "| held-out evaluation (total, 2 evaluations) | 4 s | |" in md
     for name in run_report.PLOTS:
         data = (run / "report" / f"{name}.png").read_bytes()

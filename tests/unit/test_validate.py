@@ -149,8 +149,9 @@ def test_the_megatron_layout_is_checked_on_the_models_architecture():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["algo.ratio_level=sequence"],
-     r"^algo.ratio_level=sequence with algo.loss_agg=token_mean: .* set algo.loss_agg=seq_mean_token_mean$"),
+    (["algo.ratio_level=sequence", "algo.loss_agg=token_mean"],
+     r"^algo.ratio_level=sequence with algo.loss_agg=token_mean: .* set algo.loss_agg=seq_mean_token_mean \(or leave "
+     r"it unset: auto\)$"),
     (["algo.overlong_buffer=9"], r"^algo.overlong_buffer=9 exceeds rollout.max_new_tokens=8"),
 ])
 def test_objective_combinations_are_refused_by_name(overrides, message):
