@@ -176,3 +176,21 @@ def test_trls_documented_reward_functions_train_unchanged(trl_dir, data, rewards
         assert {k for k in r if k.startswith("reward/fn/")} <= {f"reward/fn/{s.rpartition(':')[2]}" for s in rewards} \
             | {f"reward/fn/{s}" for s in rewards}
         assert r["reward/fn/async_reward_func"] in (0.0, 1.0) or 0.0 < r["reward/fn/async_reward_func"] < 1.0
+
+
+def test_gspo_with_the_loss_aggregation_unset_takes_the_sequence_mean_and_says_so(trl_dir, capsys):
+    """algo.ratio_level=sequence with algo.loss_agg unset (auto) trains as the explicit seq_mean_token_mean
+    does, to the bit, and the header says which aggregation it took; token_mean with it stays refused."""
+    base = ["train", "--no-report", "--config", str(REPO / "examples/own_task/config.yaml"), "task.params.path=data.jsonl",
+            "task.params.reward=[ex3.py:reward_func]", "task.params.reward_weights=[1.0]", f"run.out_dir={trl_dir}",
+            "algo.ratio_level=sequence", *QUICK]
+    assert main([*base, "run.name=auto"]) == 0
+    assert "algo.loss_agg=seq_mean_token_mean (GSPO's, as algo.ratio_level=sequence defines it)" in capsys.readouterr().err
+    assert main([*base, "run.name=explicit", "algo.loss_agg=seq_mean_token_mean"]) == 0
+    assert "GSPO's" not in capsys.readouterr().err
+
+    def losses(name):
+        rows = [json.loads(line) for line in (trl_dir / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["loss/policy"], r["train/grad_norm"]) for r in rows if r["phase"] == "rl"]
+    assert losses("auto") == losses("explicit")
+    assert main([*base, "run.name=token", "algo.loss_agg=token_mean"]) == 2
