@@ -98,5 +98,6 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # a 64-wide model: more threads only wait on each other (and on a busy core)
     mse = train(args.out_dir, args.steps, args.seed)
     print(f"reward model in {args.out_dir}: held-out mean squared error {mse:.4f} (target variance about 0.08)")

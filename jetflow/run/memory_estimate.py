@@ -309,7 +309,8 @@ def _reward_model_terms(cfg: Config) -> list[Term]:
         return []
     width = 2 if cfg.task.params.get("reward_model_dtype", "float32") == "bfloat16" else 4
     count = sum(num_parameters(d) for d in dirs)
-    return [Term("reward models", count * width, f"{count / 1e6:.1f}M params x {width} B ({len(dirs)} models)")]
+    models = f"{len(dirs)} model{'s' if len(dirs) > 1 else ''}"
+    return [Term("reward models", count * width, f"{count / 1e6:.1f}M params x {width} B ({models})")]
 
 
 def _kv_term(cfg: Config, arch: ModelConfig, prompt_len: int, sequences: int) -> Term:

@@ -133,7 +133,7 @@ class RewardModel:
 
         if self._model is None:
             model = AutoModelForSequenceClassification.from_pretrained(
-                str(self.directory), torch_dtype=getattr(torch, self.dtype))
+                str(self.directory), dtype=getattr(torch, self.dtype))
             model.config.pad_token_id = self._tokenizer.pad_token_id
             self._model = model.eval()
         return self._model
