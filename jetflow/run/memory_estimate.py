@@ -50,7 +50,7 @@ from pathlib import Path
 from jetflow.config import Config, ConfigError, Derived
 from jetflow.model.attention import GRAD_BLOCK
 from jetflow.model.model_config import ModelConfig
-from jetflow.tasks.reward_model import num_parameters, reward_model_dirs
+from jetflow.tasks.reward_model import DTYPE_BYTES, num_parameters, reward_model_dirs, reward_model_dtype
 
 GIB = 2**30
 RUNTIME_BYTES = int(0.45 * GIB)
@@ -307,7 +307,7 @@ def _reward_model_terms(cfg: Config) -> list[Term]:
     dirs = [d for d in reward_model_dirs(cfg.task.params.get("reward")) if d.is_dir()]
     if not dirs:
         return []
-    width = 2 if cfg.task.params.get("reward_model_dtype", "float32") == "bfloat16" else 4
+    width = DTYPE_BYTES[reward_model_dtype(cfg.task.params)]
     count = sum(num_parameters(d) for d in dirs)
     models = f"{len(dirs)} model{'s' if len(dirs) > 1 else ''}"
     return [Term("reward models", count * width, f"{count / 1e6:.1f}M params x {width} B ({models})")]
@@ -414,7 +414,7 @@ def knobs(cfg: Config, estimate: MemoryEstimate) -> str:
                      else "lower rollout.vllm_gpu_memory_utilization"]
         + (["set precision.kv_cache_fp8=true"] if r.backend == "native" and not cfg.precision.kv_cache_fp8 else []),
         "reward models": (["set task.params.reward_model_dtype=bfloat16"]
-                          if cfg.task.params.get("reward_model_dtype", "float32") != "bfloat16" else [])
+                          if reward_model_dtype(cfg.task.params) != "bfloat16" else [])
         + ["use a smaller reward model"],
     }
     advice["backward working set"] = advice["activations"]

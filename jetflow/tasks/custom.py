@@ -34,7 +34,7 @@ from pathlib import Path
 from jetflow.tasks.base import Problem, Reward, register_task
 from jetflow.tasks.data import DataError, DataTask, field, read_rows
 from jetflow.tasks.environment import load_environment
-from jetflow.tasks.reward_model import RewardModel
+from jetflow.tasks.reward_model import DEFAULT_DTYPE, RewardModel
 from jetflow.tasks.rewards import RewardError, Scorer, load_rewards, weighted_sum
 from jetflow.tasks.tools import load_tools
 
@@ -83,7 +83,7 @@ class CustomTask(DataTask):
         env: str | None = None,
         seed: int = 0,
         format_weight: float = 0.0,
-        reward_model_dtype: str = "float32",
+        reward_model_dtype: str = DEFAULT_DTYPE,
         reward_model_batch_size: int = 16,
     ):
         super().__init__(seed=seed, format_weight=format_weight)

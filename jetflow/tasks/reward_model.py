@@ -24,9 +24,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from jetflow.tasks.rewards import MODEL_PREFIX, RewardError, checked_values, is_reward_model
+from jetflow.tasks.rewards import MODEL_PREFIX, RewardError, checked_values, first_line, is_reward_model
 
-DTYPES = ("float32", "bfloat16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+"""task.params.reward_model_dtype's values and the bytes of a weight in each (the memory estimate's width)."""
+DEFAULT_DTYPE = "float32"
+
+
+def reward_model_dtype(params: dict) -> str:
+    """The dtype a custom task's reward models score in, from its task.params."""
+    return params.get("reward_model_dtype", DEFAULT_DTYPE)
 
 
 def reward_model_dirs(specs: str | list | None) -> list[Path]:
@@ -59,17 +66,17 @@ def num_parameters(directory: Path) -> int:
 class RewardModel:
     """One ``model:DIR`` entry of the task's rewards, with its weight; called like a RewardFunction."""
 
-    def __init__(self, spec: str, weight: float = 1.0, dtype: str = "float32", batch_size: int = 16):
+    def __init__(self, spec: str, weight: float = 1.0, dtype: str = DEFAULT_DTYPE, batch_size: int = 16):
         self.spec, self.weight, self.batch_size = spec, float(weight), int(batch_size)
         self.directory = Path(spec[len(MODEL_PREFIX):])
-        if dtype not in DTYPES:
-            raise RewardError(f"task.params.reward_model_dtype={dtype!r}: one of {', '.join(DTYPES)}")
+        if dtype not in DTYPE_BYTES:
+            raise RewardError(f"task.params.reward_model_dtype={dtype!r}: one of {', '.join(DTYPE_BYTES)}")
         if self.batch_size < 1:
             raise RewardError(f"task.params.reward_model_batch_size={batch_size}: at least 1")
         self.dtype = dtype
         self._model: Any = None  # loaded on the first batch
         self._tokenizer: Any = None  # loaded by the directory's check
-        self.config = self._check_directory()
+        self._check_directory()
 
     @property
     def name(self) -> str:
@@ -78,7 +85,7 @@ class RewardModel:
     def check_signature(self, columns: list[str]) -> None:
         """A model takes every batch (the data's other columns are not its input)."""
 
-    def _check_directory(self) -> dict:
+    def _check_directory(self) -> None:
         d, spec = self.directory, self.spec
         if not (d / "config.json").is_file():
             raise RewardError(f"reward {spec}: no config.json in {d} (a reward model is a local Hugging Face directory "
@@ -104,11 +111,11 @@ class RewardModel:
         if vocab is not None and embeddings and embeddings[0] != vocab:
             raise RewardError(f"reward {spec}: its embedding has {embeddings[0]} rows and its config says vocab_size="
                               f"{vocab}: the weights are not the config's model")
-        tokens = self._tokenizer_size()
+        self._tokenizer = self._load_tokenizer()
+        tokens = len(self._tokenizer)
         if vocab is not None and tokens > vocab:
             raise RewardError(f"reward {spec}: its tokenizer has {tokens} tokens and the model vocab_size={vocab}: "
                               "the tokenizer is not the model's")
-        return config
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -116,16 +123,11 @@ class RewardModel:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(self.directory))
         except (OSError, ValueError) as e:
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise RewardError(f"reward {self.spec}: its tokenizer does not load ({first})") from None
+            raise RewardError(f"reward {self.spec}: its tokenizer does not load ({first_line(e)})") from None
         if tokenizer.pad_token is None:  # batches are right-padded; the head reads the last real token
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "right"
         return tokenizer
-
-    def _tokenizer_size(self) -> int:
-        self._tokenizer = self._load_tokenizer()
-        return len(self._tokenizer)
 
     def _load(self):
         import torch
