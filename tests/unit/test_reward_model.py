@@ -179,3 +179,12 @@ def test_the_memory_estimate_counts_the_reward_model(workdir, monkeypatch):
     monkeypatch.setattr(me, "available_memory", lambda device: (need - params, "test"))
     with pytest.raises(me.MemoryTooSmall, match=r"^memory: this run needs about "):
         validate_run(cfg)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("reward_model_dtype", "float16", r"^task.params.reward_model_dtype='float16': one of float32, bfloat16$"),
+    ("reward_model_batch_size", 0, r"^task.params.reward_model_batch_size=0: at least 1$"),
+])
+def test_a_bad_scoring_setting_is_one_line(workdir, key, value, message):
+    with pytest.raises(RewardError, match=message):
+        make_task("custom", path="data.jsonl", reward=["model:rm"], **{key: value})
