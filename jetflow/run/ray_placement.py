@@ -356,13 +356,7 @@ class RayRollout:
         versions = {p.weight_version for p in parts}
         if len(versions) != 1:
             raise RuntimeError(f"rollout engines sampled with different weight versions {sorted(versions)}")
-        return Rollouts(token_ids=[t for p in parts for t in p.token_ids],
-                        logprobs=[lp for p in parts for lp in p.logprobs],
-                        texts=[t for p in parts for t in p.texts],
-                        finish_reasons=[r for p in parts for r in p.finish_reasons],
-                        weight_version=versions.pop(),
-                        routed_experts=None if parts[0].routed_experts is None else
-                        [r for p in parts for r in p.routed_experts])
+        return Rollouts.concat(parts)
 
 
 class RayPlacement:
