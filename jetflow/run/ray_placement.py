@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,6 +43,10 @@ from jetflow.run.stop import RESUME_HINT, RunFault
 from jetflow.sync import WeightUpdate
 
 ACTOR_RESTARTS = 3  # per rollout actor, over a run
+# The Trainer methods (jetflow.train.protocol.PolicyTrainer) the driver's TrainerGroup runs on every worker's
+# rows of a batch, by name through `TrainerWorker.call`. (weight_update runs on every worker with the same
+# arguments and leaves its result in the object store; reference_bytes is known on the driver.)
+ROW_CALLS = ("compute_logprobs", "train_step", "train_step_on_policy")
 
 
 def import_ray():
@@ -111,22 +116,18 @@ class TrainerWorker:
     def save_checkpoint(self, run_dir: str, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
         self.side.save(Path(run_dir), step, sft_done, warmup_step)
 
-    def compute_logprobs(self, exp: Experience, temperature: float, reference: bool = False) -> torch.Tensor:
-        return self.side.trainer.compute_logprobs(exp, temperature, reference)
-
     def keep_reference(self, run_dir: str) -> int:
         """This worker's part of the reference policy (a KL penalty); returns the bytes it holds."""
         self.side.keep_reference(Path(run_dir))
         return self.side.trainer.reference_bytes()
 
-    def train_step(self, exp: Experience, temperature: float) -> tuple[dict, int]:
-        metrics = self.side.trainer.train_step(exp, temperature)
-        return metrics, self.side.trainer.version
-
-    def train_step_on_policy(self, exp: Experience, temperature: float, correction: str,
-                             correction_params: dict) -> tuple[dict, int, torch.Tensor]:
-        metrics, old = self.side.trainer.train_step_on_policy(exp, temperature, correction, correction_params)
-        return metrics, self.side.trainer.version, old
+    def call(self, method: str, exp: Experience, *args) -> tuple[Any, int]:
+        """This worker's Trainer's `method` (one of ROW_CALLS) on its rows `exp`: (the result, the trainer's
+        weight version after it)."""
+        if method not in ROW_CALLS:
+            raise ValueError(f"TrainerWorker.call: {method!r} is not one of {ROW_CALLS}")
+        trainer = self.side.trainer
+        return getattr(trainer, method)(exp, *args), trainer.version
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None):
         """Build the update; rank 0 puts it in the object store and returns (ref, bytes), so the driver
@@ -229,29 +230,32 @@ class TrainerGroup:
             first.setdefault(r, part)
         return torch.cat([first[r] for r in range(self.dp_size)])
 
+    def _on_rows(self, method: str, exp: Experience, *args) -> list:
+        """Every worker's Trainer's `method` (one of ROW_CALLS) on its rows of `exp`: the results, in worker
+        order. The trainer's weight version is worker 0's after the call."""
+        calls = [w.call.remote(method, s, *args) for w, s in zip(self.workers, self._shards(exp))]
+        results = trainer_results(self.ray, calls, "during an RL step")
+        self.version = results[0][1]
+        return [result for result, _ in results]
+
     def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
-        parts = [w.compute_logprobs.remote(s, temperature, reference) for w, s in zip(self.workers, self._shards(exp))]
-        return self._rows(trainer_results(self.ray, parts, "during an RL step"))
+        return self._rows(self._on_rows("compute_logprobs", exp, temperature, reference))
 
     def reference_bytes(self) -> int:
         return self.reference_size  # worker 0's part, measured when RayPlacement.build_loop built it
 
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
-        results = trainer_results(self.ray, [w.train_step.remote(s, temperature)
-                                             for w, s in zip(self.workers, self._shards(exp))], "during an RL step")
-        return self._stepped(*results[0])
+        return self._stepped(self._on_rows("train_step", exp, temperature)[0])
 
-    def _stepped(self, metrics: dict[str, float], version: int) -> dict[str, float]:
+    def _stepped(self, metrics: dict[str, float]) -> dict[str, float]:
         """Record a step's outcome; train metrics are summed over ranks already, identical on all."""
-        self.version = version
         self.skipped_steps = int(metrics.get("train/skipped_total", self.skipped_steps))
         return metrics
 
     def train_step_on_policy(self, exp: Experience, temperature: float, correction: str,
                              correction_params: dict) -> tuple[dict[str, float], torch.Tensor]:
-        results = trainer_results(self.ray, [w.train_step_on_policy.remote(s, temperature, correction, correction_params)
-                                             for w, s in zip(self.workers, self._shards(exp))], "during an RL step")
-        return self._stepped(*results[0][:2]), self._rows([old for _, _, old in results])
+        results = self._on_rows("train_step_on_policy", exp, temperature, correction, correction_params)
+        return self._stepped(results[0][0]), self._rows([old for _, old in results])
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales=None) -> RemoteUpdate:
         ref, size = trainer_results(self.ray, [w.weight_update.remote(mode, fingerprint, kv_scales)
