@@ -40,6 +40,7 @@ from jetflow.precision import (
     to_checkpoint_tensors,
 )
 from jetflow.precision.export import quantization_config
+from jetflow.precision.family import family_of
 from jetflow.precision.nvfp4 import TENSOR_SCALE_DIVISOR
 
 FINAL_MODEL_DIR = "model"
@@ -85,7 +86,7 @@ def nvfp4_input_scales(model: nn.Module, recipe: QuantRecipe) -> dict[str, float
     calibration forward, the first CALIBRATION_TOKENS token ids as one sequence (a function of the
     weights only: a resumed run exports what the uninterrupted one does), divided by 2688. A linear the
     forward does not reach (an expert no token chose), and a sharded policy's, get 1.0."""
-    if recipe.family != "nvfp4" or isinstance(model, ShardedPolicy):
+    if not family_of(recipe).static_input_scales or isinstance(model, ShardedPolicy):
         return {}
     amax: dict[str, float] = {}
 

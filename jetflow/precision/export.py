@@ -18,11 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from jetflow.precision import modelopt
+from jetflow.precision.family import STRATEGIES, family_of
+from jetflow.precision.fp8_function import SCALE_SUFFIX
 from jetflow.precision.linear import fp8_linears
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import FP8_DTYPES, QuantRecipe
-
-SCALE_SUFFIX = ".weight_scale_inv"
 
 
 def is_scale_name(name: str) -> bool:
@@ -32,9 +32,7 @@ def is_scale_name(name: str) -> bool:
 
 def quantization_config(recipe: QuantRecipe, ignored_layers=()) -> dict:
     """config.json's `quantization_config` for an export under `recipe` (vLLM's block-FP8 or ModelOpt's)."""
-    if recipe.family == "fp8_block":
-        return recipe.vllm_quantization_config(ignored_layers)
-    return modelopt.quantization_config(recipe, ignored_layers)
+    return family_of(recipe).quantization_config(recipe, ignored_layers)
 
 
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedTensor]:
@@ -48,11 +46,7 @@ def to_checkpoint_tensors(quantized: dict[str, QuantizedTensor],
     tensors in ModelOpt's names (`input_scales`: NVFP4's static input scale per module, default 1.0)."""
     out: dict[str, torch.Tensor] = {}
     for module, q in quantized.items():
-        if q.kind != "fp8_block":
-            out.update(modelopt.to_tensors(module, q, (input_scales or {}).get(module, 1.0)))
-            continue
-        out[f"{module}.weight"] = q.data.contiguous()
-        out[f"{module}{SCALE_SUFFIX}"] = q.scale_inv.contiguous()
+        out.update(STRATEGIES[q.kind].checkpoint_tensors(module, q, (input_scales or {}).get(module, 1.0)))
     return out
 
 

@@ -17,17 +17,10 @@ Backends:
 `auto` picks scaled_mm on a capable CUDA device, else emulate. Blackwell (SM100+) is left to the
 emulation: torch offers DeepSeek-style 128-blocks on SM90 only.
 
-Exact numerics (`numerics="exact"`, fprop: 1x128 activations x 128x128 E4M3 weight blocks): the
-canonical FP8 GEMM (jetflow.kernels.canonical: each 128-K block's chain over the raw FP8 values times
-the two block scales, groups, a pairwise tree), on the CPU (jetflow.kernels.invariant.fp8_gemm, the
-weight read as its FP8 bytes) and on CUDA (the Triton kernel; cuBLAS picks kernels by shape, split-K
-for small M, so scaled_mm cannot promise this). A row's result then depends neither on how many rows
-share the call nor on how K is sharded over tensor-parallel ranks (`groups`).
-
 Other block sizes of the fp8_block recipe (32-wide groups and blocks, say: no FP8 kernel here reads
-them) run on their values: each operand dequantized (fp8 * its block's scale_inv, one fp32 rounding an
-element), then the canonical fp32 GEMM under exact numerics (the same function of the bytes on every
-side, so the rollout and the trainer still agree bit for bit) and the emulation under `auto`.
+them) run on the emulation under `auto`. Exact numerics are not a backend here: the exact fprop is
+jetflow.precision.fp8_function.exact_fprop (the canonical FP8 GEMM); `fp8_kernel_matmul` serves the
+exact linear's backward.
 """
 
 from __future__ import annotations
@@ -64,23 +57,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def fp8_matmul(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32,
-               backend: str = "auto", numerics: str = "fast", groups: int | None = None) -> torch.Tensor:
-    """a @ b.T -> (M, N) in out_dtype; a (M, K) with (1, g) groups, b (N, K) with (128, 128) or (1, g).
-    numerics="exact": the canonical FP8 GEMM with `groups` groups over K (default tree_width(K)); b's
-    panels are cached on b (`QuantizedTensor.panels`)."""
+               backend: str = "auto") -> torch.Tensor:
+    """a @ b.T -> (M, N) in out_dtype; a (M, K) with (1, g) groups, b (N, K) with (128, 128) or (1, g)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_matmul: contraction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if a.block[0] != 1:
         raise ValueError(f"fp8_matmul: a must be blocked 1 x g along K, got block {a.block}")
-    if numerics == "exact":
-        invariant.check_device(a.data.device)
-        if a.fmt != "e4m3" or b.fmt != "e4m3" or b.block[0] == 1:
-            raise ValueError(f"exact fp8_matmul runs the fprop (E4M3 activations x E4M3 weight blocks), got "
-                             f"{a.fmt} {a.block} x {b.fmt} {b.block}")
-        if a.block != (1, 128) or b.block != (128, 128):  # blocks no FP8 kernel reads: their values
-            return invariant.gemm(a.dequantize(), b.value_panels(), b.shape[0], groups=groups).to(out_dtype)
-        out = invariant.fp8_gemm(a.data, a.scale_inv, b.panels(), b.scale_inv, b.shape[0], groups=groups)
-        return out.to(out_dtype)
     kernel_blocks = a.block == (1, 128) and b.block in ((128, 128), (1, 128))
     backend = resolve_backend(backend, a.data.device) if kernel_blocks or backend != "auto" else "emulate"
     if backend == "triton":

@@ -4,8 +4,8 @@
 computes in one of three ways:
   fp32  plain F.linear.
   bf16  a bf16 GEMM (see gemm.bf16_linear).
-  fp8   the recipe's quantized GEMMs for fprop, dgrad and wgrad (jetflow.precision.fp8_function; the
-        kind's name stays `fp8` under the mxfp8 and nvfp4 recipe families: jetflow.precision.microscaled).
+  fp8   the recipe's quantized GEMMs for fprop, dgrad and wgrad: its family's linear (jetflow.precision.
+        family; the kind's name stays `fp8` under the mxfp8 and nvfp4 recipe families).
 
 The quantized weight is cached per weight version (the tensor's in-place version counter, which an
 optimizer step bumps), so each weight is quantized once per optimizer step and those same bytes serve
@@ -27,14 +27,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from jetflow.precision.exact import ExactCache, exact_linear, exact_linears
-from jetflow.precision.fp8_function import fp8_linear, quantize_weight_for_recipe
+from jetflow.precision.family import family_of
 from jetflow.precision.gathered import GatheredFP8Weight
 from jetflow.precision.gemm import bf16_linear, resolve_backend
 from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
 from jetflow.precision.quant import QuantizedTensor
 from jetflow.precision.recipe import QuantRecipe
 
-__all__ = ["LINEAR_KINDS", "PrecisionLinear", "apply_precision", "fp8_linear", "fp8_linears", "quantize_weight_for_recipe"]
+__all__ = ["PrecisionLinear", "apply_precision", "fp8_linears"]
 
 
 class PrecisionLinear(nn.Linear):
@@ -53,6 +53,7 @@ class PrecisionLinear(nn.Linear):
         if kind == "fp8" and recipe is None:
             raise ValueError(f"{name}: an fp8 linear needs a QuantRecipe")
         self.kind, self.recipe, self.gemm_backend, self.name = kind, recipe, gemm_backend, name
+        self.family = family_of(recipe) if recipe is not None else None  # the recipe family's strategy
         self._cache_key: tuple | None = None
         self._cached: QuantizedTensor | None = None
         self._loaded: QuantizedTensor | None = None  # bytes handed in by a trainer (rollout side)
@@ -73,6 +74,7 @@ class PrecisionLinear(nn.Linear):
         if numerics not in NUMERICS:
             raise ValueError(f"apply_precision numerics={numerics!r}: valid modes are {NUMERICS}")
         self.kind, self.recipe, self.gemm_backend, self.numerics = kind, recipe, gemm_backend, numerics
+        self.family = family_of(recipe) if recipe is not None else None
         self._loaded = None
         self.drop_caches()
 
@@ -104,7 +106,7 @@ class PrecisionLinear(nn.Linear):
             return gathered
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if key != self._cache_key:
-            wq = quantize_weight_for_recipe(w, self.recipe, f"{self.name}.weight")
+            wq = self.family.quantize_weight(w, self.recipe, f"{self.name}.weight")
             if self._multiplies_dequantized(w.device):
                 wq.with_dequantized_cache()
             self._cached, self._cache_key = wq, key
@@ -120,8 +122,8 @@ class PrecisionLinear(nn.Linear):
 
     def load_quantized(self, wq: QuantizedTensor) -> None:
         """Use these bytes as they are (rollout side of `unified`): no requantization."""
-        if wq.kind != self.recipe.family:
-            raise ValueError(f"{self.name}: {wq.kind} bytes offered to a linear running the {self.recipe.family} recipe")
+        if wq.kind != self.family.name:
+            raise ValueError(f"{self.name}: {wq.kind} bytes offered to a linear running the {self.family.name} recipe")
         if tuple(wq.shape) != (self.out_features, self.in_features):
             raise ValueError(f"{self.name}: quantized weight shape {tuple(wq.shape)} != "
                              f"{(self.out_features, self.in_features)}")
@@ -133,10 +135,11 @@ class PrecisionLinear(nn.Linear):
 
     def _multiplies_dequantized(self, device: torch.device) -> bool:
         """Whether this linear's GEMMs multiply the weight's fp32 dequantization (the CPU emulation of the
-        fast path, which then keeps it cached next to the bytes). The exact fp8_block linear reads the FP8
-        bytes themselves (jetflow.kernels.invariant), so a cached fp32 copy would only cost time (its
-        dequantization each weight version) and memory (4 bytes a weight, on the trainer and on the rollout engine)."""
-        if self.numerics == "exact" and self.recipe.family == "fp8_block":
+        fast path, which then keeps it cached next to the bytes). An exact linear of a family whose exact
+        GEMMs read the bytes themselves (fp8_block: jetflow.kernels.invariant) keeps none: a cached fp32 copy
+        would only cost time (its dequantization each weight version) and memory (4 bytes a weight, on the
+        trainer and on the rollout engine)."""
+        if self.numerics == "exact" and self.family.exact_reads_bytes:
             return False
         return resolve_backend(self.gemm_backend, device) == "emulate"
 
@@ -152,8 +155,8 @@ class PrecisionLinear(nn.Linear):
             if x.is_cuda or torch.is_grad_enabled():
                 return bf16_linear(x, self.weight, self.bias)
             return bf16_linear(x, self._bf16_weight(), self.bias, weight_on_grid=True)  # rounded once per version
-        return fp8_linear(x, self.weight, self.bias, self.quantized_weight(), self.recipe, self.gemm_backend,
-                          self.name)
+        return self.family.linear(x, self.weight, self.bias, self.quantized_weight(), self.recipe, self.gemm_backend,
+                                  self.name)
 
 
 def sibling_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
-"""The mxfp8 and nvfp4 linears: the recipe's three GEMMs as Transformer Engine defines them, and the
-exact forward that every side computes under `precision.numerics=exact`.
+"""The mxfp8 and nvfp4 recipe families (`MXFP8`, `NVFP4`: their strategies, jetflow.precision.family):
+the recipe's three GEMMs as Transformer Engine defines them, and the exact forward that every side
+computes under `precision.numerics=exact`.
 
     fprop  Y  = X  @ W^T   X: activation blocks along K          W: the weight's blocks
     dgrad  dX = dY @ W     dY: gradient blocks along N           W^T: mxfp8 requantized in blocks along N
@@ -11,7 +12,8 @@ own bits and the layer's name (`sr_generator`): the same inputs give the same dr
 reproducible and resumes bit for bit without any generator state in its checkpoints, and data
 parallel ranks draw independently for their different gradients.
 
-Exact forward (`product(..., numerics="exact")`): each operand's values are exact in fp32 (MXFP8:
+Exact forward (`MicroscaledFamily.exact_product`, and the linear's fprop under exact numerics: both
+`product(..., numerics="exact")`): each operand's values are exact in fp32 (MXFP8:
 E4M3 times a power of two; NVFP4: E2M1 times its E4M3 block scale), so the product is the canonical
 fp32 GEMM (jetflow.kernels.invariant: 128-K block chains, groups, the pairwise tree) on them, the
 weight's panels packed once per weight version (`panels` of MXTensor / NVFP4Tensor). NVFP4 then multiplies each output
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from jetflow.kernels import invariant
+from jetflow.precision import modelopt
 from jetflow.precision.mx import MXTensor, quantize_mx
 from jetflow.precision.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, hadamard16, quantize_nvfp4
 from jetflow.precision.recipe import QuantRecipe
@@ -46,35 +49,9 @@ def sr_generator(t: torch.Tensor, name: str) -> torch.Generator:
     return torch.Generator(device=t.device).manual_seed(int.from_bytes(key[:8], "little") & 0x7FFFFFFFFFFFFFFF)
 
 
-def quantize_weight(w: torch.Tensor, recipe: QuantRecipe, name: str = "weight") -> Microscaled:
-    """The fprop's weight: mxfp8 (1, 32) blocks along K, nvfp4 16x16 blocks under one tensor scale."""
-    w = w.detach()
-    if recipe.family == "mxfp8":
-        return quantize_mx(w, recipe.weight_block, recipe.forward_format, name)
-    return quantize_nvfp4(w, recipe.weight_block, name=name)
-
-
-def quantize_activation(x2: torch.Tensor, recipe: QuantRecipe, name: str = "linear") -> Microscaled:
-    """The fprop's input x2 (M, K): blocks along K; nvfp4 with one tensor scale per row."""
-    if recipe.family == "mxfp8":
-        return quantize_mx(x2, (1, recipe.group_size), recipe.forward_format, f"{name}.input")
-    return quantize_nvfp4(x2, (1, NVFP4_BLOCK), per_row=True, name=f"{name}.input")
-
-
 def _tokens_padded(t2: torch.Tensor) -> torch.Tensor:
     """t2 (M, C) -> (C, M') transposed, M zero-padded to whole 16-token Hadamard runs."""
     return F.pad(t2.t(), (0, -t2.shape[0] % NVFP4_BLOCK))
-
-
-def quantize_wgrad_operand(t2: torch.Tensor, recipe: QuantRecipe, role: str, name: str) -> Microscaled:
-    """An operand of wgrad, t2 (M, C) (the input X or the gradient dY), as (C, M) in blocks along the
-    tokens: mxfp8 1x32; nvfp4 after hadamard16, 1x16, one tensor scale, gradients rounded stochastically."""
-    spec = recipe.operand(role)
-    if recipe.family == "mxfp8":
-        return quantize_mx(t2.t(), (1, spec.block[1]), spec.element, name)
-    ht = hadamard16(_tokens_padded(t2.float()))  # (C, M')
-    gen = sr_generator(t2, name) if spec.rounding == "stochastic" else None
-    return quantize_nvfp4(ht, (1, NVFP4_BLOCK), generator=gen, name=name)
 
 
 def values(q: Microscaled) -> torch.Tensor:
@@ -123,60 +100,147 @@ def _cuda_product(aq: Microscaled, bq: Microscaled, groups: int | None, combine)
     return y if combine is None else _times_alpha(combine(y), aq, bq)
 
 
-def exact_product(x2: torch.Tensor, wq: Microscaled, recipe: QuantRecipe, name: str = "linear",
-                  groups: int | None = None, combine=None) -> torch.Tensor:
-    """The exact fprop without autograd (rollout, no-grad forwards): x2 (M, K) -> (M, N) fp32."""
-    return product(quantize_activation(x2, recipe, name), wq, "exact", groups, combine=combine)
-
-
 class _MicroscaledLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, wq, recipe: QuantRecipe, name: str, save_input: bool, numerics: str,
-                groups: int | None, combine):
+    def forward(ctx, x, weight, bias, wq, recipe: QuantRecipe, family: "MicroscaledFamily", name: str, save_input: bool,
+                numerics: str, groups: int | None, combine):
         x2 = x.reshape(-1, x.shape[-1]).float()  # (M, K)
-        y = product(quantize_activation(x2, recipe, name), wq, numerics, groups, combine=combine)  # (M, N) fp32
+        y = product(family.quantize_activation(x2, recipe, name), wq, numerics, groups, combine=combine)  # (M, N) fp32
         if numerics != "exact":  # exact: fp32 out, the caller's epilogue adds the bias and casts
             y = y.to(x.dtype)
             if bias is not None:
                 y = y + bias.to(y.dtype)
-        ctx.saved_x = quantize_wgrad_operand(x2, recipe, "activation", f"{name}.input") if save_input else None
-        ctx.weight, ctx.wq, ctx.recipe, ctx.name = weight, wq, recipe, name
+        ctx.saved_x = family.quantize_wgrad_operand(x2, recipe, "activation", f"{name}.input") if save_input else None
+        ctx.weight, ctx.wq, ctx.recipe, ctx.family, ctx.name = weight, wq, recipe, family, name
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        recipe, name = ctx.recipe, ctx.name
+        recipe, family, name = ctx.recipe, ctx.family, ctx.name
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()  # (M, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = dgrad(g2, ctx.weight, ctx.wq, recipe, name).to(ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = family.dgrad(g2, ctx.weight, ctx.wq, recipe, name).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.saved_x is not None and ctx.needs_input_grad[1]:
-            gq = quantize_wgrad_operand(g2, recipe, "gradient", f"{name}.grad_output")  # (N, M')
+            gq = family.quantize_wgrad_operand(g2, recipe, "gradient", f"{name}.grad_output")  # (N, M')
             grad_w = product(gq, ctx.saved_x).to(ctx.weight_dtype)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.weight_dtype)
-        ctx.saved_x = ctx.weight = ctx.wq = None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        ctx.saved_x = ctx.weight = ctx.wq = ctx.family = None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
-def dgrad(g2: torch.Tensor, weight: torch.Tensor, wq: Microscaled, recipe: QuantRecipe, name: str) -> torch.Tensor:
-    """dX = dY @ W: g2 (M, N) -> (M, K) fp32, both operands in blocks along N."""
-    spec = recipe.operand("gradient")
-    if recipe.family == "mxfp8":
+class MicroscaledFamily:
+    """What the mxfp8 and nvfp4 families share (jetflow.precision.family.RecipeFamily): the linear's
+    autograd function and the exact product; each family brings its quantizers and its dgrad."""
+
+    name = ""
+    gathers_in_fp8 = False  # FSDP's all-gather moves their weights in fp32
+    static_input_scales = False
+    exact_reads_bytes = False  # the exact product multiplies the values: a dequantized copy is kept
+
+    def quantize_weight(self, w: torch.Tensor, recipe: QuantRecipe, name: str = "weight") -> Microscaled:
+        raise NotImplementedError
+
+    def quantize_activation(self, x2: torch.Tensor, recipe: QuantRecipe, name: str = "linear") -> Microscaled:
+        """The fprop's input x2 (M, K) in blocks along K."""
+        raise NotImplementedError
+
+    def quantize_wgrad_operand(self, t2: torch.Tensor, recipe: QuantRecipe, role: str, name: str) -> Microscaled:
+        """An operand of wgrad, t2 (M, C) (the input X or the gradient dY), as (C, M) in blocks along the tokens."""
+        raise NotImplementedError
+
+    def dgrad(self, g2: torch.Tensor, weight: torch.Tensor, wq: Microscaled, recipe: QuantRecipe,
+              name: str) -> torch.Tensor:
+        """dX = dY @ W: g2 (M, N) -> (M, K) fp32, both operands in blocks along N."""
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: Microscaled,
+               recipe: QuantRecipe, backend: str = "auto", name: str = "linear", numerics: str = "fast",
+               groups: int | None = None, combine=None) -> torch.Tensor:
+        """The recipe's linear with its fprop, dgrad and wgrad; `wq` is `weight` quantized by the recipe
+        (`backend` is fp8_block's: these GEMMs multiply values). numerics="exact": the fprop is the exact
+        product (fp32 out, no bias: jetflow.precision.exact adds the epilogue; `combine`, a row-parallel
+        shard's TP tree, applied inside, before NVFP4's alpha, its backward the identity as
+        jetflow.train.megatron.reduce's); otherwise x's dtype with the bias."""
+        save_input = torch.is_grad_enabled() and weight.requires_grad
+        return _MicroscaledLinearFunction.apply(x, weight, bias, wq, recipe, self, name, save_input, numerics, groups,
+                                                combine)
+
+    def exact_product(self, x2: torch.Tensor, wq: Microscaled, recipe: QuantRecipe, name: str = "linear",
+                      groups: int | None = None, combine=None, cache=None) -> torch.Tensor:
+        """The exact fprop without autograd (rollout, no-grad forwards): x2 (M, K) -> (M, N) fp32."""
+        return product(self.quantize_activation(x2, recipe, name), wq, "exact", groups, combine=combine)
+
+    @staticmethod
+    def all_backends_read(recipe: QuantRecipe) -> bool:
+        return True
+
+    def quantization_config(self, recipe: QuantRecipe, ignored_layers=()) -> dict:
+        """ModelOpt's (jetflow.precision.modelopt)."""
+        return modelopt.quantization_config(recipe, ignored_layers)
+
+    @staticmethod
+    def checkpoint_tensors(module: str, q: Microscaled, input_scale: float = 1.0) -> dict[str, torch.Tensor]:
+        return modelopt.to_tensors(module, q, input_scale)
+
+    @staticmethod
+    def held_bytes_per_weight(numerics: str, cuda: bool, trainer: bool) -> float:
+        """Counted as FP8 bytes plus a dequantized fp32 copy."""
+        return 5.0
+
+
+class MXFP8(MicroscaledFamily):
+    """TE's MXFP8BlockScaling: E4M3 values (E5M2 gradients under `hybrid`) in 1x32 blocks, E8M0 scales."""
+
+    name = "mxfp8"
+
+    def quantize_weight(self, w, recipe, name="weight"):
+        """(1, 32) blocks along K."""
+        return quantize_mx(w.detach(), recipe.weight_block, recipe.forward_format, name)
+
+    def quantize_activation(self, x2, recipe, name="linear"):
+        return quantize_mx(x2, (1, recipe.group_size), recipe.forward_format, f"{name}.input")
+
+    def quantize_wgrad_operand(self, t2, recipe, role, name):
+        spec = recipe.operand(role)
+        return quantize_mx(t2.t(), (1, spec.block[1]), spec.element, name)
+
+    def dgrad(self, g2, weight, wq, recipe, name):
+        """W^T requantized in blocks along N (TE's columnwise copy)."""
+        spec = recipe.operand("gradient")
         gq = quantize_mx(g2, (1, spec.block[1]), spec.element, f"{name}.grad_output")
         wt = quantize_mx(weight.detach().t(), (1, spec.block[1]), recipe.forward_format, f"{name}.weight")  # (K, N)
         return product(gq, wt)
-    gen = sr_generator(g2, f"{name}.dgrad") if spec.rounding == "stochastic" else None
-    return product(quantize_nvfp4(g2, spec.block, generator=gen, name=f"{name}.grad_output"), wq.t())
 
 
-def microscaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: Microscaled,
-                       recipe: QuantRecipe, name: str = "linear", numerics: str = "fast",
-                       groups: int | None = None, combine=None) -> torch.Tensor:
-    """The recipe's linear with its fprop, dgrad and wgrad; `wq` is `weight` quantized by the recipe.
-    numerics="exact": the fprop is the exact product (fp32 out, no bias: jetflow.precision.exact adds
-    the epilogue; `combine`, a row-parallel shard's TP tree, applied inside, before NVFP4's alpha, its
-    backward the identity as jetflow.train.megatron.reduce's); otherwise x's dtype with the bias."""
-    save_input = torch.is_grad_enabled() and weight.requires_grad
-    return _MicroscaledLinearFunction.apply(x, weight, bias, wq, recipe, name, save_input, numerics, groups, combine)
+class NVFP4(MicroscaledFamily):
+    """TE's NVFP4BlockScaling: E2M1 values, E4M3 block scales under an fp32 tensor scale."""
+
+    name = "nvfp4"
+    static_input_scales = True  # its export carries each linear's input scale (vLLM's W4A4 kernels read it)
+
+    def quantize_weight(self, w, recipe, name="weight"):
+        """16x16 blocks under one tensor scale (W and W^T share bytes)."""
+        return quantize_nvfp4(w.detach(), recipe.weight_block, name=name)
+
+    def quantize_activation(self, x2, recipe, name="linear"):
+        """One tensor scale per row."""
+        return quantize_nvfp4(x2, (1, NVFP4_BLOCK), per_row=True, name=f"{name}.input")
+
+    def quantize_wgrad_operand(self, t2, recipe, role, name):
+        """After hadamard16, 1x16, one tensor scale, gradients rounded stochastically."""
+        spec = recipe.operand(role)
+        ht = hadamard16(_tokens_padded(t2.float()))  # (C, M')
+        gen = sr_generator(t2, name) if spec.rounding == "stochastic" else None
+        return quantize_nvfp4(ht, (1, NVFP4_BLOCK), generator=gen, name=name)
+
+    def dgrad(self, g2, weight, wq, recipe, name):
+        """The same 16x16 bytes, transposed."""
+        spec = recipe.operand("gradient")
+        gen = sr_generator(g2, f"{name}.dgrad") if spec.rounding == "stochastic" else None
+        return product(quantize_nvfp4(g2, spec.block, generator=gen, name=f"{name}.grad_output"), wq.t())
+
+    def quantization_config(self, recipe, ignored_layers=()):
+        return {**modelopt.quantization_config(recipe, ignored_layers), "group_size": NVFP4_BLOCK}

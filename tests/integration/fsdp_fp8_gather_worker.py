@@ -29,7 +29,7 @@ from jetflow.bench.fsdp_memory import counted_all_gathers  # noqa: E402
 from jetflow.config import derive, load_config  # noqa: E402
 from jetflow.model import Decoder, ModelConfig  # noqa: E402
 from jetflow.precision import fp8_linears  # noqa: E402
-from jetflow.precision.linear import quantize_weight_for_recipe  # noqa: E402
+from jetflow.precision.family import quantize_weight_for_recipe  # noqa: E402
 from jetflow.run.build import apply_mode  # noqa: E402
 from jetflow.train.fsdp import FSDPPolicy  # noqa: E402
 from jetflow.train.fsdp.from_rank0 import share_rng_state  # noqa: E402

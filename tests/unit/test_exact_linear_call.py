@@ -11,7 +11,7 @@ import torch
 from jetflow.kernels import canonical
 from jetflow.precision import QuantRecipe, NonFiniteError
 from jetflow.precision.exact import ExactCache, exact_linear
-from jetflow.precision.fp8_function import quantize_weight_for_recipe
+from jetflow.precision.family import quantize_weight_for_recipe
 
 
 def _operands(kind: str, n: int = 72, k: int = 512, seed: int = 0):

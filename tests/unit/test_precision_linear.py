@@ -75,10 +75,11 @@ def test_activation_is_saved_for_backward_in_fp8():
 
 
 def test_weight_quantized_once_per_version(monkeypatch):
-    import jetflow.precision.linear as lin
+    from jetflow.precision.family import family_of
     calls = []
-    real = lin.quantize_weight_for_recipe
-    monkeypatch.setattr(lin, "quantize_weight_for_recipe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    family = family_of(QuantRecipe())
+    real = family.quantize_weight
+    monkeypatch.setattr(family, "quantize_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
     _, layer = make_pair()
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     x = torch.randn(4, 384)

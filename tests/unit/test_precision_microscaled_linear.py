@@ -12,6 +12,7 @@ from jetflow.kernels import invariant
 from jetflow.kernels.canonical import tree_sum
 from jetflow.precision import QuantRecipe, PrecisionLinear, apply_precision
 from jetflow.precision import microscaled as ms
+from jetflow.precision.family import family_of
 from jetflow.precision.mx import MXTensor, quantize_mx
 from jetflow.precision.nvfp4 import NVFP4Tensor, hadamard16, quantize_nvfp4
 from jetflow.sync import CorruptWeightsError, apply_update, build_update
@@ -64,7 +65,7 @@ def quantized_pair(family: str, m: int = 24, k: int = 320, n: int = 40, seed: in
     x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]
     w = torch.randn(n, k, generator=gen) * 0.05
     recipe = QuantRecipe(family=family)
-    return ms.quantize_activation(x, recipe), ms.quantize_weight(w, recipe)
+    return family_of(recipe).quantize_activation(x, recipe), family_of(recipe).quantize_weight(w, recipe)
 
 
 def reference_product(xq, wq) -> torch.Tensor:
@@ -94,9 +95,9 @@ def test_exact_product_rows_do_not_depend_on_the_batch(family):
     recipe = QuantRecipe(family=family)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(33, 320, generator=gen)
-    full = ms.exact_product(x, wq, recipe)
+    full = family_of(recipe).exact_product(x, wq, recipe)
     for i in (0, 17, 32):
-        assert torch.equal(ms.exact_product(x[i:i + 1], wq, recipe)[0], full[i])
+        assert torch.equal(family_of(recipe).exact_product(x[i:i + 1], wq, recipe)[0], full[i])
 
 
 def _columns(q, lo: int, hi: int):
@@ -115,7 +116,7 @@ def test_tensor_parallel_halves_combined_by_the_tree_equal_the_whole_product(fam
     recipe = QuantRecipe(family=family)
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(9, 512, generator=gen), torch.randn(48, 512, generator=gen)
-    xq, wq = ms.quantize_activation(x, recipe), quantize_mx(w, (1, 32)) if family == "mxfp8" else \
+    xq, wq = family_of(recipe).quantize_activation(x, recipe), quantize_mx(w, (1, 32)) if family == "mxfp8" else \
         quantize_nvfp4(w, (1, 16))
     halves = [(_columns(xq, a, a + 256), _columns(wq, a, a + 256)) for a in (0, 256)]
     second = invariant.gemm(ms.values(halves[1][0]), invariant.pack_weight(ms.values(halves[1][1])), 48, groups=2)
@@ -175,7 +176,7 @@ def test_nvfp4_wgrad_operands_pass_the_hadamard_transform():
     hadamard16(X^T) (tokens padded to 16), not of X^T."""
     recipe = QuantRecipe(family="nvfp4")
     x = torch.randn(40, 32)
-    q = ms.quantize_wgrad_operand(x, recipe, "activation", "x")
+    q = family_of(recipe).quantize_wgrad_operand(x, recipe, "activation", "x")
     padded = torch.nn.functional.pad(x.t(), (0, 8))
     assert torch.equal(q.data, quantize_nvfp4(hadamard16(padded)).data)
     assert not torch.equal(q.data, quantize_nvfp4(padded).data)

@@ -9,7 +9,7 @@ import torch
 
 from jetflow.config import ConfigError
 from jetflow.precision import QuantRecipe
-from jetflow.precision.fp8_function import fp8_linear, quantize_weight_for_recipe
+from jetflow.precision.family import fp8_linear, quantize_weight_for_recipe
 from jetflow.precision.linear import PrecisionLinear
 from jetflow.precision.quant import dequantize, quantize_blocks
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from jetflow.precision import QuantRecipe, PrecisionLinear, quantize_weight
+from jetflow.precision.export import SCALE_SUFFIX
 from jetflow.precision.linear import layer_index
 from jetflow.precision.modes import PrecisionMode
 from jetflow.sync import WeightUpdate
 
-SCALE_SUFFIX = ".weight_scale_inv"
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

@@ -170,10 +170,10 @@ class FP8ShardWeight(_ShardWeight):
 
 
 def fp8_gathered_linears(decoder: Decoder) -> list[PrecisionLinear]:
-    """The linears whose weights the all-gather moves in FP8: the fp8 kind under an fp8_block recipe
-    (mxfp8 / nvfp4 weights gather in fp32)."""
+    """The linears whose weights the all-gather moves in FP8: the fp8 kind under a recipe family that
+    gathers its bytes (fp8_block; mxfp8 / nvfp4 weights gather in fp32)."""
     return [m for m in decoder.modules() if isinstance(m, PrecisionLinear) and m.kind == "fp8"
-            and m.recipe.family == "fp8_block" and m.weight.dim() == 2]
+            and m.family.gathers_in_fp8 and m.weight.dim() == 2]
 
 
 def bf16_gathered_weights(decoder: Decoder) -> dict[str, nn.Parameter]:

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from jetflow.precision import QuantRecipe, QuantizedTensor, bf16_linear, fp8_linear, resolve_backend
+from jetflow.precision import QuantRecipe, QuantizedTensor, bf16_linear, resolve_backend
 from jetflow.precision.exact import ExactCache
-from jetflow.precision.fp8_function import quantize_weight_for_recipe
+from jetflow.precision.family import family_of
 from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
 
 from .reduce import tp_tree_combine
@@ -103,6 +103,7 @@ class _JetflowLinearMixin:
         if numerics not in NUMERICS:
             raise ValueError(f"{segments[0].name}: numerics={numerics!r}; valid: {NUMERICS}")
         self.segments, self.recipe, self.gemm_backend = tuple(segments), recipe, gemm_backend
+        self.family = family_of(recipe) if recipe is not None else None  # the recipe family's strategy
         self.numerics, self._exact_caches = numerics, WeightCaches()
         self._wq_key, self._wq = None, {}
 
@@ -178,7 +179,7 @@ class _JetflowLinearMixin:
             w = _segment_rows(weight, seg)  # (groups * rows, K)
             b = None if bias is None else _segment_rows(bias, seg)
             if seg.kind == "fp8":
-                y = fp8_linear(x, w, b, wq[seg.name], self.recipe, self.gemm_backend, seg.name)
+                y = self.family.linear(x, w, b, wq[seg.name], self.recipe, self.gemm_backend, seg.name)
             else:
                 y = _dense(seg.kind, x, w, b)
             outs.append(y.unflatten(-1, (seg.groups, seg.stop - seg.start)))  # (..., groups, rows)
@@ -195,12 +196,12 @@ class _JetflowLinearMixin:
             # the CPU emulation of the fast path multiplies a cached fp32 dequantization; the exact fp8_block
             # GEMM reads the bytes' panels (as PrecisionLinear._multiplies_dequantized)
             emulate = resolve_backend(self.gemm_backend, weight.device) == "emulate" and not (
-                self.numerics == "exact" and r.family == "fp8_block")
+                self.numerics == "exact" and self.family.exact_reads_bytes)
             self._wq = {}
             for seg in self.segments:
                 if seg.kind != "fp8":
                     continue
-                q = quantize_weight_for_recipe(_segment_rows(weight.detach(), seg), r, f"{seg.name}.weight")
+                q = self.family.quantize_weight(_segment_rows(weight.detach(), seg), r, f"{seg.name}.weight")
                 self._wq[seg.name] = q.with_dequantized_cache() if emulate else q
             self._wq_key = key
         return self._wq
