@@ -7,7 +7,7 @@
 #define JF_DPBF16 1
 #endif
 
-// Packed weight formats (invariant.py's _WEIGHT_FORMATS): fp32, bf16 bits or E4M3 bytes in (P, K, NR)
+// Packed weight formats (invariant/packing.py's WEIGHT_FORMATS): fp32, bf16 bits or E4M3 bytes in (P, K, NR)
 // panels; on AVX512_BF16 (pack.cpp's jf_pack_pairs) bf16 pairs, (P, ceil(K/2), NR) dwords
 enum { WF_F32 = 0, WF_BF16 = 1, WF_E4M3 = 2, WF_PAIRS = 3 };
 

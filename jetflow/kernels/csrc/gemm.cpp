@@ -282,7 +282,8 @@ static void run(const Gemm& g, const void* W, int wfmt) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Entry points (jetflow/kernels/invariant.py)
+// Entry points (jetflow/kernels/invariant/: gemm_ops.py; jf_panel_width packing.py, jf_isa _lib.py,
+// jf_e4m3_to_f32 quantizers.py)
 
 extern "C" int jf_panel_width(void) { return NR; }
 

@@ -1,5 +1,5 @@
 // Weight packing for the canonical GEMM (gemm.cpp): (N, K) weights -> the panels the kernels read, once
-// per weight version (jetflow/kernels/invariant.py's pack_weight).
+// per weight version (jetflow/kernels/invariant/packing.py's pack_weight).
 #include "convert.h"
 
 // W (N, K), element (n, k) at W[n * ldn + k * ldk], `esize`-byte values (fp32, bf16 or E4M3 bits) ->

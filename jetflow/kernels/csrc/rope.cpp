@@ -1,6 +1,6 @@
 // A decode step's rotary embedding and KV-cache write for jetflow's exact numerics, in one pass over the
-// new token's q, k and v (invariant.py's decode_attention, then jf_attention reads the cache; paged.py's
-// decode_attention_paged, then jf_attention_paged).
+// new token's q, k and v (invariant/attention_ops.py's decode_attention, then jf_attention reads the
+// cache; paged.py's decode_attention_paged, then jf_attention_paged).
 //
 // rope(x)[d] = x[d] * cos[d] + rotate_half(x)[d] * sin[d], rotate_half(x) = (-x[D/2:], x[:D/2]): two
 // products and a sum, each rounded, as torch computes HF's apply_rotary_pos_emb (mul, neg, cat, mul, add):
