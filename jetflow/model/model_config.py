@@ -102,6 +102,44 @@ class ModelConfig:
         return (self.is_moe and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
+    def linear_shapes(self) -> list[tuple[str, int, int]]:
+        """(module name, out_features, in_features) of every nn.Linear of the Decoder (jetflow.model.decoder)
+        built from this config, without building it (the memory estimate sizes the precisions' copies
+        from them). lm_head is included even when tied to the embedding: its weight is then not a
+        parameter of its own, but the precisions keep copies of it as of any linear."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        out = []
+        for layer in range(self.num_layers):
+            pre = f"model.layers.{layer}"
+            out += [(f"{pre}.self_attn.q_proj", q, h), (f"{pre}.self_attn.k_proj", kv, h),
+                    (f"{pre}.self_attn.v_proj", kv, h), (f"{pre}.self_attn.o_proj", h, q)]
+            if self.is_moe_layer(layer):  # the router, then each expert's SwiGLU under the checkpoint's names
+                moe, i = f"{pre}.{self.moe_attr}", self.moe_intermediate_size
+                mixtral = self.model_type == "mixtral"
+                gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+                out.append((f"{moe}.gate", self.num_experts, h))
+                for e in range(self.num_experts):
+                    out += [(f"{moe}.experts.{e}.{gate}", i, h), (f"{moe}.experts.{e}.{up}", i, h),
+                            (f"{moe}.experts.{e}.{down}", h, i)]
+            else:
+                i = self.intermediate_size
+                out += [(f"{pre}.mlp.gate_proj", i, h), (f"{pre}.mlp.up_proj", i, h), (f"{pre}.mlp.down_proj", h, i)]
+        out.append(("lm_head", self.vocab_size, h))
+        return out
+
+    def num_parameters(self) -> int:
+        """Parameters of the Decoder built from this config (a tied lm_head counted once), without building
+        it: what `Decoder.num_params()` counts. The linears' weights and biases, the embedding, the norms
+        (2 h a layer, q / k norms of head_dim each under qk_norm, the final norm)."""
+        linears = self.linear_shapes()
+        weights = sum(o * i for name, o, i in linears if not (name == "lm_head" and self.tie_word_embeddings))
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        biases = self.num_layers * ((q + 2 * kv) * self.qkv_bias + self.hidden_size * self.o_bias)
+        if self.mlp_bias:
+            biases += sum(o for name, o, _ in linears if name.endswith(("gate_proj", "up_proj", "down_proj")))
+        norms = self.num_layers * (2 * self.hidden_size + 2 * self.head_dim * self.qk_norm) + self.hidden_size
+        return weights + biases + norms + self.vocab_size * self.hidden_size
+
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Build from a parsed HF config.json; unsupported models raise UnsupportedModelError."""

@@ -150,6 +150,20 @@ class _Request:
             self.generator.manual_seed(self.seed)
 
 
+def kv_pool_pages(requests: int, positions: int) -> int:
+    """Pages of a pool that holds `requests` requests of `positions` positions each: ceil(positions / 64)
+    pages a request (pages_for), and the null page (PagePool)."""
+    return requests * pages_for(positions) + 1
+
+
+def default_kv_pool_bytes(config, max_batch: int, max_seq_len: int) -> int:
+    """The page pool's budget when RolloutEngine is given none (kv_cache_bytes=None): room for max_batch
+    requests of max_seq_len positions at fp32 (the old dense cache's size), and the null page."""
+    c = config
+    return kv_pool_pages(max_batch, max_seq_len) * PagePool.page_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
+                                                                       torch.float32)
+
+
 class RolloutEngine:
     """Batched generation with continuous batching over a paged KV cache, per-request seeds and rollout
     log-probs.
@@ -159,7 +173,7 @@ class RolloutEngine:
     max_batch: most requests decoding at once. max_seq_len: a request needs len(prompt) +
         max_new_tokens <= max_seq_len positions.
     kv_cache_bytes: the page pool's budget in bytes (one buffer, mapped by the OS as pages are first
-        used); None: room for max_batch requests of max_seq_len positions at fp32 (the old cache's size).
+        used); None: room for max_batch requests of max_seq_len positions at fp32 (default_kv_pool_bytes).
     cache_dtype: dtype of the pages when they do not hold FP8 codes (default: the model's embedding dtype).
     fp8_pages: store E4M3 codes when the model has a calibrated FP8 K/V quantizer attached
         (jetflow.precision.kv; the same values as its rounded fp32, a quarter of the bytes); False: pages
@@ -199,10 +213,8 @@ class RolloutEngine:
         self.vocab_size = model.config.vocab_size
         self._rss_start = _max_rss_bytes()
         self.cache_dtype = cache_dtype or model.model.embed_tokens.weight.dtype
-        c = model.config
-        if kv_cache_bytes is None:  # max_batch requests of max_seq_len positions at fp32, and the null page
-            kv_cache_bytes = (max_batch * pages_for(max_seq_len) + 1) * PagePool.page_bytes(
-                c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+        if kv_cache_bytes is None:
+            kv_cache_bytes = default_kv_pool_bytes(model.config, max_batch, max_seq_len)
         self.kv_pool_bytes = int(kv_cache_bytes)  # the budget
         # the pages' memory (on the CPU mapped by the OS as pages are first used)
         self._kv_buffer = torch.empty(self.kv_pool_bytes, dtype=torch.uint8, device=self.device)

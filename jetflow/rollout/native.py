@@ -9,11 +9,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from jetflow.config import Config
-from jetflow.model import Decoder
+from jetflow.model import Decoder, ModelConfig
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.conversation import ConversationDriver
+from jetflow.rollout.engine import default_kv_pool_bytes
 from jetflow.rollout.types import Rollouts
 from jetflow.sync import WeightUpdate, apply_update
+
+
+def kv_pool_bytes(cfg: Config, arch: ModelConfig, max_seq_len: int) -> int:
+    """The native engine's page pool budget in a run: rollout.kv_cache_gib, or the engine's default of
+    rollout.max_batch requests of max_seq_len positions at fp32 (default_kv_pool_bytes)."""
+    r = cfg.rollout
+    if r.kv_cache_gib is not None:
+        return int(r.kv_cache_gib * 2**30)
+    return default_kv_pool_bytes(arch, r.max_batch, max_seq_len)
 
 
 class NativeRollout:
@@ -26,8 +36,7 @@ class NativeRollout:
         self.engine = RolloutEngine(model, eos_token_ids=eos_token_ids, pad_token_id=tokenizer.pad_token_id,
                                     max_batch=cfg.rollout.max_batch, max_seq_len=max_seq_len,
                                     device=cfg.model.device, tokenizer=tokenizer,
-                                    kv_cache_bytes=(None if cfg.rollout.kv_cache_gib is None
-                                                    else int(cfg.rollout.kv_cache_gib * 2**30)),
+                                    kv_cache_bytes=kv_pool_bytes(cfg, model.config, max_seq_len),
                                     record_routing=cfg.algo.routing_replay)
         r = cfg.rollout
         single_token_stops = {s for s in stop if len(tokenizer.encode(s)) == 1}

@@ -211,12 +211,18 @@ def model_architecture(cfg: Config) -> ModelConfig:
     return model_files(cfg)[1]
 
 
+def master_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the policy's weights are built and trained in (model.dtype); its `itemsize` is their bytes
+    per parameter (the memory estimate's m)."""
+    return getattr(torch, cfg.model.dtype)
+
+
 def build_model(cfg: Config, arch: ModelConfig, tokenizer, weights: bool = True) -> Decoder:
     """The policy in its master dtype on cfg.model.device: the tiny model initialized from run.seed, or
     the checkpoint model.path names, checked against the run's tokenizer. Without `weights`: its
     architecture on the meta device, what an FSDP rank other than 0 builds (rank 0 loads the weights
     and each unit is filled from it as it is sharded: jetflow.train.fsdp.from_rank0)."""
-    dtype = getattr(torch, cfg.model.dtype)
+    dtype = master_dtype(cfg)
     if not weights:
         with torch.device("meta"):
             return Decoder(arch).to(dtype=dtype)

@@ -47,9 +47,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from jetflow.config import Config, ConfigError, Derived
 from jetflow.model.attention import GRAD_BLOCK
+from jetflow.model.chunked_logprobs import GROUP
 from jetflow.model.model_config import ModelConfig
+from jetflow.model.paged_cache import PagePool
+from jetflow.rollout.engine import kv_pool_pages
+from jetflow.rollout.native import kv_pool_bytes
+from jetflow.run.build import master_dtype
+from jetflow.run.sides import engine_max_seq_len
 from jetflow.tasks.reward_model import DTYPE_BYTES, num_parameters, reward_model_dirs, reward_model_dtype
 
 GIB = 2**30
@@ -58,10 +66,6 @@ RUNTIME_BYTES = int(0.45 * GIB)
 the allocator's slack: the peak RSS of a train step of a model of 0.1M parameters is about 0.45 GB."""
 WARN_FRACTION = 0.8
 """An estimate above this fraction of the available memory is warned (the estimate is within about 25%)."""
-GROUP = 256
-"""Positions the chunked log-probs' backward recomputes at a time (jetflow.model.chunked_logprobs.GROUP)."""
-PAGE = 64
-"""Positions of a KV page (jetflow.rollout.scheduler.PAGE)."""
 
 # bytes saved for backward per token and decoder layer = a_h * h + a_kv * kv + a_i * i, by trainer kind
 # (fp32 master weights; counted by results/memory-estimate/saved_activations.py)
@@ -102,46 +106,6 @@ class MemoryEstimate:
 
 # Model sizes -------------------------------------------------------------------------------------------
 
-def linear_shapes(arch: ModelConfig) -> list[tuple[str, int, int]]:
-    """(module name, out_features, in_features) of every linear of the native Decoder for `arch`, without
-    building it; lm_head included even when tied to the embedding (its weight is then not a parameter of
-    its own, but the precisions keep copies of it as of any linear)."""
-    c, out = arch, []
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    for layer in range(c.num_layers):
-        pre = f"model.layers.{layer}"
-        out += [(f"{pre}.self_attn.q_proj", q, c.hidden_size), (f"{pre}.self_attn.k_proj", kv, c.hidden_size),
-                (f"{pre}.self_attn.v_proj", kv, c.hidden_size), (f"{pre}.self_attn.o_proj", c.hidden_size, q)]
-        if c.is_moe_layer(layer):
-            moe = f"{pre}.{c.moe_attr}"
-            gate, up, down = ("w1", "w3", "w2") if c.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-            out.append((f"{moe}.gate", c.num_experts, c.hidden_size))
-            for e in range(c.num_experts):
-                i = c.moe_intermediate_size
-                out += [(f"{moe}.experts.{e}.{gate}", i, c.hidden_size), (f"{moe}.experts.{e}.{up}", i, c.hidden_size),
-                        (f"{moe}.experts.{e}.{down}", c.hidden_size, i)]
-        else:
-            i = c.intermediate_size
-            out += [(f"{pre}.mlp.gate_proj", i, c.hidden_size), (f"{pre}.mlp.up_proj", i, c.hidden_size),
-                    (f"{pre}.mlp.down_proj", c.hidden_size, i)]
-    out.append(("lm_head", c.vocab_size, c.hidden_size))
-    return out
-
-
-def num_params(arch: ModelConfig) -> int:
-    """Parameters of the native Decoder for `arch` (a tied lm_head counted once): the linears' weights and
-    biases, the embedding, the norms (2 h a layer, q / k norms of head_dim, the final norm)."""
-    c = arch
-    linears = linear_shapes(c)
-    weights = sum(o * i for name, o, i in linears if not (name == "lm_head" and c.tie_word_embeddings))
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    biases = c.num_layers * ((q + 2 * kv) * c.qkv_bias + c.hidden_size * c.o_bias)
-    if c.mlp_bias:
-        biases += sum(o for name, o, _ in linears if name.endswith(("gate_proj", "up_proj", "down_proj")))
-    norms = c.num_layers * (2 * c.hidden_size + 2 * c.head_dim * c.qk_norm) + c.hidden_size
-    return weights + biases + norms + c.vocab_size * c.hidden_size
-
-
 def copy_bytes(kind: str, numerics: str, family: str, cuda: bool, trainer: bool) -> float:
     """Bytes a linear of `kind` (fp32 | bf16 | fp8) keeps per weight element beside the weight itself
     (jetflow.precision.linear / exact): exact numerics pack the canonical GEMM's panels of the weight as
@@ -164,7 +128,7 @@ def weight_copies(arch: ModelConfig, kind: str, derived: Derived, cuda: bool, tr
     """(bytes, formula) of the copies every linear of one side keeps under its linear `kind`; under fp8
     the linears the recipe keeps in high precision (lm_head, routers, first / last layers) are bf16."""
     recipe, by_kind = derived.precision.recipe, {"fp32": 0, "bf16": 0, "fp8": 0}
-    for name, o, i in linear_shapes(arch):
+    for name, o, i in arch.linear_shapes():
         k = kind
         if kind == "fp8" and recipe.keeps_in_high_precision(name, _layer(name), arch.num_layers):
             k = "bf16"
@@ -221,10 +185,10 @@ def logits_bytes(vocab: int, response_positions: int, chunk: int) -> tuple[int, 
 def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, batch: int, prompt_len: int,
                    response_len: int) -> list[Term]:
     """The trainer's terms for `batch` sequences of prompt_len + response_len positions (packing's grid: widened)."""
-    t, m = cfg.train, (4 if cfg.model.dtype == "float32" else 2)
+    t, m = cfg.train, master_dtype(cfg).itemsize
     kind = derived.precision.trainer_kind
     cuda = cfg.model.device.startswith("cuda")
-    P = num_params(arch)
+    P = arch.num_parameters()
     copies, copies_formula = weight_copies(arch, kind, derived, cuda, trainer=True)
     grid = derived.precision.numerics == "exact" and bool(t.max_tokens_per_micro_batch)  # jetflow.train.packing
     width = prompt_len + response_len + (-(prompt_len + response_len) % GRAD_BLOCK if grid else 0)
@@ -266,9 +230,9 @@ def estimate_train_step(cfg: Config, derived: Derived, arch: ModelConfig, batch:
     Trainer over its copy, `batch` rows of prompt_len + response_len positions. `first_step_only` (the
     bench's --warmup 0 --reps 1): AdamW's state is first allocated by the optimizer step, after the
     backward has freed the activations, so it adds to the peak only where it exceeds them."""
-    m = 4 if cfg.model.dtype == "float32" else 2
+    m = master_dtype(cfg).itemsize
     terms = [_runtime(cfg),
-             Term("bench source model", num_params(arch) * m, f"P x {m} B (the copy the bench builds trainers from)"),
+             Term("bench source model", arch.num_parameters() * m, f"P x {m} B (the copy the bench builds trainers from)"),
              *_trainer_terms(cfg, derived, arch, batch, prompt_len, response_len)]
     if first_step_only:
         freed = sum(t.bytes for t in terms if t.name in ("activations", "backward working set", "logits"))
@@ -283,8 +247,8 @@ def estimate_run(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: i
     pages of a step's sequences (this rank's share of prompts_per_step x group_size, or the held-out
     evaluation's prompts if more), every response at rollout.max_new_tokens."""
     r, t = cfg.rollout, cfg.train
-    m = 4 if cfg.model.dtype == "float32" else 2
-    P, new = num_params(arch), r.max_new_tokens
+    m = master_dtype(cfg).itemsize
+    P, new = arch.num_parameters(), r.max_new_tokens
     trained = t.prompts_per_step // max(data_parallel, 1) * r.group_size
     sequences = max(trained, cfg.eval.num_prompts)  # what the engine decodes at once, at most
     terms = [_runtime(cfg), *_trainer_terms(cfg, derived, arch, trained, prompt_len, new)]
@@ -315,23 +279,21 @@ def _reward_model_terms(cfg: Config) -> list[Term]:
 
 def _kv_term(cfg: Config, arch: ModelConfig, prompt_len: int, sequences: int) -> Term:
     """The native engine's KV pages: min(pool, held) where held = (min(max_batch, sequences) x
-    ceil((prompt + new) / 64) + 1) pages of 2 x L x kv x 64 x e bytes (e: 1 for FP8 K/V, else 4) and the
-    pool = rollout.kv_cache_gib, or max_batch x ceil(max_seq_len / 64) + 1 fp32 pages (the engine's
-    default, max_seq_len = 2 x prompt + new + 16). vLLM: its reservation, the fraction of memory."""
+    ceil((prompt + new) / 64) + 1) pages (kv_pool_pages) of 2 x L x kv x 64 x e bytes (PagePool.page_bytes;
+    e: 1 for FP8 K/V, else 4) and the pool = the run's (jetflow.rollout.native.kv_pool_bytes):
+    rollout.kv_cache_gib, or max_batch x ceil(max_seq_len / 64) + 1 fp32 pages (the engine's default,
+    max_seq_len = 2 x prompt + new + 16: engine_max_seq_len). vLLM: its reservation, the fraction of memory."""
     r = cfg.rollout
     if r.backend == "vllm":
         total = _total_memory(cfg)
         return Term("KV cache", int(r.vllm_gpu_memory_utilization * total),
                     f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} x {total / GIB:.1f} GiB")
-    e = 1 if cfg.precision.kv_cache_fp8 else 4
-    page = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * PAGE * e
-    held_pages = min(r.max_batch, sequences) * -(-(prompt_len + r.max_new_tokens) // PAGE) + 1
-    if r.kv_cache_gib is not None:
-        pool, pool_what = int(r.kv_cache_gib * GIB), f"rollout.kv_cache_gib={r.kv_cache_gib}"
-    else:
-        fp32_page = page * 4 // e
-        pool = (r.max_batch * -(-(2 * prompt_len + r.max_new_tokens + 16) // PAGE) + 1) * fp32_page
-        pool_what = f"rollout.max_batch={r.max_batch} full-length fp32 sequences"
+    dtype = torch.float8_e4m3fn if cfg.precision.kv_cache_fp8 else torch.float32  # E4M3 codes, else fp32 pages
+    page = PagePool.page_bytes(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
+    held_pages = kv_pool_pages(min(r.max_batch, sequences), prompt_len + r.max_new_tokens)
+    pool = kv_pool_bytes(cfg, arch, engine_max_seq_len(cfg, prompt_len))
+    pool_what = (f"rollout.kv_cache_gib={r.kv_cache_gib}" if r.kv_cache_gib is not None
+                 else f"rollout.max_batch={r.max_batch} full-length fp32 sequences")
     held = held_pages * page
     if held <= pool:
         return Term("KV cache", held, f"{held_pages} pages x {page / 2**20:.2f} MiB (pages the sequences hold)")

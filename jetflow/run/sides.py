@@ -170,6 +170,13 @@ def _frozen_reference(cfg: Config, derived: Derived, model, path: Path | None, d
     return freeze_reference(build_trainer_model(cfg, derived, reference)[0])  # the policy's precision and sharding
 
 
+def engine_max_seq_len(cfg: Config, longest_prompt: int) -> int:
+    """Positions the rollout engine makes room for in a request of one turn: twice the longest prompt, the
+    response and 16 (a margin). The native engine's default page pool is sized by it (jetflow.rollout.native
+    .kv_pool_bytes), and so is the memory estimate's (jetflow.run.memory_estimate)."""
+    return 2 * longest_prompt + cfg.rollout.max_new_tokens + 16
+
+
 def build_rollout_side(cfg: Config, derived: Derived, inputs: RunInputs, side: TrainerSide | None = None,
                        run_dir: Path | None = None, dp: DataParallel = SINGLE, engine_dir: Path | None = None):
     """The rollout engine of a run. Beside a trainer (`side`) it starts from a copy of the trainer's
@@ -177,7 +184,7 @@ def build_rollout_side(cfg: Config, derived: Derived, inputs: RunInputs, side: T
     A vLLM engine starts from a checkpoint written to `engine_dir` (default: in the run directory)."""
     task, tokenizer = inputs.task, inputs.tokenizer
     source = side.model if side is not None else build_model(cfg, inputs.arch, tokenizer)
-    max_seq_len = 2 * inputs.longest_prompt + cfg.rollout.max_new_tokens + 16
+    max_seq_len = engine_max_seq_len(cfg, inputs.longest_prompt)
     driver = conversation_driver(cfg, task, tokenizer)  # multi-turn (rollout.max_turns > 1), else None
     if driver is not None:  # a conversation's budget: its prompt, turns and observations
         max_seq_len = conversation_tokens(cfg.rollout, inputs.longest_prompt)

@@ -2,6 +2,8 @@
 hand for the tiny model and against what the model and autograd really hold, the refusal of a run that
 cannot fit (one line, before anything is built), the warning near the limit, and the opt-out."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -22,16 +24,26 @@ def tiny(*overrides):
     return cfg, derive(cfg), model_architecture(cfg)
 
 
-@pytest.mark.parametrize("overrides", [(), ("model.tiny.num_experts=4",),
-                                       ("model.tiny.num_experts=4", "model.tiny.moe_family=mixtral")])
-def test_parameter_count_and_linears_are_the_decoders(overrides):
-    """num_params and linear_shapes, computed from the architecture alone, equal the built Decoder's
-    (dense, Qwen3-MoE with q/k norms, Mixtral)."""
-    _, _, arch = tiny(*overrides)
+MOE, MIXTRAL = ("model.tiny.num_experts=4",), ("model.tiny.num_experts=4", "model.tiny.moe_family=mixtral")
+UNTIED = dict(tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("overrides,change", [
+    ((), {}), ((), UNTIED), ((), dict(model_type="qwen2", qkv_bias=True)),
+    ((), dict(qkv_bias=True, o_bias=True, mlp_bias=True, **UNTIED)), ((), dict(model_type="qwen3", qk_norm=True)),
+    (MOE, {}), (MOE, UNTIED), (MOE, dict(decoder_sparse_step=2)), (MOE, dict(mlp_only_layers=(0,))),
+    (MIXTRAL, {}), (MIXTRAL, UNTIED)])
+def test_parameter_count_and_linears_are_the_decoders(overrides, change):
+    """ModelConfig.num_parameters and linear_shapes, computed from the architecture alone (the estimate's
+    P and the linears whose copies it counts), equal the built Decoder's: dense Llama, tied and untied,
+    with biases (Qwen2, Llama's three flags) and q/k norms (Qwen3); Qwen3-MoE with q/k norms, tied and
+    untied, with dense layers among the sparse ones; Mixtral, tied and untied."""
+    arch = dataclasses.replace(tiny(*overrides)[2], **change)
     model = Decoder(arch)
-    assert me.num_params(arch) == sum(p.numel() for p in model.parameters())
+    assert arch.num_parameters() == model.num_params() == sum(p.numel() for p in model.parameters())
     built = [(n, m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    assert sorted(me.linear_shapes(arch)) == sorted(built)
+    assert sorted(arch.linear_shapes()) == sorted(built)
+    assert arch.tie_word_embeddings == (model.lm_head.weight is model.model.embed_tokens.weight)
 
 
 def test_terms_of_the_tiny_model_by_hand():
@@ -39,7 +51,7 @@ def test_terms_of_the_tiny_model_by_hand():
     cfg, derived, arch = tiny("precision.mode=fp32", "precision.numerics=exact")
     layer = 128 * 128 * 2 + 64 * 128 * 2 + 3 * 384 * 128 + 2 * 128  # q, o; k, v; the MLP; two norms
     P = 2 * layer + 19 * 128 + 128  # + embedding (the head tied to it) + final norm
-    assert P == 396288 == me.num_params(arch)
+    assert P == 396288 == arch.num_parameters()
     est = me.estimate_train_step(cfg, derived, arch, batch=8, prompt_len=20, response_len=44)
     assert est.term("trainer weights") == est.term("gradients") == 4 * P
     assert est.term("AdamW state") == 8 * P
