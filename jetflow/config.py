@@ -232,8 +232,6 @@ class TrainConfig:
     holding num_experts / EP experts; data-parallel ranks too, so processes are a multiple of EP x PP."""
     data_parallel_shard_size: int = 0
     """FSDP backend: ranks one shard group spans (0: all); fewer gives HSDP, world / this many replicas."""
-    fp8_backend: Literal["jetflow", "te"] = "jetflow"
-    """jetflow (this recipe's own GEMMs) | te (Transformer Engine Float8BlockScaling)."""
     steps: int = 12
     """RL steps."""
     prompts_per_step: int = 6
@@ -405,6 +403,34 @@ def _choices(section: Any, name: str) -> tuple | None:
 # free-form mappings: `key={...}` replaces the mapping (a dotted sub-key, `task.params.digits=2`, merges)
 REPLACED_BY_OVERRIDE = ("task.params", "algo.correction_params")
 
+# Keys that were removed: the one value every run had, and why the key went. A config that still sets one to
+# that value loads (a saved run's config.yaml lists every key it had); any other value is refused.
+RETIRED_KEYS = {
+    "train.fp8_backend": ("jetflow", "jetflow's own GEMMs are the only training backend; Transformer Engine (te) was "
+                                     "never wired into training, its recipe mapping is the library jetflow.train.te"),
+}
+
+
+def _retired(key: str, value: Any) -> bool:
+    """True for a removed key set to the value it always had (to be dropped); another value is a ConfigError."""
+    key, value = key.strip(), str(value).strip()
+    if key not in RETIRED_KEYS:
+        return False
+    kept, why = RETIRED_KEYS[key]
+    if value != kept:
+        raise ConfigError(f"{key}={value!r}: the key was removed ({why}); delete it")
+    return True
+
+
+def _without_retired(loaded: DictConfig) -> DictConfig:
+    """A loaded YAML without the removed keys it sets to their one value (see RETIRED_KEYS)."""
+    for key in RETIRED_KEYS:
+        section, name = key.rsplit(".", 1)
+        node = OmegaConf.select(loaded, section)
+        if isinstance(node, DictConfig) and name in node and _retired(key, node[name]):
+            del node[name]
+    return loaded
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML file <- `key=value` overrides, in order; typed (the values' ranges and
@@ -420,10 +446,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"{path}: a config is a mapping of sections (model:, train:, ...), got a "
                                   f"{type(loaded).__name__.replace('Config', '').lower()}")
-            base = OmegaConf.merge(base, loaded)
+            base = OmegaConf.merge(base, _without_retired(loaded))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad}")
+        overrides = [o for o in overrides if not _retired(*o.split("=", 1))]
         batch: dict[str, str] = {}  # overrides of unrelated keys, merged at once (a merge copies the whole config)
         for key, override in [(o.split("=", 1)[0].strip(), o) for o in overrides] + [("", "")]:
             related = any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in batch)

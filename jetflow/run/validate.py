@@ -185,10 +185,6 @@ def check_combinations(cfg: Config) -> None:
     check_algorithm(cfg)
     check_turns(cfg)
     check_blocks(cfg)
-    if t.fp8_backend != "jetflow":  # Transformer Engine cannot be installed on the CPU machines
-        raise ConfigError(f"train.fp8_backend={t.fp8_backend!r}: `jetflow train` runs train.fp8_backend='jetflow' "
-                          f"today; the {t.fp8_backend} backend is available as the library component jetflow.train.te "
-                          "but is not wired into the training loop yet")
     if unknown := [k for k in cfg.run.allow_changes if not _is_key(k)]:
         raise ConfigError(f"run.allow_changes: {', '.join(unknown)} is not a config key (e.g. train.steps)")
 

@@ -1,5 +1,6 @@
-"""Transformer Engine adapter (`train.fp8_backend=te`): jetflow's QuantRecipe as TE's `Float8BlockScaling`,
-and TE's block-scaled weight layout <-> jetflow's / vLLM's checkpoint layout.
+"""Transformer Engine adapter, a library component (`jetflow train` computes with jetflow's own GEMMs and does
+not call it): jetflow's QuantRecipe as TE's `Float8BlockScaling`, and TE's block-scaled weight layout <->
+jetflow's / vLLM's checkpoint layout.
 
 Transformer Engine is imported lazily, only in this module, and only by the TE-bound functions
 (`make_te_recipe`, `te_autocast`, `build_te_linear`, `te_quantize_weight`, `to_te_tensor`):
@@ -56,7 +57,7 @@ def _import_te():
         import transformer_engine.pytorch as te  # noqa: F401
         import transformer_engine.common.recipe as te_recipe
     except ImportError as e:
-        raise MissingDependencyError(f"train.fp8_backend=te needs Transformer Engine: {INSTALL_HINT} ({e})") from None
+        raise MissingDependencyError(f"jetflow.train.te needs Transformer Engine: {INSTALL_HINT} ({e})") from None
     return te, te_recipe
 
 
@@ -78,8 +79,8 @@ def te_recipe_kwargs(recipe: QuantRecipe) -> dict:
     if recipe.fmt not in ("e4m3", "hybrid"):
         problems.append(f"fmt={recipe.fmt!r}: TE supports E4M3 and HYBRID")
     if problems:
-        raise TERecipeError("QuantRecipe cannot run on Transformer Engine (train.fp8_backend=te): "
-                            + "; ".join(problems) + ". Use train.fp8_backend=jetflow for this recipe.")
+        raise TERecipeError("QuantRecipe cannot run on Transformer Engine's Float8BlockScaling: "
+                            + "; ".join(problems) + " (jetflow's own GEMMs run it)")
     return {"fp8_format": "HYBRID" if recipe.fmt == "hybrid" else "E4M3",
             "x_block_scaling_dim": 1, "w_block_scaling_dim": 2, "grad_block_scaling_dim": 1}
 

@@ -61,7 +61,6 @@ def cli_train(tmp_path: Path, name: str, *overrides: str, timeout: int = 300) ->
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["train.fp8_backend=te"], "not wired"),
     (["train.backend=megatron", "train.pipeline_parallel_size=2", "run.orchestrator=ray", "train.num_workers=3"],
      "set train.num_workers to a multiple of it"),
     (["algo.routing_replay=true", "train.backend=megatron"], "routing replay runs with the native"),

@@ -122,12 +122,6 @@ def test_user_errors_are_clear(tmp_path):
         train(tiny_cfg(tmp_path, "run.name=again", "train.steps=1"))
 
 
-@pytest.mark.parametrize("override", ["train.fp8_backend=te"])
-def test_unwired_backends_are_refused_not_ignored(tmp_path, override):
-    with pytest.raises(Exception, match="not wired"):
-        train(tiny_cfg(tmp_path, override))
-
-
 def test_held_out_evaluation_before_during_after_and_across_a_resume(tmp_path):
     """eval.every=2 over 6 steps: held-out rows at steps 0, 2, 4, 6. A run of 3 steps resumed to 6
     redoes nothing it kept and drops its after-the-last evaluation at 3: its rows are the whole run's.

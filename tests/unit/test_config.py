@@ -88,3 +88,16 @@ def test_overrides_apply_in_order_whatever_their_keys():
     assert cfg.task.params == {"num_operands": 3, "style": "plain"}  # `task.params=` replaces the mapping
     cfg = load_config("configs/tiny.yaml", ["model.tiny={hidden_size: 64}", "model.tiny.hidden_size=32"])
     assert cfg.model.tiny.hidden_size == 32
+
+
+def test_a_removed_key_loads_at_its_one_value_and_is_refused_at_another(tmp_path):
+    """train.fp8_backend is gone (jetflow's own GEMMs were the only backend a run could take): a saved run's
+    config.yaml still lists it as `jetflow` and loads; `te`, in a file or an override, is refused in one line."""
+    saved, te = tmp_path / "saved.yaml", tmp_path / "te.yaml"
+    saved.write_text("train:\n  fp8_backend: jetflow\n  steps: 3\n")
+    te.write_text("train:\n  fp8_backend: te\n")
+    assert load_config(saved) == load_config(None, ["train.steps=3"])
+    assert load_config(None, ["train.fp8_backend=jetflow"]) == load_config(None)
+    for path, overrides in ((None, ["train.fp8_backend=te"]), (te, [])):
+        with pytest.raises(ConfigError, match=r"^train.fp8_backend='te': the key was removed \(.*\); delete it$"):
+            load_config(path, overrides)
