@@ -36,12 +36,13 @@ class ExactCache:
     def prepared(self, operands: tuple, prepare: Callable[[], Callable]) -> Callable:
         """The call `prepare()` made for `operands` (panels, scales, groups: tensors compared by identity),
         made again when any of them changed."""
-        held = self.call_operands
-        same = self.call is not None and len(held) == len(operands) and all(
+        held, call = self.call_operands, self.call
+        same = len(held) == len(operands) and all(
             a is b if isinstance(a, Tensor) or a is None else a == b for a, b in zip(held, operands))
-        if not same:
-            self.call, self.call_operands = prepare(), operands
-        return self.call
+        if call is None or not same:
+            call = self.call = prepare()
+            self.call_operands = operands
+        return call
 
     def clear(self) -> None:
         """Forget everything (the weight changed in a way its version counter does not show)."""
