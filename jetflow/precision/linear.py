@@ -178,6 +178,18 @@ def sibling_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[tor
                          fused=first._exact_cache.siblings, name=first.name)
 
 
+def held_bytes_per_weight(kind: str, recipe: QuantRecipe | None, numerics: str, cuda: bool, trainer: bool) -> float:
+    """Bytes a PrecisionLinear of `kind` keeps per weight element beside the weight itself (the memory
+    estimate's): exact numerics pack the canonical GEMM's panels of the weight as the kind reads it (fp32 4,
+    bf16 2); fast numerics: a bf16 rollout on the CPU keeps a bf16-rounded fp32 copy (4); the fp8 kind
+    what its recipe family keeps (jetflow.precision.family: held_bytes_per_weight)."""
+    if kind == "fp8":
+        return family_of(recipe).held_bytes_per_weight(numerics, cuda, trainer)
+    if numerics == "exact":
+        return 4.0 if kind == "fp32" else 2.0
+    return 4.0 if (kind == "bf16" and not trainer and not cuda) else 0.0
+
+
 def layer_index(module_name: str) -> int | None:
     """The decoder layer of a module or parameter name (`model.layers.3.mlp.up_proj` -> 3), None outside the layers."""
     parts = module_name.split(".")

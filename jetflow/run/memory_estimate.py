@@ -14,10 +14,10 @@ head_dim, V vocabulary, N = micro_batch_size x (prompt + response) positions of 
 
 - runtime: Python, torch, jetflow, tokenizer and allocator slack (RUNTIME_BYTES, measured).
 - weights, gradients, AdamW: P x m each, and 2 P x m for AdamW's two moments (kept in the parameters' dtype).
-- weight copies: what a precision keeps beside a weight, per linear weight element (copy_bytes): exact
-  numerics keep the canonical GEMM's packed panels (fp32: 4 B, bf16: 2 B; FP8: 1 B of bytes + 1 B of
-  panels + on the trainer 1 B of transposed panels for the dgrad); the CPU emulation of fast FP8 keeps
-  a 4 B dequantized copy beside the 1 B bytes.
+- weight copies: what a precision keeps beside a weight, per linear weight element
+  (jetflow.precision.linear.held_bytes_per_weight): exact numerics keep the canonical GEMM's packed panels
+  (fp32: 4 B, bf16: 2 B; FP8: 1 B of bytes + 1 B of panels + on the trainer 1 B of transposed panels for
+  the dgrad); the CPU emulation of fast FP8 keeps a 4 B dequantized copy beside the 1 B bytes.
 - activations: what autograd saves for one micro-batch's backward, N x per-token bytes
   (activation_bytes_per_token): L x (a_h h + a_kv kv + a_i i) + 16 h, the coefficients per trainer
   kind counted with autograd's saved-tensor hooks (results/memory-estimate/saved_activations.py);
@@ -54,6 +54,7 @@ from jetflow.model.attention import GRAD_BLOCK
 from jetflow.model.chunked_logprobs import GROUP
 from jetflow.model.model_config import ModelConfig
 from jetflow.model.paged_cache import PagePool
+from jetflow.precision.linear import held_bytes_per_weight
 from jetflow.rollout.engine import kv_pool_pages
 from jetflow.rollout.native import kv_pool_bytes
 from jetflow.run.build import master_dtype
@@ -106,24 +107,6 @@ class MemoryEstimate:
 
 # Model sizes -------------------------------------------------------------------------------------------
 
-def copy_bytes(kind: str, numerics: str, family: str, cuda: bool, trainer: bool) -> float:
-    """Bytes a linear of `kind` (fp32 | bf16 | fp8) keeps per weight element beside the weight itself
-    (jetflow.precision.linear / exact): exact numerics pack the canonical GEMM's panels of the weight as
-    the kind reads it (fp32 4, bf16 2), FP8 keeps its bytes (1) and their panels (1), the trainer also
-    the transposed panels of the dgrad (1); fast numerics: the CPU emulation of FP8 keeps a dequantized
-    fp32 copy (4) beside the bytes, a bf16 rollout a bf16-rounded fp32 copy (4); Hopper's scaled_mm the
-    bytes alone. The mxfp8 / nvfp4 families are counted as FP8 bytes plus a dequantized fp32 copy."""
-    if kind == "fp8":
-        if family != "fp8_block":
-            return 5.0
-        if numerics == "exact":
-            return 3.0 if trainer else 2.0
-        return 1.0 if cuda else 5.0
-    if numerics == "exact":
-        return 4.0 if kind == "fp32" else 2.0
-    return 4.0 if (kind == "bf16" and not trainer and not cuda) else 0.0
-
-
 def weight_copies(arch: ModelConfig, kind: str, derived: Derived, cuda: bool, trainer: bool) -> tuple[int, str]:
     """(bytes, formula) of the copies every linear of one side keeps under its linear `kind`; under fp8
     the linears the recipe keeps in high precision (lm_head, routers, first / last layers) are bf16."""
@@ -135,7 +118,7 @@ def weight_copies(arch: ModelConfig, kind: str, derived: Derived, cuda: bool, tr
         by_kind[k] += o * i
     total, parts = 0.0, []
     for k, n in by_kind.items():
-        b = copy_bytes(k, derived.precision.numerics, recipe.family, cuda, trainer)
+        b = held_bytes_per_weight(k, recipe, derived.precision.numerics, cuda, trainer)
         if n and b:
             total += n * b
             parts.append(f"{n / 1e6:.3g}M {k} weights x {b:g} B")
