@@ -54,7 +54,7 @@ def run(engine, renderer, prompts, turns: int, reprefill: bool, slow: int | None
     out = engine.generate(prompts, params, seeds=seeds or list(range(len(prompts))), on_turn_end=on_turn_end,
                           max_total_tokens=engine.max_seq_len, reprefill_turns=reprefill)
     wall = time.perf_counter() - t0
-    sampled = [sum(m) for m in out.token_mask]
+    sampled = [sum(m) for m in out.token_masks]
     others = [i for i in range(len(prompts)) if i != slow and i in done]
     end = max(done[i] for i in others) - t0 if others else wall
     return {"turns": turns, "arm": "reprefill" if reprefill else "reuse", "slow_tool": slow is not None,

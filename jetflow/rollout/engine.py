@@ -3,7 +3,7 @@
     engine = RolloutEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
                            max_batch=16, max_seq_len=512, tokenizer=tok)
     out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=128, temperature=1.0), seeds=[...])
-    out.token_ids[i], out.logprobs[i], out.finish_reason[i], out.weight_version
+    out.token_ids[i], out.logprobs[i], out.finish_reasons[i], out.weight_version
 
 How a batch runs (continuous batching over a paged KV cache, jetflow.rollout.scheduler):
 - The KV cache is a pool of 64-position pages (jetflow.model.paged_cache) sized by a byte budget
@@ -103,16 +103,16 @@ class RolloutOutput:
     logprobs: list[list[float]]
     """log pi_rollout(token) for each generated token: log_softmax(filter(logits / temperature)),
     top-k / top-p filtered and renormalised; under greedy, log_softmax(logits)."""
-    finish_reason: list[str]
+    finish_reasons: list[str]
     """"eos" | "stop" | "length"."""
-    text: list[str] | None
+    texts: list[str] | None
     """Decoded token_ids (special tokens skipped, text cut before the stop string on "stop");
     None without a tokenizer."""
     weight_version: int
     """The engine's weight_version when this call started (which policy produced the tokens)."""
     stats: dict = field(default_factory=dict)
     """prefill_s, decode_s, new_tokens, tokens_per_s, ..."""
-    token_mask: list[list[int]] | None = None
+    token_masks: list[list[int]] | None = None
     """Conversations (`on_turn_end`): per request 1 on each token the engine sampled, 0 on each observation
     token appended between turns (their logprobs entries are 0.0 and mean nothing); None for one turn."""
     routed_experts: list[torch.Tensor] | None = None
@@ -180,7 +180,7 @@ class RolloutEngine:
         of cache_dtype holding the rounded values.
     continuous: admit a waiting request as soon as a row and its pages are free; False: only into an
         empty batch (static batches, to compare against).
-    tokenizer: needed for stop strings and `text` (encode / decode).
+    tokenizer: needed for stop strings and `texts` (encode / decode).
     compile: torch.compile the decode step's forward (see `_compiled_hidden`).
     pack_linears: on the CPU, run plain fp32 linears on oneDNN-prepacked weight copies (one more
         fp32 copy of those weights; `jetflow.rollout.cpu_pack`); ignored with compile.
@@ -317,18 +317,18 @@ class RolloutEngine:
         stats.update(new_tokens=new_tokens, tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0,
                      preemptions=sched.preemptions, kv_pages_peak=pool.peak_held)
         self.last_stats = stats  # the last generate's, for the benches (RolloutOutput.stats is the same dict)
-        text = None
+        texts = None
         if self.tokenizer is not None:
-            text = [final_text(self.tokenizer, r.tokens, params.stop, r.finish_reason == "stop") for r in requests]
+            texts = [final_text(self.tokenizer, r.tokens, params.stop, r.finish_reason == "stop") for r in requests]
         return RolloutOutput(
             prompt_ids=[r.prompt for r in requests],
             token_ids=[r.tokens for r in requests],
             logprobs=[r.logprobs for r in requests],
-            finish_reason=[r.finish_reason for r in requests],
-            text=text,
+            finish_reasons=[r.finish_reason for r in requests],
+            texts=texts,
             weight_version=version,
             stats=stats,
-            token_mask=[r.mask for r in requests] if conversations else None,
+            token_masks=[r.mask for r in requests] if conversations else None,
             routed_experts=[torch.cat(r.routing) for r in requests] if self._moe else None,
         )
 

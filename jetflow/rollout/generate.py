@@ -66,6 +66,6 @@ def generate_main(model_path: str, prompts: list[str], max_new_tokens: int = 64,
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     out = engine.generate(ids, params, seeds=[seed + i for i in range(len(ids))])
     if print_output:
-        for i, (prompt, text, reason) in enumerate(zip(prompts, out.text, out.finish_reason)):
+        for i, (prompt, text, reason) in enumerate(zip(prompts, out.texts, out.finish_reasons)):
             print(f"=== [{i}] {prompt}\n{text}\n--- ({len(out.token_ids[i])} tokens, {reason})", flush=True)
-    return out.text
+    return out.texts

@@ -55,11 +55,11 @@ class NativeRollout:
         params = replace(self.params, temperature=0.0) if greedy else self.params
         if self.driver is None or problems is None:
             out = self.engine.generate(prompts, params, seeds=seeds)
-            return Rollouts(token_ids=out.token_ids, logprobs=out.logprobs, texts=out.text,
-                            finish_reasons=out.finish_reason, weight_version=out.weight_version,
+            return Rollouts(token_ids=out.token_ids, logprobs=out.logprobs, texts=out.texts,
+                            finish_reasons=out.finish_reasons, weight_version=out.weight_version,
                             routed_experts=out.routed_experts)
         self.driver.start(problems)  # conversations: the engine keeps each one's pages between its turns
         out = self.engine.generate(prompts, params, seeds=seeds, on_turn_end=self.driver.after_turn,
                                    max_total_tokens=self.max_total_tokens)
-        return self.driver.rollouts(prompts, out.token_ids, out.logprobs, out.token_mask, out.text, out.finish_reason,
+        return self.driver.rollouts(prompts, out.token_ids, out.logprobs, out.token_masks, out.texts, out.finish_reasons,
                                     out.weight_version, self.eos)

@@ -81,7 +81,7 @@ def max_logprob_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 def assert_same_rollouts(vllm_out, native_out, tol=TOL) -> float:
     assert vllm_out.token_ids == native_out.token_ids
-    assert vllm_out.finish_reasons == native_out.finish_reason
+    assert vllm_out.finish_reasons == native_out.finish_reasons
     diff = max_logprob_diff(vllm_out.logprobs, native_out.logprobs)
     assert diff < tol, f"log-probs differ by {diff}"
     return diff
@@ -322,14 +322,14 @@ def test_eos_and_stop_strings_as_the_native_engine(fp32_side):
     text2 = TOKENIZER.decode(free.token_ids[2], skip_special_tokens=True)
     stop = next(text2[i:i + 2] for i in range(8, len(text2) - 1) if text2[i:i + 2] not in text0)
     expected = native_greedy(model, eos=[eos], stop=(stop,), tokenizer=TOKENIZER)
-    assert expected.finish_reason[0] == "eos" and expected.finish_reason[2] == "stop"
+    assert expected.finish_reasons[0] == "eos" and expected.finish_reasons[2] == "stop"
     rollout.eos_token_ids, rollout.stop = [eos], (stop,)
     try:
         out = rollout.generate(PROMPTS, seeds=[0, 1, 2])
     finally:
         rollout.eos_token_ids, rollout.stop = [], ()
     assert_same_rollouts(out, expected)
-    assert out.texts == expected.text
+    assert out.texts == expected.texts
 
 
 def test_fp8_payload_is_the_exported_checkpoint_byte_for_byte(tmp_path):
@@ -381,16 +381,16 @@ def test_smollm2_chat_greedy_matches_native_engine(smollm2_dir):
         native = native_greedy(model, prompts, tokenizer=tok)
         assert [len(t) for t in out.token_ids] == [STEPS] * len(prompts)
         assert_same_rollouts(out, native)
-        assert out.texts == native.text
+        assert out.texts == native.texts
 
         eos = [tok.eos_token_id]
-        stop = native.text[2].split()[3]  # a word the third answer contains
+        stop = native.texts[2].split()[3]  # a word the third answer contains
         rollout.eos_token_ids, rollout.stop = eos, (stop,)
         out = rollout.generate(prompts, seeds=[0, 1, 2])
         native = native_greedy(model, prompts, eos=eos, stop=(stop,), tokenizer=tok)
-        assert native.finish_reason[2] == "stop"
+        assert native.finish_reasons[2] == "stop"
         assert_same_rollouts(out, native)
-        assert out.texts == native.text
+        assert out.texts == native.texts
     finally:
         rollout.close()
 

@@ -158,7 +158,7 @@ def test_per_request_length_caps(model):
     eng = _engine(model, max_batch=2)
     full = eng.generate(PROMPTS[:3], params, seeds=SEEDS[:3])
     out = eng.generate(PROMPTS[:3], params, seeds=SEEDS[:3], max_new_tokens=[3, 10, 1])
-    assert [len(t) for t in out.token_ids] == [3, 10, 1] and out.finish_reason == ["length"] * 3
+    assert [len(t) for t in out.token_ids] == [3, 10, 1] and out.finish_reasons == ["length"] * 3
     assert all(t == f[:len(t)] for t, f in zip(out.token_ids, full.token_ids))
     with pytest.raises(ValueError, match="one value in"):
         eng.generate(PROMPTS[:1], params, seeds=[1], max_new_tokens=[11])

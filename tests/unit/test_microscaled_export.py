@@ -180,7 +180,7 @@ def test_export_then_jetflow_generate_round_trip(family, tmp_path, capsys):
     prompts = ["3+4=", "12+5="]
     ids = [tok.encode(p) for p in prompts]
     engine = RolloutEngine(trainer, [tok.eos_token_id], tok.pad_token_id, max_batch=2, max_seq_len=24, tokenizer=tok)
-    expected = engine.generate(ids, SamplingParams(max_new_tokens=6, temperature=0.0)).text
+    expected = engine.generate(ids, SamplingParams(max_new_tokens=6, temperature=0.0)).texts
     capsys.readouterr()
     assert main(["generate", "--model", str(out), *prompts, "--max-new-tokens", "6", "--no-chat"]) == 0
     texts = re.findall(r"=== \[\d+\] [^\n]*\n(.*?)\n--- \(\d+ tokens", capsys.readouterr().out, flags=re.DOTALL)

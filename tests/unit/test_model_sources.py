@@ -95,7 +95,7 @@ def greedy(model, tokenizer, prompts=PROMPTS, max_new_tokens=6) -> list[str]:
     ids = [tokenizer.encode(p) for p in prompts]
     engine = RolloutEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_batch=len(ids),
                            max_seq_len=max(map(len, ids)) + max_new_tokens, tokenizer=tokenizer)
-    return engine.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)).text
+    return engine.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)).texts
 
 
 def cli_generate(model_dir, capsys, *extra: str) -> list[str]:

@@ -79,7 +79,7 @@ def test_greedy_matches_full_forward_loop(model):
         out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=n, temperature=0.0))
         assert out.token_ids == refs
         assert out.prompt_ids == PROMPTS
-        assert out.finish_reason == ["eos" if r[-1] == eos else "length" for r in refs]
+        assert out.finish_reasons == ["eos" if r[-1] == eos else "length" for r in refs]
         assert out.stats["prefills"] > (1 if continuous else 0) + len(PROMPTS) // 3
         for p, toks, lps in zip(PROMPTS, out.token_ids, out.logprobs):  # greedy: log_softmax(logits)
             ref = torch.log_softmax(full_logits(model, p + toks)[len(p) - 1:-1], -1)
@@ -140,7 +140,7 @@ def test_stops_on_eos_stop_string_and_length(model):
     out = engine(model, eos_token_ids=[free[4]], tokenizer=TOK).generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=30, **greedy))
     k = free.index(free[4])
-    assert out.finish_reason == ["eos"] and out.token_ids[0] == free[:k + 1]
+    assert out.finish_reasons == ["eos"] and out.token_ids[0] == free[:k + 1]
     # stop string: two characters of the greedy text; generation stops on the token that completes
     # its first occurrence (text = decoded without special tokens) and the text ends before it
     plain = TOK.decode(free, skip_special_tokens=True)
@@ -148,18 +148,18 @@ def test_stops_on_eos_stop_string_and_length(model):
     k = next(k for k in range(1, 31) if s in TOK.decode(free[:k], skip_special_tokens=True))
     out = engine(model, eos_token_ids=[], tokenizer=TOK).generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=30, stop=("zzzz", s), **greedy))
-    assert out.finish_reason == ["stop"]
+    assert out.finish_reasons == ["stop"]
     assert out.token_ids[0] == free[:k]
-    assert out.text == [plain[:plain.index(s)]]
+    assert out.texts == [plain[:plain.index(s)]]
     # length
     out = engine(model, eos_token_ids=[], tokenizer=TOK).generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=5, **greedy))
-    assert out.finish_reason == ["length"] and out.token_ids[0] == free[:5]
-    assert out.text == [TOK.decode(free[:5], skip_special_tokens=True)]
+    assert out.finish_reasons == ["length"] and out.token_ids[0] == free[:5]
+    assert out.texts == [TOK.decode(free[:5], skip_special_tokens=True)]
     # ignore_eos runs to the length even through an EOS
     out = engine(model, eos_token_ids=[free[4]]).generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=10, ignore_eos=True, **greedy))
-    assert out.finish_reason == ["length"] and out.token_ids[0] == free[:10]
+    assert out.finish_reasons == ["length"] and out.token_ids[0] == free[:10]
     with pytest.raises(ValueError, match="tokenizer"):
         engine(model).generate([PROMPTS[0]], SamplingParams(stop=("x",)))
 
