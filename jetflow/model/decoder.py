@@ -42,7 +42,7 @@ from jetflow.model.attention import (  # noqa: F401  (re-exported: jetflow.model
 from jetflow.model.kv_cache import KVCache
 from jetflow.model.model_config import SUPPORTED, ModelConfig, UnsupportedModelError  # noqa: F401  (re-exported)
 from jetflow.model.layers import MLP, RMSNorm, silu_exact  # noqa: F401  (re-exported)
-from jetflow.model.moe import SparseMoeBlock
+from jetflow.model.moe import SparseMoeBlock, model_load_balancing_loss
 from jetflow.precision.linear import PrecisionLinear
 from jetflow.precision.modes import NUMERICS
 
@@ -284,3 +284,21 @@ class Decoder(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # shared (tied) parameters counted once
+
+    # What the Trainer asks of every policy (jetflow.model.protocol.TrainablePolicy), answered for a model
+    # whole in each process: its gradients are plain tensors, its forward runs alone.
+    collective_forward = False
+    """A forward never waits for another rank's (no expert parallelism): a micro-batch without response
+    tokens can be skipped."""
+
+    def load_balancing_loss(self) -> torch.Tensor | None:
+        """The router load-balancing loss of the last forward (None for a dense model)."""
+        return model_load_balancing_loss(self)
+
+    def reduce_data_parallel_grads(self, dp) -> None:
+        """Sum the trained parameters' gradients over the data-parallel ranks `dp`."""
+        dp.all_reduce_grads([p for p in self.parameters() if p.requires_grad])
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the trained parameters' gradients by their global norm; returns that norm."""
+        return torch.nn.utils.clip_grad_norm_([p for p in self.parameters() if p.requires_grad], max_norm)

@@ -1,11 +1,12 @@
 """What the trainer, weight sync and checkpoints ask of a policy model, declared once.
 
 `TrainablePolicy` is every trainer model: jetflow's `Decoder`, or a model that holds a Decoder's
-weights in another layout (the Megatron backend's `MegatronPolicy`). `ShardedPolicy` is the second
-kind: its weights are not its `state_dict` (other names, tensor-parallel shards), so it gives them
-HF-named and gathered, and owns the operations that span its shards (gradient norm and reductions,
-the optimizer state of each part, collective forwards, the FP8 K/V quantizer's reduction). Code asks
-`isinstance(model, ShardedPolicy)` instead of probing for methods.
+weights in another layout (the Megatron backend's `MegatronPolicy`, the FSDP backend's `FSDPPolicy`). Every
+one answers the Trainer's questions itself (gradient reduction and norm, collective forwards, the router
+loss), a sharded one over its shards. `ShardedPolicy` is the second kind: its weights are not its
+`state_dict` (other names, tensor-parallel shards), so it gives them HF-named and gathered, and owns the
+operations that span its shards (the optimizer state of each part, the FP8 K/V quantizer's reduction).
+Code asks `isinstance(model, ShardedPolicy)` instead of probing for methods.
 """
 
 from __future__ import annotations
@@ -34,6 +35,22 @@ class TrainablePolicy(Protocol):
 
     def num_params(self) -> int: ...
 
+    # The Trainer's questions (jetflow.train.trainer), each policy's own answer.
+    @property
+    def collective_forward(self) -> bool: ...
+    """A forward is a collective of ranks holding different data (expert parallelism, FSDP's all-gathers):
+    every rank must run every micro-batch, one without response tokens included."""
+
+    def load_balancing_loss(self) -> torch.Tensor | None: ...
+    """The router load-balancing loss of the last forward (None for a dense model)."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor: ...
+    """Clip by the global gradient norm over all shards; returns that norm."""
+
+    def reduce_data_parallel_grads(self, dp: Any) -> None: ...
+    """Sum the gradients over the data-parallel ranks `dp` (jetflow.distributed.DataParallel), each
+    parameter over the group that holds it (an expert's: its expert-data-parallel group)."""
+
 
 @runtime_checkable
 class ShardedPolicy(TrainablePolicy, Protocol):
@@ -53,13 +70,6 @@ class ShardedPolicy(TrainablePolicy, Protocol):
     def quantized_weights(self) -> dict[str, "QuantizedTensor"]: ...
     """The FP8 bytes its linears compute with, per HF module name (gathered)."""
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor: ...
-    """Clip by the global gradient norm over all shards; returns that norm."""
-
-    def reduce_data_parallel_grads(self, dp: Any) -> None: ...
-    """Sum the gradients over the data-parallel ranks `dp` (jetflow.distributed.DataParallel), each
-    parameter over the group that holds it (an expert's: its expert-data-parallel group)."""
-
     mp_size: int
     """Ranks that hold one copy of the model between them (tensor x pipeline parallel)."""
     state_size: int
@@ -67,14 +77,6 @@ class ShardedPolicy(TrainablePolicy, Protocol):
     optimizer state per rank of `state_group`."""
     state_rank: int
     state_group: Any
-
-    @property
-    def collective_forward(self) -> bool: ...
-    """A forward is a collective of ranks holding different data (expert parallelism): every rank must
-    run every micro-batch, one without response tokens included."""
-
-    def load_balancing_loss(self) -> torch.Tensor | None: ...
-    """The router load-balancing loss of the last forward (None for a dense model)."""
 
     def attach_kv_quantizer(self, quantizer: Any) -> Any: ...
     """Apply the FP8 K/V quantizer in its own attention; returns the quantizer the run drives."""

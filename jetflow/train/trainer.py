@@ -18,11 +18,10 @@ from torch import Tensor
 
 from jetflow.config import AlgoConfig, TrainConfig, loss_aggregation
 from jetflow.distributed import SINGLE, DataParallel
-from jetflow.model.moe import model_load_balancing_loss, replay_flip_fraction
+from jetflow.model.moe import replay_flip_fraction
 from jetflow.model.chunked_logprobs import chunked_token_logprobs
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 from jetflow.errors import UserError
-from jetflow.model.protocol import ShardedPolicy
 from jetflow.precision import NonFiniteError, defer_nonfinite
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
@@ -111,21 +110,17 @@ def pipelined(model: nn.Module) -> bool:
     return isinstance(model, PipelinedPolicy) and model.pp_size > 1
 
 
-def collective_forward(model: nn.Module) -> bool:
-    """True for a model whose forward is a collective of ranks holding different data (Megatron with
-    expert parallelism: the token dispatch over the expert-parallel group): every rank then runs every
-    micro-batch, one without response tokens included (with loss weight 0), or the others would wait."""
-    return isinstance(model, ShardedPolicy) and model.collective_forward
-
-
 def _stage_inputs(micro: list[Experience]) -> list[tuple[Tensor, Tensor]]:
     return [(mb.input_ids, mb.attention_mask) for mb in micro]
 
 
 class Trainer:
     """The policy's optimizer side in this process: what the RL loop calls (jetflow.train.protocol.
-    PolicyTrainer) on a `TrainablePolicy`; a `ShardedPolicy` (Megatron) owns the operations that span
-    its shards (gradient reductions and norm, collective forwards, its router loss)."""
+    PolicyTrainer) on a `TrainablePolicy`, which answers the questions whose answer depends on how it is laid
+    out (jetflow.model.protocol): its gradients' reduction and norm, whether its forward is a collective (Megatron
+    with expert parallelism: the token dispatch over the expert-parallel group; FSDP's all-gathers: every rank
+    then runs every micro-batch, one without response tokens included with loss weight 0, or the others would
+    wait), its router loss. A sharded policy answers over its shards."""
 
     def __init__(self, model: nn.Module, train: TrainConfig, algo: AlgoConfig, total_steps: int | None = None,
                  dp: DataParallel = SINGLE, loss_scale: float | None = None):
@@ -257,7 +252,7 @@ class Trainer:
         Returns ({micro-batch index: (weighted loss value, extra)}, failed): failed when an FP8 quantizer met
         NaN / Inf (NonFiniteError), which skips the step like a NaN loss (train.max_bad_steps applies); the
         micro-batches done before it stay in the dict (a pipeline's: none)."""
-        active = [i for i, w in enumerate(weights) if w != 0 or collective_forward(self.model)]
+        active = [i for i, w in enumerate(weights) if w != 0 or self.model.collective_forward]
         done: dict[int, tuple[float, Any]] = {}
         if pipelined(self.model):
             def head(j: int, hidden: Tensor):
@@ -285,7 +280,7 @@ class Trainer:
         other ranks' experts) cannot stop one rank at its first NaN, the others would wait for it in the next
         dispatch forever: compute runs with the error deferred (the NaN flows on), then every rank learns
         whether any met one. Other models raise NonFiniteError where it happens, and bad is False."""
-        if not collective_forward(self.model):
+        if not self.model.collective_forward:
             return compute(), False
         with defer_nonfinite() as record:
             result = compute()
@@ -308,8 +303,7 @@ class Trainer:
                                     kl_estimator=self.algo.kl_estimator, ratio_level=self.algo.ratio_level,
                                     scale=self.loss_scale)
         if self.algo.router_aux_loss_coef:  # MoE: the router load-balancing loss of this forward
-            sharded = isinstance(self.model, ShardedPolicy)  # its routers are not SparseMoeBlocks
-            aux = self.model.load_balancing_loss() if sharded else model_load_balancing_loss(self.model)
+            aux = self.model.load_balancing_loss()
             if aux is not None:
                 loss = loss + self.algo.router_aux_loss_coef * aux
                 metrics["loss/router_aux"] = float(aux.detach())
@@ -336,18 +330,12 @@ class Trainer:
     def _apply_gradients(self, loss_value: float, metrics: dict[str, float], t0: float,
                          sft: bool = False) -> dict[str, float]:
         # Each rank holds its share of the global-batch loss and gradient: sum both over ranks.
-        if isinstance(self.model, ShardedPolicy):  # each parameter over its own group (experts: theirs)
-            self.model.reduce_data_parallel_grads(self.dp)
-        else:
-            self.dp.all_reduce_grads(self.params)
+        self.model.reduce_data_parallel_grads(self.dp)  # a sharded policy: each parameter over its own group
         summed = self.dp.sum_dict({**metrics, "_loss": loss_value})
         loss_value = summed.pop("_loss")
         metrics = {"loss/sft": loss_value} if sft else summed
         max_norm = self.cfg.grad_clip or float("inf")
-        if isinstance(self.model, ShardedPolicy):  # the norm over all its shards
-            grad_norm = self.model.clip_grad_norm_(max_norm)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        grad_norm = self.model.clip_grad_norm_(max_norm)  # a sharded policy: the norm over all its shards
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         out = dict(metrics)
         out.update({"train/loss": loss_value, "train/grad_norm": float(grad_norm),
