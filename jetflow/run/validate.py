@@ -34,8 +34,9 @@ from typing import Any, Callable
 import torch
 
 from jetflow.config import Config, ConfigError, Derived, config_changes, conversation_tokens, derive, load_config
-from jetflow.model.paged_cache import PagePool
-from jetflow.rollout.scheduler import pages_for
+from jetflow.precision.family import family_of
+from jetflow.rollout.engine import default_kv_pool_bytes
+from jetflow.rollout.native import kv_pool_bytes
 from jetflow.run.build import RunInputs, load_inputs
 from jetflow.run.files import CONFIG_FILE, holds_a_run, run_dir_of
 from jetflow.run.memory_estimate import check_memory
@@ -190,11 +191,13 @@ def check_combinations(cfg: Config) -> None:
 
 
 def check_blocks(cfg: Config) -> None:
-    """fp8_block blocks other than 128x128 / 1x128 (finer blocks, say) run on their dequantized values
-    (jetflow.precision.gemm), which the native engine and trainer compute; vLLM's FP8 payload, Megatron-Core's
-    fused weights and FSDP's FP8 all-gather lay out 128-row blocks."""
+    """Blocks that not every backend lays out (fp8_block blocks other than 128x128 / 1x128, finer ones, say:
+    they run on their dequantized values, jetflow.precision.fp8_function, which the native engine and trainer
+    compute; vLLM's FP8 payload, Megatron-Core's fused weights and FSDP's FP8 all-gather lay out 128-row
+    blocks), asked of the recipe family's strategy."""
     p = cfg.precision
-    if p.family != "fp8_block" or p.mode not in ("mixed", "unified") or (list(p.weight_block), p.group_size) == ([128, 128], 128):
+    recipe = p.recipe()
+    if p.mode not in ("mixed", "unified") or family_of(recipe).all_backends_read(recipe):
         return
     for key, value in (("rollout.backend", cfg.rollout.backend), ("train.backend", cfg.train.backend)):
         if value != "native":
@@ -346,9 +349,8 @@ def check_task_and_model(cfg: Config, derived: Derived) -> RunInputs:
                           f"{arch.max_position_embeddings} positions; set rollout.max_total_tokens <= "
                           f"{arch.max_position_embeddings}")
     if cfg.rollout.kv_cache_gib is not None and cfg.rollout.backend == "native":  # the longest request alone, fp32
-        need = (pages_for(request) + 1) * PagePool.page_bytes(
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32)
-        if cfg.rollout.kv_cache_gib * 2**30 < need:
+        need = default_kv_pool_bytes(arch, 1, request)
+        if kv_pool_bytes(cfg, arch, request) < need:
             raise ConfigError(f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: one request of {request} tokens "
                               f"needs {need / 2**30:.4g} GiB of fp32 KV pages")
     if cfg.run.memory_check:  # before any weight is loaded: a run that cannot fit is refused in one line
