@@ -256,13 +256,15 @@ class TrainConfig:
     data-parallel size is torchrun's world size instead."""
     max_bad_steps: int = 3
     """Consecutive NaN/Inf steps tolerated (skipped) before the run stops."""
-    logprob_chunk_tokens: int = 0
+    logprob_chunk_tokens: int | Literal["auto"] = "auto"
     """Native backend: response positions sent through lm_head at a time when computing log-probs (forward
     and backward, jetflow.model.chunked_logprobs), so the (tokens x vocab) logits never exist whole
-    (0: one call). The same log-probs bit for bit under exact numerics."""
-    activation_checkpointing: bool = False
+    (0: one call). The same log-probs bit for bit under exact numerics. auto: 0, or chunks of 512 where the
+    memory estimate says the run needs them to fit (MemorySavers; jetflow.run.memory_estimate.choose_savers)."""
+    activation_checkpointing: bool | Literal["auto"] = "auto"
     """Native backend: keep only each decoder layer's input in the forward and recompute the layer in
-    the backward (torch.utils.checkpoint); memory for time, the same gradients under exact numerics."""
+    the backward (torch.utils.checkpoint); memory for time, the same gradients under exact numerics.
+    auto: false, or true where the memory estimate says the run needs it (after chunked log-probs) to fit."""
     release_host_memory: bool = True
     """With activation_checkpointing: give the heap's freed pages back to the OS after each layer's forward
     and backward (glibc malloc_trim, jetflow.host_memory), once more than 256 MiB lie free. Host memory for
@@ -310,8 +312,10 @@ class RunConfig:
     """run.resume=true: config keys that may differ from the run's config.yaml (e.g. [train.steps,
     train.lr]); they take effect from the resumed step. Any other difference is refused."""
     memory_check: bool = True
-    """Estimate the run's memory before it starts (jetflow.run.memory_estimate) and refuse a run that cannot fit in what the
-    process can have (RAM and cgroup limit on the CPU, free device memory on CUDA); warn when close. false skips it."""
+    """Estimate the run's memory before it starts (jetflow.run.memory_estimate), choose the memory savers left to
+    `auto` by it (train.logprob_chunk_tokens, train.activation_checkpointing), and refuse a run that cannot fit in what
+    the process can have (RAM and cgroup limit on the CPU, free device memory on CUDA); warn when close. false skips it,
+    and `auto` savers are off."""
 
 
 @dataclass
@@ -331,11 +335,38 @@ def _valid_keys(node: Any) -> list[str]:
 
 
 @dataclass(frozen=True)
+class MemorySavers:
+    """The native trainer's memory savers as the trainer runs them: train.activation_checkpointing and
+    train.logprob_chunk_tokens with `auto` resolved. Both trade compute for memory and leave the numbers
+    as they are under exact numerics (jetflow.train.checkpointing, jetflow.model.chunked_logprobs)."""
+    checkpointing: bool = False
+    chunk_tokens: int = 0  # 0: the log-probs' lm_head in one call
+    note: str = ""
+    """What the run's header says of a saver `auto` turned on, and why (empty: none)."""
+
+    @staticmethod
+    def of(train: TrainConfig) -> MemorySavers:
+        """The explicit values, `auto` as off: what a run has before its memory estimate resolves `auto`
+        (jetflow.run.memory_estimate.choose_savers), and what a Trainer built outside a run (a bench, a
+        test) runs."""
+        chunk = train.logprob_chunk_tokens
+        return MemorySavers(train.activation_checkpointing is True, 0 if chunk == "auto" else chunk)
+
+    def describe(self) -> str:
+        parts = (["activation checkpointing"] if self.checkpointing else []) + (
+            [f"log-prob chunks of {self.chunk_tokens}"] if self.chunk_tokens else [])
+        return " + ".join(parts) or "none"
+
+
+@dataclass(frozen=True)
 class Derived:
     """What a config implies, worked out once by `derive` (the pre-run pass) and handed to the builders."""
     precision: Precision  # the run's precision (jetflow.precision.plan): mode, recipe, numerics, GEMM backend
     correction: str  # algo.correction; `auto`: token TIS where the rollout differs by design (mixed), else none
     loggers: tuple[str, ...] = ()  # the trackers the run logs to (run_loggers)
+    savers: MemorySavers = MemorySavers()
+    """The trainer's memory savers: derive's explicit values (`auto` off), then the memory estimate's choice
+    for `auto` (jetflow.run.memory_estimate.check_memory, in jetflow.run.validate.validate_run)."""
 
 
 def conversation_tokens(rollout: RolloutConfig, longest_prompt: int) -> int:
@@ -372,7 +403,7 @@ def derive(cfg: Config) -> Derived:
     except ValueError as e:
         why = f"; algo.correction=auto is {correction} under precision.mode={p.mode}"
         raise ConfigError(f"algo.correction_params: {e}{why if cfg.algo.correction == 'auto' else ''}") from None
-    return Derived(precision, correction, loggers)
+    return Derived(precision, correction, loggers, MemorySavers.of(cfg.train))
 
 
 def _explain(e: OmegaConfBaseException) -> ConfigError:
@@ -488,6 +519,9 @@ def config_text(cfg: Config) -> str:
 # run.* keys a resumed (or re-run) session may change without changing the run's results
 SESSION_KEYS = ("resume", "progress", "tensorboard", "loggers", "tracker_project", "mlflow_tracking_uri", "num_threads",
                 "out_dir", "allow_changes", "memory_check")
+# train.* keys a resumed session may change too: the memory savers change how a step is computed, not what (the same
+# numbers on and off under exact numerics), and `auto` chooses them by the memory of the machine a session runs on
+MEMORY_SAVER_KEYS = ("activation_checkpointing", "logprob_chunk_tokens")
 
 
 def run_loggers(run: RunConfig) -> list[str]:
@@ -497,11 +531,13 @@ def run_loggers(run: RunConfig) -> list[str]:
 
 
 def config_changes(saved: Config, cfg: Config) -> list[str]:
-    """The dotted keys whose values differ between two configs, session keys aside."""
+    """The dotted keys whose values differ between two configs, session keys and memory savers aside."""
     def comparable(c: Config) -> dict:
         d = to_dict(c)
         for k in SESSION_KEYS:
             d["run"].pop(k, None)
+        for k in MEMORY_SAVER_KEYS:
+            d["train"].pop(k, None)
         d["algo"]["loss_agg"] = loss_aggregation(c.algo)  # a run saved before auto existed wrote token_mean
         return d
 

@@ -127,11 +127,12 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
     print("  " + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
 
     dev = torch.device(cfg.model.device)
+    savers = next(iter(trainers.values())).savers
     headline = {"name": "unified (FP8) / fp32 training tokens/s", "value": ratios.get("unified_over_fp32")}
     payload = {"workload": {"model": model, "batch": batch, "prompt_len": prompt_len, "response_len": response_len,
                             "lengths": lengths, "overrides": list(overrides), "warmup": warmup,
-                            "logprob_chunk_tokens": cfg.train.logprob_chunk_tokens,
-                            "activation_checkpointing": cfg.train.activation_checkpointing,
+                            # what the trainers ran: explicit values, `auto` off (a bench resolves no `auto`)
+                            "logprob_chunk_tokens": savers.chunk_tokens, "activation_checkpointing": savers.checkpointing,
                             "max_tokens_per_micro_batch": cfg.train.max_tokens_per_micro_batch,
                             "micro_batches": len(micro_batches(exp, cfg.train, next(iter(trainers.values())).model)),
                             "tokens_per_step": tokens, "reps": reps, "micro_batch_size": cfg.train.micro_batch_size,

@@ -3,9 +3,13 @@ process can have: a run that cannot fit is refused in one line, one close to the
 
     estimate = estimate_run(cfg, derived, arch, prompt_len)      # jetflow train's process
     estimate = estimate_train_step(cfg, derived, arch, batch, prompt_len, response_len)   # the bench's
-    check_memory(cfg, derived, arch, prompt_len)   # jetflow.run.validate (run.memory_check=false skips it)
+    derived = check_memory(cfg, derived, arch, prompt_len)   # jetflow.run.validate: `auto` savers chosen, then the check
 
     jetflow estimate-memory --config FILE [key=value ...]      the table of terms, and the limit
+
+The memory savers left to `auto` (train.logprob_chunk_tokens, train.activation_checkpointing) are chosen
+here, by the estimate (choose_savers): the cheapest combination under which the run fits with room, the
+trainer running what jetflow.config.Derived.savers then holds.
 
 The estimate is a sum of terms, each a product of the config's sizes (its formula in `Term.formula`).
 Notation: P parameters (tied weights once), m the master dtype's bytes (4 fp32, 2 bf16), L layers, h
@@ -36,12 +40,13 @@ The peak: the forward ends with the activations and the logits held, the backwar
 the gradients begin to fill: activations + backward working set + logits + gradients is taken as the
 step's peak (an upper bound: the gradients fill as the activations are freed). Compared with measured
 peak RSS in results/memory-estimate/README.md (within 25% on the configurations measured there).
-Not covered (the estimate is None, the check skipped): run.orchestrator=ray and train.backend=megatron
-(their memory is split over processes and machines the driver does not see).
+Not covered (the check skipped, `auto` savers off): run.orchestrator=ray, train.backend=megatron and fsdp
+(their memory is split over processes and machines the driver does not see), and run.memory_check=false.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -49,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config, ConfigError, Derived
+from jetflow.config import Config, ConfigError, Derived, MemorySavers, TrainConfig
 from jetflow.model.attention import GRAD_BLOCK
 from jetflow.model.chunked_logprobs import GROUP
 from jetflow.model.model_config import ModelConfig
@@ -168,7 +173,7 @@ def logits_bytes(vocab: int, response_positions: int, chunk: int) -> tuple[int, 
 def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, batch: int, prompt_len: int,
                    response_len: int) -> list[Term]:
     """The trainer's terms for `batch` sequences of prompt_len + response_len positions (packing's grid: widened)."""
-    t, m = cfg.train, master_dtype(cfg).itemsize
+    t, m, savers = cfg.train, master_dtype(cfg).itemsize, derived.savers
     kind = derived.precision.trainer_kind
     cuda = cfg.model.device.startswith("cuda")
     P = arch.num_parameters()
@@ -177,11 +182,11 @@ def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, batch: int,
     width = prompt_len + response_len + (-(prompt_len + response_len) % GRAD_BLOCK if grid else 0)
     rows = _micro_rows(cfg, batch, width)
     n = rows * width
-    per_token = activation_bytes_per_token(arch, kind, t.activation_checkpointing)
+    per_token = activation_bytes_per_token(arch, kind, savers.checkpointing)
     layer = layer_bytes_per_token(arch, kind)
-    work = (2 if t.activation_checkpointing else 1) * layer
-    logits, logits_formula = logits_bytes(arch.vocab_size, rows * response_len, t.logprob_chunk_tokens)
-    ckpt = "train.activation_checkpointing: L x 4 h + one layer" if t.activation_checkpointing else "L layers"
+    work = (2 if savers.checkpointing else 1) * layer
+    logits, logits_formula = logits_bytes(arch.vocab_size, rows * response_len, savers.chunk_tokens)
+    ckpt = "train.activation_checkpointing: L x 4 h + one layer" if savers.checkpointing else "L layers"
     return [
         Term("trainer weights", P * m, f"P={P / 1e6:.1f}M x {m} B"),
         Term("trainer copies", copies, f"{kind} linears: {copies_formula}"),
@@ -189,7 +194,7 @@ def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, batch: int,
         Term("AdamW state", 2 * P * m, f"2 x P x {m} B"),
         Term("activations", n * per_token, f"N={rows} x {width} ({prompt_len} + {response_len}) positions "
                                            f"(train.micro_batch_size) x {per_token} B ({ckpt})"),
-        Term("backward working set", n * work, f"N x {work} B ({'two layers' if t.activation_checkpointing else 'one layer'})"),
+        Term("backward working set", n * work, f"N x {work} B ({'two layers' if savers.checkpointing else 'one layer'})"),
         Term("logits", logits, logits_formula),
     ]
 
@@ -346,15 +351,80 @@ def available_memory(device: str = "cpu") -> tuple[int, str]:
 
 # The check -------------------------------------------------------------------------------------------------
 
-def knobs(cfg: Config, estimate: MemoryEstimate) -> str:
-    """What to turn, for the largest terms that a config key shrinks."""
+def estimated(cfg: Config) -> bool:
+    """The run's memory is estimated: not under run.orchestrator=ray, train.backend=megatron or fsdp (their
+    memory is split over processes and machines the driver does not see)."""
+    return cfg.run.orchestrator != "ray" and cfg.train.backend == "native"
+
+
+def _need(cfg: Config, estimate: MemoryEstimate) -> int:
+    """The memory the run's processes on this machine need: under torchrun the LOCAL_WORLD_SIZE ranks of a
+    machine share its RAM (on CUDA each has its own device)."""
+    return estimate.total * (1 if cfg.model.device.startswith("cuda") else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _estimate(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: int) -> MemoryEstimate:
+    return estimate_run(cfg, derived, arch, prompt_len, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+AUTO_CHUNK_TOKENS = 2 * GROUP
+"""The log-prob chunk `auto` takes: the forward's chunk logits (2 x rows x V) are then no larger than the
+backward's groups (4 x GROUP x V, logits_bytes), so a smaller chunk would save nothing, a larger one holds more."""
+
+
+def saver_options(train: TrainConfig) -> list[MemorySavers]:
+    """What `auto` may choose, cheapest first: neither saver; log-probs in chunks of AUTO_CHUNK_TOKENS (more,
+    smaller lm_head calls; the backward recomputes the head with chunking off too); and activation
+    checkpointing as well (each layer's forward once more in the backward). An explicit value holds in
+    every option. Sequence packing (train.max_tokens_per_micro_batch) is never chosen: its grid changes how
+    the gradients are summed, so their bits; it stays the user's to set."""
+    options: list[MemorySavers] = []
+    for checkpointing, chunk in ((False, 0), (False, AUTO_CHUNK_TOKENS), (True, AUTO_CHUNK_TOKENS)):
+        option = MemorySavers(checkpointing if train.activation_checkpointing == "auto" else train.activation_checkpointing,
+                              chunk if train.logprob_chunk_tokens == "auto" else train.logprob_chunk_tokens)
+        if option not in options:
+            options.append(option)
+    return options
+
+
+def choose_savers(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: int,
+                  have: int) -> tuple[Derived, MemoryEstimate]:
+    """`derived` with the memory savers `auto` leaves to the estimate chosen, and the run's estimate under
+    them: the first of saver_options whose need is at most WARN_FRACTION of `have` (one the check neither
+    refuses nor warns about: the estimate is within about 25%), else the one that needs least (which the
+    check then warns about or refuses; checkpointing a model of few layers can cost more than it saves: its
+    backward holds two layers' working set). A run that fits without savers keeps them off, its numbers
+    those of a run without `auto`. The choice is the header's note (MemorySavers.note) when it turned a
+    saver on."""
+    tried: list[tuple[Derived, MemoryEstimate]] = []
+    for option in saver_options(cfg.train):
+        with_option = dataclasses.replace(derived, savers=option)
+        tried.append((with_option, _estimate(cfg, with_option, arch, prompt_len)))
+        if _need(cfg, tried[-1][1]) <= WARN_FRACTION * have:
+            break
+    else:
+        tried.append(min(tried, key=lambda t: _need(cfg, t[1])))  # the first of the least
+    chosen, estimate = tried[-1]
+    if chosen.savers != tried[0][0].savers:  # `auto` turned a saver on (the first option: it turns none on)
+        note = (f"memory savers (auto): {chosen.savers.describe()} (estimate {_need(cfg, estimate) / GIB:.1f} GiB of "
+                f"{have / GIB:.1f} available; without: {_need(cfg, tried[0][1]) / GIB:.1f} GiB)")
+        chosen = dataclasses.replace(chosen, savers=dataclasses.replace(chosen.savers, note=note))
+    return chosen, estimate
+
+
+def knobs(cfg: Config, savers: MemorySavers, estimate: MemoryEstimate) -> str:
+    """What to turn, for the largest terms that a config key shrinks (a saver the run left out, unless `auto`
+    has tried it: under run.memory_check)."""
     t, r = cfg.train, cfg.rollout
+    tried = {k for k in ("activation_checkpointing", "logprob_chunk_tokens") if getattr(t, k) == "auto"} \
+        if cfg.run.memory_check else set()
+    batch = f"lower train.micro_batch_size (now {t.micro_batch_size})"
     advice = {
-        "activations": [f"lower train.micro_batch_size (now {t.micro_batch_size})"]
-        + ([] if t.activation_checkpointing else ["set train.activation_checkpointing=true"]),
-        "logits": [f"set train.logprob_chunk_tokens (now {t.logprob_chunk_tokens}) to e.g. 1024"
-                   if not t.logprob_chunk_tokens or t.logprob_chunk_tokens > 1024
-                   else f"lower train.micro_batch_size (now {t.micro_batch_size})"],
+        "activations": [batch] + ([] if savers.checkpointing or "activation_checkpointing" in tried
+                                  else ["set train.activation_checkpointing=true"]),
+        "logits": [f"set train.logprob_chunk_tokens (now {savers.chunk_tokens}) to e.g. {AUTO_CHUNK_TOKENS}"
+                   if "logprob_chunk_tokens" not in tried and (not savers.chunk_tokens or savers.chunk_tokens > AUTO_CHUNK_TOKENS)
+                   else batch],
         "KV cache": [f"set rollout.kv_cache_gib (now {r.kv_cache_gib}) lower" if r.backend == "native"
                      else "lower rollout.vllm_gpu_memory_utilization"]
         + (["set precision.kv_cache_fp8=true"] if r.backend == "native" and not cfg.precision.kv_cache_fp8 else []),
@@ -372,43 +442,52 @@ def knobs(cfg: Config, estimate: MemoryEstimate) -> str:
     return ", ".join(out)
 
 
-def check_memory(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: int) -> MemoryEstimate | None:
-    """Refuse a run whose estimate exceeds the memory its processes can have on this machine (MemoryTooSmall,
-    one line: the estimate, the memory, the knobs); warn on stderr above WARN_FRACTION of it. Under
-    torchrun each rank holds a whole trainer and engine for its share of the prompts (WORLD_SIZE), and
-    the LOCAL_WORLD_SIZE ranks of this machine share its RAM. Ray, Megatron and FSDP runs (whose ranks shard
-    the trainer's state) are not estimated (None)."""
-    if cfg.run.orchestrator == "ray" or cfg.train.backend in ("megatron", "fsdp"):
-        return None
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    estimate = estimate_run(cfg, derived, arch, prompt_len, int(os.environ.get("WORLD_SIZE", "1")))
-    need = estimate.total * (1 if cfg.model.device.startswith("cuda") else local_processes)
+def check_memory(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: int) -> Derived:
+    """`derived` with the memory savers `auto` leaves to the estimate chosen (choose_savers); then refuse a run
+    whose estimate exceeds the memory its processes can have on this machine (MemoryTooSmall, one line: the
+    estimate, the memory, the knobs left), and warn on stderr above WARN_FRACTION of it. Under torchrun each
+    rank holds a whole trainer and engine for its share of the prompts (WORLD_SIZE), and the LOCAL_WORLD_SIZE
+    ranks of this machine share its RAM. Not estimated (`derived` as it is, `auto` savers off): run.memory_check
+    =false, and Ray, Megatron and FSDP runs (whose ranks shard the trainer's state; Megatron has neither saver,
+    FSDP no activation checkpointing)."""
+    if not cfg.run.memory_check or not estimated(cfg):
+        return derived
     have, source = available_memory(cfg.model.device)
+    derived, estimate = choose_savers(cfg, derived, arch, prompt_len, have)
+    need = _need(cfg, estimate)
     biggest = ", ".join(f"{t.name} {t.bytes / GIB:.2f}" for t in sorted(estimate.terms, key=lambda t: -t.bytes)[:3])
-    procs = f" x {local_processes} processes" if need != estimate.total else ""
+    procs = f" x {need // estimate.total} processes" if need != estimate.total else ""
+    savers = derived.savers.describe()
     line = (f"this run needs about {need / GIB:.1f} GiB{procs} with every response at rollout.max_new_tokens="
-            f"{cfg.rollout.max_new_tokens} (largest: {biggest} GiB; `jetflow estimate-memory` lists every term) and "
-            f"the process can have {have / GIB:.1f} GiB ({source})")
+            f"{cfg.rollout.max_new_tokens}{'' if savers == 'none' else ' and ' + savers} (largest: {biggest} GiB; "
+            f"`jetflow estimate-memory` lists every term) and the process can have {have / GIB:.1f} GiB ({source})")
     if need > have:
-        raise MemoryTooSmall(f"memory: {line}; {knobs(cfg, estimate)}, or set run.memory_check=false to try anyway")
+        raise MemoryTooSmall(f"memory: {line}; {knobs(cfg, derived.savers, estimate)}, or set run.memory_check=false "
+                             "to try anyway")
     if need > WARN_FRACTION * have:
-        print(f"[jetflow] warning: memory: {line}: close to the limit; {knobs(cfg, estimate)} to leave room",
-              file=sys.stderr)
-    return estimate
+        print(f"[jetflow] warning: memory: {line}: close to the limit; {knobs(cfg, derived.savers, estimate)} to leave "
+              "room", file=sys.stderr)
+    return derived
 
 
 def describe(cfg: Config, derived: Derived) -> str:
-    """`jetflow estimate-memory`: the run's terms, the memory the process can have, and the verdict."""
+    """`jetflow estimate-memory`: the run's terms under the memory savers it would run with (`auto`'s choice
+    and why), the memory the process can have, and the verdict."""
     from jetflow.run.build import load_inputs
 
-    inputs = load_inputs(cfg)
-    arch, prompt_len = inputs.arch, inputs.longest_prompt
-    if cfg.run.orchestrator == "ray" or cfg.train.backend in ("megatron", "fsdp"):
+    if not estimated(cfg):
         return ("not estimated: run.orchestrator=ray, train.backend=megatron and train.backend=fsdp split the run "
                 "over processes")
-    estimate = estimate_run(cfg, derived, arch, prompt_len, int(os.environ.get("WORLD_SIZE", "1")))
+    inputs = load_inputs(cfg)
     have, source = available_memory(cfg.model.device)
-    verdict = ("does not fit" if estimate.total > have else
-               "close to the limit" if estimate.total > WARN_FRACTION * have else "fits")
-    return (f"{estimate.table()}\navailable: {have / GIB:.3f} GiB ({source}): {verdict}"
-            + (f"; {knobs(cfg, estimate)}" if verdict != "fits" else ""))
+    if cfg.run.memory_check:
+        derived, estimate = choose_savers(cfg, derived, inputs.arch, inputs.longest_prompt, have)
+    else:
+        estimate = _estimate(cfg, derived, inputs.arch, inputs.longest_prompt)
+    savers = derived.savers.note or f"memory savers: {derived.savers.describe()}" + (
+        "" if cfg.run.memory_check else " (run.memory_check=false: `auto` is off)")
+    need = _need(cfg, estimate)
+    verdict = "does not fit" if need > have else "close to the limit" if need > WARN_FRACTION * have else "fits"
+    return (f"{estimate.table()}\n{savers}\n"
+            f"available: {have / GIB:.3f} GiB ({source}): {verdict}"
+            + (f"; {knobs(cfg, derived.savers, estimate)}" if verdict != "fits" else ""))

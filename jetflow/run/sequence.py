@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 import torch.distributed
 
-from jetflow.config import Config, Derived, loss_aggregation, to_dict
+from jetflow.config import Config, Derived, MemorySavers, loss_aggregation, to_dict
 from jetflow.metrics_log import MetricsLogger
 from jetflow.run.files import append_position_curve, mark_stopped, tidy_for_resume, write_model_dirs, write_summary
 from jetflow.run.loop import RLLoop
@@ -72,6 +72,7 @@ class RunSequence:
     def __init__(self, cfg: Config, derived: Derived, placement: Placement, run_dir: Path, stop: StopRequests):
         self.cfg, self.placement, self.run_dir, self.stop = cfg, placement, run_dir, stop
         self.precision, self.loggers = derived.precision, derived.loggers  # resolved once (jetflow.config.derive)
+        self.savers = derived.savers  # `auto` resolved by the memory estimate (jetflow.run.memory_estimate)
         self.logger: MetricsLogger | None = None
         self.state: dict = {}  # the newest checkpoint's: next_step, sft_done[, warmup_step]
         self.saved_at: tuple | None = None  # (step, warmup_step) of the newest checkpoint this run holds
@@ -87,7 +88,8 @@ class RunSequence:
             if placement.is_main:
                 tidy_for_resume(run_dir, self.state)
                 print(f"[jetflow] run {run_dir}  mode={self.precision.mode.value}  "
-                      f"recipe={self.precision.recipe.fingerprint()}  {placement.describe()}{objective_note(cfg)}",
+                      f"recipe={self.precision.recipe.fingerprint()}  {placement.describe()}{objective_note(cfg)}"
+                      f"{savers_note(self.savers)}",
                       file=sys.stderr)
                 self.logger = MetricsLogger(run_dir, list(self.loggers), to_dict(cfg), cfg.run.tracker_project,
                                             cfg.run.mlflow_tracking_uri)
@@ -222,6 +224,11 @@ def objective_note(cfg: Config) -> str:
     if cfg.algo.loss_agg == "auto" and cfg.algo.ratio_level == "sequence":
         return f"  algo.loss_agg={loss_aggregation(cfg.algo)} (GSPO's, as algo.ratio_level=sequence defines it)"
     return ""
+
+
+def savers_note(savers: MemorySavers) -> str:
+    """What the header says of the memory savers `auto` turned on, and why (empty when it turned none on)."""
+    return f"  {savers.note}" if savers.note else ""
 
 
 def _progress_bar(cfg: Config, start: int):

@@ -59,7 +59,8 @@ class TrainerSide:
             from jetflow.train.fsdp.from_rank0 import share_rng_state
             share_rng_state(cfg.model.device)  # every rank's RNG where rank 0's build (a tiny model's init) left it
         self.trainer = Trainer(self.model, cfg.train, cfg.algo, dp=self.dp,
-                               loss_scale=cfg.algo.loss_scale_factor or cfg.rollout.max_new_tokens)
+                               loss_scale=cfg.algo.loss_scale_factor or cfg.rollout.max_new_tokens,
+                               savers=derived.savers)  # `auto` resolved by the memory estimate
         self.warmup: Warmup | None = None  # while the supervised warm-up runs
 
     def state(self) -> dict:
@@ -122,7 +123,8 @@ class TrainerSide:
 
     def _warmup(self) -> Warmup:
         if self.warmup is None:
-            self.warmup = Warmup(self.cfg, self.model, self.task, self.encode, self.tokenizer, self.dp)
+            self.warmup = Warmup(self.cfg, self.model, self.task, self.encode, self.tokenizer, self.dp,
+                                 self.derived.savers)
         return self.warmup
 
     def warmup_step(self, step: int) -> dict:

@@ -16,8 +16,9 @@ names the key and what is valid:
                                architecture, prompt lengths), read once and checked: the task's
                                parameters, and the model the run will build, read without loading a
                                weight (its architecture against the parallel layout, its positions
-                               against prompt + response, its estimated memory against the machine's:
-                               jetflow.run.memory_estimate)
+                               against prompt + response); last its estimated memory against the
+                               machine's, the memory savers left to `auto` chosen by it
+                               (jetflow.run.memory_estimate.check_memory: Derived.savers)
 
 `jetflow train` runs validate_run first; `jetflow ablate` runs it for every cell before the first;
 `jetflow launch` and the benches run check_config.
@@ -63,7 +64,7 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("train.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
     ("train.checkpoint_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("train.max_bad_steps", lambda v: v >= 0, ">= 0"),
-    ("train.logprob_chunk_tokens", lambda v: v >= 0, ">= 0 (0: one lm_head call)"),
+    ("train.logprob_chunk_tokens", lambda v: v == "auto" or v >= 0, ">= 0 (0: one lm_head call), or auto"),
     ("train.max_tokens_per_micro_batch", lambda v: v is None or v >= 0, ">= 0 (0 or null: no packing)"),
     ("rollout.group_size", lambda v: v >= 2,
      ">= 2: GRPO's advantage is a reward minus its group's mean, so one sample per prompt learns nothing"),
@@ -112,7 +113,9 @@ def validate_run(cfg: Config, processes: int | None = None) -> tuple[Derived, Ru
     check_packages(cfg)
     check_run_dir(cfg)
     derived = derive(cfg)  # each derived value checked (jetflow.config.derive)
-    return derived, check_task_and_model(cfg, derived)
+    inputs = check_task_and_model(cfg, derived)
+    # before any weight is loaded: the savers `auto` leaves to the estimate chosen, a run that cannot fit refused
+    return check_memory(cfg, derived, inputs.arch, inputs.longest_prompt), inputs
 
 
 # The config alone --------------------------------------------------------------------------------------
@@ -168,12 +171,12 @@ def check_combinations(cfg: Config) -> None:
     if t.backend == "fsdp":
         for key, value, why in (("rollout.backend", cfg.rollout.backend, "native"),
                                 ("train.activation_checkpointing", t.activation_checkpointing, False)):
-            if value != why:
+            if value not in (why, "auto"):  # auto: off on FSDP (its memory is not estimated)
                 raise ConfigError(f"train.backend=fsdp with {key}={value}: the FSDP trainer runs with the native "
                                   f"rollout engine and without activation checkpointing today; use {key}={why} or "
                                   "train.backend=native")
     for key in ("logprob_chunk_tokens", "activation_checkpointing"):  # the native trainer's memory savers
-        if t.backend == "megatron" and getattr(t, key):
+        if t.backend == "megatron" and getattr(t, key) not in (0, False, "auto"):  # auto: off on Megatron
             raise ConfigError(f"train.{key}={getattr(t, key)} runs on the native trainer only (train.backend=native)")
     if t.max_tokens_per_micro_batch and t.backend != "native":  # packing: the native Decoder's packed forward
         raise ConfigError(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} (sequence packing) runs "
@@ -327,7 +330,8 @@ def check_task_and_model(cfg: Config, derived: Derived) -> RunInputs:
     task's held-out split, and the model the run will build, read without loading a weight (`smollm2`
     is converted on first use): its positions hold the longest prompt and a whole response, the layers
     kept in high precision exist, routing replay has experts to replay, and Megatron's layout can split
-    it under the run's numerics and recipe (jetflow.train.megatron.checks)."""
+    it under the run's numerics and recipe (jetflow.train.megatron.checks). Its memory is validate_run's
+    last check."""
     path = cfg.model.path
     if path not in ("tiny", "smollm2") and not Path(path).is_dir():
         raise ConfigError(f"model.path={path!r}: not a directory (use a local Hugging Face directory, `smollm2` or "
@@ -353,8 +357,6 @@ def check_task_and_model(cfg: Config, derived: Derived) -> RunInputs:
         if kv_pool_bytes(cfg, arch, request) < need:
             raise ConfigError(f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: one request of {request} tokens "
                               f"needs {need / 2**30:.4g} GiB of fp32 KV pages")
-    if cfg.run.memory_check:  # before any weight is loaded: a run that cannot fit is refused in one line
-        check_memory(cfg, derived, arch, longest)
     kept = cfg.precision.keep_first_layers + cfg.precision.keep_last_layers
     if kept > arch.num_layers:
         raise ConfigError(f"precision.keep_first_layers={cfg.precision.keep_first_layers} + keep_last_layers="

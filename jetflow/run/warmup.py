@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from jetflow.config import Config
+from jetflow.config import Config, MemorySavers
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rl.experience import pack_experience
 from jetflow.train.trainer import Trainer
@@ -19,13 +19,14 @@ SFT_INDEX_OFFSET = 10_000_000  # supervised warm-up draws problems far from the 
 
 class Warmup:
     """train.sft_warmup_steps supervised steps with their own AdamW and schedule (lr train.sft_lr, 10%
-    linear warm-up, cosine to 0.1), on the trainer's model."""
+    linear warm-up, cosine to 0.1), on the trainer's model, with the run's memory savers."""
 
-    def __init__(self, cfg: Config, trainer_model, task, encode, tokenizer, dp: DataParallel = SINGLE):
+    def __init__(self, cfg: Config, trainer_model, task, encode, tokenizer, dp: DataParallel = SINGLE,
+                 savers: MemorySavers | None = None):
         n = cfg.train.sft_warmup_steps
         sft_cfg = replace(cfg.train, lr=cfg.train.sft_lr, warmup_steps=max(1, n // 10), steps=n, min_lr_ratio=0.1,
                           micro_batch_size=cfg.train.sft_batch_size)
-        self.trainer = Trainer(trainer_model, sft_cfg, cfg.algo, total_steps=n, dp=dp)
+        self.trainer = Trainer(trainer_model, sft_cfg, cfg.algo, total_steps=n, dp=dp, savers=savers)
         self.cfg, self.task, self.encode, self.tokenizer = cfg, task, encode, tokenizer
         self.mine = dp.shard(cfg.train.sft_batch_size)  # this rank's rows of each batch
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from jetflow.config import AlgoConfig, TrainConfig, loss_aggregation
+from jetflow.config import AlgoConfig, MemorySavers, TrainConfig, loss_aggregation
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.model.moe import replay_flip_fraction
 from jetflow.model.chunked_logprobs import chunked_token_logprobs
@@ -120,15 +120,19 @@ class Trainer:
     out (jetflow.model.protocol): its gradients' reduction and norm, whether its forward is a collective (Megatron
     with expert parallelism: the token dispatch over the expert-parallel group; FSDP's all-gathers: every rank
     then runs every micro-batch, one without response tokens included with loss weight 0, or the others would
-    wait), its router loss. A sharded policy answers over its shards."""
+    wait), its router loss. A sharded policy answers over its shards.
+
+    `savers`: the memory savers it runs (train.activation_checkpointing, train.logprob_chunk_tokens), the run's
+    with `auto` resolved (jetflow.config.Derived.savers); default: train's explicit values, `auto` off."""
 
     def __init__(self, model: nn.Module, train: TrainConfig, algo: AlgoConfig, total_steps: int | None = None,
-                 dp: DataParallel = SINGLE, loss_scale: float | None = None):
+                 dp: DataParallel = SINGLE, loss_scale: float | None = None, savers: MemorySavers | None = None):
         self.model, self.cfg, self.algo = model, train, algo
+        self.savers = MemorySavers.of(train) if savers is None else savers
         self.loss_scale = loss_scale  # the constant of loss_agg=seq_mean_token_sum_norm (None: the batch's width)
         self.reference: nn.Module | None = None  # the frozen reference policy of a KL penalty (jetflow.train.reference)
         self.dp = dp  # data-parallel ranks: each holds part of the batch (jetflow.distributed)
-        if train.activation_checkpointing:  # recompute each decoder layer in backward
+        if self.savers.checkpointing:  # recompute each decoder layer in backward
             enable_activation_checkpointing(model, train.release_host_memory)
         if train.max_tokens_per_micro_batch:  # exact packed gradients the padded ones' bits (jetflow.train.packing)
             use_packing_grid(model)
@@ -145,7 +149,7 @@ class Trainer:
     def _logprobs(self, mb: Experience, temperature: float = 1.0, model: nn.Module | None = None,
                   **kw) -> Tensor | tuple[Tensor, Tensor]:
         model = self.model if model is None else model
-        return response_logprobs(model, mb, temperature, chunk_tokens=self.cfg.logprob_chunk_tokens, **kw)
+        return response_logprobs(model, mb, temperature, chunk_tokens=self.savers.chunk_tokens, **kw)
 
     @torch.no_grad()
     def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False) -> Tensor:
