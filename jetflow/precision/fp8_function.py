@@ -189,9 +189,9 @@ def prepare_exact_fprop(recipe: QuantRecipe, packed: torch.Tensor, sw: torch.Ten
     return run
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: QuantizedTensor,
-               recipe: QuantRecipe, backend: str = "auto", name: str = "linear", numerics: str = "fast",
-               groups: int | None = None, combine=None) -> torch.Tensor:
+def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: QuantizedTensor,
+                 recipe: QuantRecipe, backend: str = "auto", name: str = "linear", numerics: str = "fast",
+                 groups: int | None = None, combine=None) -> torch.Tensor:
     """Functional fp8_block linear with FP8 fprop, dgrad and wgrad. `wq` is `weight` quantized by the recipe.
     numerics="exact": the fprop is `exact_fprop` (`groups` canonical groups over K, see
     jetflow.kernels.canonical), the result fp32 without the bias (jetflow.precision.exact applies the
@@ -210,7 +210,7 @@ class FP8Block:
     static_input_scales = False
     exact_reads_bytes = True  # the exact GEMMs read the FP8 bytes: no dequantized fp32 copy is kept
     quantize_weight = staticmethod(quantize_weight)
-    linear = staticmethod(fp8_linear)
+    linear = staticmethod(block_linear)
 
     @staticmethod
     def exact_product(x2: torch.Tensor, wq: QuantizedTensor, recipe: QuantRecipe, name: str = "linear",

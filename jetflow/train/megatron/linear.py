@@ -210,7 +210,7 @@ class _JetflowLinearMixin:
     def freeze_quantized(self) -> None:
         """A reference policy's linear (jetflow.train.reference): its FP8 segments' bytes quantized once and
         kept. When every segment is FP8 its weight is then replaced by a zero-stride placeholder of its
-        shape: a no-grad forward reads only the bytes (exact_linear their panels, fp8_linear the bytes).
+        shape: a no-grad forward reads only the bytes (exact_linear their panels, the recipe family's linear the bytes).
         An lm_head tied to the embedding (no weight of its own) is left as it is."""
         if self.weight is None or not any(s.kind == "fp8" for s in self.segments):
             return
