@@ -36,6 +36,7 @@ import torch
 
 from jetflow.config import Config, ConfigError, Derived, config_changes, conversation_tokens, derive, load_config
 from jetflow.precision.family import family_of
+from jetflow.precision.recipe import QuantRecipe
 from jetflow.rollout.engine import default_kv_pool_bytes
 from jetflow.rollout.native import kv_pool_bytes
 from jetflow.run.build import RunInputs, load_inputs
@@ -112,7 +113,7 @@ def validate_run(cfg: Config, processes: int | None = None) -> tuple[Derived, Ru
     check_processes(cfg, processes)
     check_packages(cfg)
     check_run_dir(cfg)
-    derived = derive(cfg)  # each derived value checked (jetflow.config.derive)
+    derived = derive_checked(cfg)
     inputs = check_task_and_model(cfg, derived)
     # before any weight is loaded: the savers `auto` leaves to the estimate chosen, a run that cannot fit refused
     return check_memory(cfg, derived, inputs.arch, inputs.longest_prompt), inputs
@@ -124,7 +125,15 @@ def check_config(cfg: Config) -> Derived:
     """Every check the config alone decides; returns the config's derived values."""
     check_ranges(cfg)
     check_combinations(cfg)
-    return derive(cfg)
+    return derive_checked(cfg)
+
+
+def derive_checked(cfg: Config) -> Derived:
+    """The config's derived values, each checked (jetflow.config.derive: the recipe checks its own fields),
+    then what needs the resolved recipe: its blocks against the backends (check_blocks)."""
+    derived = derive(cfg)
+    check_blocks(cfg, derived.precision.recipe)
+    return derived
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -188,18 +197,16 @@ def check_combinations(cfg: Config) -> None:
                                   f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
     check_algorithm(cfg)
     check_turns(cfg)
-    check_blocks(cfg)
     if unknown := [k for k in cfg.run.allow_changes if not _is_key(k)]:
         raise ConfigError(f"run.allow_changes: {', '.join(unknown)} is not a config key (e.g. train.steps)")
 
 
-def check_blocks(cfg: Config) -> None:
+def check_blocks(cfg: Config, recipe: QuantRecipe) -> None:
     """Blocks that not every backend lays out (fp8_block blocks other than 128x128 / 1x128, finer ones, say:
     they run on their dequantized values, jetflow.precision.fp8_function, which the native engine and trainer
     compute; vLLM's FP8 payload, Megatron-Core's fused weights and FSDP's FP8 all-gather lay out 128-row
     blocks), asked of the recipe family's strategy."""
     p = cfg.precision
-    recipe = p.recipe()
     if p.mode not in ("mixed", "unified") or family_of(recipe).all_backends_read(recipe):
         return
     for key, value in (("rollout.backend", cfg.rollout.backend), ("train.backend", cfg.train.backend)):

@@ -189,3 +189,13 @@ def test_hsdp_shard_sizes_the_world_cannot_hold_are_refused_by_name(tmp_path, ov
         validate_run(load_config(TINY, [f"run.out_dir={tmp_path}", *overrides]), processes=processes)
     validate_run(load_config(TINY, [f"run.out_dir={tmp_path}", "train.backend=fsdp", "train.data_parallel_shard_size=2"]),
                  processes=4)
+
+
+def test_a_field_the_family_does_not_use_is_one_line_before_the_backend_checks(tmp_path):
+    """The recipe checks its own fields before check_blocks asks its family about the backends."""
+    for check in (check_config, validate_run):
+        with pytest.raises(ConfigError, match="margin=2 does not apply to the mxfp8 family"):
+            check(load_config(TINY, [f"run.out_dir={tmp_path}", "precision.family=mxfp8", "precision.margin=2"]))
+    with pytest.raises(ConfigError, match="weight_block=\\[32, 32\\] group_size=32 with train.backend=megatron"):
+        check_config(load_config(TINY, ["precision.weight_block=[32,32]", "precision.group_size=32",
+                                        "train.backend=megatron"]))
