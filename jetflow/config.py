@@ -151,6 +151,17 @@ class RolloutConfig:
     {...}}</tool_call>, as vLLM's hermes parser reads it."""
     tool_timeout_s: float = 30.0
     """Multi-turn: the longest a tool call may run; past it the model reads a timeout error as the tool's result."""
+    max_staleness: int = 0
+    """Asynchronous RL with bounded staleness (jetflow.run.ahead). 0: the synchronous loop (the engine generates step t's
+    samples with the weights step t trains from). k > 0: the engine runs in a process of its own beside the trainer and
+    generates step t's samples while the trainer trains the steps before it, under the weights the trainer had at the
+    start of step t - k (step 0's for t < k): each sample is k weight versions old, exactly, and carries its version.
+    The update is decoupled PPO's: the clipped ratio against the trainer's current weights (the proximal policy), each
+    token weighted by pi_proximal / pi_behaviour truncated (algo.correction=auto is then token_tis; none leaves the
+    staleness uncorrected). run.orchestrator=local, one process, the native engine."""
+    engine_threads: int = 0
+    """rollout.max_staleness > 0: torch threads of the engine's process (0: half of run.num_threads, or of the cores
+    when that is 0); the trainer keeps the rest."""
 
 
 @dataclass
@@ -199,8 +210,9 @@ class AlgoConfig:
     overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last N of max_new_tokens (0: off)
     overlong_penalty: float = 1.0  # its largest reward penalty (jetflow.rl.shaping)
     correction: Literal["auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "ais"] = "auto"
-    """Rollout correction: auto (none for bf16 / unified, token_tis for mixed) | none | token_tis |
-    token_mis | seq_tis | seq_mis | ais."""
+    """Rollout correction: auto (none for bf16 / unified, token_tis for mixed or rollout.max_staleness > 0) | none |
+    token_tis | token_mis | seq_tis | seq_mis | ais. Its weight is taken on pi_old / pi_rollout, which under
+    staleness is the proximal policy against the behaviour one: numerics and staleness together."""
     correction_params: dict[str, float] = field(default_factory=dict)
     """The correction's parameters (jetflow.rl.correction.PARAMETERS): {cap: 2.0} for token_tis / seq_tis,
     {lo: 0.5, hi: 2.0} for token_mis / seq_mis, {cap, kl_scale, chi2_scale, ess_power} for ais."""
@@ -362,7 +374,7 @@ class MemorySavers:
 class Derived:
     """What a config implies, worked out once by `derive` (the pre-run pass) and handed to the builders."""
     precision: Precision  # the run's precision (jetflow.precision.plan): mode, recipe, numerics, GEMM backend
-    correction: str  # algo.correction; `auto`: token TIS where the rollout differs by design (mixed), else none
+    correction: str  # algo.correction; `auto`: token TIS where the rollout differs by design (mixed, stale), else none
     loggers: tuple[str, ...] = ()  # the trackers the run logs to (run_loggers)
     savers: MemorySavers = MemorySavers()
     """The trainer's memory savers: derive's explicit values (`auto` off), then the memory estimate's choice
@@ -382,7 +394,8 @@ def derive(cfg: Config) -> Derived:
     cannot run, is a ConfigError naming the key (a recipe field out of range, a correction parameter the
     correction does not take, exact numerics without their kernels, a logger whose library is absent)."""
     p, tiny, loggers = cfg.precision, cfg.model.tiny, tuple(run_loggers(cfg.run))
-    auto = "token_tis" if p.precision_mode.off_policy_by_design else "none"
+    # token TIS where the rollout differs by design: the mixed recipe's numerics, or staleness (decoupled PPO's weight)
+    auto = "token_tis" if p.precision_mode.off_policy_by_design or cfg.rollout.max_staleness else "none"
     correction = auto if cfg.algo.correction == "auto" else cfg.algo.correction
     if why := trackers.unusable(loggers):
         raise ConfigError(f"run.loggers: {why}")
@@ -509,6 +522,11 @@ def loss_aggregation(algo: AlgoConfig) -> str:
 
 def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def from_dict(cfg_dict: dict) -> Config:
+    """The Config a `to_dict` gave (how a config crosses to another process: a Ray actor, the engine's process)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg_dict))
 
 
 def config_text(cfg: Config) -> str:

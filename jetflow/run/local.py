@@ -19,12 +19,15 @@ class LocalPlacement:
         self.side = TrainerSide(cfg, derived, inputs, dp)
         self.dp = self.side.dp  # the data-parallel view (Megatron tensor parallelism splits the world further)
         self.is_main, self.data_parallel_size = self.dp.is_main, self.dp.world_size
+        self.loop: RLLoop | None = None
 
     def __enter__(self) -> "LocalPlacement":
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        close = getattr(self.loop.rollout if self.loop is not None else None, "close", None)
+        if close is not None:  # an engine in a process of its own (rollout.max_staleness > 0)
+            close()
 
     def describe(self) -> str:
         return (f"model={self.cfg.model.path} ({self.side.model.num_params() / 1e6:.1f}M params)  "
@@ -37,10 +40,12 @@ class LocalPlacement:
         return self.side.warmup_step(step)
 
     def save(self, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
-        self.side.save(self.run_dir, step, sft_done, warmup_step)
+        ahead = self.loop.ahead if self.loop is not None else None  # rollout.max_staleness > 0
+        self.side.save(self.run_dir, step, sft_done, warmup_step, ahead.in_flight(step) if ahead else None)
 
     def build_loop(self) -> RLLoop:
-        return self.side.rl_loop(self.run_dir)
+        self.loop = self.side.rl_loop(self.run_dir)
+        return self.loop
 
     def step_metrics(self, metrics: dict) -> dict:
         return metrics

@@ -24,6 +24,7 @@ from jetflow.rl.kl import kl_estimate
 from jetflow.rl.shaping import informative_groups, overlong_penalty
 from jetflow.rollout.conversation import multiturn_metrics
 from jetflow.rollout.types import RolloutEngineSide, Rollouts
+from jetflow.run.ahead import Batch, Requests, RolloutsAhead
 from jetflow.sync import StaleWeightsError
 from jetflow.tasks import Problem, Reward, RewardError, Task, reward_part_means
 from jetflow.train.protocol import KVCalibration, PolicyTrainer
@@ -87,7 +88,8 @@ def sampled_counts(out: Rollouts) -> list[int]:
 class RLLoop:
     def __init__(self, cfg: Config, derived: Derived, trainer: PolicyTrainer, rollout: RolloutEngineSide, task: Task,
                  encode_prompt: Callable[[Problem], list[int]], pad_id: int,
-                 kv_quantizer: KVCalibration | None = None, dp: DataParallel = SINGLE):
+                 kv_quantizer: KVCalibration | None = None, dp: DataParallel = SINGLE,
+                 ahead: RolloutsAhead | None = None):
         self.cfg, self.trainer, self.rollout, self.task = cfg, trainer, rollout, task
         self.seed = rl_seed(cfg.run)
         self.dp = dp  # data-parallel ranks: each runs its share of the step's prompt groups
@@ -105,6 +107,8 @@ class RLLoop:
         self.last_experience: Experience | None = None
         self._eval_problems: list[Problem] | None = None  # the held-out problems, drawn once
         self._eval_sync: dict[str, float] | None = None  # an evaluation's weight update, reported by the next step
+        self.ahead = ahead  # rollout.max_staleness > 0: the batches generated ahead (jetflow.run.ahead)
+        self.batch: Batch | None = None  # the step's batch from `ahead`
 
     def sync(self) -> dict[str, float]:
         """Hand the trainer's current weights to the rollout side unless it already has them (a
@@ -171,18 +175,42 @@ class RLLoop:
             raise error
         return scores
 
-    def _sample(self, step: int, problems: list[Problem], prompts: list[list[int]], first: int,
-                round_: int) -> Sampled:
-        """Each prompt once (prompts: each problem's group_size times), scored; rewards with the overlong
-        punishment. Round r's requests are seeded after the step's earlier rounds' (round 0: as ever)."""
+    def _step_problems(self, step: int) -> tuple[list[Problem], list[list[int]], int]:
+        """This rank's problems of step `step`, their prompts (each group_size times) and the global index of the
+        first request (seeds follow it: any rank count samples alike)."""
+        n, group = self.cfg.train.prompts_per_step, self.cfg.rollout.group_size
+        mine = self.dp.shard(n)  # this rank's prompt groups (all of them in a single process)
+        problems = self.task.problems(step * n + mine.start, len(mine), self.seed)
+        return problems, [self.encode_prompt(p) for p in problems for _ in range(group)], mine.start * group
+
+    def _requests(self, step: int, problems: list[Problem], prompts: list[list[int]], first: int,
+                  round_: int = 0) -> Requests:
+        """The engine's requests for these prompts. Round r's are seeded after the step's earlier rounds'."""
         cfg, group = self.cfg, self.cfg.rollout.group_size
         offset = round_ * cfg.train.prompts_per_step * group
         seeds = [request_seed(self.seed, step, offset + first + i) for i in range(len(prompts))]
+        per_prompt = [problems[i // group] for i in range(len(prompts))]
+        return Requests(prompts, seeds, per_prompt if cfg.rollout.max_turns > 1 else None)
+
+    def _requests_of_step(self, step: int) -> Requests:
+        return self._requests(step, *self._step_problems(step))
+
+    def _sample(self, step: int, problems: list[Problem], prompts: list[list[int]], first: int,
+                round_: int) -> Sampled:
+        """Each prompt once (prompts: each problem's group_size times), scored; rewards with the overlong
+        punishment. Under rollout.max_staleness > 0, round 0's batch was generated ahead (jetflow.run.ahead)."""
+        cfg, group = self.cfg, self.cfg.rollout.group_size
+        r = self._requests(step, problems, prompts, first, round_)
+        if self.ahead is not None and round_ == 0:
+            self.batch = self.ahead.take(step)
+            out, expected = self.batch.out, self.batch.expected_version
+        else:
+            out = self.rollout.generate(r.prompts, r.seeds, **({} if r.problems is None else {"problems": r.problems}))
+            expected = self.trainer.version
+        if out.weight_version != expected:
+            raise StaleWeightsError(f"rollout used weight version {out.weight_version}, expected {expected} "
+                                    f"(the trainer is at {self.trainer.version})")
         requests = [problems[i // group] for i in range(len(prompts))]
-        out = self.rollout.generate(prompts, seeds, **self._conversations(requests))
-        if out.weight_version != self.trainer.version:
-            raise StaleWeightsError(f"rollout used weight version {out.weight_version}, "
-                                    f"trainer is at {self.trainer.version}")
         scores = self._score(requests, out)
         rewards = torch.tensor([s.total for s in scores], dtype=torch.float32)  # (N,)
         if cfg.algo.overlong_buffer:  # DAPO's soft overlong punishment
@@ -242,20 +270,20 @@ class RLLoop:
         cfg = self.cfg
         metrics: dict[str, float] = {}
         t_start = time.perf_counter()
-        n, group = cfg.train.prompts_per_step, cfg.rollout.group_size
-        mine = self.dp.shard(n)  # this rank's prompt groups (all of them in a single process)
-        problems = self.task.problems(step * n + mine.start, len(mine), self.seed)
-        prompts = [self.encode_prompt(p) for p in problems for _ in range(group)]
+        problems, prompts, first = self._step_problems(step)
         if self.kv_quantizer is not None and not self.kv_quantizer.calibrated:
-            self._calibrate_kv(prompts[::group])
+            self._calibrate_kv(prompts[::cfg.rollout.group_size])
         metrics.update(self._step_sync())
+        if self.ahead is not None:  # the batch of step + max_staleness, under the weights just sent
+            self.ahead.submit_through(step, self._requests_of_step)
 
         # Rollout: each prompt group_size times (and dynamic sampling's refills).
-        first = mine.start * group  # seeds follow the global request index: any rank count samples alike
         t0, self.reward_seconds = time.perf_counter(), 0.0
         sampled, first_round, generated = self._gather(step, problems, prompts, first, metrics)
         metrics["time/reward"] = self.reward_seconds  # the task's scoring (a reward model's forward passes)
         metrics["time/rollout"] = time.perf_counter() - t0 - self.reward_seconds
+        if self.ahead is not None:
+            metrics.update(self._staleness_metrics(first_round.out))
         exp = self._experience(sampled, metrics)
         self._update(exp, metrics)
         self.last_experience = exp
@@ -267,6 +295,16 @@ class RLLoop:
             for key in ("throughput/tokens_per_s", "throughput/rollout_tokens_per_s"):
                 metrics[key] *= self.dp.world_size
         return metrics
+
+    def _staleness_metrics(self, out: Rollouts) -> dict[str, float]:
+        """Under rollout.max_staleness > 0: how many versions old the step's samples are, and how long each side
+        waited for the other. time/rollout becomes the engine's time generating the batch (its wait is this
+        process's idle time)."""
+        assert self.ahead is not None and self.batch is not None
+        staleness = float(self.trainer.version - out.weight_version)  # one version per batch
+        return {"async/staleness_mean": staleness, "async/staleness_max": staleness,
+                "async/stale_frac": float(staleness > 0), "async/trainer_idle_s": self.batch.wait_s,
+                "async/engine_idle_s": self.ahead.engine.take_idle(), "time/rollout": self.batch.engine_s}
 
     def _step_sync(self) -> dict[str, float]:
         """The step's weight update (or the one an evaluation just before it sent)."""

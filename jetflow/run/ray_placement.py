@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from jetflow.config import Config, Derived, to_dict
+from jetflow.config import Config, Derived, from_dict, to_dict
 from jetflow.distributed import free_port
 from jetflow.errors import MissingDependencyError
 from jetflow.rl.experience import Experience
@@ -57,11 +57,6 @@ def import_ray():
     return ray
 
 
-def _load_cfg(cfg_dict: dict) -> Config:
-    from omegaconf import OmegaConf
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg_dict))
-
-
 # Actors (plain classes; made remote in `_actor_classes` so that importing this module needs no Ray).
 
 class RolloutWorker:
@@ -70,7 +65,7 @@ class RolloutWorker:
     def __init__(self, cfg_dict: dict, derived: Derived, num_threads: int, engine_dir: str):
         torch.set_num_threads(num_threads)
         from jetflow.run.sides import build_rollout_side
-        cfg = _load_cfg(cfg_dict)  # the actor reads the run's inputs itself (its node's files)
+        cfg = from_dict(cfg_dict)  # the actor reads the run's inputs itself (its node's files)
         self.rollout = build_rollout_side(cfg, derived, load_inputs(cfg), engine_dir=Path(engine_dir))
 
     def load_weights(self, update: WeightUpdate) -> int:
@@ -103,7 +98,7 @@ class TrainerWorker:
                            "MASTER_PORT": str(master_port), "LOCAL_RANK": "0"})
         from jetflow.distributed import SINGLE, init_from_env
         from jetflow.run.sides import TrainerSide
-        cfg = _load_cfg(self.cfg_dict)
+        cfg = from_dict(self.cfg_dict)
         self.dp = init_from_env(cfg.model.device) if self.world_size > 1 else SINGLE
         self.side = TrainerSide(cfg, self.derived, load_inputs(cfg), self.dp)  # the inputs: its node's files
 

@@ -15,7 +15,9 @@ from jetflow.config import Config, Derived, conversation_tokens
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.rollout.conversation import conversation_driver
 from jetflow.rollout.native import NativeRollout
-from jetflow.run.build import (RunInputs, apply_mode, attach_kv_fp8, build_model, copy_model,
+from jetflow.run.ahead import RolloutsAhead
+from jetflow.run.engine_process import ProcessRollout, thread_split
+from jetflow.run.build import (RunInputs, apply_mode, attach_kv_fp8, build_model, copy_model, load_inputs,
                                loads_whole_policy, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.loop import RLLoop
@@ -36,6 +38,9 @@ def sharded_optimizer(model) -> bool:
     from jetflow.train.fsdp import FSDPPolicy  # torch's FSDP2, imported where the backend is asked about
 
     return isinstance(model, FSDPPolicy)
+
+
+IN_FLIGHT = "rollouts_in_flight"  # the trainer state's entry of the batches generated ahead
 
 
 class TrainerSide:
@@ -62,6 +67,7 @@ class TrainerSide:
                                loss_scale=cfg.algo.loss_scale_factor or cfg.rollout.max_new_tokens,
                                savers=derived.savers)  # `auto` resolved by the memory estimate
         self.warmup: Warmup | None = None  # while the supervised warm-up runs
+        self.restored_in_flight: dict | None = None  # the checkpoint's batches generated ahead (jetflow.run.ahead)
 
     def state(self) -> dict:
         state = self.trainer.state_dict()
@@ -76,6 +82,7 @@ class TrainerSide:
         the warm-up's optimizer); returns its state (next_step, sft_done[, warmup_step])."""
         saved, state = load_checkpoint(checkpoint, self.model)
         saved = select_trainer_state(self.model, saved)
+        self.restored_in_flight = saved.pop(IN_FLIGHT, None)  # rollout.max_staleness > 0: batches generated ahead
         if sharded_optimizer(self.model):  # FSDP: the moments from the checkpoint's DCP shards, resharded
             from jetflow.train.fsdp.state import load_optimizers
             load_optimizers(self.model, self._optimizers(warmup="warmup" in saved), checkpoint)
@@ -89,10 +96,11 @@ class TrainerSide:
             self._warmup().load_state_dict(saved["warmup"])
         return state
 
-    def save(self, run_dir: Path, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
+    def save(self, run_dir: Path, step: int, sft_done: bool, warmup_step: int | None = None,
+             in_flight: dict | None = None) -> None:
         """A checkpoint at RL step `step`, or at warm-up step `warmup_step` in the middle of the warm-up,
         unless the last steps were skipped as non-finite: then the last good checkpoint stays the newest
-        (a resume goes back to it)."""
+        (a resume goes back to it). `in_flight`: the batches generated ahead for steps >= `step`."""
         trainer = self.warmup.trainer if warmup_step is not None and self.warmup is not None else self.trainer
         if trainer.consecutive_bad:  # the same on every rank: losses and gradients are summed
             if self.dp.is_main:
@@ -104,6 +112,8 @@ class TrainerSide:
             self.warmup = None  # done: its optimizer state is not needed any more
         weights = checkpoint_weights(self.model)  # every rank: gathering TP shards is a collective
         trainer_state = gather_trainer_state(self.model, self.state())
+        if in_flight:
+            trainer_state[IN_FLIGHT] = in_flight
         state = {"next_step": step, "sft_done": sft_done, **({} if warmup_step is None else {"warmup_step": warmup_step})}
         name, extra = checkpoint_name(step, warmup_step), {}
         if sharded_optimizer(self.model):  # FSDP: every rank writes its optimizer shards (DCP), rank 0 the rest
@@ -139,11 +149,19 @@ class TrainerSide:
 
     def rl_loop(self, run_dir: Path | None = None) -> RLLoop:
         """The RL loop of this process: this side's trainer and a rollout engine beside it (a vLLM engine
-        starts from a checkpoint in `run_dir`)."""
+        starts from a checkpoint in `run_dir`), or under rollout.max_staleness > 0 in a process of its own,
+        the threads split between the two (jetflow.run.engine_process)."""
         self.keep_reference(run_dir)
-        rollout = build_rollout_side(self.cfg, self.derived, self.inputs, self, run_dir, self.dp)
-        return RLLoop(self.cfg, self.derived, self.trainer, rollout, self.task, self.encode,
-                      self.tokenizer.pad_token_id, self.kv_quantizer, self.dp)
+        cfg, ahead = self.cfg, None
+        if cfg.rollout.max_staleness:
+            trainer_threads, engine_threads = thread_split(cfg)
+            rollout = ProcessRollout(standalone_engine, cfg, self.derived, engine_threads)
+            torch.set_num_threads(trainer_threads)
+            ahead = RolloutsAhead(rollout, cfg.rollout.max_staleness, cfg.train.steps, self.restored_in_flight)
+        else:
+            rollout = build_rollout_side(cfg, self.derived, self.inputs, self, run_dir, self.dp)
+        return RLLoop(cfg, self.derived, self.trainer, rollout, self.task, self.encode,
+                      self.tokenizer.pad_token_id, self.kv_quantizer, self.dp, ahead)
 
 
 REFERENCE_FILE = "reference.pt"
@@ -177,6 +195,12 @@ def engine_max_seq_len(cfg: Config, longest_prompt: int) -> int:
     response and 16 (a margin). The native engine's default page pool is sized by it (jetflow.rollout.native
     .kv_pool_bytes), and so is the memory estimate's (jetflow.run.memory_estimate)."""
     return 2 * longest_prompt + cfg.rollout.max_new_tokens + 16
+
+
+def standalone_engine(cfg: Config, derived: Derived):
+    """A rollout engine alone in its process (the engine's process beside the trainer: jetflow.run.engine_process),
+    built from the run's inputs as that process reads them."""
+    return build_rollout_side(cfg, derived, load_inputs(cfg))
 
 
 def build_rollout_side(cfg: Config, derived: Derived, inputs: RunInputs, side: TrainerSide | None = None,

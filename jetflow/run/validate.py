@@ -65,6 +65,8 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("train.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
     ("train.checkpoint_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("train.max_bad_steps", lambda v: v >= 0, ">= 0"),
+    ("rollout.max_staleness", lambda v: v >= 0, ">= 0 (0: synchronous)"),
+    ("rollout.engine_threads", lambda v: v >= 0, ">= 0 (0: half the threads)"),
     ("train.logprob_chunk_tokens", lambda v: v == "auto" or v >= 0, ">= 0 (0: one lm_head call), or auto"),
     ("train.max_tokens_per_micro_batch", lambda v: v is None or v >= 0, ">= 0 (0 or null: no packing)"),
     ("rollout.group_size", lambda v: v >= 2,
@@ -197,6 +199,7 @@ def check_combinations(cfg: Config) -> None:
                                   f"rollout engine and trainer only; use {key}=native or algo.routing_replay=false")
     check_algorithm(cfg)
     check_turns(cfg)
+    check_staleness(cfg)
     if unknown := [k for k in cfg.run.allow_changes if not _is_key(k)]:
         raise ConfigError(f"run.allow_changes: {', '.join(unknown)} is not a config key (e.g. train.steps)")
 
@@ -237,6 +240,21 @@ def check_turns(cfg: Config) -> None:
     if r.max_turns > 1 and r.max_total_tokens and r.max_total_tokens <= r.max_new_tokens:
         raise ConfigError(f"rollout.max_total_tokens={r.max_total_tokens} holds a conversation's prompt, turns and "
                           f"observations: it must exceed rollout.max_new_tokens={r.max_new_tokens} (a turn)")
+
+
+def check_staleness(cfg: Config) -> None:
+    """Asynchronous rollouts (rollout.max_staleness > 0, jetflow.run.ahead): what they are built for today."""
+    k = cfg.rollout.max_staleness
+    if not k:
+        return
+    for key, value, runs in (("run.orchestrator", cfg.run.orchestrator, "local"),
+                             ("rollout.backend", cfg.rollout.backend, "native")):
+        if value != runs:
+            raise ConfigError(f"rollout.max_staleness={k} with {key}={value}: asynchronous rollouts run jetflow's native "
+                              f"engine in a process beside the trainer today; use {key}={runs} or rollout.max_staleness=0")
+    if cfg.algo.dynamic_sampling:
+        raise ConfigError(f"rollout.max_staleness={k} with algo.dynamic_sampling=true: the refill rounds need the step's "
+                          "own weights (a synchronous rollout); set one of them off")
 
 
 def check_algorithm(cfg: Config) -> None:
@@ -283,6 +301,10 @@ def check_processes(cfg: Config, processes: int) -> None:
                               f"`torchrun --nproc_per_node {layout} -m jetflow.cli train ...` (or the launch "
                               "templates' torchrun.sh), or under run.orchestrator=ray set train.num_workers to a "
                               "multiple of it")
+    if cfg.rollout.max_staleness and processes > 1:
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} with {processes} trainer processes: "
+                          "asynchronous rollouts run beside one trainer process today; launch one process or set "
+                          "rollout.max_staleness=0")
     shard = t.data_parallel_shard_size
     if t.backend == "fsdp" and shard and processes % shard:
         raise ConfigError(f"train.data_parallel_shard_size={shard} must divide the {processes} trainer processes (HSDP: "

@@ -143,7 +143,7 @@ def test_mixed_corrects_with_token_tis_inside_the_training_forward():
 
 def test_a_rollout_sampled_with_other_weights_is_refused():
     _, loop, _, _ = make_loop("unified", stale=True)
-    with pytest.raises(StaleWeightsError, match="rollout used weight version -1, trainer is at 0"):
+    with pytest.raises(StaleWeightsError, match=r"rollout used weight version -1, expected 0 \(the trainer is at 0\)"):
         loop.step(0)
 
 
