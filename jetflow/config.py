@@ -82,11 +82,17 @@ class PrecisionConfig:
 class TinyModelConfig:
     """A small Llama-style model built from scratch (character tokenizer) for tests and quick looks."""
     hidden_size: int = 128
+    """Width of the residual stream (the embedding size)."""
     num_layers: int = 2
+    """Decoder layers."""
     num_heads: int = 4
+    """Attention (query) heads; the head size is hidden_size / num_heads."""
     num_kv_heads: int = 2
+    """Key / value heads (grouped-query attention: num_heads must be a multiple of it)."""
     intermediate_size: int = 384
+    """The SwiGLU MLP's inner width (a dense model's; a MoE expert's is expert_size)."""
     max_position: int = 512
+    """Positions the model has: a prompt and its response (or a whole conversation) must fit in them."""
     num_experts: int = 0
     """0: a dense Llama-style model. > 0: a mixture-of-experts model (see `moe_family`) with this many experts a layer."""
     moe_family: Literal[MOE_TYPES] = "qwen3_moe"
@@ -121,8 +127,13 @@ class RolloutConfig:
     group_size: int = 4
     """Samples per prompt (GRPO group)."""
     max_new_tokens: int = 10
+    """Most tokens generated per response (per turn under rollout.max_turns > 1); a response that reaches it ends
+    with finish reason `length`."""
     temperature: float = 1.0
+    """Sampling temperature (> 0); the rollout's log-probs are those of the tempered distribution,
+    log_softmax(logits / temperature), as the trainer computes them."""
     top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p (1.0: all)."""
     top_k: int = 0
     """0 disables top-k."""
     stop: list[str] = field(default_factory=list)
@@ -170,7 +181,7 @@ class TaskConfig:
     """arithmetic | countdown | math | custom (your data file and reward functions: jetflow.tasks.custom)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Task knobs, e.g. {digits: 1, num_operands: 2}, {path: data.jsonl} for math, or for custom {path, prompt_key,
-    answer_key, reward, reward_weights, pass_threshold, split} (README "Your own task"). Tasks read from a data file
+    answer_key, reward, reward_weights, pass_threshold, split} (docs/own-task.md). Tasks read from a data file
     also take max_prompt_tokens: rows whose prompt is longer are dropped, with a warning that counts them."""
     format_weight: float = 0.0
     """Extra reward for a well-formed answer."""
@@ -192,23 +203,38 @@ class AlgoConfig:
     adv_norm: Literal["mean_std", "mean", "none"] = "mean_std"
     """GRPO advantage normalisation: mean_std | mean | none."""
     clip_low: float = 0.2
+    """PPO clipping below: the ratio is clipped at 1 - clip_low (jetflow.rl.loss)."""
     clip_high: float = 0.28
-    """Asymmetric PPO clipping (clip-higher)."""
+    """PPO clipping above: the ratio is clipped at 1 + clip_high (asymmetric clipping, DAPO's clip-higher)."""
     loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "auto"
     """auto | token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO;
     jetflow.rl.loss). auto: the aggregation the ratio level defines (loss_aggregation): token_mean, or
     seq_mean_token_mean under ratio_level=sequence (GSPO), as verl's GSPO recipe sets it."""
-    loss_scale_factor: int = 0  # seq_mean_token_sum_norm's constant divisor; 0: rollout.max_new_tokens
-    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's per-sequence ratio (jetflow.rl.loss)
+    loss_scale_factor: int = 0
+    """loss_agg=seq_mean_token_sum_norm (Dr. GRPO): the constant each sequence's token sum is divided by; 0:
+    rollout.max_new_tokens."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """token: PPO's per-token importance ratio. sequence: GSPO's per-sequence ratio, the geometric mean of the
+    tokens' ratios (jetflow.rl.loss); loss_agg=auto then aggregates per sequence (seq_mean_token_mean)."""
     kl_coef: float = 0.0
     """KL penalty to the frozen reference (jetflow.train.reference); log_ref_kl: log `kl/ref` at 0 too."""
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"  # jetflow.rl.kl
-    kl_in: Literal["loss", "reward"] = "loss"  # reward: each reward less kl_coef x its summed estimator
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """The per-token estimator of KL(pi || pi_ref) the penalty uses, by verl's names and formulas (jetflow.rl.kl)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL penalty goes. loss: kl_coef x the estimator, added to the policy loss. reward: each
+    sequence's reward less kl_coef x its summed estimator, before the advantages."""
     log_ref_kl: bool = False
-    dynamic_sampling: bool = False  # DAPO: equal-reward groups dropped and refilled (jetflow.run.loop)
-    dynamic_sampling_max_rounds: int = 3  # the most extra rollout rounds a step runs to refill
-    overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last N of max_new_tokens (0: off)
-    overlong_penalty: float = 1.0  # its largest reward penalty (jetflow.rl.shaping)
+    """Keep the reference policy and log `kl/ref` (pi_old against it) also at kl_coef = 0, with no penalty."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose samples all got the same reward (no advantage, no gradient) are
+    dropped and refilled by more rollout rounds (jetflow.run.loop); `sampling/kept_group_frac` each step."""
+    dynamic_sampling_max_rounds: int = 3
+    """dynamic_sampling: the most extra rollout rounds a step runs to refill the dropped groups."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a response that runs into the last N tokens of rollout.max_new_tokens
+    loses reward in proportion to how far in it runs, up to overlong_penalty (jetflow.rl.shaping). 0: off."""
+    overlong_penalty: float = 1.0
+    """overlong_buffer: the largest reward penalty, reached at rollout.max_new_tokens."""
     correction: Literal["auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "ais"] = "auto"
     """Rollout correction: auto (none for bf16 / unified, token_tis for mixed or rollout.max_staleness > 0) | none |
     token_tis | token_mis | seq_tis | seq_mis | ais. Its weight is taken on pi_old / pi_rollout, which under
@@ -247,20 +273,29 @@ class TrainConfig:
     steps: int = 12
     """RL steps."""
     prompts_per_step: int = 6
+    """Prompts of one RL step (of the whole run, over every data-parallel rank); each is sampled
+    rollout.group_size times."""
     lr: float = 2e-5
+    """AdamW's peak learning rate of the RL phase (after warmup_steps, then cosine decay to lr * min_lr_ratio)."""
     weight_decay: float = 0.0
     """AdamW's decoupled weight decay of the linears' matrices (norms, biases and the embedding are never decayed)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2)."""
     warmup_steps: int = 0
+    """RL steps of linear learning-rate warm-up from lr / warmup_steps to lr (0: none)."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio."""
     grad_clip: float = 1.0
+    """Clip the gradient's global norm to this before each optimizer step (0: no clipping)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward; gradients accumulate over the batch."""
     sft_warmup_steps: int = 0
     """Supervised steps on reference answers before RL (for models trained from scratch)."""
     sft_lr: float = 3e-3
+    """The supervised warm-up's peak learning rate (its own AdamW: 10% linear warm-up, then cosine decay;
+    jetflow.run.warmup)."""
     sft_batch_size: int = 64
+    """Problems per supervised warm-up step (over every data-parallel rank)."""
     checkpoint_every: int = 0
     """Write a checkpoint every N steps (0: only at the end)."""
     num_workers: int = 1
@@ -292,9 +327,11 @@ class TrainConfig:
 @dataclass
 class RunConfig:
     name: str = "default"
+    """The run's name: its directory is <out_dir>/<name>/ (a run directory has one owner at a time: its LOCK)."""
     out_dir: str = "runs"
     """Runs go to <out_dir>/<name>/."""
     seed: int = 0
+    """The run's seed: model initialisation, the supervised warm-up, and the RL phase's draws unless run.rl_seed is set."""
     rl_seed: int | None = None
     """The RL phase's draws (sampling seeds, training and held-out problems); null: run.seed. RL replicates from one
     warm-up differ in it alone (an ablation axis its shared_warmup ignores). The warm-up and model init use run.seed."""
