@@ -1,5 +1,8 @@
 """Metrics of a run: one JSON line per step in metrics.jsonl, handed on to the trackers of run.loggers.
 
+Every key a row holds is documented in jetflow.metrics_registry; one it does not document is logged all the
+same, with a warning (once per key and phase) that names it.
+
 These files are derived: the checkpoints are the run's truth. A damaged line never stops a reader or
 a resume: it is skipped with a warning that names it (a resume sets it aside, `set_aside_bad_lines`),
 and a tracker that cannot write (jetflow.trackers) is turned off with a warning."""
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from jetflow.metrics_registry import undocumented
 from jetflow.trackers import TENSORBOARD_DIR, Trackers
 from jetflow.writes import guarded
 
@@ -54,8 +58,10 @@ class MetricsLogger:
         if "tensorboard" in loggers and tb_dir.exists() and not tb_dir.is_dir():
             warn(f"{tb_dir} is not a directory; set aside as {set_aside(tb_dir).name}")
         self.trackers = Trackers(run_dir, loggers, config, project, mlflow_tracking_uri=mlflow_tracking_uri)
+        self._checked: set[tuple[str, str]] = set()  # (phase, key) pairs looked up in the registry
 
     def log(self, step: int, metrics: dict[str, float], phase: str = "rl") -> None:
+        self._check(metrics, phase)
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
         line = (json.dumps({"step": step, "phase": phase, **clean}) + "\n").encode()
         end = self._file.tell()
@@ -64,6 +70,15 @@ class MetricsLogger:
             while view:  # a raw write may take part of the row
                 view = view[self._file.write(view):]
         self.trackers.log(step, clean, phase)
+
+    def _check(self, metrics: dict[str, float], phase: str) -> None:
+        """A key the registry does not document (for this phase): one warning, the first time it is logged."""
+        for key in metrics:
+            if (phase, key) not in self._checked:
+                self._checked.add((phase, key))
+                if why := undocumented(key, phase):
+                    warn(f"metric {key!r} ({phase} row): {why}; it is logged all the same (document it in "
+                         "jetflow/metrics_registry.py)")
 
     def _cut(self, size: int) -> None:
         """Drop a partial row: the file back to `size` bytes (best effort: the disk is failing)."""

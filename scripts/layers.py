@@ -21,8 +21,8 @@ LAYERS = {  # README.md, Architecture: a path prefix under jetflow/ -> its layer
     "cli.py": 5, "ablate/": 5, "bench/": 5, "launch/": 5,
     "run/": 4,
     "train/": 3, "rollout/": 3, "sync.py": 3, "export.py": 3,
-    "model/": 2, "config.py": 2,
-    "precision/": 1, "kernels/": 1, "rl/": 1, "tasks/": 1, "distributed.py": 1, "metrics_log.py": 1, "trackers.py": 1, "writes.py": 1, "host_memory.py": 1,
+    "model/": 2, "config.py": 2, "config_reference.py": 2,
+    "precision/": 1, "kernels/": 1, "rl/": 1, "tasks/": 1, "distributed.py": 1, "metrics_log.py": 1, "metrics_registry.py": 1, "trackers.py": 1, "writes.py": 1, "host_memory.py": 1,
     "plots.py": 1, "errors.py": 1, "__init__.py": 1,
 }
 NAMES = {5: "entry", 4: "run", 3: "sides", 2: "model", 1: "core"}
