@@ -5,7 +5,9 @@ correction -> policy update.
 The loop talks to three things: a trainer (`jetflow.train.protocol.PolicyTrainer`: the Trainer in this
 process, or Ray trainer workers), a rollout side (`jetflow.rollout.types.RolloutEngineSide`: an engine
 that generates with the weights it was last handed) and a task. It checks at every hand-off that the
-rollout ran the weight version the trainer is at.
+rollout ran the weight version it was meant to: the trainer's, or under rollout.max_staleness = k > 0 the one
+the trainer had k steps before (the batches are then generated ahead, in the engine's own process:
+jetflow.run.ahead).
 """
 
 from __future__ import annotations

@@ -192,9 +192,11 @@ class Trainer:
 
     def train_step_on_policy(self, exp: Experience, temperature: float, correction: str,
                              correction_params: dict | None = None) -> tuple[dict[str, float], Tensor]:
-        """The step when the trainer still holds the rollout's weight version and one update follows
-        (algo.ppo_epochs = 1): pi_old is then the training forward's own log-probs, detached, so the
-        separate no-grad forward of `compute_logprobs` is not needed. The rollout correction's weights
+        """The step when one update follows (algo.ppo_epochs = 1): pi_old is then the training forward's own
+        log-probs, detached, so the separate no-grad forward of `compute_logprobs` is not needed. Under
+        rollout.max_staleness > 0 the trainer is past the version that sampled, and pi_old is decoupled PPO's
+        proximal policy (its current weights): the correction's weight pi_old / pi_rollout is then the staleness
+        weight. The rollout correction's weights
         come from each micro-batch alone, so `correction` must be row-local (every mode but `ais`).
 
         Returns (metrics, old_logprobs (B, R)): the same numbers `compute_logprobs` gives, for the
