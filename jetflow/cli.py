@@ -1,4 +1,4 @@
-"""`jetflow` command line: train | bench | ablate | launch | report | convert | export | generate.
+"""`jetflow` command line: train | config | bench | ablate | launch | report | convert | export | generate.
 
     jetflow train                                   the embedded default run (SmolLM2-135M, arithmetic, unified FP8)
     jetflow train --config configs/tiny.yaml precision.mode=mixed train.steps=5
@@ -10,6 +10,7 @@
     jetflow export --model DIR --out DIR            FP8 block weights (vLLM layout) of an HF dir, a run or a checkpoint
     jetflow generate --model DIR "prompt" ...
     jetflow estimate-memory --config FILE [key=value ...]   the run's memory estimate against this machine's
+    jetflow config [--config FILE] [key=value ...]  the resolved config as YAML;  jetflow config explain KEY ...
 
 Commands that take a config accept `--config FILE` and any number of `key=value` overrides.
 """
@@ -51,6 +52,22 @@ def _cmd_estimate_memory(args: argparse.Namespace) -> int:
     from jetflow.run.validate import check_config
     cfg = load_config(args.config, args.overrides)
     print(describe(cfg, check_config(cfg)))
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    """The resolved config (defaults <- --config <- overrides) as YAML, or with `explain KEY ...` each key's
+    reference entry (jetflow.config_reference)."""
+    from jetflow.config import config_text, load_config
+    from jetflow.errors import UsageError
+    if args.overrides[:1] == ["explain"]:
+        from jetflow.config_reference import explain
+        names = [n.split("=", 1)[0] for n in args.overrides[1:]]
+        if not names:
+            raise UsageError("jetflow config explain KEY [KEY ...]: name a config key, e.g. rollout.max_staleness")
+        print("\n\n".join(explain(n) for n in names))
+        return 0
+    print(config_text(load_config(args.config, args.overrides)), end="")
     return 0
 
 
@@ -173,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_run_commands(sub: argparse._SubParsersAction) -> None:
-    """train, estimate-memory, ablate, launch, report: a run and what surrounds it."""
+    """train, estimate-memory, config, ablate, launch, report: a run and what surrounds it."""
     train = sub.add_parser("train", help="run GRPO (default: the embedded default config)")
     train.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
     train.add_argument("--no-report", action="store_true", help="skip the end-of-run report (figures and "
@@ -186,6 +203,17 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     mem.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
     mem.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.max_new_tokens=2048")
     mem.set_defaults(func=_cmd_estimate_memory)
+
+    config = sub.add_parser("config", help="print the resolved config (defaults <- --config <- overrides) as YAML; "
+                            "`jetflow config explain KEY` prints a key's reference entry",
+                            description="jetflow config [--config FILE] [key=value ...]: the resolved config as the "
+                            "YAML `--config` reads back (typed and merged; the run's range and combination checks "
+                            "come with `jetflow train`).  jetflow config explain KEY [KEY ...]: each key's type, "
+                            "default, valid values and description (a section, e.g. algo: all of its keys).")
+    config.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
+    config.add_argument("overrides", nargs="*", help="key=value overrides, e.g. precision.mode=mixed; or `explain KEY "
+                        "...`")
+    config.set_defaults(func=_cmd_config)
 
     ablate = sub.add_parser("ablate", help="run a grid of training runs from one YAML (results/<name>/)")
     ablate.add_argument("file", help="ablation YAML, e.g. configs/ablations/precision.yaml")
