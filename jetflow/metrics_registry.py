@@ -61,7 +61,7 @@ FAMILIES = {  # the part of a key before its first slash -> what the family is a
     "rollout": "The rollout engines of a Ray run (run.orchestrator=ray).",
     "eval": "Held-out evaluation (eval.num_prompts > 0): greedy decoding of the held-out problems, before the "
             "first RL step, every eval.every steps and after the last.",
-    "": "Keys without a family.",
+    "": "Keys outside the families.",
 }
 
 

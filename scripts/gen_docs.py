@@ -1,15 +1,19 @@
 """The docs site's generated pages, and its links into the repository.
 
-    python scripts/gen_docs.py [--out DIR]    write reference/config.md and reference/cli.md (default DIR: site-ref/)
+    python scripts/gen_docs.py [--out DIR]    write the reference pages under DIR/reference/ (default DIR: site-ref/)
     mkdocs build --strict                     mkdocs.yml names this file as a hook: the same pages, built in
 
-Two references, each generated from the code it documents, so that it cannot drift from it:
+Three references, each generated from the code it documents, so that it cannot drift from it:
 - the configuration reference (reference/config.md) from the config dataclasses of jetflow/config.py: every key
   under `Config`, its type, its default, the values a `Literal` type allows, and its description, the attribute's
-  docstring (the string literal right after the field, read from the source with `ast`);
+  docstring (the string literal right after the field, read from the source with `ast`; jetflow.config_reference,
+  which `jetflow config explain KEY` prints from too);
+- the metrics reference (reference/metrics.md) from jetflow.metrics_registry, the list of every metric a run logs
+  that the metrics logger checks its rows against;
 - the command-line reference (reference/cli.md) from jetflow/cli.py's argparse parser: each subcommand's --help.
 
-`undocumented_keys()` lists the config keys without a docstring (tests/unit/test_docs.py fails on any).
+`undocumented_keys()` lists the config keys without a docstring (tests/unit/test_docs.py fails on any);
+tests/unit/test_metrics_registry.py fails on a logged metric the registry does not document.
 
 As a hook (mkdocs.yml `hooks:`), it also lets the pages link to the repository's own files, the way they read on
 GitHub: a relative link that leaves docs/ (`../results/learning/README.md`, `../examples/own_task/`) must name a
@@ -21,122 +25,32 @@ the site (under repo/).
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
 import os
 import posixpath
 import re
 import sys
-import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_SOURCE = ROOT / "jetflow" / "config.py"
-PAGES = ("reference/config.md", "reference/cli.md")
+if str(ROOT) not in sys.path:  # run as a script or loaded by mkdocs: the checkout's jetflow
+    sys.path.insert(0, str(ROOT))
+
+from jetflow.config_reference import (CONFIG_SOURCE, Key, attribute_docs, config_keys,  # noqa: E402, F401
+                                      section_docs, undocumented_keys)
+
+PAGES = ("reference/config.md", "reference/metrics.md", "reference/cli.md")
 
 
 # The configuration reference ---------------------------------------------------------------------------------
-
-class Key(typing.NamedTuple):
-    """One config key as the reference lists it."""
-    key: str  # dotted, e.g. rollout.max_staleness
-    type: str  # the annotation as written in config.py
-    default: str  # the default, as YAML would write it
-    choices: tuple  # the values a Literal type allows (empty: any value of the type)
-    doc: str  # the attribute docstring ("" when it has none)
-
-
-def attribute_docs(source: str) -> dict[str, dict[str, tuple[str, str]]]:
-    """{class name: {field: (annotation source, docstring)}} of every class in `source`: a field's docstring is the
-    string literal standing right after it (PEP 257's attribute docstring), "" when there is none."""
-    out: dict[str, dict[str, tuple[str, str]]] = {}
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.ClassDef):
-            continue
-        fields: dict[str, tuple[str, str]] = {}
-        body = node.body
-        for i, stmt in enumerate(body):
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                nxt = body[i + 1] if i + 1 < len(body) else None
-                doc = ""
-                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-                    doc = " ".join(nxt.value.value.split())
-                fields[stmt.target.id] = (ast.unparse(stmt.annotation), doc)
-        out[node.name] = fields
-    return out
-
-
-def _yaml(value) -> str:
-    """A default as a YAML value reads."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"' if value == "" else value
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_yaml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
-    return repr(value)
-
-
-def _choices(hint) -> tuple:
-    """The values of a Literal type, also inside a union (`int | Literal["auto"]`)."""
-    if typing.get_origin(hint) is typing.Literal:
-        return typing.get_args(hint)
-    return tuple(c for arg in typing.get_args(hint) for c in _choices(arg))
-
-
-def config_keys(source: str | None = None) -> list[Key]:
-    """Every key of the run config, in the order config.py declares them: section by section under `Config`
-    (a nested dataclass, model.tiny, is walked as a section of its own)."""
-    from jetflow import config as cfg_module  # the defaults and Literal values as the code resolves them
-    docs = attribute_docs(CONFIG_SOURCE.read_text() if source is None else source)
-    keys: list[Key] = []
-
-    def walk(cls, instance, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            value = getattr(instance, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(type(value), value, f"{prefix}{f.name}.")
-                continue
-            annotation, doc = docs.get(cls.__name__, {}).get(f.name, ("", ""))
-            keys.append(Key(prefix + f.name, annotation, _yaml(value), _choices(hints[f.name]), doc))
-    walk(cfg_module.Config, cfg_module.Config(), "")
-    return keys
-
-
-def undocumented_keys(source: str | None = None) -> list[str]:
-    """The config keys whose field has no docstring."""
-    return [k.key for k in config_keys(source) if not k.doc]
-
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _section_docs() -> dict[str, str]:
-    """{section: its dataclass's docstring} for the sections under Config."""
-    from jetflow import config as cfg_module
-    out = {}
-
-    def walk(cls, prefix: str) -> None:
-        for f in dataclasses.fields(cls):
-            sub = typing.get_type_hints(cls)[f.name]
-            if dataclasses.is_dataclass(sub):
-                out[prefix + f.name] = " ".join((sub.__doc__ or "").split()) if sub.__doc__ and \
-                    not sub.__doc__.startswith(sub.__name__ + "(") else ""
-                walk(sub, f"{prefix}{f.name}.")
-    walk(cfg_module.Config, "")
-    return out
-
-
 def config_reference() -> str:
     """reference/config.md."""
     keys = config_keys()
-    sections = _section_docs()
+    sections = section_docs()
     lines = ["# Configuration reference", "",
              "Generated from the config dataclasses of `jetflow/config.py` by `scripts/gen_docs.py`: every key a run",
              "config takes, its type, its default and its description (the field's docstring). Set a key in a YAML",
@@ -156,6 +70,37 @@ def config_reference() -> str:
         if k.choices:
             doc += " Valid values: " + ", ".join(f"`{c}`" for c in k.choices) + "."
         lines.append(f"| `{k.key}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(doc)} |")
+    return "\n".join(lines) + "\n"
+
+
+# The metrics reference ---------------------------------------------------------------------------------------
+
+def metrics_reference() -> str:
+    """reference/metrics.md: jetflow.metrics_registry's entries, family by family."""
+    from jetflow import metrics_registry as reg
+    families = [f for f in reg.FAMILIES if any(m.family == f for m in reg.METRICS)]  # FAMILIES' order
+    lines = ["# Metrics reference", "",
+             "Generated from `jetflow/metrics_registry.py` by `scripts/gen_docs.py`: every metric a run logs, what it",
+             "measures, the rows that hold it and when it is logged. `metrics.jsonl` in the run directory has one JSON",
+             "row per supervised warm-up step (phase `sft`), RL step (`rl`) and held-out evaluation (`eval`); a value",
+             "that is NaN or infinite is written as `null`. The metrics logger checks every key against the registry",
+             "and warns once about one it does not document, and `tests/unit/test_metrics_registry.py` fails on it.",
+             "In the trackers (`run.loggers`) a key is prefixed by its phase unless it is an RL row's or carries",
+             "the prefix already (`train/loss` of a warm-up row is `sft/train/loss`; `eval/pass@1` stays); MLflow",
+             "writes `@` as `_`.", "",
+             f"{sum(not m.is_pattern for m in reg.METRICS)} keys and {sum(m.is_pattern for m in reg.METRICS)} "
+             "families of keys. In a family's key, " + "; ".join(
+                 f"`{{{name}}}` is {what}" for name, (_, what) in reg.PLACEHOLDERS.items()) + ".", "",
+             "Every row also holds:", ""]
+    lines += [f"- `{name}`: {what}" for name, what in reg.ROW_FIELDS.items()]
+    lines += ["", "Families: " + ", ".join(f"[`{f or 'other'}`](#{f or 'other'})" for f in families) + "."]
+    for family in families:
+        name = family or "other"
+        lines += ["", f"## `{name}` {{#{name}}}", "", reg.FAMILIES.get(family, ""), "",
+                  "| key | phases | logged when | meaning |", "|---|---|---|---|"]
+        for m in (m for m in reg.METRICS if m.family == family):
+            lines.append(f"| `{_cell(m.key)}` | {', '.join(m.phases)} | {_cell(m.when or 'always')} | "
+                         f"{_cell(m.meaning)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -188,7 +133,8 @@ def cli_reference() -> str:
 
 def pages() -> dict[str, str]:
     """{path under docs/: its Markdown} of every generated page."""
-    return {"reference/config.md": config_reference(), "reference/cli.md": cli_reference()}
+    return {"reference/config.md": config_reference(), "reference/metrics.md": metrics_reference(),
+            "reference/cli.md": cli_reference()}
 
 
 # The mkdocs hook ---------------------------------------------------------------------------------------------
@@ -296,5 +242,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

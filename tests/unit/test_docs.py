@@ -1,5 +1,5 @@
-"""The docs' generated references (scripts/gen_docs.py): every config key documented, every key and command in
-its reference page, and the links that leave docs/ checked against the repository. (`mkdocs build --strict`
+"""The docs' generated references (scripts/gen_docs.py): every config key documented, every key, metric and command
+in its reference page, and the links that leave docs/ checked against the repository. (`mkdocs build --strict`
 itself runs in scripts/test.sh.)"""
 
 import importlib.util
@@ -42,9 +42,19 @@ def test_the_config_reference_lists_every_key_with_its_default_and_choices():
     assert "`auto`" in page.split("| `train.activation_checkpointing` |")[1].splitlines()[0]  # bool | Literal["auto"]
 
 
+def test_the_metrics_reference_lists_every_registered_metric():
+    from jetflow.metrics_registry import METRICS
+    page = gen_docs.metrics_reference()
+    for m in METRICS:
+        assert f"| `{m.key}` | {', '.join(m.phases)} |" in page
+    assert "| `mismatch/{stat}/pos_{i}of{n}` | rl | always |" in page
+    assert "| `time/train` | sft, rl | always |" in page and "## `eval` {#eval}" in page
+    assert "- `step`: " in page and "`{stat}` is one of the mismatch statistics: kl_k1, kl_k3" in page
+
+
 def test_the_cli_reference_has_every_subcommands_help():
     page = gen_docs.cli_reference()
-    for name in ("train", "estimate-memory", "ablate", "launch", "report", "bench", "audit", "convert", "export",
+    for name in ("train", "estimate-memory", "config", "ablate", "launch", "report", "bench", "audit", "convert", "export",
                  "generate"):
         assert f"## `jetflow {name}`" in page and f"usage: jetflow {name}" in page
 

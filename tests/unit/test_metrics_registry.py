@@ -15,7 +15,7 @@ import torch
 
 from jetflow.config import load_config
 from jetflow.metrics_log import MetricsLogger, read_jsonl
-from jetflow.metrics_registry import METRICS, ROW_FIELDS, lookup, undocumented, undocumented_keys
+from jetflow.metrics_registry import FAMILIES, METRICS, ROW_FIELDS, lookup, undocumented, undocumented_keys
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON = ["run.progress=false", "run.loggers=[]", "run.num_threads=2", "run.name=r", "train.prompts_per_step=2",
@@ -124,6 +124,7 @@ def test_families_and_placeholders():
     assert undocumented("eval/pass@1", "rl") == "documented for phase eval, logged in phase rl"
     assert undocumented("loss/sft", "sft") is None and undocumented("train/lr", "sft") is None
     assert all(m.meaning and set(m.phases) <= {"sft", "rl", "eval"} for m in METRICS)
+    assert {m.family for m in METRICS} <= set(FAMILIES)  # each family has its line in the reference
     assert len({m.key for m in METRICS}) == len(METRICS)
     assert set(ROW_FIELDS) == {"step", "phase"}
 
