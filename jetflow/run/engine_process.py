@@ -15,7 +15,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
+import threading
 import time
 import traceback
 from typing import Any, Callable, NoReturn
@@ -97,6 +99,12 @@ class EngineProcess:
                                     name="jetflow-engine", daemon=True)
         self._process.start()
         child.close()
+        # calls are pickled here (a copy of the tensors as they are now) and written by a thread of their own: a
+        # write blocks while the pipe is full, which is while the engine generates, and the trainer must go on
+        self._outbox: queue.Queue[bytes | None] = queue.Queue()
+        self._send_error: OSError | None = None
+        self._sender = threading.Thread(target=self._write, name="jetflow-engine-calls", daemon=True)
+        self._sender.start()
         self._sent = self._received = 0
         self._wanted: set[int] = set()
         self._held: dict[int, Any] = {}  # wanted replies read ahead of the ticket asked for
@@ -104,11 +112,18 @@ class EngineProcess:
         self.pid = self._take("starting the rollout engine")[0]
         self._received = 0  # the start's reply answers no call
 
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(message)
+            except OSError as e:  # a broken pipe: the child is gone (said by the next send or reply)
+                self._send_error = e
+                return
+
     def send(self, method: str, *args, wanted: bool = True, **kwargs) -> int:
-        try:
-            self._conn.send_bytes(pickle.dumps((method, args, kwargs)))
-        except OSError:  # a broken pipe: the child is gone
+        if self._send_error is not None:
             self._died(f"sending call {self._sent + 1} ({method})")
+        self._outbox.put(pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
         self._sent += 1
         if wanted:
             self._wanted.add(self._sent)
@@ -146,6 +161,8 @@ class EngineProcess:
                                 f"from the run's newest checkpoint, {RESUME_HINT}") from None
 
     def close(self) -> None:
+        self._outbox.put(None)
+        self._sender.join(10)
         if self._process.is_alive():
             self._conn.close()
             self._process.join(10)
