@@ -158,3 +158,16 @@ def test_a_dead_engine_process_is_one_line(tmp_path, monkeypatch):
                                                 r"SIGKILL\); .* run.resume=true continues it") as e:
         _train(tmp_path, "rollout.max_staleness=1", "eval.num_prompts=0")
     assert isinstance(e.value, UserError) and "\n" not in str(e.value)
+
+
+def test_max_staleness_0_is_the_synchronous_loop(tmp_path, monkeypatch):
+    """The default starts no engine process and generates ahead of nothing: the loop of before the key
+    (results/async/README.md compares its metrics.jsonl with a run of the commit before, row for row)."""
+    from jetflow.run import engine_process
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("rollout.max_staleness=0 started an engine process")
+
+    monkeypatch.setattr(engine_process.EngineProcess, "__init__", refuse)
+    run_dir = _train(tmp_path, "train.steps=2", "rollout.max_staleness=0")
+    assert all(not k.startswith("async/") for r in read_metrics(run_dir, "rl") for k in r)
