@@ -18,6 +18,7 @@ train/, rollout/ and run/ import precision, never the other way.
   exact.py         exact_linear: the one linear every side computes under `precision.numerics=exact`
   exact_cache.py   what an exact linear keeps between calls (weight panels, the prepared product)
   linear.py        PrecisionLinear and apply_precision, which puts it into a model
+  lora.py          LoRA: the adapted linear (a frozen base + scaled fp32 adapters), its converter and freezer
   kv.py            FP8 K/V quantization with per-layer scales
   export.py        quantized weights in the checkpoint layouts vLLM loads, and back: fp8_block's own,
   modelopt.py      and NVIDIA ModelOpt's for mxfp8 / nvfp4

@@ -58,6 +58,7 @@ class PrecisionLinear(nn.Linear):
         self._cached: QuantizedTensor | None = None
         self._loaded: QuantizedTensor | None = None  # bytes handed in by a trainer (rollout side)
         self.ordered_wgrad = False  # exact: the weight gradient in one token order (jetflow.train.packing's grid)
+        self.lora: nn.Module | None = None  # a LoRAAdapter added after the base's product (jetflow.precision.lora)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "PrecisionLinear":
@@ -143,8 +144,25 @@ class PrecisionLinear(nn.Linear):
             return False
         return resolve_backend(self.gemm_backend, device) == "emulate"
 
+    def keep_bytes_only(self) -> None:
+        """Freeze an FP8 linear as fixed bytes: its weight quantized once by the recipe, exactly as its forward
+        quantizes it, handed to it as `load_quantized` bytes, and the high-precision weight replaced by a
+        zero-stride placeholder of its shape (one element of storage): a forward reads only the bytes, and
+        the fp8_block backward's dgrad reads them too (the reference policy, a LoRA base)."""
+        with torch.no_grad():
+            wq = self.quantized_weight()
+        self.load_quantized(wq)
+        placeholder = torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
+        del self.weight  # the parameter: the bytes are all it keeps
+        self.weight = placeholder.expand(self.out_features, self.in_features)  # (N, K), one element stored
+        self.drop_caches()
+
     # Forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base_forward(x)
+        return y if self.lora is None else self.lora(x, y, self.numerics, self.ordered_wgrad)
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.numerics == "exact":
             wq = self.quantized_weight() if self.kind == "fp8" else None
             return exact_linear(x, self.weight, self.bias, self.kind, recipe=self.recipe, wq=wq,
@@ -163,7 +181,8 @@ def sibling_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[tor
     """[linear(x) for linear in linears] for linears that share their input (q / k / v, gate / up). Exact
     PrecisionLinears of one kind, outside autograd, on the CPU, run as one GEMM (`exact_linears`: the
     same bits, one activation quantization and one kernel call instead of one per linear); anything
-    else (fast numerics, a graph being recorded, hooks, mixed kinds) calls each module."""
+    else (fast numerics, a graph being recorded, hooks, mixed kinds) calls each module. A LoRA adapter is
+    added to its own linear's output either way."""
     first = linears[0]
     fusable = (not x.is_cuda and all(isinstance(m, PrecisionLinear) for m in linears)
                and all(m.numerics == "exact" and m.kind == first.kind and m.recipe == first.recipe
@@ -173,9 +192,11 @@ def sibling_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[tor
     if not fusable:
         return [m(x) for m in linears]
     wqs = [m.quantized_weight() for m in linears] if first.kind == "fp8" else None
-    return exact_linears(x, [m.weight for m in linears], [m.bias for m in linears], first.kind, recipe=first.recipe,
+    outs = exact_linears(x, [m.weight for m in linears], [m.bias for m in linears], first.kind, recipe=first.recipe,
                          wqs=wqs, caches=[m._exact_cache for m in linears],
                          fused=first._exact_cache.siblings, name=first.name)
+    # each linear's adapter on its own output, as its forward adds it (jetflow.precision.lora)
+    return [y if m.lora is None else m.lora(x, y, m.numerics, m.ordered_wgrad) for y, m in zip(outs, linears)]
 
 
 def held_bytes_per_weight(kind: str, recipe: QuantRecipe | None, numerics: str, cuda: bool, trainer: bool) -> float:

@@ -58,13 +58,7 @@ def freeze_reference(model: nn.Module) -> nn.Module:
         p.requires_grad_(False)
     for layer in model.modules():
         if isinstance(layer, PrecisionLinear) and layer.kind == "fp8":
-            with torch.no_grad():
-                wq = layer.quantized_weight()  # the recipe's bytes of the initial weight, quantized once
-            layer.load_quantized(wq)
-            placeholder = torch.zeros((), dtype=layer.weight.dtype, device=layer.weight.device)
-            del layer.weight  # the parameter: the bytes are all the reference keeps
-            layer.weight = placeholder.expand(layer.out_features, layer.in_features)  # (N, K), one element stored
-            layer.drop_caches()
+            layer.keep_bytes_only()  # the recipe's bytes of the initial weight, quantized once
         elif isinstance(layer, FreezableLinear):
             layer.freeze_quantized()
     return model
