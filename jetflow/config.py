@@ -103,6 +103,26 @@ class TinyModelConfig:
     """MoE: each expert's intermediate size (a multiple of 128 keeps the FP8 export loadable by vLLM)."""
 
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA (jetflow.precision.lora): each targeted linear of the decoder layers computes base(x) + alpha / rank
+    x ((x A^T) B^T) with a frozen base and trained fp32 adapters A (rank, in), B (out, rank); the trainer's
+    optimizer sees the adapters alone, and after the first weight update only they travel to the engine."""
+    rank: int = 0
+    """Adapter rank r (0: LoRA off, the whole model trains)."""
+    alpha: float = 16.0
+    """The adapters' scale is alpha / rank (PEFT's convention without rsLoRA)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Module-name patterns of the decoder layers' linears to adapt: a name's last parts (q_proj, mlp.up_proj)
+    or an fnmatch pattern of the whole name (model.layers.1.*); default: the attention and MLP projections."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input. Only 0: dropout makes the trainer's forward another function than the
+    rollout engine's (off-policy by design), so it is refused."""
+
+
 @dataclass
 class PolicyConfig:
     """The `model:` section: which policy model the run trains, its master dtype and device, and how
@@ -118,6 +138,7 @@ class PolicyConfig:
     cache_dir: str = ".cache/models"
     """Where converted models (e.g. smollm2) are kept."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

@@ -35,7 +35,9 @@ from typing import Any, Callable
 import torch
 
 from jetflow.config import Config, ConfigError, Derived, config_changes, conversation_tokens, derive, load_config
+from jetflow.model import Decoder
 from jetflow.precision.family import family_of
+from jetflow.precision.lora import lora_targets, unmatched_targets
 from jetflow.precision.recipe import QuantRecipe
 from jetflow.rollout.engine import default_kv_pool_bytes
 from jetflow.rollout.native import kv_pool_bytes
@@ -96,6 +98,8 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("eval.every", lambda v: v >= 0, ">= 0 (0: before the first and after the last step only)"),
     ("run.num_threads", lambda v: v >= 0, ">= 0 (0: torch's default)"),
     ("run.ray_num_cpus", lambda v: v >= 0, ">= 0 (0: all cores)"),
+    ("model.lora.rank", lambda v: v >= 0, ">= 0 (0: LoRA off)"),
+    ("model.lora.alpha", lambda v: v > 0, "> 0 (the adapters' scale is alpha / rank)"),
     ("run.name", lambda v: v not in ("", ".", "..") and "/" not in v and "\\" not in v,
      "one directory name (the run goes to run.out_dir/run.name; put the path in run.out_dir)"),
 ]
@@ -200,6 +204,7 @@ def check_combinations(cfg: Config) -> None:
     check_algorithm(cfg)
     check_turns(cfg)
     check_staleness(cfg)
+    check_lora(cfg)
     if unknown := [k for k in cfg.run.allow_changes if not _is_key(k)]:
         raise ConfigError(f"run.allow_changes: {', '.join(unknown)} is not a config key (e.g. train.steps)")
 
@@ -255,6 +260,56 @@ def check_staleness(cfg: Config) -> None:
     if cfg.algo.dynamic_sampling:
         raise ConfigError(f"rollout.max_staleness={k} with algo.dynamic_sampling=true: the refill rounds need the step's "
                           "own weights (a synchronous rollout); set one of them off")
+
+
+LORA_BUILT = (("train.backend", "native"), ("rollout.backend", "native"), ("run.orchestrator", "local"),
+              ("algo.kl_coef", 0.0), ("algo.log_ref_kl", False))
+"""What LoRA runs with today (model.lora.rank > 0): each key's one value."""
+
+
+def check_lora(cfg: Config) -> None:
+    """model.lora (jetflow.precision.lora): what this LoRA is built for; the targets against the model are
+    check_lora_model's."""
+    lora, p = cfg.model.lora, cfg.precision
+    if lora.dropout != 0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout}: dropout on the adapters' input makes the trainer's "
+                          "forward another function than the rollout engine's (off-policy by design); set it to 0")
+    if not lora.rank:
+        return
+    if not lora.targets:
+        raise ConfigError("model.lora.targets=[]: name the linears to adapt (e.g. [q_proj, v_proj]), or set "
+                          "model.lora.rank=0")
+    for key, built in LORA_BUILT:
+        if (value := _value(cfg, key)) != built:
+            raise ConfigError(f"model.lora.rank={lora.rank} with {key}={value}: LoRA there is not built yet; use "
+                              f"{key}={built} (or model.lora.rank=0)")
+    if p.mode == "unified" and (p.family != "fp8_block" or p.dgrad != "fp8"):
+        key, built = ("precision.family", "fp8_block") if p.family != "fp8_block" else ("precision.dgrad", "fp8")
+        raise ConfigError(f"model.lora.rank={lora.rank} with precision.mode=unified and {key}={_value(cfg, key)}: "
+                          f"LoRA on that frozen FP8 base is not built yet (its backward would need the "
+                          f"high-precision weight); use {key}={built} (or model.lora.rank=0)")
+
+
+def check_lora_model(cfg: Config, arch) -> None:
+    """model.lora against the model the run builds (read without a weight): every target pattern matches a
+    linear of its decoder layers, the rank fits each targeted linear, and the model is dense."""
+    lora = cfg.model.lora
+    if not lora.rank:
+        return
+    if arch.is_moe:
+        raise ConfigError(f"model.lora.rank={lora.rank} with a mixture-of-experts model ({arch.model_type}): LoRA on "
+                          "expert layers is not built yet; use a dense model (or model.lora.rank=0)")
+    with torch.device("meta"):
+        model = Decoder(arch)
+    if missing := unmatched_targets(model, lora.targets):
+        names = sorted({n.rsplit(".", 1)[-1] for n in lora_targets(model, ["*"])})
+        raise ConfigError(f"model.lora.targets: {', '.join(map(repr, missing))} matches no linear of the model's "
+                          f"decoder layers (its linears: {', '.join(names)})")
+    for name, linear in lora_targets(model, lora.targets).items():
+        if lora.rank > min(linear.in_features, linear.out_features):
+            raise ConfigError(f"model.lora.rank={lora.rank} is larger than {name}'s smaller dimension "
+                              f"{min(linear.in_features, linear.out_features)} ({linear.in_features} in, "
+                              f"{linear.out_features} out); use a rank <= that")
 
 
 def check_algorithm(cfg: Config) -> None:
@@ -396,6 +451,7 @@ def check_task_and_model(cfg: Config, derived: Derived) -> RunInputs:
                           "to replay; set algo.routing_replay=false")
     if cfg.train.backend == "megatron":
         check_megatron_model(cfg, arch, derived)
+    check_lora_model(cfg, arch)
     return inputs
 
 
