@@ -11,6 +11,9 @@ What crosses depends on the precision mode:
            on; vectors (norms, biases) as they are. The recipe fingerprint travels along and the
            receiver refuses another recipe's bytes.
 So in every mode but mixed the rollout side computes with exactly the trainer's values.
+LoRA (model.lora.rank > 0, jetflow.precision.lora): the adapters travel in fp32 as they are (`adapters`);
+the frozen base travels as above with the first update only, and every later update is the adapters
+alone (`base=False`), a receiver refusing such an update before it holds a base.
 Every receipt checks the version (a stale or repeated update is refused) and, for FP8 payloads, that
 no scale is zero or non-finite (users of FP8 RL report all-zero and stale scales after sync).
 """
@@ -25,6 +28,7 @@ import torch.nn as nn
 
 from jetflow.model.protocol import ShardedPolicy
 from jetflow.precision import QuantizedTensor, check_fingerprint, fp8_linears, quantized_weights
+from jetflow.precision.lora import adapter_parameters
 
 
 class StaleWeightsError(RuntimeError):
@@ -33,6 +37,10 @@ class StaleWeightsError(RuntimeError):
 
 class CorruptWeightsError(RuntimeError):
     """A weight update failed its integrity checks (checksum, zero or non-finite scales)."""
+
+
+class MissingBaseError(RuntimeError):
+    """An update of LoRA adapters alone reached a receiver that holds no base weights yet."""
 
 
 @dataclass
@@ -44,10 +52,15 @@ class WeightUpdate:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> high-precision tensor
     kv_scales: dict[str, torch.Tensor] | None = None  # per-layer FP8 K/V scales (precision.kv_cache_fp8)
     checksum: str = ""
+    adapters: dict[str, torch.Tensor] = field(default_factory=dict)  # LoRA: adapter parameter name -> fp32 tensor
+    base: bool = True  # False: the LoRA adapters alone (the frozen base came with an earlier update)
 
     def nbytes(self) -> int:
         return (sum(q.nbytes() for q in self.quantized.values())
-                + sum(t.numel() * t.element_size() for t in self.tensors.values()))
+                + sum(t.numel() * t.element_size() for t in self.tensors.values()) + self.adapter_nbytes())
+
+    def adapter_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.adapters.values())
 
     def compute_checksum(self) -> str:
         """sha256 over every byte and scale, in name order (detects corruption in transit)."""
@@ -60,18 +73,35 @@ class WeightUpdate:
             t = self.tensors[name].detach().contiguous()
             h.update(name.encode())
             h.update(t.view(torch.uint8).cpu().numpy().tobytes() if t.dtype == torch.bfloat16 else t.cpu().numpy().tobytes())
+        for name in sorted(self.adapters):  # LoRA's (none: the digest of an update without them is unchanged)
+            h.update(name.encode())
+            h.update(self.adapters[name].detach().contiguous().cpu().numpy().tobytes())
+        if not self.base:
+            h.update(b"adapters alone")
         return h.hexdigest()[:16]
 
 
 def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | None = None,
-                 with_checksum: bool = False, kv_scales: dict[str, torch.Tensor] | None = None) -> WeightUpdate:
+                 with_checksum: bool = False, kv_scales: dict[str, torch.Tensor] | None = None,
+                 base: bool = True) -> WeightUpdate:
     """The payload for rollout engines after the trainer reached weight `version`.
 
     A `ShardedPolicy` (the Megatron backend's) gives its HF-named weights and FP8 bytes through its
     `hf_state_dict()` / `quantized_weights()` (collectives under tensor parallelism:
-    call on every rank); any other model is read through `named_parameters` and its FP8 linears."""
+    call on every rank); any other model is read through `named_parameters` and its FP8 linears.
+    A model with LoRA adapters: they go in `adapters` (fp32); `base=False` leaves the frozen base out."""
     sharded = isinstance(model, ShardedPolicy)
     params = model.hf_state_dict() if sharded else dict(model.named_parameters(remove_duplicate=True))
+    adapters = {} if sharded else {k: v.detach() for k, v in adapter_parameters(model).items()}
+    params = {k: v for k, v in params.items() if k not in adapters}
+    if not base:
+        if not adapters:
+            raise ValueError("build_update: base=False ships the LoRA adapters alone, and the model has none")
+        update = WeightUpdate(version, mode, fingerprint if mode == "unified" else None, adapters=adapters, base=False)
+        update.kv_scales = kv_scales
+        if with_checksum:
+            update.checksum = update.compute_checksum()
+        return update
 
     def bf16_matrices(skip=frozenset()) -> dict[str, torch.Tensor]:
         # Matrices outside FP8 linears (bf16 linears, embeddings, lm_head, layers the recipe keeps)
@@ -89,6 +119,7 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
         update = WeightUpdate(version, mode, None, {}, {k: v.detach() for k, v in params.items()})
     else:
         raise ValueError(f"build_update: unknown mode {mode!r}")
+    update.adapters = adapters
     update.kv_scales = kv_scales
     if with_checksum:
         update.checksum = update.compute_checksum()
@@ -102,6 +133,9 @@ def check_update(update: WeightUpdate, current_version: int, fingerprint: str | 
     if update.version <= current_version:
         raise StaleWeightsError(f"weight update version {update.version} is not newer than the "
                                 f"rollout's version {current_version}; refusing it")
+    if not update.base and current_version < 0:
+        raise MissingBaseError(f"weight update v{update.version} carries the LoRA adapters alone and this rollout has "
+                               "no base weights yet (no update with the base reached it); refusing it")
     if update.checksum and update.compute_checksum() != update.checksum:
         raise CorruptWeightsError(f"weight update v{update.version}: checksum mismatch")
     if update.quantized:
@@ -122,9 +156,16 @@ def apply_update(model: nn.Module, update: WeightUpdate, current_version: int, f
     unknown = set(update.quantized) - set(layers)
     if unknown:
         raise KeyError(f"quantized weights for modules that are not FP8 linears here: {sorted(unknown)[:5]}")
+    held = adapter_parameters(model)
+    if set(update.adapters) != set(held):
+        raise KeyError(f"weight update's LoRA adapters differ from the rollout model's: it has "
+                       f"{sorted(set(update.adapters) - set(held))[:3]} more, {sorted(set(held) - set(update.adapters))[:3]} "
+                       "fewer")
     with torch.no_grad():
         for name, tensor in update.tensors.items():
             params[name].copy_(tensor)
+        for name, tensor in update.adapters.items():
+            held[name].copy_(tensor)
     for name, q in update.quantized.items():
         layers[name].load_quantized(q)
     if update.kv_scales is not None:

@@ -23,6 +23,7 @@ from jetflow.model.chunked_logprobs import chunked_token_logprobs
 from jetflow.model.logprobs import token_logprobs, token_logprobs_and_entropy
 from jetflow.errors import UserError
 from jetflow.precision import NonFiniteError, defer_nonfinite
+from jetflow.precision.lora import has_lora
 from jetflow.rl import agg_denominator, apply_correction, policy_loss
 from jetflow.rl.correction import ROW_LOCAL
 from jetflow.rl.experience import Experience
@@ -143,6 +144,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(train.warmup_steps, total, train.min_lr_ratio))
         self.version = 0  # optimizer steps applied: the weight version rollouts are tagged with
+        self.base_sent = False  # LoRA: the frozen base went out with a weight update (later ones: adapters alone)
         self.skipped_steps = self.consecutive_bad = 0
 
     # Log-probs -----------------------------------------------------------------------------
@@ -177,9 +179,14 @@ class Trainer:
         return reference_nbytes(self.reference)
 
     def weight_update(self, mode: str, fingerprint: str | None, kv_scales: dict | None = None):
-        """The payload for rollout engines at the current weight version (jetflow.sync)."""
+        """The payload for rollout engines at the current weight version (jetflow.sync). With LoRA adapters the
+        first update carries the frozen base and the adapters, every later one the adapters alone."""
         from jetflow.sync import build_update
-        return build_update(self.model, mode, self.version, fingerprint, kv_scales=kv_scales)
+        lora = has_lora(self.model)
+        update = build_update(self.model, mode, self.version, fingerprint, kv_scales=kv_scales,
+                              base=not (lora and self.base_sent))
+        self.base_sent = True
+        return update
 
     # One optimizer step ----------------------------------------------------------------------
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]:
