@@ -23,6 +23,7 @@ from jetflow.model.checkpoint import check_loaded_model, load_model_config
 from jetflow.model.tokenizer import eos_token_ids, render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
+from jetflow.precision.lora import apply_lora, freeze_base
 from jetflow.precision.modes import PrecisionMode
 from jetflow.precision.plan import Precision, Side
 from jetflow.rollout.conversation import turn_renderer
@@ -268,6 +269,39 @@ def copy_model(model: Decoder) -> Decoder:
     for p in clone.parameters():
         p.requires_grad_(False)
     return clone
+
+
+def blank_model(cfg: Config, arch: ModelConfig) -> Decoder:
+    """The architecture with every weight zero, frozen, on cfg.model.device, in the master dtype, built without
+    drawing from the run's RNG: a LoRA rollout side's model, which its first weight update (the base and the
+    adapters) fills."""
+    model = build_model(cfg, arch, None, weights=False).to_empty(device=cfg.model.device)
+    model.tie_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_().requires_grad_(False)
+    return model
+
+
+def with_lora(model: Decoder, cfg: Config, side: Side) -> Decoder:
+    """model.lora on one side's model, after its precision (apply_mode), in place: the targeted linears get
+    adapters (jetflow.precision.lora); the trainer's are drawn from run.seed and its base is frozen (FP8 bytes
+    under unified, bf16 under bf16 / mixed), the rollout's start at zero until the first weight update.
+    model.lora.rank=0: the model as it is."""
+    lora = cfg.model.lora
+    if not lora.rank:
+        return model
+    apply_lora(model, lora.rank, lora.alpha, lora.targets, seed=cfg.run.seed if side == "trainer" else None)
+    return freeze_base(model) if side == "trainer" else model
+
+
+def rollout_model(cfg: Config, precision: Precision, source) -> Decoder:
+    """The rollout side's model under the run's precision: a copy of `source`'s weights, or with LoRA a blank
+    model with zero adapters that the first weight update fills (the trainer's frozen base may hold FP8
+    bytes alone, and no copy of them is needed: the update brings them)."""
+    if not cfg.model.lora.rank:
+        return apply_mode(copy_model(source), precision, "rollout")
+    return with_lora(apply_mode(blank_model(cfg, source.config), precision, "rollout"), cfg, "rollout")
 
 
 def embedding_grid(kind: str) -> torch.dtype | None:

@@ -34,7 +34,7 @@ from jetflow.config import Config, Derived
 from jetflow.model import CheckpointError, Decoder
 from jetflow.model.protocol import model_parallel_size, state_parts
 from jetflow.precision.kv import KVQuantizer
-from jetflow.run.build import apply_mode, embedding_grid, kv_rounding
+from jetflow.run.build import apply_mode, embedding_grid, kv_rounding, with_lora
 
 
 
@@ -63,7 +63,7 @@ def build_trainer_model(cfg: Config, derived: Derived, decoder: Decoder, kv: KVQ
     `kv`: the trainer's FP8 K/V quantizer (Precision.kv_quantizer), None for the mode's own K/V rounding."""
     if cfg.train.backend == "megatron":
         return build_megatron_policy(cfg, derived, decoder, kv)
-    model = apply_mode(decoder, derived.precision, "trainer", kv)
+    model = with_lora(apply_mode(decoder, derived.precision, "trainer", kv), cfg, "trainer")  # model.lora
     if cfg.train.backend == "fsdp":
         from jetflow.train.fsdp import FSDPPolicy
         return FSDPPolicy(model, cfg.model.device, cfg.train.data_parallel_shard_size), kv

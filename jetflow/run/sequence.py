@@ -210,7 +210,10 @@ class RunSequence:
         self._stop_point("final writes", at, lambda: self._save(steps, sft_done))
         self._save(steps, sft_done)
         self._stop_point("final writes", at)
-        if placement.is_main:  # from the final checkpoint: the same for every placement
+        if placement.is_main and cfg.model.lora.rank:  # the adapters' PEFT / merged export is not built yet
+            print(f"[jetflow] model.lora: no {self.run_dir}/model is written (the PEFT and merged exports are not "
+                  "built yet); the final checkpoint holds the adapters", file=sys.stderr)
+        elif placement.is_main:  # from the final checkpoint: the same for every placement
             write_model_dirs(self.run_dir, latest_checkpoint(self.run_dir), self.precision)
         self._stop_point("final writes", at)
         self.stop.after_run = True  # no stop point is left: a signal from here on lets the run finish

@@ -17,8 +17,8 @@ from jetflow.rollout.conversation import conversation_driver
 from jetflow.rollout.native import NativeRollout
 from jetflow.run.ahead import RolloutsAhead
 from jetflow.run.engine_process import ProcessRollout, thread_split
-from jetflow.run.build import (RunInputs, apply_mode, attach_kv_fp8, build_model, copy_model, load_inputs,
-                               loads_whole_policy, stop_token_ids)
+from jetflow.run.build import (RunInputs, attach_kv_fp8, build_model, copy_model, load_inputs, loads_whole_policy,
+                               rollout_model, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.loop import RLLoop
 from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
@@ -219,7 +219,7 @@ def build_rollout_side(cfg: Config, derived: Derived, inputs: RunInputs, side: T
         engine_dir = engine_dir or run_engine_dir(run_dir, "local", dp.global_rank)
         return build_vllm_rollout(cfg, derived, copy_model(source), tokenizer, eos, task.stop, max_seq_len, engine_dir,
                                   driver=driver)
-    rollout_model = apply_mode(copy_model(source), derived.precision, "rollout")
-    attach_kv_fp8(rollout_model, derived.precision, "rollout")
-    return NativeRollout(rollout_model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,
+    model = rollout_model(cfg, derived.precision, source)  # with LoRA: blank, the first update fills it
+    attach_kv_fp8(model, derived.precision, "rollout")
+    return NativeRollout(model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,
                          fingerprint=derived.precision.fingerprint, driver=driver)
