@@ -17,6 +17,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -53,6 +54,7 @@ def _serve(conn, build: Callable[[Config, Derived], Any], cfg_dict: dict, derive
     exception, its traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
     torch.set_num_threads(num_threads)
     try:
         engine = build(from_dict(cfg_dict), derived)
@@ -64,7 +66,7 @@ def _serve(conn, build: Callable[[Config, Derived], Any], cfg_dict: dict, derive
         t0 = time.perf_counter()
         try:
             method, args, kwargs = pickle.loads(conn.recv_bytes())
-        except EOFError:  # the parent closed the pipe (or exited)
+        except (EOFError, OSError):  # the parent closed the pipe (or exited): a reset is a close too
             return
         t1 = time.perf_counter()
         idle = t1 - t0
@@ -73,7 +75,19 @@ def _serve(conn, build: Callable[[Config, Derived], Any], cfg_dict: dict, derive
             reply = (True, value, idle, time.perf_counter() - t1)
         except BaseException as e:  # noqa: BLE001
             reply = (False, _portable(e), idle, time.perf_counter() - t1)
-        conn.send_bytes(pickle.dumps(reply))
+        try:
+            conn.send_bytes(pickle.dumps(reply))
+        except OSError:  # the parent is gone
+            return
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (a parent killed outright closes no pipe in time, and
+    an engine in the middle of a long generation would run on for minutes)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _portable(e: BaseException) -> tuple[BaseException | None, str]:

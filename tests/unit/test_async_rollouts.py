@@ -171,3 +171,46 @@ def test_max_staleness_0_is_the_synchronous_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_process.EngineProcess, "__init__", refuse)
     run_dir = _train(tmp_path, "train.steps=2", "rollout.max_staleness=0")
     assert all(not k.startswith("async/") for r in read_metrics(run_dir, "rl") for k in r)
+
+
+def test_the_engine_process_dies_with_a_killed_trainer(tmp_path):
+    """A trainer killed outright (SIGKILL, an OOM kill) in the middle of a generation takes its engine's process
+    with it, instead of leaving it to finish the generation alone (before: it ran on, a long one for minutes)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "slow_engine.py").write_text(
+        "import time\n"
+        "class Slow:\n"
+        "    def generate(self, *args, **kwargs):\n"
+        "        time.sleep(600)\n"
+        "def build(cfg, derived):\n"
+        "    return Slow()\n")
+    script = (
+        "import time\n"
+        "from jetflow.config import derive, load_config\n"
+        "from jetflow.run.engine_process import ProcessRollout\n"
+        "from slow_engine import build\n"
+        "cfg = load_config('configs/tiny.yaml')\n"
+        "engine = ProcessRollout(build, cfg, derive(cfg), 1)\n"
+        "engine.submit([[1, 2]], [0])\n"
+        "print(engine.process.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    child = int(parent.stdout.readline())
+    time.sleep(0.5)  # the call reaches the child, which sleeps in it
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the engine's process outlived its killed parent")
