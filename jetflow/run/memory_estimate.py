@@ -72,6 +72,11 @@ RUNTIME_BYTES = int(0.45 * GIB)
 the allocator's slack: the peak RSS of a train step of a model of 0.1M parameters is about 0.45 GB."""
 WARN_FRACTION = 0.8
 """An estimate above this fraction of the available memory is warned (the estimate is within about 25%)."""
+CHOOSE_FRACTION = 0.6
+"""`auto` turns savers on until the estimate is at most this fraction of the available memory. More room than the
+warning's, because the savers cost nothing measured (the same step 16% faster with them on a Zen 4, issue 75) and
+the estimate ran low where it mattered: SmolLM2 unified at 8 x (44 + 1024) was estimated at 17.8 GiB, 79.9% of 22.3
+available (no saver at WARN_FRACTION), and peaked at 21.0 GiB (results/async/README.md)."""
 
 # bytes saved for backward per token and decoder layer = a_h * h + a_kv * kv + a_i * i, by trainer kind
 # (fp32 master weights; counted by results/memory-estimate/saved_activations.py)
@@ -390,8 +395,8 @@ def saver_options(train: TrainConfig) -> list[MemorySavers]:
 def choose_savers(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: int,
                   have: int) -> tuple[Derived, MemoryEstimate]:
     """`derived` with the memory savers `auto` leaves to the estimate chosen, and the run's estimate under
-    them: the first of saver_options whose need is at most WARN_FRACTION of `have` (one the check neither
-    refuses nor warns about: the estimate is within about 25%), else the one that needs least (which the
+    them: the first of saver_options whose need is at most CHOOSE_FRACTION of `have` (one the check neither
+    refuses nor warns about, with room for an estimate that runs low), else the one that needs least (which the
     check then warns about or refuses; checkpointing a model of few layers can cost more than it saves: its
     backward holds two layers' working set). A run that fits without savers keeps them off, its numbers
     those of a run without `auto`. The choice is the header's note (MemorySavers.note) when it turned a
@@ -400,7 +405,7 @@ def choose_savers(cfg: Config, derived: Derived, arch: ModelConfig, prompt_len: 
     for option in saver_options(cfg.train):
         with_option = dataclasses.replace(derived, savers=option)
         tried.append((with_option, _estimate(cfg, with_option, arch, prompt_len)))
-        if _need(cfg, tried[-1][1]) <= WARN_FRACTION * have:
+        if _need(cfg, tried[-1][1]) <= CHOOSE_FRACTION * have:
             break
     else:
         tried.append(min(tried, key=lambda t: _need(cfg, t[1])))  # the first of the least

@@ -56,7 +56,7 @@ def test_auto_takes_the_cheapest_savers_that_fit_then_refuses(monkeypatch, capsy
     cfg, derived, arch = large()
     need = needs(cfg, derived, arch)
     assert list(need) == [OFF, CHUNKS, BOTH] and need[OFF] > need[CHUNKS] > need[BOTH]
-    room = me.WARN_FRACTION
+    room = me.CHOOSE_FRACTION
     assert check_with(monkeypatch, need[OFF] / room + 1, cfg, derived, arch) == OFF
     chunks = check_with(monkeypatch, need[CHUNKS] / room + 1, cfg, derived, arch)
     assert dataclasses.replace(chunks, note="") == CHUNKS
@@ -150,8 +150,8 @@ def test_the_header_names_the_choice_and_the_trainer_runs_it_with_the_same_numbe
     need = {o: me.estimate_run(cfg, dataclasses.replace(derived, savers=o), inputs.arch, inputs.longest_prompt).total
             for o in me.saver_options(cfg.train)}
     ckpt = MemorySavers(checkpointing=True, chunk_tokens=me.AUTO_CHUNK_TOKENS)
-    have = int(need[ckpt] / me.WARN_FRACTION) + 1
-    assert min(need[OFF], need[CHUNKS]) > me.WARN_FRACTION * have  # only checkpointing fits with room
+    have = int(need[ckpt] / me.CHOOSE_FRACTION) + 1
+    assert min(need[OFF], need[CHUNKS]) > me.CHOOSE_FRACTION * have  # only checkpointing fits with room
     monkeypatch.setattr(me, "available_memory", lambda device: (have, "test"))
     checkpointed = []
     enable = trainer_module.enable_activation_checkpointing
