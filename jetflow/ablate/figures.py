@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 from jetflow import plots
+from jetflow.ablate import archive
 from jetflow.ablate.grid import Ablation, Placed, place_cells
-from jetflow.metrics_log import METRICS_FILE, read_jsonl
-from jetflow.run.report import position_curve
+from jetflow.run.files import POSITIONS_FILE
 
 
 def panel_columns(placed: list[Placed], default: int = 3) -> int:
@@ -68,14 +68,22 @@ Series = Callable[[Path], dict[float, float]]
 
 def metric_series(key: str, phase: str = "rl") -> Series:
     def read(run_dir: Path) -> dict[float, float]:
-        rows = [r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("phase") == phase]
+        rows = archive.metrics_rows(run_dir, phase)
         return {r["step"]: r.get(key) for r in rows if r.get(key) is not None}  # a redone step: the last row
     return read
 
 
 def position_series(run_dir: Path) -> dict[float, float]:
-    curve = position_curve(run_dir)
-    return dict(zip(*curve)) if curve else {}
+    """Mean k3 per response index pooled over all RL steps, each index weighted by its token count (as
+    jetflow.run.report.position_curve, from the run's mismatch_positions.jsonl loose or archived)."""
+    by_step = {r["step"]: r for r in archive.read_rows(run_dir / POSITIONS_FILE)}  # a resumed step: the last row
+    total: dict[int, float] = {}
+    count: dict[int, float] = {}
+    for r in by_step.values():
+        for t, (k3, n) in enumerate(zip(r["kl_k3"], r["count"])):
+            total[t] = total.get(t, 0.0) + k3 * n
+            count[t] = count.get(t, 0.0) + n
+    return {t: total[t] / count[t] for t in sorted(total) if count[t] > 0}
 
 
 def draw(path: Path, title: str, ylabel: str, xlabel: str, placed: list[Placed], series: Series,

@@ -40,11 +40,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jetflow.ablate import archive
 from jetflow.ablate.figures import draw_all
 from jetflow.ablate.grid import Ablation, Replicate, load_ablation, place_cells, replicate
 from jetflow.bench.common import environment, markdown_table
-from jetflow.metrics_log import METRICS_FILE, read_jsonl
-from jetflow.run.files import ERROR_FILE, POSITIONS_FILE, run_status
+from jetflow.run.files import ERROR_FILE, POSITIONS_FILE
 
 TIME_KEYS = ("time/rollout", "time/old_logprobs", "time/train", "time/sync")
 COLUMNS = {  # summary.json key -> summary.md column
@@ -65,13 +65,14 @@ def _mean(values: list[Any]) -> float | None:
 
 
 def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str]) -> dict:
-    rl = [r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("phase") == "rl"]
+    rows = archive.metrics_rows(run_dir)
+    rl = [r for r in rows if r.get("phase") == "rl"]
 
     def col(key: str) -> list[Any]:
         return [r.get(key) for r in rl]
 
     rewards = [v for v in col("reward/mean") if v is not None]
-    evals = [r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("phase") == "eval"]
+    evals = [r for r in rows if r.get("phase") == "eval"]
     kl = [v for v in col("mismatch/kl_k3") if v is not None]
     row = {
         "cell": cell_id, "status": status, "steps": len(rl),
@@ -98,9 +99,9 @@ def cell_summary(cell_id: str, status: str, run_dir: Path, overrides: list[str])
         "overrides": overrides,
         "run_dir": str(run_dir),
     }
-    error = run_dir / ERROR_FILE
-    if status == "failed" and error.exists():
-        lines = [line for line in error.read_text().splitlines() if line.strip()]
+    error = archive.read_bytes(run_dir / ERROR_FILE) if status == "failed" else None
+    if error is not None:
+        lines = [line for line in error.decode(errors="replace").splitlines() if line.strip()]
         row["error"] = lines[-1] if lines else "unknown error"
     return row
 
@@ -285,8 +286,8 @@ def write_report(ab: Ablation, command: str) -> Path:
     rows, all_metrics = [], []
     for cell in ab.cells:
         run_dir = ab.run_dir(cell)
-        rows.append(cell_summary(cell.id, run_status(run_dir), run_dir, cell.overrides))
-        all_metrics += [{"cell": cell.id, **r} for r in read_jsonl(run_dir / METRICS_FILE)]
+        rows.append(cell_summary(cell.id, archive.run_status(run_dir), run_dir, cell.overrides))
+        all_metrics += [{"cell": cell.id, **r} for r in archive.metrics_rows(run_dir)]
     placed = place_cells(ab)
     plots = draw_all(ab)
     by_cell = {r["cell"]: r for r in rows}
@@ -318,7 +319,7 @@ def _summary_markdown(ab: Ablation, command: str, env: dict, generated: str, row
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     table_rows = [{COLUMNS[k]: ("" if r.get(k) is None else r[k]) for k in COLUMNS} for r in rows]
     failed = [f"- `{r['cell']}`: {r['error']}" for r in rows if r.get("error")]
-    no_pos = [r["cell"] for r in rows if r["steps"] and not (Path(r["run_dir"]) / POSITIONS_FILE).exists()]
+    no_pos = [r["cell"] for r in rows if r["steps"] and not archive.exists(Path(r["run_dir"]) / POSITIONS_FILE)]
     md = [
         f"# Ablation: {ab.name}", "",
         f"Command: `{command}`  ",

@@ -4,7 +4,8 @@
 Each cell is one `jetflow.run.runner.train` run in <out_dir>/runs/<cell id>/, run in this
 process, one after another. In-process is enough: `train` seeds torch and Python's RNG itself, builds
 its model, trainer and engine from scratch and keeps no module-level state, and it saves a
-subprocess start and the torch import per cell. Resuming: a run directory with COMPLETE is skipped;
+subprocess start and the torch import per cell. Resuming: a run directory with COMPLETE (on disk, or in the
+study's runs.tar.xz: jetflow.ablate.archive) is skipped;
 one without is continued with `run.resume=true` from its last checkpoint (set
 `train.checkpoint_every` for fine-grained restarts), so re-running the command after a kill
 continues where it stopped. A cell whose directory was made with a different config is refused (its
@@ -23,11 +24,12 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from jetflow.ablate.archive import run_status
 from jetflow.ablate.grid import Ablation, load_ablation, resolve_cells, select, warmup_config
 from jetflow.ablate.report import write_report
 from jetflow.ablate.warmups import needs_warmup_start, start_from_warmup
 from jetflow.config import Config, ConfigError
-from jetflow.run.files import COMPLETE, ERROR_FILE, run_status
+from jetflow.run.files import COMPLETE, ERROR_FILE
 from jetflow.run.validate import validate_run
 from jetflow.run.stop import RunStopped
 
