@@ -8,4 +8,4 @@ for seed in 0 1 2 3; do
   jetflow train --no-report --config examples/reward_model/config.yaml run.out_dir=$out run.name=seed$seed \
     run.seed=$seed run.progress=false run.num_threads=1
 done
-python results/reward-model/summarize.py $out > results/reward-model/seeds.md
+python scripts/analysis/reward_model_summarize.py $out > results/reward-model/seeds.md

@@ -103,3 +103,20 @@ def test_results_studies_read_from_their_archives(study: str) -> None:
         got = cell_summary(cell["cell"], "complete", run_dir, cell["overrides"])
         for key in ("steps", "reward_final", "kl_k3_mean", "equal_frac_mean", "time_rollout"):
             assert got[key] == cell[key], (study, cell["cell"], key)
+
+
+ANALYSIS_PATHS = ["scripts/analysis", "results/long-train/grpo-2048-reward/reward.py",
+                  "results/long-train/host-memory/trim_wrapper.py"]
+"""The studies' scripts: linted here (scripts/test.sh lints jetflow/), type-checked by `mypy` (pyproject's files)."""
+
+
+def test_the_studies_scripts_pass_ruff() -> None:
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not Path(ruff).is_file():
+        pytest.skip("ruff is not installed")
+    import subprocess
+    done = subprocess.run([ruff, "check", "--quiet", *ANALYSIS_PATHS], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    beside = {str(p.relative_to(ROOT)) for p in (ROOT / "results").rglob("*.py")
+              if p.relative_to(ROOT).parts[1] not in ("async", "ci")}  # two folders this test does not own
+    assert beside <= set(ANALYSIS_PATHS), f"scripts under results/ that nothing lints: {sorted(beside - set(ANALYSIS_PATHS))}"

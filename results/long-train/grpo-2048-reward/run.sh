@@ -6,7 +6,7 @@ export PYTHONPATH=$PWD HF_HUB_OFFLINE=1
 OUT=/tmp/long-measure/runs; D=results/long-train/grpo-2048-reward
 rm -rf $OUT/grpo-2048-reward $D/logs
 date -u +"start %FT%TZ"; uptime
-/usr/bin/time -v /work/main/.venv/bin/python results/long-train/grpo_2048.py --config $D/grpo.yaml --log-dir $D/logs \
+/usr/bin/time -v /work/main/.venv/bin/python scripts/analysis/long_train_grpo_2048.py --config $D/grpo.yaml --log-dir $D/logs \
   run.out_dir=$OUT
 date -u +"end %FT%TZ"; uptime
 cp $OUT/grpo-2048-reward/{config.yaml,metrics.jsonl,mismatch_positions.jsonl,summary.json} $D/

@@ -1,7 +1,7 @@
 """CPU time of one weight gradient: torch's matmul (BLAS) against jetflow.kernels.invariant.weight_grad (the
 exact weight gradients' token order), on random fp32 tensors, best of 3.
 
-    PYTHONPATH=. python results/long-train/weight_grad_cost.py
+    PYTHONPATH=. python scripts/analysis/long_train_weight_grad_cost.py
 """
 
 import time

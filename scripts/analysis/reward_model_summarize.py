@@ -1,6 +1,6 @@
 """The tiny reward-model runs' held-out reward-model score before and after RL, per seed and mean ± SE.
 
-    python results/reward-model/summarize.py RUNS_DIR > results/reward-model/seeds.md
+    python scripts/analysis/reward_model_summarize.py RUNS_DIR > results/reward-model/seeds.md
 """
 
 import json

@@ -1,6 +1,6 @@
 """The memory estimate (jetflow.run.memory_estimate) against the peak RSS measured by measure.sh.
 
-    PYTHONPATH=. python results/memory-estimate/compare.py      # -> results/memory-estimate/table.{md,json}
+    PYTHONPATH=. python scripts/analysis/memory_estimate_compare.py      # -> results/memory-estimate/table.{md,json}
 
 Each measurement describes itself: a bench's JSON (model, mode, batch, lengths, overrides), a run's
 /usr/bin/time file (the command line). The estimate is computed for the same configuration: the bench's
@@ -16,20 +16,23 @@ from pathlib import Path
 
 from jetflow.bench.workload import bench_config
 from jetflow.config import derive, load_config
-from jetflow.run.build import build_task, build_tokenizer, longest_prompt, model_architecture
+from jetflow.run.build import load_inputs, model_architecture
 from jetflow.run.memory_estimate import GIB, estimate_run, estimate_train_step
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2] / "results" / "memory-estimate"
 RUNS = HERE / "runs"
 
 
 def peak_rss(time_file: Path) -> int:
     kib = re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_file.read_text())
+    assert kib is not None, time_file
     return int(kib.group(1)) * 1024
 
 
 def command(time_file: Path) -> list[str]:
-    line = re.search(r'Command being timed: "(.*)"', time_file.read_text()).group(1)
+    found = re.search(r'Command being timed: "(.*)"', time_file.read_text())
+    assert found is not None, time_file
+    line = found.group(1)
     return shlex.split(line)
 
 
@@ -51,7 +54,7 @@ def estimate_for(name: str, where: Path = RUNS):
     args = command(RUNS / f"{name}.time")
     overrides = [a for a in args[args.index("train") + 1:] if "=" in a]
     cfg = load_config(None, overrides)
-    prompt = longest_prompt(cfg, build_tokenizer(cfg), build_task(cfg))
+    prompt = load_inputs(cfg).longest_prompt
     est = estimate_run(cfg, derive(cfg), model_architecture(cfg), prompt)
     what = f"jetflow train {cfg.model.path} {cfg.precision.mode}, {' '.join(overrides)}"
     return est, what

@@ -2,7 +2,7 @@
 the quantizable linears in FP8 at once. Reads <dir>/<model>-<arm>/audit.json (written by the commands in
 README.md) and prints a markdown table a model.
 
-    python results/fp8-cost/audit_arms.py /work/fp8-cost/audit
+    python scripts/analysis/fp8_cost_audit_arms.py /work/fp8-cost/audit
 """
 
 from __future__ import annotations

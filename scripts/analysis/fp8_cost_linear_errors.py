@@ -2,7 +2,7 @@
 relative error of its output (x_q @ w_q^T against x @ w^T in fp32) and of each operand's quantization,
 on a batch sampled from a run's model as `jetflow audit` samples it (the bf16 trainer's copy).
 
-    python results/fp8-cost/linear_errors.py RUN_DIR [prompts]
+    python scripts/analysis/fp8_cost_linear_errors.py RUN_DIR [prompts]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main(run_dir: str, prompts: int = 8) -> None:
     cfg, model = audit_config(run_dir, None, ["rollout.group_size=4"])
+    assert model is not None
     bf16 = copy.deepcopy(cfg)
     bf16.precision.mode, bf16.precision.numerics = "bf16", "fast"
     apply_mode(model, derive(bf16).precision, "trainer")

@@ -4,14 +4,14 @@ machine kinds, so a seed shows here once its warm-up is done, before its arms ru
 Intel cell its held-out curve, mismatch KL per token and policy entropy (first 20 RL steps -> steps 200-299), and for
 unified the largest |KL| and the smallest equal share over all RL steps.
 
-    python results/learning-length/intel-len256/cell_figures.py
+    python scripts/analysis/learning_length_intel_len256_cell_figures.py
 """
 import statistics
 from pathlib import Path
 
-from jetflow.metrics_log import read_jsonl
+from jetflow.ablate.archive import listdir, metrics_rows
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2] / "results" / "learning-length" / "intel-len256"
 KINDS = {"AMD Zen 5": HERE.parent, "Intel Xeon": HERE}
 
 
@@ -22,7 +22,7 @@ def evals(rows: list[dict]) -> list[tuple[int, float]]:
 def warmup_loss_and_start(root: Path, seed: int) -> tuple[float, float] | None:
     """A warm-up's loss (mean of its last 50 steps) and its last held-out pass@1 (the start once the warm-up has
     finished: a stopped one prints its latest evaluation); None before its first evaluation."""
-    rows = read_jsonl(root / "warmups" / f"seed{seed}-len256-bf16" / "metrics.jsonl")
+    rows = metrics_rows(root / "warmups" / f"seed{seed}-len256-bf16")
     losses = [r["loss/sft"] for r in rows if "loss/sft" in r]
     curve = evals(rows)
     return (statistics.fmean(losses[-50:]), curve[-1][1]) if curve else None
@@ -40,12 +40,12 @@ for kind, root in KINDS.items():
         if (warmup := warmup_loss_and_start(root, seed)) is not None:
             print(f"| {kind} | {seed} | {warmup[0]:.3f} | {warmup[1]:.2f} |")
 
-for run in sorted((HERE / "runs").iterdir()):
-    rows = read_jsonl(run / "metrics.jsonl")
-    print(f"\n{run.name}: held-out {evals(rows)}")
+for name in listdir(HERE / "runs"):
+    rows = metrics_rows(HERE / "runs" / name)
+    print(f"\n{name}: held-out {evals(rows)}")
     print(f"  mismatch KL per token {first_and_late(rows, 'mismatch/kl_k3')}, "
           f"entropy {first_and_late(rows, 'policy/entropy')}")
-    if run.name.endswith("unified"):
+    if name.endswith("unified"):
         kl = [abs(r["mismatch/kl_k3"]) for r in rows if "mismatch/kl_k3" in r]
         eq = [r["mismatch/equal_frac"] for r in rows if "mismatch/equal_frac" in r]
         print(f"  {len(kl)} RL steps: max |KL| {max(kl)}, min equal share {min(eq)}")

@@ -5,12 +5,12 @@ same seed number on two kinds is another draw (another warm-up, other RL samples
 (kind, seed). The last column keeps one draw per seed number (the AMD kind's where both kinds ran it): the
 issue's "N seeds" counted without a second draw of one seed.
 
-    python results/learning-length/two_kinds.py len64 results/learning-length/len64_bf16_engine_eval.json \
+    python scripts/analysis/learning_length_two_kinds.py len64 results/learning-length/len64_bf16_engine_eval.json \
         results/learning-length/intel-len64/bf16_engine_eval.json
 """
 import sys
 
-from engine_eval import ARMS, difference, load, pool  # this directory's engine_eval.py (the script's folder is on sys.path)
+from learning_length_engine_eval import ARMS, difference, load, pool  # beside this script (its folder is on sys.path)
 
 from jetflow.ablate.length_study import paired
 

@@ -4,16 +4,16 @@ weights scored by one bf16 engine on 200 problems (scripts/reeval_heldout.py --a
 lengths are the grid's rows with every arm at 8 or more seeds: len16 from the 1000-step warm-up (the strong-start
 control), len64, and len256 at RL lr 3e-5. Seeds are keyed (kind, seed) and pooled, as in two_kinds.py.
 
-    python results/learning-length/by_length.py      # prints the table, writes by_length.png
+    python scripts/analysis/learning_length_by_length.py      # prints the table, writes by_length.png
 """
 import statistics
 from pathlib import Path
 
-from engine_eval import ARMS, difference, load, pool  # this directory's engine_eval.py (the script's folder is on sys.path)
+from learning_length_engine_eval import ARMS, difference, load, pool  # beside this script (its folder is on sys.path)
 
 from jetflow.ablate.length_study import paired
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2] / "results" / "learning-length"
 # (mean answer tokens, label, grid setting, AMD EPYC Zen 5 file, Intel Xeon file)
 ROWS = [
     (16, "len16, 1000-step warm-up", "len16-wu1000", "strong-start/bf16_engine_eval.json",

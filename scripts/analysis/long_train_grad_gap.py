@@ -1,10 +1,11 @@
 """The packed step (on packing's grid) against the default padded step (off it) and the aligned padded step,
 tiny model, the test's batch: the gradient gap and how many gradients differ, per mode.
 
-    PYTHONPATH=. python results/long-train/grad_gap.py      # from the repository root
+    PYTHONPATH=. python scripts/analysis/long_train_grad_gap.py      # from the repository root
 """
 import sys
-sys.path.insert(0, "tests/unit")
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "unit"))
 from test_sequence_packing import model_for, batch, step, flat
 for mode in ["fp32", "bf16", "unified"]:
     model, cfg = model_for(mode)

@@ -1,7 +1,7 @@
 """KV bytes per token of jetflow's exact vLLM engine, from vLLM's own KV cache spec
 (VLLMRollout.kv_cache_stats), beside the native engine's page pool, in fp32 / bf16 / unified + FP8 KV.
 
-    PYTHONPATH=. python results/vllm-paged/kv_bytes.py [tiny|smollm2]
+    PYTHONPATH=. python scripts/analysis/vllm_paged_kv_bytes.py [tiny|smollm2]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main(which: str) -> None:
                                    "precision.numerics=exact", "rollout.backend=vllm"])
         model, tok = build_policy(cfg)
         policy = apply_mode(copy_model(model), derive(cfg).precision, "rollout")
-        quantizer = attach_kv_fp8(policy, derive(cfg).precision, "rollout") or policy.model.layers[0].self_attn.kv_quantizer
+        quantizer = attach_kv_fp8(policy, derive(cfg).precision, "rollout") or policy.model.layers[0].self_attn.kv_quantizer  # type: ignore[index, union-attr]
         with tempfile.TemporaryDirectory() as tmp:
             path = write_engine_checkpoint(policy, tok, Path(tmp), "exact", None)
             rollout = VLLMRollout(path, execution="exact", policy=policy, recipe=cfg.precision.recipe(),

@@ -6,20 +6,20 @@ from its warm-up continued to 4500 steps; the len256 warm-ups' loss by seed; the
 to 4, seed 1's draws, token TIS and AIS among them) and their pairs over draws and over starts (all of them, and
 the strong ones: a start is strong when its bf16 arm's held-out pass@1 at RL step 0 is at least 0.5).
 
-    python results/learning-length/len256_numbers.py
+    python scripts/analysis/learning_length_len256_numbers.py
 """
 import json
 import statistics
 from pathlib import Path
 
 from jetflow.ablate.length_study import paired
-from jetflow.metrics_log import read_jsonl
+from jetflow.ablate.archive import exists, metrics_rows
 
 OUT = Path("results/learning-length")
 
 
 def rows(cell: Path, phase: str) -> list[dict]:
-    return [r for r in read_jsonl(cell / "metrics.jsonl") if r.get("phase") == phase]
+    return metrics_rows(cell, phase)
 
 
 def mean(rs, key):
@@ -65,7 +65,8 @@ for length, seeds in [("len16", range(8)), ("len64", range(8)), ("len256", [1]),
 draws = {1: OUT / "runs", 11: OUT / "replicate-len256/runs", 12: OUT / "replicate-len256/runs"}
 engine = {**json.loads((OUT / "len256_bf16_engine_eval_seed1.json").read_text()),
           **json.loads((OUT / "replicate-len256/bf16_engine_eval.json").read_text())}
-late, one_engine = {}, {}
+late: dict[tuple, float] = {}
+one_engine: dict[tuple, float] = {}
 for draw, runs in draws.items():
     for arm in ("bf16", "mixed-none", "unified", "mixed-ais"):
         name = f"seed1-len256-{arm}" if draw == 1 else f"seed1r{draw}-len256-{arm}"
@@ -101,9 +102,10 @@ lr_engine = json.loads((OUT / "extended-warmup/bf16_engine_eval_lr3e-5.json").re
 for where, name in (("runs", "seed0x4500-len256-bf16-lr3e-5"), ("runs", "seed0x4500-len256-mixed-none-lr3e-5"),
                     ("runs", "seed0x4500-len256-unified-lr3e-5"), ("stopped", "seed0x4500-len256-bf16-T0.7")):
     cell = OUT / "extended-warmup" / where / name
-    ev, rl = [r["eval/pass@1"] for r in rows(cell, "eval")], rows(cell, "rl")
-    print(f"{name}: {len(rl)} RL steps; start {ev[0]:.2f}, last 5 {statistics.fmean(ev[-5:]):.3f} ({ev[-1]:.2f}), lowest "
-          f"{min(ev):.2f}; sampled accuracy {mean(rl[:20], 'reward/accuracy'):.3f} -> {mean(rl[-20:], 'reward/accuracy'):.3f}"
+    scores, rl = [r["eval/pass@1"] for r in rows(cell, "eval")], rows(cell, "rl")
+    print(f"{name}: {len(rl)} RL steps; start {scores[0]:.2f}, last 5 {statistics.fmean(scores[-5:]):.3f} "
+          f"({scores[-1]:.2f}), lowest {min(scores):.2f}; sampled accuracy {mean(rl[:20], 'reward/accuracy'):.3f} -> "
+          f"{mean(rl[-20:], 'reward/accuracy'):.3f}"
           f"; KL per token {mean(rl[:20], 'mismatch/kl_k3'):.1e} -> {mean(rl[-100:], 'mismatch/kl_k3'):.1e}; smallest "
           f"equal share {min(r['mismatch/equal_frac'] for r in rl):.3f}; one bf16 engine "
           f"{lr_engine[name]['in_mode'] if name in lr_engine else 'n/a'}")
@@ -111,7 +113,7 @@ for where, name in (("runs", "seed0x4500-len256-bf16-lr3e-5"), ("runs", "seed0x4
 print("len256's 3000-step warm-ups: SFT loss per token, mean of steps b..b+49, by seed")
 WARMUPS = {s: f"warmups/seed{s}-len256-bf16" for s in range(5)}
 for seed, where in WARMUPS.items():
-    warm = [r["loss/sft"] for r in read_jsonl(OUT / where / "metrics.jsonl") if r.get("loss/sft") is not None]
+    warm = [r["loss/sft"] for r in metrics_rows(OUT / where) if r.get("loss/sft") is not None]
     print(f"seed {seed} ({len(warm)} steps): " + " ".join(f"{b}: {statistics.fmean(warm[b:b + 50]):.3f}"
                                       for b in (500, 1000, 1250, 1500, 2000, 2500, 2950) if b + 50 <= len(warm)))
 
@@ -130,7 +132,7 @@ late, one_engine = {}, {}
 for (seed, draw), pattern in lr_cells.items():
     for arm in LR_ARMS:
         cell = OUT / pattern.format(arm)
-        if not (cell / "COMPLETE").exists():
+        if not exists(cell / "COMPLETE"):
             continue
         one_engine[(seed, draw, arm)] = lr_row_engine[cell.name]["in_mode"]
         late[(seed, draw, arm)] = describe(f"seed {seed} draw {draw or '-'} {arm}", cell, one_engine[(seed, draw, arm)])

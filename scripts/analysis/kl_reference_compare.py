@@ -1,6 +1,6 @@
 """Print the per-step table of results/kl-reference/README.md from the two runs' metrics.jsonl.
 
-    python results/kl-reference/compare.py RUN_WITHOUT RUN_WITH
+    python scripts/analysis/kl_reference_compare.py RUN_WITHOUT RUN_WITH
 """
 
 import json

@@ -3,7 +3,7 @@ through the head, at SmolLM2-135M's head shape (576 -> 49152, fp32 nn.Linear), N
 backward of sum(log-probs), median of 3 after a warm-up (wall and this process's CPU seconds), with the
 process peak RSS:
 
-    PYTHONPATH=. python results/train-step-long/head_backward_cost.py [N]"""
+    PYTHONPATH=. python scripts/analysis/train_step_long_head_backward_cost.py [N]"""
 
 import json
 import resource

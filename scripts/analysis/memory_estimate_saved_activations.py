@@ -2,7 +2,7 @@
 token and decoder layer, counted with saved-tensor hooks (each storage once, parameters excluded) over
 a training forward of tiny models, and split by finite differences into a_h * h + a_kv * kv + a_i * i.
 
-    PYTHONPATH=. python results/memory-estimate/saved_activations.py
+    PYTHONPATH=. python scripts/analysis/memory_estimate_saved_activations.py
 
 Printed (fp32 master weights, exact numerics, CPU, 2026-11-27):
     fp32    a_h 32.0  a_kv 8.0  a_i 24.0

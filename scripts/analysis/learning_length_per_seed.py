@@ -1,7 +1,7 @@
 """Per-seed table of the grid: held-out pass@1 at RL step 0 (the shared warm-up's end: one value per seed)
 and each arm's mean over its last 5 evaluations (steps 220-300) and last evaluation.
 
-    python results/learning-length/per_seed.py [results/learning-length] [len16] [configs/ablations/learning-length.yaml]
+    python scripts/analysis/learning_length_per_seed.py [results/learning-length] [len16] [configs/ablations/learning-length.yaml]
         [bf16_engine_eval.json]
 
 With the fourth argument (scripts/reeval_heldout.py --all-arms --out FILE) each arm's cell is its last-5 mean and,
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from jetflow.ablate.grid import load_ablation
 from jetflow.ablate.length_study import gather
-from jetflow.metrics_log import read_jsonl
+from jetflow.ablate.archive import metrics_rows
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "results/learning-length")
 setting = sys.argv[2] if len(sys.argv) > 2 else "len16"
@@ -41,5 +41,5 @@ print("|---" * (len(arms) + 2) + "|")
 for key in seeds:  # (run.seed, RL draw): the grid has no draw axis, so the draw is the seed
     seed = key[0]
     first = next(out / "runs" / f"seed{seed}-{setting}-{a}" for a in arms if key in results[(setting, a)])
-    start = next(r["eval/pass@1"] for r in read_jsonl(first / "metrics.jsonl") if r.get("phase") == "eval")
+    start = next(r["eval/pass@1"] for r in metrics_rows(first, "eval"))
     print(f"| {seed} | {start:.2f} | " + " | ".join(cell(a, key) for a in arms) + " |")

@@ -4,17 +4,18 @@ alignment of sequences turned off: how many parameter gradients differ, and by h
 (Written for the pack-bitwise branch; adapted to branch pack2's grid: `Decoder.use_grad_block(128)` for the
 ordered weight gradients, then `grad_block = 1` for no alignment, the head's real-positions path forced on.)
 
-    PYTHONPATH=. python results/long-train/alignment_off.py fp32|bf16|unified
+    PYTHONPATH=. python scripts/analysis/long_train_alignment_off.py fp32|bf16|unified
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
 import jetflow.train.packing as packing
 import jetflow.train.trainer as trainer_module
 
-sys.path.insert(0, "tests/unit")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "unit"))
 import test_sequence_packing as tsp  # noqa: E402
 
 

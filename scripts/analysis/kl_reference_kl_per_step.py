@@ -2,7 +2,7 @@
 below the first's at every step where the runs can differ (from step 2: steps 0 and 1 are equal by
 construction, see README.md).
 
-    python results/kl-reference/kl_per_step.py RUN_WITHOUT RUN_WITH [RUN_WITH ...]
+    python scripts/analysis/kl_reference_kl_per_step.py RUN_WITHOUT RUN_WITH [RUN_WITH ...]
 """
 
 import json

@@ -1,7 +1,7 @@
 """Why continuous batching gains 1.24x here and not 1.5x: the exact decode step's CPU cost against its rows,
 and the two schedules of section 1b replayed on that cost curve (results/long-rollout/README.md, section 1c).
 
-    OMP_NUM_THREADS=1 python results/long-rollout/step_cost.py MODEL
+    OMP_NUM_THREADS=1 python scripts/analysis/long_rollout_step_cost.py MODEL
 
 1. c(r): CPU seconds of one decode step of r rows (native exact fp32 engine, SmolLM2, one thread), as the
    difference of two generates of r requests (64-token prompts, EOS ignored) running 16 and 48 new tokens:
@@ -48,7 +48,8 @@ def step_cost(model, tok, rows: int) -> float:
 
 def schedule_rows(caps: list[int], batch: int, continuous: bool) -> list[int]:
     """Rows of every decode step (a request's first token comes from its prefill: cap - 1 decode steps)."""
-    waiting, running, rows = list(caps), [], []
+    waiting, rows = list(caps), []
+    running: list = []
     while waiting or running:
         if continuous or not running:
             while waiting and len(running) < batch:
@@ -78,7 +79,8 @@ def main(model_path: str) -> None:
         print(json.dumps({"rows": r, "cpu_s_per_step": round(cost[r], 4), "cpu_s_per_row": round(cost[r] / r, 5)}),
               flush=True)
     caps = response_lengths("longtail", 48, 2048)
-    out = {}
+    assert caps is not None
+    out: dict = {}
     for name, continuous in (("static", False), ("continuous", True)):
         rows = schedule_rows(caps, 32, continuous)
         out[name] = {"decode_steps": len(rows), "row_steps": sum(rows),

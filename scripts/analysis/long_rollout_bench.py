@@ -18,7 +18,7 @@ The native rows also log the process's CPU seconds (`time.process_time`): with o
 wall clock, so two engines run side by side on a shared machine can be compared by it; and the share of
 those CPU seconds spent inside the exact paged attention kernels (`attention_cpu_share`, AttentionClock).
 
-    python results/long-rollout/bench.py MODEL longtail B R N [continuous|static] | vllm B N | lengths B N [N ...]
+    python scripts/analysis/long_rollout_bench.py MODEL longtail B R N [continuous|static] | vllm B N | lengths B N [N ...]
                                           | longtail-vllm B R N native|vllm
 """
 
@@ -36,7 +36,7 @@ from jetflow.bench.kv_cache import _model, response_lengths
 from jetflow.model import load_tokenizer
 from jetflow.rollout import RolloutEngine, SamplingParams
 
-RAW = Path(__file__).with_name("raw.jsonl")
+RAW = Path(__file__).resolve().parents[2] / "results" / "long-rollout" / "raw.jsonl"
 PROMPT = 64
 
 
@@ -156,6 +156,7 @@ def main(model_path: str, section: str, *args: str) -> None:
         batch, requests, new_tokens = a
         prompts = prompts_for(tok, requests, batch)
         caps = response_lengths("longtail", requests, new_tokens)
+        assert caps is not None
         model = _model(model_path, "fp32", "exact", False, prompts)
         for mode in only or ("continuous", "static"):
             r = native(model, tok, prompts, batch, new_tokens, caps, continuous=mode == "continuous")
@@ -180,6 +181,7 @@ def main(model_path: str, section: str, *args: str) -> None:
         (batch, requests, new_tokens), (engine,) = a, only
         prompts = prompts_for(tok, requests, batch)  # section 1b's prompts, caps and seeds
         caps = response_lengths("longtail", requests, new_tokens)
+        assert caps is not None
         row = {"section": section, "batch": batch, "requests": requests, "max_new_tokens": new_tokens,
                "caps_sum": sum(caps), "pid": os.getpid(), "loadavg_1m_start": round(os.getloadavg()[0], 1)}
         if engine == "native":

@@ -1,7 +1,7 @@
 """A SmolLM2-sized reward model for the one-step time measurement (issue 74): SmolLM2-135M-Instruct's
 decoder with a fresh one-label score head (seeded), saved as a Hugging Face directory with its tokenizer.
 
-    python results/reward-model/smollm2_rm.py runs/reward_model/smollm2-rm
+    python scripts/analysis/reward_model_smollm2_rm.py runs/reward_model/smollm2-rm
 
 The head is untrained: the run measures what a reward model of this size costs a step (memory and
 time), not a preference.

@@ -1,15 +1,16 @@
 """len256's cells over RL steps, one row of panels per seed: held-out greedy pass@1 (the run's own engine),
 training accuracy of the sampled chains, policy entropy and mismatch KL per token (20-step means), per arm.
 
-    python results/learning-length/len256_curves.py [RUNS_DIR] [len256] [OUT.png]
+    python scripts/analysis/learning_length_len256_curves.py [RUNS_DIR] [len256] [OUT.png]
         # default: results/learning-length/runs -> results/learning-length/len256_curves.png
         # results/learning-length/replicate-len256 replicate-len256/curves.png: seed 1's RL replicates
 """
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 
 from jetflow import plots
-from jetflow.metrics_log import read_jsonl
+from jetflow.ablate.archive import exists, listdir, metrics_rows
 
 ARMS = {"bf16": ("bf16", "-"), "mixed-none": ("mixed", "-"), "mixed-token_tis": ("mixed", "--"),
         "mixed-ais": ("mixed", ":"), "unified": ("unified", "-")}
@@ -19,14 +20,14 @@ PANELS = [("eval/pass@1", "held-out pass@1 (own engine)"), ("reward/accuracy", "
 runs = Path(sys.argv[1] if len(sys.argv) > 1 else "results/learning-length/runs")
 setting = sys.argv[2] if len(sys.argv) > 2 else "len256"
 png = Path(sys.argv[3]) if len(sys.argv) > 3 else runs.parent / f"{setting}_curves.png"
-seeds = sorted({d.name.split("-")[0] for d in runs.glob(f"seed*-{setting}-*")})  # seed1, seed1r11, ...
+seeds = sorted({d.split("-")[0] for d in listdir(runs) if fnmatch(d, f"seed*-{setting}-*")})  # seed1, seed1r11, ...
 fig, axes = plots.figure(len(PANELS) * len(seeds), width=3.6, height=2.8, max_cols=len(PANELS))
 for row, seed in enumerate(seeds):
     for arm, (mode, style) in ARMS.items():
         run = runs / f"{seed}-{setting}-{arm}"
-        if not (run / "metrics.jsonl").exists() and not (run / "metrics.jsonl.gz").exists():
+        if not exists(run / "metrics.jsonl"):
             continue
-        rows = read_jsonl(run / "metrics.jsonl")
+        rows = metrics_rows(run)
         evals = [r for r in rows if r.get("phase") == "eval"]
         rl = [r for r in rows if r.get("phase") == "rl"]
         for col, (key, title) in enumerate(PANELS):

@@ -2,7 +2,7 @@
 the per-token cost at 256"), counted from the model's shapes, to set the measured ratio beside the one the
 FLOPs alone allow.
 
-    python results/long-train/flops.py
+    python scripts/analysis/long_train_flops.py
 
 What the step computes per column of a packed row (`jetflow bench train-step` with chunked log-probs, activation
 checkpointing and packing, exact numerics):

@@ -4,7 +4,7 @@ max_new_tokens tokens; at every response position the exact KL(pi_final || pi_re
 vocabulary, and the sampled k3 estimator of the same tokens, averaged over positions. Plain fp32
 forwards (not the runs' FP8 linears): a measurement of the weights, not of the precision.
 
-    python results/kl-reference/fixed_batch_kl.py RUN_A RUN_B ...
+    python scripts/analysis/kl_reference_fixed_batch_kl.py RUN_A RUN_B ...
 """
 
 import sys

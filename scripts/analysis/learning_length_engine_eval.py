@@ -1,7 +1,7 @@
 """Every arm's final weights scored by one bf16 decoding engine on more held-out problems
 (scripts/reeval_heldout.py --all-arms --problems 200): per seed, and each arm minus bf16, paired by seed.
 
-    python results/learning-length/engine_eval.py results/learning-length/len64_bf16_engine_eval.json len64
+    python scripts/analysis/learning_length_engine_eval.py results/learning-length/len64_bf16_engine_eval.json len64
 
 `load` reads such a file for one setting of the grid, `pool` joins two kinds' files, `difference` prints a paired
 difference; two_kinds.py and by_length.py import them.

@@ -13,7 +13,7 @@ high-precision value), so that a reader can see the policy the engine samples fr
 rewards.jsonl: each reward the task gave, one line per scored batch (a custom task's score_batch), so
 that the rewards' spread within each group can be read.
 
-    PYTHONPATH=. python results/long-train/grpo_2048.py [--config FILE] [--log-dir DIR] [overrides ...]
+    PYTHONPATH=. python scripts/analysis/long_train_grpo_2048.py [--config FILE] [--log-dir DIR] [overrides ...]
 """
 
 import dataclasses
@@ -77,8 +77,8 @@ if args[:1] == ["--config"]:
 if args[:1] == ["--log-dir"]:
     log_dir = Path(args[1])
     log_dir.mkdir(parents=True, exist_ok=True)
-    native.NativeRollout.load_weights = _logging_load(log_dir / "weight_changes.jsonl")
-    custom.CustomTask.score_batch = _logging_score(log_dir / "rewards.jsonl")
+    native.NativeRollout.load_weights = _logging_load(log_dir / "weight_changes.jsonl")  # type: ignore[method-assign]
+    custom.CustomTask.score_batch = _logging_score(log_dir / "rewards.jsonl")  # type: ignore[method-assign]
     args = args[2:]
-native.NativeRollout.__init__ = _init_running_to_length
+native.NativeRollout.__init__ = _init_running_to_length  # type: ignore[method-assign]
 sys.exit(main(["train", "--config", config, *args]))

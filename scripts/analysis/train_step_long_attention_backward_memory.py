@@ -2,7 +2,7 @@
 rows (now) against the whole-layer `reference_attention` backward it replaced (before), at SmolLM2-135M's
 attention shape (H=9, H_kv=3, D=64), causal, each measured in a fresh process (ru_maxrss is a process peak):
 
-    PYTHONPATH=. python results/train-step-long/attention_backward_memory.py [T]
+    PYTHONPATH=. python scripts/analysis/train_step_long_attention_backward_memory.py [T]
 
 Prints, per variant, the process peak RSS growth during backward alone (MiB) and its time (s)."""
 
@@ -31,7 +31,7 @@ def child(variant: str, T: int) -> None:
                 q_, kt_, v_ = (t.detach().requires_grad_() for t in (q, kt, v))
                 out = inv.reference_attention(q_, kt_.transpose(-1, -2), v_, pos, ctx.scale)
                 return (*torch.autograd.grad(out, [q_, kt_, v_], grad), None, None, None)
-        inv._Attention.backward = staticmethod(backward)
+        inv._Attention.backward = staticmethod(backward)  # type: ignore[method-assign]
     out = inv.attention(q, kt, v, pos, D ** -0.5)  # (B, H, T, D)
     g = torch.randn_like(out)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
