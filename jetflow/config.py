@@ -582,6 +582,14 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
+def config_value(cfg: Config, key: str) -> Any:
+    """The value of the dotted key `key` (`train.lr`) in `cfg`."""
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def from_dict(cfg_dict: dict) -> Config:
     """The Config a `to_dict` gave (how a config crosses to another process: a Ray actor, the engine's process)."""
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg_dict))

@@ -34,14 +34,14 @@ from typing import Any, Callable
 
 import torch
 
-from jetflow.config import Config, ConfigError, Derived, config_changes, conversation_tokens, derive, load_config
-from jetflow.model import Decoder
+from jetflow.config import (Config, ConfigError, Derived, config_changes, config_value, conversation_tokens, derive,
+                            load_config)
 from jetflow.precision.family import family_of
-from jetflow.precision.lora import lora_targets, unmatched_targets
 from jetflow.precision.recipe import QuantRecipe
 from jetflow.rollout.engine import default_kv_pool_bytes
 from jetflow.rollout.native import kv_pool_bytes
 from jetflow.run.build import RunInputs, load_inputs
+from jetflow.run.feature_checks import check_lora, check_lora_model, check_staleness, check_turns
 from jetflow.run.files import CONFIG_FILE, holds_a_run, run_dir_of
 from jetflow.run.memory_estimate import check_memory
 
@@ -142,20 +142,13 @@ def derive_checked(cfg: Config) -> Derived:
     return derived
 
 
-def _value(cfg: Config, key: str) -> Any:
-    node: Any = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
 def _refuse(key: str, value: Any, valid: str) -> ConfigError:
     return ConfigError(f"{key}={value!r} is out of range; it must be {valid}")
 
 
 def check_ranges(cfg: Config) -> None:
     for key, ok, valid in RANGES:
-        if not ok(value := _value(cfg, key)):
+        if not ok(value := config_value(cfg, key)):
             raise _refuse(key, value, valid)
     if cfg.eval.num_prompts and not 0 < cfg.eval.held_out < 1:
         raise _refuse("eval.held_out", cfg.eval.held_out, "in (0, 1) when eval.num_prompts > 0")
@@ -222,94 +215,6 @@ def check_blocks(cfg: Config, recipe: QuantRecipe) -> None:
             raise ConfigError(f"precision.weight_block={list(p.weight_block)} group_size={p.group_size} with {key}={value}: "
                               f"fp8_block blocks other than [128, 128] / 128 run on the native rollout engine and trainer "
                               f"only; use {key}=native or the 128 blocks")
-
-
-def check_turns(cfg: Config) -> None:
-    """Multi-turn rollouts: a custom task that has something to answer the model (tools or an environment)."""
-    r, params = cfg.rollout, cfg.task.params
-    talks = cfg.task.name == "custom" and bool(params.get("tools") or params.get("env"))
-    if r.max_turns > 1 and not talks:
-        raise ConfigError(f"rollout.max_turns={r.max_turns}: a multi-turn rollout needs something to answer the model "
-                          "between turns: task.name=custom with task.params.tools or task.params.env (README: Your own "
-                          "task); or rollout.max_turns=1")
-    if talks and r.max_turns == 1:
-        key = "tools" if params.get("tools") else "env"
-        raise ConfigError(f"task.params.{key} answers the model between turns, and rollout.max_turns=1 gives it one "
-                          "turn; set rollout.max_turns (for example 4)")
-    if r.max_turns > 1 and cfg.run.orchestrator != "local":
-        raise ConfigError(f"run.orchestrator={cfg.run.orchestrator} with rollout.max_turns={r.max_turns}: multi-turn "
-                          "rollouts run in the trainer's process today (native or vLLM engine); use run.orchestrator=local")
-    if r.max_turns > 1 and cfg.algo.routing_replay:
-        raise ConfigError("algo.routing_replay=true with rollout.max_turns > 1: routing replay is not built for "
-                          "multi-turn rollouts; set algo.routing_replay=false")
-    if r.max_turns > 1 and r.max_total_tokens and r.max_total_tokens <= r.max_new_tokens:
-        raise ConfigError(f"rollout.max_total_tokens={r.max_total_tokens} holds a conversation's prompt, turns and "
-                          f"observations: it must exceed rollout.max_new_tokens={r.max_new_tokens} (a turn)")
-
-
-def check_staleness(cfg: Config) -> None:
-    """Asynchronous rollouts (rollout.max_staleness > 0, jetflow.run.ahead): what they are built for today."""
-    k = cfg.rollout.max_staleness
-    if not k:
-        return
-    for key, value, runs in (("run.orchestrator", cfg.run.orchestrator, "local"),
-                             ("rollout.backend", cfg.rollout.backend, "native")):
-        if value != runs:
-            raise ConfigError(f"rollout.max_staleness={k} with {key}={value}: asynchronous rollouts run jetflow's native "
-                              f"engine in a process beside the trainer today; use {key}={runs} or rollout.max_staleness=0")
-    if cfg.algo.dynamic_sampling:
-        raise ConfigError(f"rollout.max_staleness={k} with algo.dynamic_sampling=true: the refill rounds need the step's "
-                          "own weights (a synchronous rollout); set one of them off")
-
-
-LORA_BUILT = (("train.backend", "native"), ("rollout.backend", "native"), ("run.orchestrator", "local"),
-              ("algo.kl_coef", 0.0), ("algo.log_ref_kl", False))
-"""What LoRA runs with today (model.lora.rank > 0): each key's one value."""
-
-
-def check_lora(cfg: Config) -> None:
-    """model.lora (jetflow.precision.lora): what this LoRA is built for; the targets against the model are
-    check_lora_model's."""
-    lora, p = cfg.model.lora, cfg.precision
-    if lora.dropout != 0:
-        raise ConfigError(f"model.lora.dropout={lora.dropout}: dropout on the adapters' input makes the trainer's "
-                          "forward another function than the rollout engine's (off-policy by design); set it to 0")
-    if not lora.rank:
-        return
-    if not lora.targets:
-        raise ConfigError("model.lora.targets=[]: name the linears to adapt (e.g. [q_proj, v_proj]), or set "
-                          "model.lora.rank=0")
-    for key, built in LORA_BUILT:
-        if (value := _value(cfg, key)) != built:
-            raise ConfigError(f"model.lora.rank={lora.rank} with {key}={value}: LoRA there is not built yet; use "
-                              f"{key}={built} (or model.lora.rank=0)")
-    if p.mode == "unified" and (p.family != "fp8_block" or p.dgrad != "fp8"):
-        key, built = ("precision.family", "fp8_block") if p.family != "fp8_block" else ("precision.dgrad", "fp8")
-        raise ConfigError(f"model.lora.rank={lora.rank} with precision.mode=unified and {key}={_value(cfg, key)}: "
-                          f"LoRA on that frozen FP8 base is not built yet (its backward would need the "
-                          f"high-precision weight); use {key}={built} (or model.lora.rank=0)")
-
-
-def check_lora_model(cfg: Config, arch) -> None:
-    """model.lora against the model the run builds (read without a weight): every target pattern matches a
-    linear of its decoder layers, the rank fits each targeted linear, and the model is dense."""
-    lora = cfg.model.lora
-    if not lora.rank:
-        return
-    if arch.is_moe:
-        raise ConfigError(f"model.lora.rank={lora.rank} with a mixture-of-experts model ({arch.model_type}): LoRA on "
-                          "expert layers is not built yet; use a dense model (or model.lora.rank=0)")
-    with torch.device("meta"):
-        model = Decoder(arch)
-    if missing := unmatched_targets(model, lora.targets):
-        names = sorted({n.rsplit(".", 1)[-1] for n in lora_targets(model, ["*"])})
-        raise ConfigError(f"model.lora.targets: {', '.join(map(repr, missing))} matches no linear of the model's "
-                          f"decoder layers (its linears: {', '.join(names)})")
-    for name, linear in lora_targets(model, lora.targets).items():
-        if lora.rank > min(linear.in_features, linear.out_features):
-            raise ConfigError(f"model.lora.rank={lora.rank} is larger than {name}'s smaller dimension "
-                              f"{min(linear.in_features, linear.out_features)} ({linear.in_features} in, "
-                              f"{linear.out_features} out); use a rank <= that")
 
 
 def check_algorithm(cfg: Config) -> None:
