@@ -185,34 +185,34 @@ class RLLoop:
         problems = self.task.problems(step * n + mine.start, len(mine), self.seed)
         return problems, [self.encode_prompt(p) for p in problems for _ in range(group)], mine.start * group
 
-    def _requests(self, step: int, problems: list[Problem], prompts: list[list[int]], first: int,
-                  round_: int = 0) -> Requests:
-        """The engine's requests for these prompts. Round r's are seeded after the step's earlier rounds'."""
-        cfg, group = self.cfg, self.cfg.rollout.group_size
-        offset = round_ * cfg.train.prompts_per_step * group
-        seeds = [request_seed(self.seed, step, offset + first + i) for i in range(len(prompts))]
-        per_prompt = [problems[i // group] for i in range(len(prompts))]
-        return Requests(prompts, seeds, per_prompt if cfg.rollout.max_turns > 1 else None)
+    def _seeds(self, step: int, first: int, n: int, round_: int) -> list[int]:
+        """The sampling seeds of n requests from global index `first`; round r's after the step's earlier rounds'."""
+        offset = round_ * self.cfg.train.prompts_per_step * self.cfg.rollout.group_size
+        return [request_seed(self.seed, step, offset + first + i) for i in range(n)]
 
     def _requests_of_step(self, step: int) -> Requests:
-        return self._requests(step, *self._step_problems(step))
+        """Step `step`'s round-0 requests, for the engine to generate ahead (jetflow.run.ahead)."""
+        problems, prompts, first = self._step_problems(step)
+        per_prompt = [problems[i // self.cfg.rollout.group_size] for i in range(len(prompts))]
+        return Requests(prompts, self._seeds(step, first, len(prompts), 0),
+                        self._conversations(per_prompt).get("problems"))
 
     def _sample(self, step: int, problems: list[Problem], prompts: list[list[int]], first: int,
                 round_: int) -> Sampled:
         """Each prompt once (prompts: each problem's group_size times), scored; rewards with the overlong
         punishment. Under rollout.max_staleness > 0, round 0's batch was generated ahead (jetflow.run.ahead)."""
         cfg, group = self.cfg, self.cfg.rollout.group_size
-        r = self._requests(step, problems, prompts, first, round_)
+        requests = [problems[i // group] for i in range(len(prompts))]
         if self.ahead is not None and round_ == 0:
             self.batch = self.ahead.take(step)
             out, expected = self.batch.out, self.batch.expected_version
         else:
-            out = self.rollout.generate(r.prompts, r.seeds, **({} if r.problems is None else {"problems": r.problems}))
+            out = self.rollout.generate(prompts, self._seeds(step, first, len(prompts), round_),
+                                        **self._conversations(requests))
             expected = self.trainer.version
         if out.weight_version != expected:
             raise StaleWeightsError(f"rollout used weight version {out.weight_version}, expected {expected} "
                                     f"(the trainer is at {self.trainer.version})")
-        requests = [problems[i // group] for i in range(len(prompts))]
         scores = self._score(requests, out)
         rewards = torch.tensor([s.total for s in scores], dtype=torch.float32)  # (N,)
         if cfg.algo.overlong_buffer:  # DAPO's soft overlong punishment
