@@ -115,3 +115,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from jetflow.distributed import exit_process
+    exit_process(0)  # skip the distributed runtime's interpreter teardown (see exit_process)
