@@ -15,6 +15,11 @@ tokens/s (above 1: faster than the reference). `lengths` = longtail: most respon
 every 8th at response_len (jetflow.bench.workload.response_lengths). `overrides`: config keys, e.g.
 train.logprob_chunk_tokens=1024 train.activation_checkpointing=true.
 
+Memory savers: explicit values as given; `auto` (the default of train.activation_checkpointing and
+train.logprob_chunk_tokens) resolved as a `jetflow train` run of the step's shape would resolve it: the memory
+estimate for `batch` sequences of prompt_len + response_len positions against this machine's memory
+(savers_as_a_run_would). The payload records the choice.
+
 Peak RSS: this process's high-water mark (ru_maxrss) when the bench ends, model loading and every mode
 included, and per row after that mode's last step: a configuration's own figure needs one mode in a fresh
 process (jetflow.bench.train_step_sweep). `train.max_tokens_per_micro_batch=N` in `overrides` (the CLI's
@@ -34,8 +39,9 @@ import torch
 
 from jetflow.bench.common import markdown_table, write_results
 from jetflow.bench.workload import LoadAverage, bench_config, synthetic_experience
-from jetflow.config import derive, loss_aggregation
+from jetflow.config import MemorySavers, derive, loss_aggregation
 from jetflow.run.build import apply_mode, build_policy, copy_model
+from jetflow.run import memory_estimate
 from jetflow.precision import PrecisionMode
 from jetflow.rl.experience import Experience
 from jetflow.train.packing import micro_batches
@@ -44,22 +50,42 @@ from jetflow.train.trainer import Trainer
 MODES = ("fp32", "bf16", "unified")
 
 
-def build_trainer(base, cfg) -> Trainer:
-    """A Trainer over its own copy of `base` under cfg's precision mode and numerics."""
+def build_trainer(base, cfg, savers: MemorySavers | None = None) -> Trainer:
+    """A Trainer over its own copy of `base` under cfg's precision mode and numerics (and `savers`; default:
+    the explicit values, `auto` off)."""
     model = apply_mode(copy_model(base), derive(cfg).precision, "trainer")
     for p in model.parameters():
         p.requires_grad_(True)  # copy_model makes rollout-side copies, frozen
-    return Trainer(model, cfg.train, cfg.algo)
+    return Trainer(model, cfg.train, cfg.algo, savers=savers)
 
 
-def build_trainers(cfg, modes: tuple[str, ...]) -> tuple[dict[str, Trainer], int, int]:
-    """({mode: Trainer over its own copy of the model}, vocab size, pad id); same initial weights."""
+def savers_as_a_run_would(cfg, arch, batch: int, prompt_len: int, response_len: int) -> MemorySavers:
+    """The memory savers of a `jetflow train` run whose step is this bench's: `batch` sequences of prompt_len +
+    response_len positions (one prompt each, every response at rollout.max_new_tokens, no held-out evaluation),
+    `auto` chosen by the run's memory estimate against this machine's memory (choose_savers); explicit values,
+    and run.memory_check=false, as a run takes them."""
+    shape = copy.deepcopy(cfg)
+    shape.train.prompts_per_step, shape.rollout.group_size = batch, 1
+    shape.rollout.max_new_tokens, shape.eval.num_prompts = response_len, 0
+    derived = derive(shape)
+    if not cfg.run.memory_check or not memory_estimate.estimated(shape):
+        return derived.savers
+    have, _ = memory_estimate.available_memory(cfg.model.device)
+    return memory_estimate.choose_savers(shape, derived, arch, prompt_len, have)[0].savers
+
+
+def build_trainers(cfg, modes: tuple[str, ...], shape: tuple[int, int, int] | None = None
+                   ) -> tuple[dict[str, Trainer], int, int]:
+    """({mode: Trainer over its own copy of the model}, vocab size, pad id); same initial weights. `shape`
+    (batch, prompt_len, response_len): each mode's savers as a run of that step would choose them
+    (savers_as_a_run_would); None: `auto` off."""
     base, tokenizer = build_policy(cfg)
     trainers = {}
     for mode in modes:
         mode_cfg = copy.deepcopy(cfg)
         mode_cfg.precision.mode = mode
-        trainers[mode] = build_trainer(base, mode_cfg)
+        savers = savers_as_a_run_would(mode_cfg, base.config, *shape) if shape else None
+        trainers[mode] = build_trainer(base, mode_cfg, savers)
     return trainers, base.config.vocab_size, tokenizer.pad_token_id
 
 
@@ -84,7 +110,9 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
     cfg = bench_config(model, [*overrides, *([f"model.device={device}"] if device else [])])
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
-    trainers, vocab, pad_id = build_trainers(cfg, tuple(modes))
+    trainers, vocab, pad_id = build_trainers(cfg, tuple(modes), (batch, prompt_len, response_len))
+    for mode, trainer in trainers.items():
+        print(f"  {mode}: memory savers: {trainer.savers.note or trainer.savers.describe()}", flush=True)
     exp = synthetic_experience(batch, prompt_len, response_len, vocab, pad_id, device=cfg.model.device, dist=lengths)
     batches = {mode: dataclasses.replace(exp, old_logprobs=t.compute_logprobs(exp)) for mode, t in trainers.items()}
     tokens = int(exp.attention_mask.sum())  # real tokens: prompts + responses
@@ -131,8 +159,9 @@ def run(model: str = "smollm2", modes: tuple[str, ...] = MODES, batch: int = 8, 
     headline = {"name": "unified (FP8) / fp32 training tokens/s", "value": ratios.get("unified_over_fp32")}
     payload = {"workload": {"model": model, "batch": batch, "prompt_len": prompt_len, "response_len": response_len,
                             "lengths": lengths, "overrides": list(overrides), "warmup": warmup,
-                            # what the trainers ran: explicit values, `auto` off (a bench resolves no `auto`)
+                            # what the trainers ran: explicit values, `auto` as a run of this step's shape chooses
                             "logprob_chunk_tokens": savers.chunk_tokens, "activation_checkpointing": savers.checkpointing,
+                            "savers_choice": savers.note,
                             "max_tokens_per_micro_batch": cfg.train.max_tokens_per_micro_batch,
                             "micro_batches": len(micro_batches(exp, cfg.train, next(iter(trainers.values())).model)),
                             "tokens_per_step": tokens, "reps": reps, "micro_batch_size": cfg.train.micro_batch_size,

@@ -170,3 +170,26 @@ def test_the_header_names_the_choice_and_the_trainer_runs_it_with_the_same_numbe
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
     assert metrics("auto") == metrics("plain")
+
+
+def test_a_train_step_bench_resolves_auto_as_a_run_of_its_step_would(monkeypatch):
+    """`jetflow bench train-step` runs the savers a `jetflow train` run whose step is the bench's (batch sequences
+    of prompt + response positions, every response at rollout.max_new_tokens) would choose: the same estimate,
+    so the same answer as check_memory on that run's config; an explicit value and run.memory_check=false as a
+    run takes them."""
+    from jetflow.bench.train_step import savers_as_a_run_would
+
+    cfg = load_config(TINY, ["model.tiny.num_layers=8", "train.micro_batch_size=16"])
+    arch = dataclasses.replace(model_architecture(cfg), vocab_size=49152)
+    run_cfg, run_derived, _ = large("train.prompts_per_step=16", "rollout.group_size=1", "eval.num_prompts=0")
+    need = needs(run_cfg, run_derived, arch)  # the run whose step is 16 x (20 + 512)
+    monkeypatch.setattr(me, "available_memory", lambda device: (int(need[CHUNKS] / me.CHOOSE_FRACTION) + 1, "test"))
+    chosen = savers_as_a_run_would(cfg, arch, 16, PROMPT, 512)
+    assert chosen == me.check_memory(run_cfg, run_derived, arch, PROMPT).savers
+    assert dataclasses.replace(chosen, note="") == CHUNKS and "log-prob chunks" in chosen.note
+    assert savers_as_a_run_would(cfg, arch, 1, PROMPT, 16) == OFF  # a short step fits without
+    explicit = load_config(TINY, ["model.tiny.num_layers=8", "train.logprob_chunk_tokens=0",
+                                  "train.activation_checkpointing=false"])
+    assert savers_as_a_run_would(explicit, arch, 16, PROMPT, 512) == OFF
+    unchecked = load_config(TINY, ["model.tiny.num_layers=8", "run.memory_check=false"])
+    assert savers_as_a_run_would(unchecked, arch, 16, PROMPT, 512) == OFF
