@@ -4,10 +4,12 @@ run.orchestrator=local): the engine generates while the trainer trains, each on 
 The child builds its engine from the run's config with the function it is given (jetflow.run.sides.
 standalone_engine: its own model copy, whose weights the first sync replaces, as a Ray rollout actor's) and
 serves the parent's calls in the order they were sent: `load_weights` (verified there as every sync is:
-version, recipe fingerprint, checksum) and `generate`. Calls and replies travel pickled over a pipe, so a
-weight update is a copy of the trainer's tensors at the moment it is sent, whatever the trainer does to its
-parameters afterwards. The child ignores SIGINT and SIGTERM: a stop request is the parent's to answer (at its
-next step boundary), and the child ends when the parent closes the pipe or exits.
+version, recipe fingerprint, checksum when sent) and `generate`. A call's tensors are copied, when it is sent,
+into a shared-memory file of its own that the child maps (jetflow.run.shared_calls), and the rest of it travels
+pickled over a pipe, as the replies do: a weight update is a copy of the trainer's tensors at the moment it is
+sent, whatever the trainer does to its parameters afterwards. The child ignores SIGINT and SIGTERM: a stop
+request is the parent's to answer (at its next step boundary), and the child ends when the parent closes the
+pipe or exits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from jetflow.config import Config, Derived, from_dict, to_dict
 from jetflow.errors import UserError
 from jetflow.rollout.types import Rollouts
+from jetflow.run import shared_calls
 from jetflow.run.stop import RESUME_HINT
 from jetflow.sync import WeightUpdate
 
@@ -65,7 +68,7 @@ def _serve(conn, build: Callable[[Config, Derived], Any], cfg_dict: dict, derive
     while True:
         t0 = time.perf_counter()
         try:
-            method, args, kwargs = pickle.loads(conn.recv_bytes())
+            method, args, kwargs = shared_calls.receive(conn)
         except (EOFError, OSError):  # the parent closed the pipe (or exited): a reset is a close too
             return
         t1 = time.perf_counter()
@@ -113,13 +116,15 @@ class EngineProcess:
                                     name="jetflow-engine", daemon=True)
         self._process.start()
         child.close()
-        # calls are pickled here (a copy of the tensors as they are now) and written by a thread of their own: a
-        # write blocks while the pipe is full, which is while the engine generates, and the trainer must go on
-        self._outbox: queue.Queue[bytes | None] = queue.Queue()
+        # calls are packed here (their tensors copied as they are now into shared memory) and written by a thread of
+        # their own: a write blocks while the pipe is full, which is while the engine generates, and the trainer must
+        # go on. A packed call holds its shared file's descriptor until it is written (or dropped: `close`)
+        self._outbox: queue.Queue[tuple[bytes, int | None] | None] = queue.Queue()
         self._send_error: OSError | None = None
         self._sender = threading.Thread(target=self._write, name="jetflow-engine-calls", daemon=True)
         self._sender.start()
         self._sent = self._received = 0
+        self._closed = False
         self._wanted: set[int] = set()
         self._held: dict[int, Any] = {}  # wanted replies read ahead of the ticket asked for
         self.idle_s = 0.0
@@ -127,17 +132,28 @@ class EngineProcess:
         self._received = 0  # the start's reply answers no call
 
     def _write(self) -> None:
-        while (message := self._outbox.get()) is not None:
+        while (packed := self._outbox.get()) is not None:
             try:
-                self._conn.send_bytes(message)
+                shared_calls.send(self._conn, *packed)
             except OSError as e:  # a broken pipe: the child is gone (said by the next send or reply)
                 self._send_error = e
+                self._drop_unsent()
                 return
+
+    def _drop_unsent(self) -> None:
+        """Close the shared files of the calls not written (the child is gone, or the run ends before them)."""
+        while True:
+            try:
+                packed = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if packed is not None and packed[1] is not None:
+                os.close(packed[1])
 
     def send(self, method: str, *args, wanted: bool = True, **kwargs) -> int:
         if self._send_error is not None:
             self._died(f"sending call {self._sent + 1} ({method})")
-        self._outbox.put(pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
+        self._outbox.put(shared_calls.pack((method, args, kwargs)))
         self._sent += 1
         if wanted:
             self._wanted.add(self._sent)
@@ -177,12 +193,17 @@ class EngineProcess:
     def close(self) -> None:
         self._outbox.put(None)
         self._sender.join(10)
+        self._drop_unsent()  # after a failed write, or a sender stuck on a full pipe (the child's files go with it)
+        self._outbox.put(None)  # the stop, if drained before a stuck sender read it
+        if self._closed:
+            return
+        self._closed = True
+        self._conn.close()  # the child, alive, ends on it; dead, its socket's calls in flight are freed with it
+        self._process.join(10)
         if self._process.is_alive():
-            self._conn.close()
-            self._process.join(10)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
+            self._process.kill()
+            self._process.join()
+        self._process.close()  # its sentinel's descriptor
 
 
 class ProcessRollout:
