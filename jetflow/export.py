@@ -11,6 +11,8 @@ vLLM loads such a directory as a block-FP8 checkpoint, and `jetflow.model.load` 
 the very same bytes. The bytes are exactly the trainer's.
 
 `write_final_model`: the end of a run, <run>/model/ (HF, bf16) and, under `unified`, <run>/model-fp8/.
+`write_lora_model`: the end of a LoRA run (model.lora), <run>/adapter/ (PEFT), <run>/model/ (merged, bf16) and,
+under `unified`, <run>/base-fp8/ (the frozen FP8 base's bytes, unmerged: no merged FP8 export is written).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from safetensors.torch import save_file
 from jetflow.model import ModelConfig
 from jetflow.model.checkpoint import TOKENIZER_FILES  # noqa: F401  (jetflow.run.vllm_side reads it here)
 from jetflow.model.checkpoint import save_hf_weights, write_tokenizer
+from jetflow.model.peft import write_adapter_dir
 from jetflow.model.protocol import ShardedPolicy, hf_weights
 from jetflow.writes import guarded
 from jetflow.precision import (
+    PrecisionLinear,
     QuantRecipe,
     PrecisionMode,
     QuantizedTensor,
@@ -41,12 +45,17 @@ from jetflow.precision import (
 )
 from jetflow.precision.export import quantization_config
 from jetflow.precision.family import family_of
+from jetflow.precision.lora import adapter_parameters, is_adapter
 from jetflow.precision.nvfp4 import TENSOR_SCALE_DIVISOR
 
 FINAL_MODEL_DIR = "model"
 """<run>/model/: the trained policy as a Hugging Face directory (bf16)."""
 FINAL_FP8_DIR = "model-fp8"
 """<run>/model-fp8/: its FP8 export (runs under the `unified` mode only)."""
+ADAPTER_DIR = "adapter"
+"""<run>/adapter/: a LoRA run's adapters as a PEFT directory (jetflow.model.peft)."""
+BASE_FP8_DIR = "base-fp8"
+"""<run>/base-fp8/: a `unified` LoRA run's frozen base, the FP8 bytes its trainer computed with, unmerged."""
 
 
 def fp8_state_dict(model: nn.Module, recipe: QuantRecipe) -> dict[str, torch.Tensor]:
@@ -56,7 +65,7 @@ def fp8_state_dict(model: nn.Module, recipe: QuantRecipe) -> dict[str, torch.Ten
     quantized = _quantized(model, recipe)
     tensors = to_checkpoint_tensors(quantized, nvfp4_input_scales(model, recipe))
     for name, tensor in hf_weights(model).items():
-        if name in tensors:
+        if name in tensors or is_adapter(name):  # a LoRA base's export: the adapters are their own directory
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
@@ -175,4 +184,47 @@ def _write_dir(final: Path, write: Callable[[Path], object]) -> Path:
         write(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
+    return final
+
+
+def base_weight(layer: PrecisionLinear) -> torch.Tensor:
+    """The weight a linear's base computes with, in fp32: the dequantized recipe bytes of an FP8 linear, the
+    bf16 grid of a bf16 one, the fp32 weight of an fp32 one."""
+    if layer.kind == "fp8":
+        return layer.quantized_weight().dequantize(torch.float32)
+    w = layer.weight.detach()
+    return (w.bfloat16() if layer.kind == "bf16" else w).float()
+
+
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A LoRA model's HF-named weights with each adapted linear's weight merged, in fp32:
+    W + scale * B @ A, W its base's (`base_weight`), the product and the sum in float64 rounded once; the
+    adapters themselves left out. (The merged layer computes W x + scale * B (A x) in one product: equal in
+    exact arithmetic, not bit for bit.)"""
+    weights = {n: t.detach() for n, t in model.state_dict().items() if not is_adapter(n)}
+    for name, layer in model.named_modules():
+        if isinstance(layer, PrecisionLinear) and layer.lora is not None:
+            a, b = layer.lora.A.detach().double(), layer.lora.B.detach().double()
+            weights[f"{name}.weight"] = (base_weight(layer).double() + layer.lora.scale * (b @ a)).float()
+    return weights
+
+
+def write_lora_model(run_dir: str | Path, model: nn.Module, tokenizer, mode: str | PrecisionMode,
+                     adapter_config: dict, recipe: QuantRecipe | None = None) -> Path:
+    """The end of a LoRA run, from the trainer's model (its frozen base and trained adapters): <run>/adapter/
+    (PEFT: `adapter_config` and the adapters, jetflow.model.peft), <run>/model/ (`merged_weights` in bf16, as
+    write_final_model writes a policy) and, under `unified`, <run>/base-fp8/: the base's FP8 bytes exactly as
+    the trainer computed with them, unmerged (W + scale * B @ A is off the FP8 grid: requantized it would be
+    another policy, so no merged FP8 export is written; base-fp8 + adapter is the trained policy). Each
+    directory is written under a temporary name and renamed into place. Returns <run>/model."""
+    mode, run_dir = PrecisionMode(mode), Path(run_dir)
+    adapters = adapter_parameters(model)
+    merged = {name: t.to(torch.bfloat16) for name, t in merged_weights(model).items()}
+    _write_dir(run_dir / ADAPTER_DIR, lambda d: write_adapter_dir(d, adapters, adapter_config))
+    final = _write_dir(run_dir / FINAL_MODEL_DIR, lambda d: save_hf_weights(merged, model.config, d, tokenizer))
+    if mode is PrecisionMode.UNIFIED:
+        if recipe is None:
+            raise ValueError("write_lora_model: the unified mode exports the FP8 base and needs the run's recipe")
+        base = fp8_state_dict(model, recipe)
+        _write_dir(run_dir / BASE_FP8_DIR, lambda d: write_fp8_dir(base, model.config, recipe, d, tokenizer))
     return final

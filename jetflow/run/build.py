@@ -23,7 +23,7 @@ from jetflow.model.checkpoint import check_loaded_model, load_model_config
 from jetflow.model.tokenizer import eos_token_ids, render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
-from jetflow.precision.lora import apply_lora, freeze_base
+from jetflow.precision.lora import apply_lora, freeze_base, lora_targets
 from jetflow.precision.modes import PrecisionMode
 from jetflow.precision.plan import Precision, Side
 from jetflow.rollout.conversation import turn_renderer
@@ -293,6 +293,16 @@ def with_lora(model: Decoder, cfg: Config, side: Side) -> Decoder:
         return model
     apply_lora(model, lora.rank, lora.alpha, lora.targets, seed=cfg.run.seed if side == "trainer" else None)
     return freeze_base(model) if side == "trainer" else model
+
+
+def lora_adapter_config(cfg: Config, model: nn.Module) -> dict:
+    """A LoRA run's adapter_config.json (jetflow.model.peft): model.lora's rank, alpha and targets (as PEFT
+    matches them), the base's directory where it has one (not the tiny model's: None)."""
+    from jetflow.model.peft import adapter_config, peft_target_modules
+    lora = cfg.model.lora
+    base = None if cfg.model.path == "tiny" else str(model_dir(cfg).resolve())
+    return adapter_config(lora.rank, lora.alpha, peft_target_modules(lora.targets, list(lora_targets(model, lora.targets))),
+                          base)
 
 
 def rollout_model(cfg: Config, precision: Precision, source) -> Decoder:

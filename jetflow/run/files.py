@@ -28,7 +28,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from jetflow.config import Config, config_text, to_dict
+from jetflow.config import Config, Derived, config_text, to_dict
 from jetflow.distributed import SINGLE, DataParallel
 from jetflow.errors import UserError
 from jetflow.precision.plan import Precision
@@ -184,6 +184,23 @@ def write_model_dirs(run_dir: Path, checkpoint: Path, precision: Precision) -> N
     from jetflow.model import load_hf_dir, load_tokenizer
     write_final_model(run_dir, load_hf_dir(checkpoint), load_tokenizer(checkpoint), precision.mode,
                       precision.recipe)
+
+
+def write_lora_dirs(run_dir: Path, checkpoint: Path, cfg: Config, derived: Derived) -> None:
+    """A LoRA run's <run>/adapter (PEFT), <run>/model (merged) and under unified <run>/base-fp8
+    (jetflow.export.write_lora_model): the final checkpoint's adapters on the trainer's frozen base rebuilt from
+    its source, as a resume rebuilds it (the run's RNG streams untouched)."""
+    import torch
+    from jetflow.export import write_lora_model
+    from jetflow.run.build import build_policy, lora_adapter_config
+    from jetflow.run.megatron_side import build_trainer_model
+    from jetflow.train.checkpoint import load_adapters
+    with torch.random.fork_rng():
+        base, tokenizer = build_policy(cfg)
+        model = build_trainer_model(cfg, derived, base)[0]
+    load_adapters(checkpoint, model)
+    write_lora_model(run_dir, model, tokenizer, derived.precision.mode, lora_adapter_config(cfg, model),
+                     derived.precision.recipe)
 
 
 def write_summary(run_dir: Path, cfg: Config, skipped_steps: int = 0, data_parallel_size: int = 1) -> dict:

@@ -18,7 +18,8 @@ import torch.distributed
 
 from jetflow.config import Config, Derived, MemorySavers, loss_aggregation, to_dict
 from jetflow.metrics_log import MetricsLogger
-from jetflow.run.files import append_position_curve, mark_stopped, tidy_for_resume, write_model_dirs, write_summary
+from jetflow.run.files import (append_position_curve, mark_stopped, tidy_for_resume, write_lora_dirs, write_model_dirs,
+                               write_summary)
 from jetflow.run.loop import RLLoop
 from jetflow.run.stop import RESUME_HINT, RunStopped, StopRequests, collective_fault
 from jetflow.tasks import RewardError
@@ -70,7 +71,7 @@ def run_sequence(cfg: Config, derived: Derived, placement: Placement, run_dir: P
 
 class RunSequence:
     def __init__(self, cfg: Config, derived: Derived, placement: Placement, run_dir: Path, stop: StopRequests):
-        self.cfg, self.placement, self.run_dir, self.stop = cfg, placement, run_dir, stop
+        self.cfg, self.placement, self.run_dir, self.stop, self.derived = cfg, placement, run_dir, stop, derived
         self.precision, self.loggers = derived.precision, derived.loggers  # resolved once (jetflow.config.derive)
         self.savers = derived.savers  # `auto` resolved by the memory estimate (jetflow.run.memory_estimate)
         self.logger: MetricsLogger | None = None
@@ -202,7 +203,8 @@ class RunSequence:
         return metrics
 
     def _final_writes(self) -> None:
-        """The final checkpoint, model/ (+ model-fp8/) from it, then summary.json and COMPLETE: each
+        """The final checkpoint, model/ (+ model-fp8/; with LoRA adapter/, model/ merged, + base-fp8/) from it,
+        then summary.json and COMPLETE: each
         atomic, a stop request answered between them (a resume then finishes the run)."""
         cfg, placement, steps = self.cfg, self.placement, self.cfg.train.steps
         at = f"step {steps}"
@@ -210,9 +212,8 @@ class RunSequence:
         self._stop_point("final writes", at, lambda: self._save(steps, sft_done))
         self._save(steps, sft_done)
         self._stop_point("final writes", at)
-        if placement.is_main and cfg.model.lora.rank:  # the adapters' PEFT / merged export is not built yet
-            print(f"[jetflow] model.lora: no {self.run_dir}/model is written (the PEFT and merged exports are not "
-                  "built yet); the final checkpoint holds the adapters", file=sys.stderr)
+        if placement.is_main and cfg.model.lora.rank:  # adapter/ (PEFT), model/ merged (+ base-fp8/ under unified)
+            write_lora_dirs(self.run_dir, latest_checkpoint(self.run_dir), cfg, self.derived)
         elif placement.is_main:  # from the final checkpoint: the same for every placement
             write_model_dirs(self.run_dir, latest_checkpoint(self.run_dir), self.precision)
         self._stop_point("final writes", at)

@@ -18,7 +18,7 @@ from jetflow.rollout.native import NativeRollout
 from jetflow.run.ahead import RolloutsAhead
 from jetflow.run.engine_process import ProcessRollout, thread_split
 from jetflow.run.build import (RunInputs, attach_kv_fp8, build_model, copy_model, load_inputs, loads_whole_policy,
-                               rollout_model, stop_token_ids)
+                               lora_adapter_config, rollout_model, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
 from jetflow.run.loop import RLLoop
 from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
@@ -26,6 +26,7 @@ from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state
 from jetflow.run.vllm_side import build_vllm_rollout
 from jetflow.run.warmup import Warmup
 from jetflow.model import CheckpointError
+from jetflow.precision.lora import adapter_parameters
 from jetflow.train.checkpoint import (CHECKPOINTS_DIR, checkpoint_name, checkpoint_weights, load_checkpoint,
                                       save_checkpoint)
 from jetflow.train.reference import freeze_reference
@@ -110,7 +111,8 @@ class TrainerSide:
             return
         if sft_done:
             self.warmup = None  # done: its optimizer state is not needed any more
-        weights = checkpoint_weights(self.model)  # every rank: gathering TP shards is a collective
+        lora = self.cfg.model.lora.rank > 0  # the adapters alone (a PEFT directory): the base is rebuilt on resume
+        weights = adapter_parameters(self.model) if lora else checkpoint_weights(self.model)  # TP: a collective
         trainer_state = gather_trainer_state(self.model, self.state())
         if in_flight:
             trainer_state[IN_FLIGHT] = in_flight
@@ -123,8 +125,9 @@ class TrainerSide:
             self.dp.barrier()
             trainer_state, extra = without_optimizers(trainer_state), {OPTIMIZER_DIR: staging}
         if self.dp.is_main:
-            save_checkpoint(run_dir, step, self.model, trainer_state, state, model_state=weights, hf_config=True,
-                            tokenizer=self.tokenizer, name=name, extra_dirs=extra)  # self-describing
+            save_checkpoint(run_dir, step, self.model, trainer_state, state, model_state=weights, hf_config=not lora,
+                            tokenizer=self.tokenizer, name=name, extra_dirs=extra,  # self-describing
+                            adapter_config=lora_adapter_config(self.cfg, self.model) if lora else None)
         self.dp.barrier()
 
     def _optimizers(self, warmup: bool) -> dict:

@@ -11,6 +11,9 @@
     run         <run.out_dir>/<run.name>/ (config.yaml): its final model/ (`jetflow.export.
                 write_final_model`) if written, else its newest intact checkpoint
 
+A LoRA run's checkpoint (adapters alone, a PEFT directory) and its adapter/ are no model: a CheckpointError
+says where the model is.
+
 `load_model`, `load_model_tokenizer` and `jetflow generate --model` go through `resolve_model_dir`;
 a directory of none of these kinds is one CheckpointError saying what was expected. (`jetflow.model.load`
 reads the directories that hold config.json: every kind but a run and an older checkpoint.)
@@ -26,6 +29,7 @@ import torch
 from jetflow.config import load_config as load_run_config
 from jetflow.model.checkpoint import CONFIG_FILE, SINGLE_FILE, CheckpointError, load_hf_dir, load_weights, read_json
 from jetflow.export import FINAL_MODEL_DIR
+from jetflow.model.peft import ADAPTER_CONFIG, is_adapter_dir
 from jetflow.model import with_precision
 from jetflow.model.decoder import Decoder, ModelConfig
 from jetflow.model.tokenizer import CHAR_TOKENIZER_FILE
@@ -76,6 +80,10 @@ def resolve_model_dir(path: str | Path) -> ModelSource:
     """What `path` holds: see the module docstring. CheckpointError if it is none of the kinds."""
     d = Path(path)
     kind = directory_kind(d)
+    if kind is None and is_adapter_dir(d):
+        raise CheckpointError(f"{d} holds LoRA adapters alone (a PEFT directory: {ADAPTER_CONFIG}, adapter_model."
+                              "safetensors) for a frozen base: load the base with peft.PeftModel.from_pretrained, or the "
+                              f"merged model its run writes at the end ({FINAL_MODEL_DIR}/)")
     if kind == RUN:
         return _resolve_run(d)
     if kind is None:

@@ -4,7 +4,10 @@ the previous checkpoint or the new one, never a half-written one.
 
 checkpoints/step_000012/ model.safetensors, trainer.pt (optimizer, scheduler, version), state.json
 (step, data position, counters), rng.pt (torch / python RNG states), manifest.json (the sha256 of
-each of those files, written last). A resume verifies the manifest and falls back to the previous
+each of those files, written last). A LoRA run's (model.lora) holds its adapters alone in place of
+model.safetensors, as a PEFT directory (adapter_config.json, adapter_model.safetensors: jetflow.model.peft),
+and trainer.pt the adapters' AdamW state (the only parameters the optimizer has): the frozen base is
+rebuilt from its source on resume. A resume verifies the manifest and falls back to the previous
 checkpoint (two are kept) when the newest was damaged after it was written (a bad disk, a partial copy).
 Checkpoints written during the supervised warm-up are named warmup_000040/ (its step); every one of
 them comes before step_000000/ (the warm-up's end), which comes before the RL steps' checkpoints.
@@ -28,7 +31,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from jetflow.model.checkpoint import CheckpointError, write_config, write_tokenizer
+from jetflow.model.peft import ADAPTER_WEIGHTS, is_adapter_dir, read_adapter_dir, write_adapter_dir
 from jetflow.model.protocol import ShardedPolicy, hf_weights
+from jetflow.precision.lora import adapter_parameters
 from jetflow.writes import atomic_write_text, check_free_space, guarded, tree_bytes
 
 
@@ -60,7 +65,8 @@ RESUME_HINT = "the same command with run.resume=true continues the run"
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
                     keep: int = 2, model_state: dict[str, torch.Tensor] | None = None, hf_config: bool = False,
-                    tokenizer=None, name: str | None = None, extra_dirs: dict[str, Path] | None = None) -> Path:
+                    tokenizer=None, name: str | None = None, extra_dirs: dict[str, Path] | None = None,
+                    adapter_config: dict | None = None) -> Path:
     """`model_state`: the weights to write when the caller gathered them already (tensor parallelism:
     a collective every rank joins before rank 0 writes); default: the model's own.
     `hf_config`: also write the model's config.json, and `tokenizer` (a directory or a jetflow
@@ -70,7 +76,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     A disk that fails the write (full, read-only, I/O error) is one WriteError naming the file, after the
     partial checkpoint is removed; the older checkpoints are untouched (jetflow.writes).
     `extra_dirs`: {name: directory} moved into the checkpoint under `name` before its manifest (which
-    then lists their files too): state other ranks wrote (jetflow.train.fsdp.state's sharded optimizer)."""
+    then lists their files too): state other ranks wrote (jetflow.train.fsdp.state's sharded optimizer).
+    `adapter_config`: a LoRA checkpoint: `model_state` is the adapters ({`<linear>.lora.A`: tensor}), written
+    with this adapter_config.json as a PEFT directory in place of model.safetensors."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     with guarded(root, "the checkpoints directory", after=RESUME_HINT):
         root.mkdir(parents=True, exist_ok=True)
@@ -85,7 +93,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, trainer_st
     kept = f"{existing[-1].name} and older are intact: " if existing else ""
     after = f"the partial {final.name} was removed; {kept}{RESUME_HINT}"
     _write_checkpoint_files(tmp, step, model, trainer_state, state, model_state, hf_config, tokenizer, after,
-                            extra_dirs or {})
+                            extra_dirs or {}, adapter_config)
     with guarded(final, "checkpoint", partial=tmp, after=after):
         if final.exists():  # replaced (a resume fell back past it): moved aside, deleted once the new one is in place
             aside = root / f".old-{final.name}"
@@ -110,7 +118,8 @@ def _estimate_bytes(model: nn.Module, model_state: dict[str, torch.Tensor] | Non
 
 def _write_checkpoint_files(tmp: Path, step: int, model: nn.Module, trainer_state: dict, state: dict,
                             model_state: dict[str, torch.Tensor] | None, hf_config: bool = False,
-                            tokenizer=None, after: str = "", extra_dirs: dict[str, Path] | None = None) -> None:
+                            tokenizer=None, after: str = "", extra_dirs: dict[str, Path] | None = None,
+                            adapter_config: dict | None = None) -> None:
     def writing(name: str):
         return guarded(tmp / name, "checkpoint file", partial=tmp, after=after)
 
@@ -122,8 +131,12 @@ def _write_checkpoint_files(tmp: Path, step: int, model: nn.Module, trainer_stat
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied: the embedding is the one copy
-    with writing("model.safetensors") as path:
-        save_file(tensors, str(path))
+    if adapter_config is not None:  # LoRA: the adapters alone, a PEFT directory
+        with writing(ADAPTER_WEIGHTS):
+            write_adapter_dir(tmp, tensors, adapter_config)
+    else:
+        with writing("model.safetensors") as path:
+            save_file(tensors, str(path))
     if hf_config:
         with writing("config.json"):
             write_config(model.config, tensors["model.embed_tokens.weight"].dtype, tmp)
@@ -159,7 +172,8 @@ def checkpoint_damage(path: Path) -> str | None:
     existed is only checked for its files."""
     manifest = path / MANIFEST
     if not manifest.is_file():
-        missing = [n for n in ("model.safetensors", "trainer.pt", "rng.pt", "state.json") if not (path / n).is_file()]
+        weights = ADAPTER_WEIGHTS if is_adapter_dir(path) else "model.safetensors"
+        missing = [n for n in (weights, "trainer.pt", "rng.pt", "state.json") if not (path / n).is_file()]
         return f"missing {', '.join(missing)}" if missing else None
     try:
         digests = json.loads(manifest.read_text())
@@ -227,8 +241,12 @@ def _load_state(file: Path):
 
 
 def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
-    """Restore model weights and RNG states; returns (trainer_state, state)."""
+    """Restore model weights (a LoRA checkpoint's: the adapters, `load_adapters`) and RNG states; returns
+    (trainer_state, state)."""
     path = Path(path)
+    if is_adapter_dir(path):
+        load_adapters(path, model)
+        return _load_rest(path)
     try:
         tensors = load_file(str(path / "model.safetensors"))
     except (OSError, SafetensorError) as e:
@@ -247,6 +265,27 @@ def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}; was the run's model changed?")
+    return _load_rest(path)
+
+
+def load_adapters(path: str | Path, model: nn.Module) -> None:
+    """A LoRA checkpoint's (or PEFT directory's) adapters into `model`'s, which must be exactly its set."""
+    tensors, _ = read_adapter_dir(path)
+    held = set(adapter_parameters(model))
+    if set(tensors) != held:
+        raise CheckpointError(f"the LoRA adapters in {path} do not match the model's: missing "
+                              f"{sorted(held - set(tensors))[:3]}, unexpected {sorted(set(tensors) - held)[:3]}; was "
+                              "model.lora (rank, targets) changed?")
+    try:
+        model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # a shape differs
+        first = str(e).strip().splitlines()[-1].strip()
+        raise CheckpointError(f"the LoRA adapters in {path} do not match the model's ({first}); was model.lora.rank "
+                              "changed?") from None
+
+
+def _load_rest(path: Path) -> tuple[dict, dict]:
+    """The RNG states restored; (trainer_state, state)."""
     rng = _load_state(path / "rng.pt")
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
