@@ -24,6 +24,7 @@ on); fp32 stays fp32.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from fnmatch import fnmatchcase
 
@@ -35,7 +36,7 @@ from jetflow.precision.exact import exact_linear
 from jetflow.precision.exact_cache import ExactCache
 from jetflow.precision.linear import PrecisionLinear, layer_index
 
-__all__ = ["LoRAAdapter", "adapter_parameters", "apply_lora", "freeze_base", "has_lora", "is_adapter",
+__all__ = ["LoRAAdapter", "adapter_parameters", "apply_lora", "base_digest", "freeze_base", "has_lora", "is_adapter",
            "lora_targets", "unmatched_targets"]
 
 ADAPTER = "lora"
@@ -143,3 +144,19 @@ def freeze_base(model: nn.Module) -> nn.Module:
             layer.weight = nn.Parameter(layer.weight.detach().bfloat16(), requires_grad=False)
             layer.drop_caches()
     return model
+
+
+def base_digest(model: nn.Module) -> str:
+    """The sha256 of the frozen base as the model holds it: every state-dict tensor but the adapters', and each
+    loaded FP8 linear's bytes and scales (its kept weight is a placeholder), in name order, bytes and shape. A
+    LoRA checkpoint keeps it, and a resume, which rebuilds the base from its source, compares."""
+    tensors = {n: t for n, t in model.state_dict().items() if not is_adapter(n)}
+    for name, layer in model.named_modules():
+        if isinstance(layer, PrecisionLinear) and layer._loaded is not None:  # its bytes and scales, not caches
+            tensors.update({f"{name}.weight.{part}": t for part, t in layer._loaded.parts().items()})
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu().reshape(-1)
+        h.update(f"{name}:{tuple(tensors[name].shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -26,7 +26,7 @@ from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state
 from jetflow.run.vllm_side import build_vllm_rollout
 from jetflow.run.warmup import Warmup
 from jetflow.model import CheckpointError
-from jetflow.precision.lora import adapter_parameters
+from jetflow.precision.lora import adapter_parameters, base_digest
 from jetflow.train.checkpoint import (CHECKPOINTS_DIR, checkpoint_name, checkpoint_weights, load_checkpoint,
                                       save_checkpoint)
 from jetflow.train.reference import freeze_reference
@@ -42,6 +42,7 @@ def sharded_optimizer(model) -> bool:
 
 
 IN_FLIGHT = "rollouts_in_flight"  # the trainer state's entry of the batches generated ahead
+LORA_BASE = "lora_base_sha256"  # the trainer state's entry of the frozen base a LoRA run's adapters train on
 
 
 class TrainerSide:
@@ -69,6 +70,7 @@ class TrainerSide:
                                savers=derived.savers)  # `auto` resolved by the memory estimate
         self.warmup: Warmup | None = None  # while the supervised warm-up runs
         self.restored_in_flight: dict | None = None  # the checkpoint's batches generated ahead (jetflow.run.ahead)
+        self.lora_base: str | None = None  # the frozen LoRA base's sha256, once computed
 
     def state(self) -> dict:
         state = self.trainer.state_dict()
@@ -84,6 +86,11 @@ class TrainerSide:
         saved, state = load_checkpoint(checkpoint, self.model)
         saved = select_trainer_state(self.model, saved)
         self.restored_in_flight = saved.pop(IN_FLIGHT, None)  # rollout.max_staleness > 0: batches generated ahead
+        trained_on = saved.pop(LORA_BASE, None)
+        if trained_on is not None and trained_on != self._base_digest():
+            raise CheckpointError(f"{checkpoint} holds LoRA adapters trained on another base than the one rebuilt from "
+                                  f"model.path={self.cfg.model.path} (its sha256 differs): was that model changed since? "
+                                  "Resume with the base the run started from")
         if sharded_optimizer(self.model):  # FSDP: the moments from the checkpoint's DCP shards, resharded
             from jetflow.train.fsdp.state import load_optimizers
             load_optimizers(self.model, self._optimizers(warmup="warmup" in saved), checkpoint)
@@ -116,6 +123,8 @@ class TrainerSide:
         trainer_state = gather_trainer_state(self.model, self.state())
         if in_flight:
             trainer_state[IN_FLIGHT] = in_flight
+        if lora:  # what the adapters were trained on: a resume compares the base it rebuilds
+            trainer_state[LORA_BASE] = self._base_digest()
         state = {"next_step": step, "sft_done": sft_done, **({} if warmup_step is None else {"warmup_step": warmup_step})}
         name, extra = checkpoint_name(step, warmup_step), {}
         if sharded_optimizer(self.model):  # FSDP: every rank writes its optimizer shards (DCP), rank 0 the rest
@@ -129,6 +138,12 @@ class TrainerSide:
                             tokenizer=self.tokenizer, name=name, extra_dirs=extra,  # self-describing
                             adapter_config=lora_adapter_config(self.cfg, self.model) if lora else None)
         self.dp.barrier()
+
+    def _base_digest(self) -> str:
+        """The frozen LoRA base's sha256 (jetflow.precision.lora.base_digest), computed once: it does not change."""
+        if self.lora_base is None:
+            self.lora_base = base_digest(self.model)
+        return self.lora_base
 
     def _optimizers(self, warmup: bool) -> dict:
         """The optimizers whose state a checkpoint holds: the trainer's, and the warm-up's in its middle."""

@@ -238,3 +238,24 @@ def test_a_lora_checkpoint_holds_the_adapters_and_their_adam_state_and_a_resumed
     with pytest.raises(CheckpointError, match="holds LoRA adapters alone"):
         resolve_model_dir(whole / "checkpoints" / "step_000004")  # no model: the message says where it is
     assert resolve_model_dir(whole).weights_dir == whole / "model"  # the merged model
+
+
+@pytest.mark.parametrize("change", ["norm", "fp8 byte"])
+def test_a_resume_onto_another_base_than_the_adapters_were_trained_on_is_one_line(tmp_path, change):
+    """The checkpoint keeps the frozen base's sha256 (jetflow.precision.lora.base_digest); a trainer whose
+    rebuilt base differs (a norm weight, one FP8 byte of a linear) refuses it, the same base loads."""
+    cfg = _config(tmp_path)
+    side = TrainerSide(cfg, derive(cfg), load_inputs(cfg))
+    side.save(tmp_path / "r", 0, True)
+    checkpoint = tmp_path / "r" / "checkpoints" / "step_000000"
+    TrainerSide(cfg, derive(cfg), load_inputs(cfg)).restore(checkpoint)
+    other = TrainerSide(cfg, derive(cfg), load_inputs(cfg))
+    with torch.no_grad():
+        if change == "norm":
+            other.model.model.norm.weight[0] += 1
+        else:
+            data = other.model.model.layers[1].mlp.down_proj.quantized_weight().data.view(torch.uint8)
+            data[0, 0] ^= 1
+    with pytest.raises(CheckpointError, match="trained on another base") as e:
+        other.restore(checkpoint)
+    assert "\n" not in str(e.value)
