@@ -37,7 +37,7 @@ from jetflow.precision.exact_cache import ExactCache
 from jetflow.precision.linear import PrecisionLinear, layer_index
 
 __all__ = ["LoRAAdapter", "adapter_parameters", "apply_lora", "base_digest", "freeze_base", "has_lora", "is_adapter",
-           "lora_targets", "unmatched_targets"]
+           "is_target", "lora_targets", "unmatched_targets"]
 
 ADAPTER = "lora"
 """The attribute (and module-name part) an adapted linear holds its adapter under."""
@@ -85,12 +85,17 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern) or fnmatchcase(name, pattern)
 
 
+def is_target(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
+    """Whether a linear's module name is a LoRA target: in a decoder layer, and a pattern matches it (see
+    `lora_targets`)."""
+    return layer_index(name) is not None and any(_matches(name, p) for p in patterns)
+
+
 def lora_targets(model: nn.Module, patterns: list[str] | tuple[str, ...]) -> dict[str, nn.Linear]:
     """{name: linear} of the decoder layers' linears (`model.layers.N...`) that a pattern matches: a name's
     last dotted parts (`q_proj`, `mlp.up_proj`) or an fnmatch pattern of the whole name. Works on a model
     on the meta device (the pre-run checks)."""
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and layer_index(name) is not None and any(_matches(name, p) for p in patterns)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and is_target(name, patterns)}
 
 
 def unmatched_targets(model: nn.Module, patterns: list[str] | tuple[str, ...]) -> list[str]:

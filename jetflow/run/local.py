@@ -30,7 +30,10 @@ class LocalPlacement:
             close()
 
     def describe(self) -> str:
-        return (f"model={self.cfg.model.path} ({self.side.model.num_params() / 1e6:.1f}M params)  "
+        model = self.side.model  # with LoRA its frozen FP8 linears hold bytes, not parameters: the architecture's count
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        lora = f", LoRA rank {self.cfg.model.lora.rank}: {trained / 1e6:.2f}M trained" if self.cfg.model.lora.rank else ""
+        return (f"model={self.cfg.model.path} ({model.config.num_parameters() / 1e6:.1f}M params{lora})  "
                 f"data-parallel ranks={self.dp.world_size}")
 
     def restore(self, checkpoint: Path) -> dict:

@@ -18,13 +18,17 @@ head_dim, V vocabulary, N = micro_batch_size x (prompt + response) positions of 
 
 - runtime: Python, torch, jetflow, tokenizer and allocator slack (RUNTIME_BYTES, measured).
 - weights, gradients, AdamW: P x m each, and 2 P x m for AdamW's two moments (kept in the parameters' dtype).
+  With LoRA (model.lora): gradients and AdamW of the adapters alone, A = rank x (in + out) fp32 per targeted
+  linear; the trainer's weights lose the frozen FP8 linears' (their bytes are the copies' term) and keep the
+  decoder layers' bf16 linears in bf16 (lora_trainer_weights). The adapters' saved inputs are not counted.
 - weight copies: what a precision keeps beside a weight, per linear weight element
   (jetflow.precision.linear.held_bytes_per_weight): exact numerics keep the canonical GEMM's packed panels
   (fp32: 4 B, bf16: 2 B; FP8: 1 B of bytes + 1 B of panels + on the trainer 1 B of transposed panels for
   the dgrad); the CPU emulation of fast FP8 keeps a 4 B dequantized copy beside the 1 B bytes.
 - activations: what autograd saves for one micro-batch's backward, N x per-token bytes
   (activation_bytes_per_token): L x (a_h h + a_kv kv + a_i i) + 16 h, the coefficients per trainer
-  kind counted with autograd's saved-tensor hooks (results/memory-estimate/saved_activations.py);
+  kind counted with autograd's saved-tensor hooks (results/memory-estimate/saved_activations.py; with LoRA
+  SAVED_PER_LAYER_LORA + 4 B x rank per adapted linear);
   under train.activation_checkpointing, L x 4 h (each layer's input) + one layer's full set (the layer
   recomputed in the backward).
 - backward working set: the gradients of one layer's activations, as large as its saved set (two
@@ -54,12 +58,13 @@ from pathlib import Path
 
 import torch
 
-from jetflow.config import Config, ConfigError, Derived, MemorySavers, TrainConfig
+from jetflow.config import Config, ConfigError, Derived, LoRAConfig, MemorySavers, TrainConfig
 from jetflow.model.attention import GRAD_BLOCK
 from jetflow.model.chunked_logprobs import GROUP
 from jetflow.model.model_config import ModelConfig
 from jetflow.model.paged_cache import PagePool
-from jetflow.precision.linear import held_bytes_per_weight
+from jetflow.precision.linear import held_bytes_per_weight, layer_index
+from jetflow.precision.lora import is_target
 from jetflow.rollout.engine import kv_pool_pages
 from jetflow.rollout.native import kv_pool_bytes
 from jetflow.run.build import master_dtype
@@ -81,6 +86,11 @@ available (no saver at WARN_FRACTION), and peaked at 21.0 GiB (results/async/REA
 # bytes saved for backward per token and decoder layer = a_h * h + a_kv * kv + a_i * i, by trainer kind
 # (fp32 master weights; counted by results/memory-estimate/saved_activations.py)
 SAVED_PER_LAYER = {"fp32": (32, 8, 24), "bf16": (48, 12, 30), "fp8": (20, 8, 20)}
+SAVED_PER_LAYER_LORA = {"fp32": (24, 8, 24), "bf16": (48, 8, 28), "fp8": (24, 8, 24)}
+"""The same under model.lora with its default targets (the base's weight gradients are not computed, the adapters
+save their fp32 inputs), plus 4 B x rank per adapted linear of the layer (the adapter's (x A^T)); counted with the
+same hooks on tiny models of h 256, i 768 / 1536, kv 128 / 256, rank 16 / 32, exact numerics
+(scripts/analysis/lora_saved_activations.py; tests/unit/test_lora_memory.py checks them at another shape)."""
 SAVED_OUTSIDE_LAYERS = 16
 """Bytes per token and unit of h saved outside the layers (embedding output, final norm, the head's input)."""
 
@@ -147,17 +157,24 @@ def _ffn_size(arch: ModelConfig) -> int:
     return arch.num_experts_per_tok * arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
 
 
-def layer_bytes_per_token(arch: ModelConfig, kind: str) -> int:
-    """Bytes one decoder layer saves for backward per token: a_h h + a_kv kv + a_i i (SAVED_PER_LAYER)."""
-    a_h, a_kv, a_i = SAVED_PER_LAYER[kind]
-    return a_h * arch.hidden_size + a_kv * arch.num_kv_heads * arch.head_dim + a_i * _ffn_size(arch)
+def layer_bytes_per_token(arch: ModelConfig, kind: str, lora: LoRAConfig | None = None) -> int:
+    """Bytes one decoder layer saves for backward per token: a_h h + a_kv kv + a_i i (SAVED_PER_LAYER; with
+    LoRA SAVED_PER_LAYER_LORA + 4 x rank per adapted linear)."""
+    if lora is None or not lora.rank:
+        a_h, a_kv, a_i = SAVED_PER_LAYER[kind]
+        adapters = 0
+    else:
+        a_h, a_kv, a_i = SAVED_PER_LAYER_LORA[kind]
+        layer = [name for name, _, _ in arch.linear_shapes() if name.startswith("model.layers.0.")]
+        adapters = 4 * lora.rank * sum(is_target(name, lora.targets) for name in layer)
+    return a_h * arch.hidden_size + a_kv * arch.num_kv_heads * arch.head_dim + a_i * _ffn_size(arch) + adapters
 
 
-def activation_bytes_per_token(arch: ModelConfig, kind: str, checkpointing: bool) -> int:
+def activation_bytes_per_token(arch: ModelConfig, kind: str, checkpointing: bool, lora: LoRAConfig | None = None) -> int:
     """Bytes saved for backward per token of a micro-batch, every layer and the parts outside them:
     L x layer + 16 h; under checkpointing L x 4 h (each layer's input) + one layer (recomputed)."""
     outside = SAVED_OUTSIDE_LAYERS * arch.hidden_size
-    layer = layer_bytes_per_token(arch, kind)
+    layer = layer_bytes_per_token(arch, kind, lora)
     if checkpointing:
         return arch.num_layers * 4 * arch.hidden_size + layer + outside
     return arch.num_layers * layer + outside
@@ -171,6 +188,26 @@ def logits_bytes(vocab: int, response_positions: int, chunk: int) -> tuple[int, 
     if fwd >= bwd:
         return fwd, f"2 x {rows} rows x V={vocab} x 4 B (forward{', train.logprob_chunk_tokens' if chunk else ''})"
     return bwd, f"4 x {min(GROUP, response_positions)} rows x V={vocab} x 4 B (backward groups)"
+
+
+def lora_trainer_weights(cfg: Config, derived: Derived, arch: ModelConfig) -> tuple[int, int, str]:
+    """(the trainer's weight bytes, the trained parameters A, formula) under model.lora
+    (jetflow.precision.lora.freeze_base): P x m less the FP8 linears' master weights (dropped: their bytes
+    are kept) and, for the decoder layers' bf16 linears, m - 2 B each; plus the adapters' A x 4 B."""
+    lora, m = cfg.model.lora, master_dtype(cfg).itemsize
+    kind, recipe = derived.precision.trainer_kind, derived.precision.recipe
+    adapters = sum(lora.rank * (o + i) for name, o, i in arch.linear_shapes() if is_target(name, lora.targets))
+    dropped = 0
+    for name, o, i in arch.linear_shapes():
+        layer = layer_index(name)
+        k = "bf16" if kind == "fp8" and recipe.keeps_in_high_precision(name, layer, arch.num_layers) else kind
+        if k == "fp8" and (layer is not None or name != "lm_head" or not arch.tie_word_embeddings):
+            dropped += o * i * m
+        elif k == "bf16" and layer is not None:
+            dropped += o * i * (m - 2)
+    P = arch.num_parameters()
+    return (P * m - dropped + adapters * 4, adapters,
+            f"P x {m} B less {dropped / 1e6:.1f} MB frozen (FP8: bytes only; bf16: 2 B) + A={adapters / 1e6:.2f}M x 4 B")
 
 
 # The estimates ---------------------------------------------------------------------------------------
@@ -187,16 +224,20 @@ def _trainer_terms(cfg: Config, derived: Derived, arch: ModelConfig, batch: int,
     width = prompt_len + response_len + (-(prompt_len + response_len) % GRAD_BLOCK if grid else 0)
     rows = _micro_rows(cfg, batch, width)
     n = rows * width
-    per_token = activation_bytes_per_token(arch, kind, savers.checkpointing)
-    layer = layer_bytes_per_token(arch, kind)
+    per_token = activation_bytes_per_token(arch, kind, savers.checkpointing, cfg.model.lora)
+    layer = layer_bytes_per_token(arch, kind, cfg.model.lora)
     work = (2 if savers.checkpointing else 1) * layer
     logits, logits_formula = logits_bytes(arch.vocab_size, rows * response_len, savers.chunk_tokens)
     ckpt = "train.activation_checkpointing: L x 4 h + one layer" if savers.checkpointing else "L layers"
+    weights, trained, weights_formula, b = P * m, P, f"P={P / 1e6:.1f}M x {m} B", m
+    if cfg.model.lora.rank:  # the adapters alone are trained, in fp32
+        (weights, trained, weights_formula), b = lora_trainer_weights(cfg, derived, arch), 4
+    what = "A" if cfg.model.lora.rank else "P"
     return [
-        Term("trainer weights", P * m, f"P={P / 1e6:.1f}M x {m} B"),
+        Term("trainer weights", weights, weights_formula),
         Term("trainer copies", copies, f"{kind} linears: {copies_formula}"),
-        Term("gradients", P * m, f"P x {m} B"),
-        Term("AdamW state", 2 * P * m, f"2 x P x {m} B"),
+        Term("gradients", trained * b, f"{what} x {b} B"),
+        Term("AdamW state", 2 * trained * b, f"2 x {what} x {b} B"),
         Term("activations", n * per_token, f"N={rows} x {width} ({prompt_len} + {response_len}) positions "
                                            f"(train.micro_batch_size) x {per_token} B ({ckpt})"),
         Term("backward working set", n * work, f"N x {work} B ({'two layers' if savers.checkpointing else 'one layer'})"),
