@@ -194,6 +194,12 @@ class RolloutConfig:
     engine_threads: int = 0
     """rollout.max_staleness > 0: torch threads of the engine's process (0: half of run.num_threads, or of the cores
     when that is 0); the trainer keeps the rest."""
+    split_mismatch: bool = False
+    """rollout.max_staleness > 0: log a stale batch's mismatch split into numerics and staleness
+    (mismatch/numerics_kl_k3, mismatch/staleness_kl_k3, jetflow.run.staleness_split): the trainer keeps a copy of
+    each weight update it sent while batches of its version may come, and recomputes a stale batch's log-probs
+    under the version that sampled it. Costs a trainer forward per stale step, a model copy and up to k + 1
+    updates' bytes. Ignored at 0 (the mismatch is numerics alone)."""
 
 
 @dataclass

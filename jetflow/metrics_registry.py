@@ -88,6 +88,7 @@ class Metric:
 RL, SFT_RL, EVAL = ("rl",), ("sft", "rl"), ("eval",)
 REF = "algo.kl_coef > 0 or algo.log_ref_kl"
 ASYNC = "rollout.max_staleness > 0"
+SPLIT = "rollout.split_mismatch with rollout.max_staleness > 0, on the batches whose version's weights the trainer kept"
 DYNAMIC = "algo.dynamic_sampling"
 MULTITURN = "rollout.max_turns > 1"
 RAY = "run.orchestrator=ray"
@@ -166,6 +167,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("mismatch/kl_k3/low_prob", "mismatch/kl_k3 over the sampled tokens the rollout gave a probability below "
                                       "0.1 (0 when there were none)"),
     Metric("mismatch/kl_k3/high_prob", "mismatch/kl_k3 over the other sampled tokens"),
+    Metric("mismatch/numerics_kl_k3", "the k3 estimate of KL(pi_behaviour || pi_train at the sampling version): the "
+                                      "numerics part of a stale batch's mismatch (0 under exact numerics)", when=SPLIT),
+    Metric("mismatch/numerics_kl_k1", "the same, k1 (numerics_kl_k1 + staleness_kl_k1 = mismatch/kl_k1)", when=SPLIT),
+    Metric("mismatch/numerics_equal_frac", "share of tokens whose behaviour log-prob equals the trainer's at the "
+                                           "sampling version bit for bit", when=SPLIT),
+    Metric("mismatch/staleness_kl_k3", "the k3 estimate of KL(pi_train at the sampling version || pi_train now): the "
+                                       "staleness part of the mismatch (0 on a batch of the current version)",
+           when=SPLIT),
+    Metric("mismatch/staleness_kl_k1", "the same, k1", when=SPLIT),
     # correction/
     Metric("correction/weight_mean", "mean rollout-correction weight of the response tokens (1: no correction)"),
     Metric("correction/weight_max", "largest rollout-correction weight of a response token"),

@@ -12,7 +12,7 @@ from .correction import (
     correction_parameters,
 )
 from .loss import AGGREGATIONS, agg_denominator, aggregate, policy_loss
-from .mismatch import LOW_PROB_THRESHOLD, low_prob_metrics, mismatch_metrics, mismatch_position_curves
+from .mismatch import LOW_PROB_THRESHOLD, low_prob_metrics, mismatch_metrics, mismatch_position_curves, split_mismatch
 
 __all__ = [
     "LOW_PROB_THRESHOLD",
@@ -29,5 +29,6 @@ __all__ = [
     "low_prob_metrics",
     "mismatch_metrics",
     "mismatch_position_curves",
+    "split_mismatch",
     "policy_loss",
 ]

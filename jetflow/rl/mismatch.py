@@ -148,3 +148,30 @@ def low_prob_metrics(rollout_logprobs: Tensor, trainer_logprobs: Tensor, mask: T
         "mismatch/kl_k3/low_prob": float(k3[low].sum()) / n_low if n_low else 0.0,
         "mismatch/kl_k3/high_prob": float(k3[high].sum()) / n_high if n_high else 0.0,
     }
+
+
+@torch.no_grad()
+def split_mismatch(behaviour_logprobs: Tensor, sampling_logprobs: Tensor, current_logprobs: Tensor,
+                   mask: Tensor) -> dict[str, float]:
+    """A stale batch's mismatch split into numerics and staleness (rollout.max_staleness > 0, issue 72).
+
+    The gap between the behaviour log-probs (the engine's, under the weight version that sampled) and the
+    trainer's under its current weights (pi_proximal: what `mismatch/*` compares) is two gaps in a row:
+    numerics, behaviour against the trainer's recomputation under the sampling version (0 under exact
+    numerics), then staleness, that recomputation against the current weights. Per token the log-ratios add up
+    (delta = delta_numerics + delta_staleness), so the two k1 estimates add up to `mismatch/kl_k1`; the k3
+    estimates do not add exactly (k3 is convex in delta).
+
+    Args:
+        behaviour_logprobs: (B, T) log pi_behaviour of the sampled tokens (the engine's).
+        sampling_logprobs: (B, T) the trainer's log-probs of them under the version that sampled them.
+        current_logprobs: (B, T) the trainer's under its current weights (pi_old, the proximal policy).
+        mask: (B, T) float or bool, 1 on response tokens.
+    """
+    valid = mask > 0  # (B, T)
+    sampling = sampling_logprobs.double()
+    numerics = _stats((sampling - behaviour_logprobs.double())[valid])
+    staleness = _stats((current_logprobs.double() - sampling)[valid])
+    return {"mismatch/numerics_kl_k1": numerics["kl_k1"], "mismatch/numerics_kl_k3": numerics["kl_k3"],
+            "mismatch/numerics_equal_frac": numerics["equal_frac"],
+            "mismatch/staleness_kl_k1": staleness["kl_k1"], "mismatch/staleness_kl_k3": staleness["kl_k3"]}

@@ -27,6 +27,7 @@ from jetflow.rl.shaping import informative_groups, overlong_penalty
 from jetflow.rollout.conversation import multiturn_metrics
 from jetflow.rollout.types import RolloutEngineSide, Rollouts
 from jetflow.run.ahead import Batch, Requests, RolloutsAhead
+from jetflow.run.staleness_split import MismatchSplit
 from jetflow.sync import StaleWeightsError
 from jetflow.tasks import Problem, Reward, RewardError, Task, reward_part_means
 from jetflow.train.protocol import KVCalibration, PolicyTrainer
@@ -111,6 +112,8 @@ class RLLoop:
         self._eval_sync: dict[str, float] | None = None  # an evaluation's weight update, reported by the next step
         self.ahead = ahead  # rollout.max_staleness > 0: the batches generated ahead (jetflow.run.ahead)
         self.batch: Batch | None = None  # the step's batch from `ahead`
+        # rollout.split_mismatch: the copies of the updates sent that score stale batches (mismatch/numerics_*, staleness_*)
+        self.split = MismatchSplit(cfg, derived, trainer) if ahead is not None and cfg.rollout.split_mismatch else None
 
     def sync(self) -> dict[str, float]:
         """Hand the trainer's current weights to the rollout side unless it already has them (a
@@ -122,6 +125,8 @@ class RLLoop:
         if self.kv_quantizer is not None:  # per-step recalibration from the trainer's latest forward,
             kv_scales = self.kv_quantizer.recalibrate(self.dp)  # one scale per layer across data-parallel ranks
         update = self.trainer.weight_update(self.precision.mode.value, self.precision.fingerprint, kv_scales)
+        if self.split is not None:
+            self.split.keep(update)
         self.rollout.load_weights(update)
         return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(update.nbytes())}
 
@@ -335,7 +340,7 @@ class RLLoop:
     def _update(self, exp: Experience, metrics: dict[str, float]) -> None:
         """The trainer's log-probs of the same tokens under the same weight version (pi_old), the rollout
         correction from them, and the update(s); their metrics into `metrics`."""
-        cfg = self.cfg
+        cfg, current = self.cfg, self.trainer.version  # the version pi_old is computed under
         if self.kv_quantizer is not None:
             self.kv_quantizer.calibrating = True  # the next trainer forward's K/V amax sets the next step's scales
         train_metrics: dict[str, float] = {}
@@ -355,6 +360,8 @@ class RLLoop:
         if self.kv_quantizer is not None:
             self.kv_quantizer.calibrating = False
         metrics.update(mismatch_metrics(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask))
+        if self.split is not None and self.batch is not None:  # a stale batch's numerics and staleness
+            metrics.update(self.split.metrics(exp, self.batch.out.weight_version, current))
         # the share of sampled tokens the rollout gave p < 0.1, and the mismatch on them and on the rest
         metrics.update(low_prob_metrics(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask))
         correction = apply_correction(self.correction, exp.rollout_logprobs, exp.old_logprobs, exp.response_mask,

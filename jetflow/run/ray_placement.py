@@ -233,7 +233,10 @@ class TrainerGroup:
         self.version = results[0][1]
         return [result for result, _ in results]
 
-    def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
+    def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False,
+                         policy: Any = None) -> torch.Tensor:
+        if policy is not None:
+            raise ValueError("Ray trainer workers compute log-probs under their own weights only")
         return self._rows(self._on_rows("compute_logprobs", exp, temperature, reference))
 
     def reference_bytes(self) -> int:

@@ -23,9 +23,11 @@ class PolicyTrainer(Protocol):
     version: int
     """Optimizer steps applied: the weight version rollouts must have been sampled with."""
 
-    def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False) -> Tensor: ...
+    def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False,
+                         policy: Any = None) -> Tensor: ...
     """log pi_old of the rollout tokens under the current weights, no grad: (B, R); with `reference`,
-    log pi_ref under the frozen reference policy (algo.kl_coef > 0 or algo.log_ref_kl)."""
+    log pi_ref under the frozen reference policy (algo.kl_coef > 0 or algo.log_ref_kl); with `policy`, under
+    that copy of the policy (jetflow.run.staleness_split's, in the trainer's process)."""
 
     def train_step(self, exp: Experience, temperature: float = 1.0) -> dict[str, float]: ...
     """One optimizer step of the policy loss against exp.old_logprobs and exp.is_weights; its metrics."""

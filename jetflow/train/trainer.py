@@ -154,12 +154,15 @@ class Trainer:
         return response_logprobs(model, mb, temperature, chunk_tokens=self.savers.chunk_tokens, **kw)
 
     @torch.no_grad()
-    def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False) -> Tensor:
-        """Log-probs of the rollout tokens (no grad): (B, R), under the current weights or the frozen reference
-        (the same forward, sharded and pipelined alike); on a pipeline every stage gets them."""
+    def compute_logprobs(self, exp: Experience, temperature: float = 1.0, reference: bool = False,
+                         policy: nn.Module | None = None) -> Tensor:
+        """Log-probs of the rollout tokens (no grad): (B, R), under the current weights, the frozen reference or
+        `policy` (a copy of the policy under other weights: jetflow.run.staleness_split's), the same forward,
+        sharded and pipelined alike; on a pipeline every stage gets them."""
         if reference and self.reference is None:
             raise ValueError("reference log-probs: this trainer keeps no reference policy")
-        model, micro = self.reference if reference else self.model, micro_batches(exp, self.cfg, self.model)
+        model = self.reference if reference else policy if policy is not None else self.model
+        micro = micro_batches(exp, self.cfg, self.model)
 
         def logprobs() -> Tensor:
             if pipelined(model):
