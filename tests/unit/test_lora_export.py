@@ -259,3 +259,37 @@ def test_a_resume_onto_another_base_than_the_adapters_were_trained_on_is_one_lin
     with pytest.raises(CheckpointError, match="trained on another base") as e:
         other.restore(checkpoint)
     assert "\n" not in str(e.value)
+
+
+def test_a_lora_run_killed_in_its_warm_up_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """The supervised warm-up trains the adapters too (its own AdamW over them): killed in its step 2, the run
+    resumes from warmup_000002 (adapters and the warm-up's moments) and logs the uninterrupted warm-up and RL
+    rows, then writes the same adapters."""
+    from jetflow.run.runner import train
+    from jetflow.run.warmup import Warmup
+
+    over = ("train.sft_warmup_steps=3", "train.sft_batch_size=8", "train.steps=1")
+    whole = train(_config(tmp_path / "whole", *over))
+    step = Warmup.step
+
+    def die_in_2(self, t):
+        if t == 2:
+            raise SystemExit("killed")
+        return step(self, t)
+
+    monkeypatch.setattr(Warmup, "step", die_in_2)
+    with pytest.raises(SystemExit):
+        train(_config(tmp_path / "cut", *over))
+    monkeypatch.undo()
+    checkpoint = tmp_path / "cut" / "r" / "checkpoints" / "warmup_000002"
+    assert (checkpoint / ADAPTER_WEIGHTS).is_file() and not (checkpoint / "model.safetensors").exists()
+    resumed = train(_config(tmp_path / "cut", *over, "run.resume=true"))
+
+    def rows(run: Path, phase: str) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "sync/bytes"))}
+                for r in read_metrics(run, phase)]
+
+    assert len(rows(whole, "sft")) == 3 and rows(resumed, "sft") == rows(whole, "sft")
+    assert len(rows(whole, "rl")) == 1 and rows(resumed, "rl") == rows(whole, "rl")
+    a, b = (load_file(str(run / "adapter" / ADAPTER_WEIGHTS)) for run in (resumed, whole))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
