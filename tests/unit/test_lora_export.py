@@ -19,7 +19,7 @@ from jetflow.model import CheckpointError
 from jetflow.model.checkpoint import save_hf_weights
 from jetflow.model.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, jetflow_name, peft_name
 from jetflow.precision.lora import adapter_parameters, is_adapter
-from jetflow.run.build import build_policy, load_inputs, lora_adapter_config
+from jetflow.run.build import apply_mode, build_model, build_policy, load_inputs, lora_adapter_config, with_lora
 from jetflow.run.sides import TrainerSide
 from jetflow.run.sources import resolve_model_dir
 
@@ -54,43 +54,45 @@ def trained(tmp_path_factory):
     return cfg, model, out
 
 
-def _logits_and_bound(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's logits on IDS and the bound of an fp32 implementation of the same function computed in
+def _logits_and_bound(model, ids: torch.Tensor = IDS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's logits on `ids` and the bound of an fp32 implementation of the same function computed in
     another summation order.
 
     Derivation. Every rounding error of fp32 is at most u = 2^-24 of the value rounded; a dot product of length
     K summed in another order differs by a random walk of K such errors, about u sqrt(K) sum_i |a_i b_i|
     (Higham's probabilistic bound; the worst case is u K). A logit is the dot product of the final hidden state
     h (K = hidden) with an lm_head row: its own sum contributes u sqrt(K) sum_i |h_i W_ji|, and every earlier
-    reduction (2 layers x {q/k/v/o, attention's two, gate/up/down, two norms}: fewer than 32, each of length at
-    most the intermediate size 384, and relative to the residual stream's size) reaches h as a relative error of
-    the same order, u sqrt(384) each: the logit's error is at most (1 + 32) u sqrt(384) sum_i |h_i| |W_ji|, with
-    a factor 4 for the few ulps a softmax / exp / rsqrt evaluates to. The LoRA path adds two dot products of
-    lengths 128 and r per adapted linear, inside that count."""
+    reduction (per layer q/k/v/o, attention's two, gate/up/down, two norms: fewer than 16, each of length at
+    most K = max(hidden, intermediate), 384 for the tiny model, and relative to the residual stream's size)
+    reaches h as a relative error of the same order, u sqrt(K) each: the logit's error is at most
+    (1 + 16 L) u sqrt(K) sum_i |h_i| |W_ji|, with a factor 4 for the few ulps a softmax / exp / rsqrt
+    evaluates to. The LoRA path adds two dot products of lengths K and r per adapted linear, inside that count."""
     captured = {}
     hook = model.lm_head.register_forward_pre_hook(lambda m, args: captured.update(h=args[0].detach()))
     try:
         with torch.no_grad():
-            logits = model(IDS).float()
+            logits = model(ids).float()
     finally:
         hook.remove()
+    c = model.config
+    k, ops = max(c.hidden_size, c.intermediate_size), 1 + 16 * c.num_layers
     magnitude = captured["h"].double().abs() @ model.lm_head.weight.detach().double().abs().t()
-    bound = 4 * (1 + 32) * U * (384 ** 0.5) * magnitude
+    bound = 4 * ops * U * (k ** 0.5) * magnitude
     return logits.double(), bound
 
 
-def _excess(got: torch.Tensor, model) -> float:
+def _excess(got: torch.Tensor, model, ids: torch.Tensor = IDS) -> float:
     """max |got - trainer| / bound: <= 1 inside the bound."""
-    want, bound = _logits_and_bound(model)
+    want, bound = _logits_and_bound(model, ids)
     return float(((got.double() - want).abs() / bound).max())
 
 
-def _peft_logits(base_dir: Path, adapter_dir: Path) -> torch.Tensor:
+def _peft_logits(base_dir: Path, adapter_dir: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        return PeftModel.from_pretrained(base, adapter_dir).eval()(IDS).logits
+        return PeftModel.from_pretrained(base, adapter_dir).eval()(ids).logits
 
 
 def _corrupt(adapter_dir: Path, to: Path, change) -> Path:
@@ -165,6 +167,32 @@ def test_the_merged_model_is_the_trainers_and_model_dir_holds_it_in_bf16(trained
             delta = layer.lora.scale * (layer.lora.B.detach() @ layer.lora.A.detach())
             wrong[f"{name}.weight"] = layer.weight.detach() + delta.t()
     assert _excess(hf_logits(wrong, tmp_path / "wrong"), model) > 10
+
+
+@pytest.mark.long  # about 40 s on the shared 2-core CPU: the real model loaded four times
+def test_smollm2s_adapters_load_with_peft_onto_its_converted_base(smollm2_dir, tmp_path):
+    """SmolLM2-135M (30 layers, the default targets, rank 16, B drawn so that the adapters matter): PEFT on the
+    HF directory the run's base_model_name_or_path names gives the fp32 trainer's logits within the bound of
+    `_logits_and_bound`; without the scale it does not (measured: 0.0 of the bound, PEFT's products being the
+    trainer's; scaled 4x, 90 bounds away: the bound of 30 layers is loose)."""
+    cfg = load_config(None, ["precision.mode=fp32", "precision.numerics=fast", "model.lora.rank=16",
+                             f"model.cache_dir={smollm2_dir.parent}"])
+    inputs = load_inputs(cfg)
+    model = with_lora(apply_mode(build_model(cfg, inputs.arch, inputs.tokenizer), derive(cfg).precision, "trainer"),
+                      cfg, "trainer")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in adapter_parameters(model).items():
+            if name.endswith(".B"):
+                p.normal_(0, 0.1, generator=gen)
+    config = lora_adapter_config(cfg, model)
+    assert config["base_model_name_or_path"] == str(smollm2_dir.resolve())
+    write_lora_model(tmp_path, model, inputs.tokenizer, "fp32", config)
+    ids = torch.tensor([inputs.tokenizer.encode("What is 7 + 5? Answer: 12")])
+    adapter = tmp_path / "adapter"
+    assert _excess(_peft_logits(smollm2_dir, adapter, ids), model, ids) <= 1
+    wrong = _corrupt(adapter, tmp_path / "unscaled", lambda t, c: c.update(lora_alpha=c["r"] * 4))
+    assert _excess(_peft_logits(smollm2_dir, wrong, ids), model, ids) > 10
 
 
 # Adapter-only checkpoints -------------------------------------------------------------------------------
