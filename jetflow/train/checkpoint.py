@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from jetflow.model.checkpoint import CheckpointError, write_config, write_tokenizer
 from jetflow.model.peft import ADAPTER_WEIGHTS, is_adapter_dir, read_adapter_dir, write_adapter_dir
 from jetflow.model.protocol import ShardedPolicy, hf_weights
-from jetflow.precision.lora import adapter_parameters
+from jetflow.precision.lora import LoRAAdapter, adapter_parameters
 from jetflow.writes import atomic_write_text, check_free_space, guarded, tree_bytes
 
 
@@ -269,8 +269,15 @@ def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
 
 
 def load_adapters(path: str | Path, model: nn.Module) -> None:
-    """A LoRA checkpoint's (or PEFT directory's) adapters into `model`'s, which must be exactly its set."""
-    tensors, _ = read_adapter_dir(path)
+    """A LoRA checkpoint's (or PEFT directory's) adapters into `model`'s, which must be exactly its set, of its
+    rank and alpha (the scale alpha / rank is not in the tensors: adapter_config.json says it)."""
+    tensors, config = read_adapter_dir(path)
+    adapters = [m for m in model.modules() if isinstance(m, LoRAAdapter)]
+    for key, held_value in (("r", adapters[0].rank if adapters else None),
+                            ("lora_alpha", adapters[0].alpha if adapters else None)):
+        if adapters and config.get(key) != held_value:
+            raise CheckpointError(f"the LoRA adapters in {path} have {key}={config.get(key)}, the model's "
+                                  f"{held_value}; was model.lora changed?")
     held = set(adapter_parameters(model))
     if set(tensors) != held:
         raise CheckpointError(f"the LoRA adapters in {path} do not match the model's: missing "

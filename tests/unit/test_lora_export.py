@@ -321,3 +321,15 @@ def test_a_lora_run_killed_in_its_warm_up_resumes_bit_for_bit(tmp_path, monkeypa
     assert len(rows(whole, "rl")) == 1 and rows(resumed, "rl") == rows(whole, "rl")
     a, b = (load_file(str(run / "adapter" / ADAPTER_WEIGHTS)) for run in (resumed, whole))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("changed", ["model.lora.alpha=32", "model.lora.rank=4", "model.lora.targets=[q_proj]"])
+def test_a_resume_under_another_model_lora_is_one_line(tmp_path, changed):
+    """rank, alpha (the scale, which the tensors do not carry) and the targets of a LoRA checkpoint against the
+    resuming trainer's."""
+    cfg = _config(tmp_path)
+    TrainerSide(cfg, derive(cfg), load_inputs(cfg)).save(tmp_path / "r", 0, True)
+    other = _config(tmp_path, changed)
+    with pytest.raises(CheckpointError, match="was model.lora") as e:
+        TrainerSide(other, derive(other), load_inputs(other)).restore(tmp_path / "r" / "checkpoints" / "step_000000")
+    assert "\n" not in str(e.value)
