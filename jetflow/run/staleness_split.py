@@ -76,7 +76,9 @@ class MismatchSplit:
         """The trainer's model under `version`'s weights."""
         if self._policy is None:
             source = self.trainer.model  # type: ignore[attr-defined]  # the native trainer's (the only one async runs)
-            self._policy = build_trainer_model(self.cfg, self.derived, copy_model(source))[0]
+            cuda = [torch.cuda.current_device()] if torch.device(self.cfg.model.device).type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):  # the copy's init draws: the run's RNG goes on as without it
+                self._policy = build_trainer_model(self.cfg, self.derived, copy_model(source))[0]
             self._policy.requires_grad_(False)
         if self._loaded != version:
             update = self.kept[version]

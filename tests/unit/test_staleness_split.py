@@ -66,7 +66,19 @@ def _run(tmp_path, monkeypatch, *extra: str):
 
 
 def test_under_exact_numerics_every_nat_is_staleness(tmp_path, monkeypatch):
-    rows, steps, _ = _run(tmp_path, monkeypatch, "rollout.max_staleness=2", "precision.numerics=exact")
+    """...and the split changes nothing else: the run without it logs the same rows, the split's keys aside."""
+    from jetflow.run.runner import train
+
+    rows, steps, _ = _run(tmp_path / "split", monkeypatch, "rollout.max_staleness=2", "precision.numerics=exact")
+    monkeypatch.undo()
+    plain = read_metrics(train(load_config("configs/tiny.yaml", [*COMMON, f"run.out_dir={tmp_path / 'plain'}",
+                                                                 "rollout.max_staleness=2", "precision.numerics=exact",
+                                                                 "rollout.split_mismatch=false"])), "rl")
+    split_keys = ("mismatch/numerics_", "mismatch/staleness_")
+    clock = ("time/", "throughput/", "async/trainer_idle", "async/engine_idle")
+    assert [{k: v for k, v in r.items() if not k.startswith(clock + split_keys)} for r in rows] == \
+        [{k: v for k, v in r.items() if not k.startswith(clock)} for r in plain]
+    assert all(k.startswith(split_keys) for r in rows for k in r if k not in plain[0])
     assert [version for _, version, _ in steps] == [0, 0, 0, 1]
     for step, r in enumerate(rows):
         assert r["mismatch/numerics_kl_k3"] == 0.0 and r["mismatch/numerics_equal_frac"] == 1.0, step
