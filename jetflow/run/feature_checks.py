@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from jetflow.config import Config, ConfigError, config_value
+from jetflow.config import Config, ConfigError, Derived, config_value
 from jetflow.model import Decoder
 from jetflow.precision.lora import lora_targets, unmatched_targets
 
@@ -49,9 +49,10 @@ def check_staleness(cfg: Config) -> None:
                           "own weights (a synchronous rollout); set one of them off")
 
 
-LORA_BUILT = (("train.backend", "native"), ("rollout.backend", "native"), ("run.orchestrator", "local"),
-              ("algo.kl_coef", 0.0), ("algo.log_ref_kl", False))
-"""What LoRA runs with today (model.lora.rank > 0): each key's one value."""
+LORA_BUILT = (("train.backend", "native"), ("run.orchestrator", "local"), ("algo.kl_coef", 0.0),
+              ("algo.log_ref_kl", False))
+"""What LoRA runs with today (model.lora.rank > 0): each key's one value (rollout.backend: native, or vllm under
+exact numerics, check_lora_numerics)."""
 
 
 def check_lora(cfg: Config) -> None:
@@ -75,6 +76,15 @@ def check_lora(cfg: Config) -> None:
         raise ConfigError(f"model.lora.rank={lora.rank} with precision.mode=unified and {key}={config_value(cfg, key)}: "
                           f"LoRA on that frozen FP8 base is not built yet (its backward would need the "
                           f"high-precision weight); use {key}={built} (or model.lora.rank=0)")
+
+
+def check_lora_numerics(cfg: Config, derived: Derived) -> None:
+    """model.lora with rollout.backend=vllm: the adapters are computed by jetflow's exact plugin alone (the
+    policy's PrecisionLinears, jetflow.precision.lora), so the resolved numerics must be exact."""
+    if cfg.model.lora.rank and cfg.rollout.backend == "vllm" and not derived.precision.is_exact:
+        raise ConfigError(f"model.lora.rank={cfg.model.lora.rank} with rollout.backend=vllm and precision.numerics="
+                          f"{cfg.precision.numerics} (resolved: fast): LoRA in vLLM is built for jetflow's exact plugin "
+                          "only; use precision.numerics=exact (or rollout.backend=native)")
 
 
 def check_lora_model(cfg: Config, arch) -> None:

@@ -235,8 +235,8 @@ def build_rollout_side(cfg: Config, derived: Derived, inputs: RunInputs, side: T
     eos = stop_token_ids(tokenizer, source, task)
     if cfg.rollout.backend == "vllm":  # an engine started from the trainer's current weights
         engine_dir = engine_dir or run_engine_dir(run_dir, "local", dp.global_rank)
-        return build_vllm_rollout(cfg, derived, copy_model(source), tokenizer, eos, task.stop, max_seq_len, engine_dir,
-                                  driver=driver)
+        model = source if cfg.model.lora.rank else copy_model(source)  # LoRA: read only, the policy is blank
+        return build_vllm_rollout(cfg, derived, model, tokenizer, eos, task.stop, max_seq_len, engine_dir, driver=driver)
     model = rollout_model(cfg, derived.precision, source)  # with LoRA: blank, the first update fills it
     attach_kv_fp8(model, derived.precision, "rollout")
     return NativeRollout(model, cfg, tokenizer, eos, task.stop, max_seq_len=max_seq_len,

@@ -41,7 +41,7 @@ from jetflow.precision.recipe import QuantRecipe
 from jetflow.rollout.engine import default_kv_pool_bytes
 from jetflow.rollout.native import kv_pool_bytes
 from jetflow.run.build import RunInputs, load_inputs
-from jetflow.run.feature_checks import check_lora, check_lora_model, check_staleness, check_turns
+from jetflow.run.feature_checks import check_lora, check_lora_model, check_lora_numerics, check_staleness, check_turns
 from jetflow.run.files import CONFIG_FILE, holds_a_run, run_dir_of
 from jetflow.run.memory_estimate import check_memory
 
@@ -136,9 +136,11 @@ def check_config(cfg: Config) -> Derived:
 
 def derive_checked(cfg: Config) -> Derived:
     """The config's derived values, each checked (jetflow.config.derive: the recipe checks its own fields),
-    then what needs the resolved recipe: its blocks against the backends (check_blocks)."""
+    then what needs the resolved precision: the recipe's blocks against the backends (check_blocks), LoRA's
+    numerics under vLLM (check_lora_numerics)."""
     derived = derive(cfg)
     check_blocks(cfg, derived.precision.recipe)
+    check_lora_numerics(cfg, derived)
     return derived
 
 

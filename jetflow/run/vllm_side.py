@@ -8,9 +8,11 @@ quantizes itself, under fp32 / bf16 the plain tensors).
 What the engine executes is chosen here and printed at start-up (`VLLMRollout.description`):
   exact         precision.numerics=exact (`auto` resolves to it on the CPU): vLLM runs jetflow's own
                 arithmetic through the plugin (jetflow.rollout.vllm.plugin), computing with a policy built
-                as the native rollout's (apply_mode + attach_kv_fp8): in every precision mode the rollout
-                log-probs equal the trainer's bit for bit; mixed / unified are W8A8 FP8 on jetflow's
-                kernels. The engine reads only config.json and the tokenizer from its directory.
+                as the native rollout's (apply_mode + attach_kv_fp8; with model.lora its adapters,
+                jetflow.precision.lora, added by each adapted PrecisionLinear): in every precision mode the
+                rollout log-probs equal the trainer's bit for bit; mixed / unified are W8A8 FP8 on jetflow's
+                kernels. The engine reads only config.json and the tokenizer from its directory. The
+                only execution LoRA runs on.
   fp32 / bf16   an unquantized engine in that dtype (precision.mode fp32 / bf16), fast numerics.
   fp8           mixed / unified on a GPU whose block-FP8 kernels can run the model: started from an
                 FP8 export (`jetflow.export.export_fp8`), updates ship the FP8 bytes as they are.
@@ -39,7 +41,7 @@ import torch
 from jetflow.config import Config, ConfigError, Derived
 from jetflow.model import CharTokenizer, Decoder, Tokenizer, save_hf_dir
 from jetflow.model.checkpoint import write_config
-from jetflow.run.build import apply_mode, attach_kv_fp8
+from jetflow.run.build import apply_mode, attach_kv_fp8, rollout_model
 from jetflow.writes import guarded
 
 KV_CACHE_MIN_BYTES = 64 << 20
@@ -105,7 +107,9 @@ def build_vllm_rollout(cfg: Config, derived: Derived, model: Decoder, tokenizer,
                        stop: tuple[str, ...], max_seq_len: int, engine_dir: Path, driver=None):
     """A started VLLMRollout holding `model`'s weights (a plain Decoder: a copy of the trainer's), started
     from a checkpoint written to `engine_dir` (replaced if it exists). `driver`: a multi-turn run's
-    conversations (max_seq_len then a conversation's whole budget)."""
+    conversations (max_seq_len then a conversation's whole budget). With model.lora (exact execution alone,
+    jetflow.run.feature_checks) `model` is the trainer's own, only read: the policy is a blank model with
+    zero adapters whose first weight update brings the base and the adapters, and later ones the adapters."""
     from jetflow.rollout.vllm import VLLMRollout, import_vllm
 
     try:
@@ -116,7 +120,8 @@ def build_vllm_rollout(cfg: Config, derived: Derived, model: Decoder, tokenizer,
     precision = derived.precision
     policy = None
     if execution == "exact":  # the native rollout's model: the plugin computes every token with its modules
-        policy = apply_mode(model, precision, "rollout")
+        # model.lora: blank with zero adapters, the first update (base + adapters) fills it (rollout_model)
+        policy = rollout_model(cfg, precision, model) if cfg.model.lora.rank else apply_mode(model, precision, "rollout")
         attach_kv_fp8(policy, precision, "rollout")
     # vLLM's fp8 method runs bf16 activations (it refuses float32); fp8 on the CPU is dequantized weights
     dtype = "bfloat16" if execution in ("bf16", "fp8") else "float32"

@@ -188,7 +188,8 @@ def test_a_lora_run_logs_mismatch_kl_zero_on_every_step(tmp_path):
     (["model.lora.dropout=0.1"], "off-policy by design"),
     (["train.backend=fsdp"], "train.backend=fsdp: LoRA there is not built yet; use train.backend=native"),
     (["train.backend=megatron"], "LoRA there is not built yet; use train.backend=native"),
-    (["rollout.backend=vllm"], "LoRA there is not built yet; use rollout.backend=native"),
+    (["rollout.backend=vllm", "precision.numerics=fast"], "with rollout.backend=vllm and precision.numerics=fast "
+     "(resolved: fast): LoRA in vLLM is built for jetflow's exact plugin only; use precision.numerics=exact"),
     (["run.orchestrator=ray"], "LoRA there is not built yet; use run.orchestrator=local"),
     (["algo.kl_coef=0.1"], "LoRA there is not built yet; use algo.kl_coef=0.0"),
     (["precision.family=mxfp8"], "is not built yet"),

@@ -16,6 +16,7 @@ import torch
 from jetflow.precision import QuantRecipe, PrecisionLinear, quantize_weight
 from jetflow.precision.export import SCALE_SUFFIX
 from jetflow.precision.linear import layer_index
+from jetflow.precision.lora import is_adapter
 from jetflow.precision.modes import PrecisionMode
 from jetflow.sync import WeightUpdate
 
@@ -146,14 +147,18 @@ def reprocess_cpu_moe_experts(model) -> int:
 def check_exact_update(policy, update: WeightUpdate) -> None:
     """An exact engine's update must be of a mode whose rollout kind is the policy's linears' (fp32,
     bf16, or fp8 for mixed / unified) and carry every tensor the policy holds: a partial update would
-    leave the engine half on the old weights. (jetflow.sync.apply_update checks the rest.)"""
+    leave the engine half on the old weights. With LoRA (model.lora) the policy's adapters are every update's
+    `adapters`, and an adapter-only update (`base=False`) carries no base tensor at all. (jetflow.sync.apply_update
+    checks the rest: the adapters' names, a base before adapters alone.)"""
     kinds = {m.kind for m in policy.modules() if isinstance(m, PrecisionLinear)}
     kind = "fp8" if "fp8" in kinds else "bf16" if "bf16" in kinds else "fp32"
     if update.mode not in {m.value for m in PrecisionMode} or PrecisionMode(update.mode).rollout_kind != kind:
         raise ValueError(f"a {update.mode!r} update does not fit an exact vLLM rollout whose linears are {kind} "
                          f"(updates of mode {[m.value for m in PrecisionMode if m.rollout_kind == kind]})")
     given = set(update.tensors) | {f"{module}.weight" for module in update.quantized}
-    held = set(dict(policy.named_parameters(remove_duplicate=True)))
+    held = {n for n in dict(policy.named_parameters(remove_duplicate=True)) if not is_adapter(n)}
+    if not update.base:  # the LoRA adapters alone: the base came with an earlier update
+        held = set()
     missing, unknown = sorted(held - given), sorted(given - held)
     if missing or unknown:
         raise KeyError(f"weight update v{update.version} does not match the exact engine's policy: missing "

@@ -125,6 +125,9 @@ def describe(policy: Decoder) -> str:
                 f"weight blocks, 1x{recipe.group_size} activation groups; bf16: {others or 'none'})")
     else:
         what = f"{'/'.join(sorted(kinds))} linears with jetflow's kernels"
+    adapted = [m.lora for m in linears.values() if getattr(m, "lora", None) is not None]
+    if adapted:  # model.lora: each adapted linear adds its adapter (jetflow.precision.lora)
+        what += f" + LoRA rank {adapted[0].rank} on {len(adapted)} linears (fp32, the canonical GEMM)"
     from jetflow.rollout.vllm.attention import cache_dtype
 
     kv = policy.model.layers[0].self_attn.kv_quantizer
