@@ -14,8 +14,8 @@ Printed (fp32 master weights, exact numerics, CPU, 2026-12-07):
 
 from __future__ import annotations
 
-import torch
 
+from jetflow.bench.common import saved_activation_bytes
 from jetflow.bench.workload import synthetic_experience
 from jetflow.config import derive, load_config
 from jetflow.run.build import apply_mode, build_model, load_inputs, with_lora
@@ -31,17 +31,7 @@ def saved_per_token(mode: str, rank: int, h: int, i: int, layers: int, kv_heads:
     model = with_lora(apply_mode(build_model(cfg, inputs.arch, inputs.tokenizer), derive(cfg).precision, "trainer"),
                       cfg, "trainer")
     exp = synthetic_experience(B, 16, T - 16, model.config.vocab_size, 0)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        response_logprobs(model, exp)
-    return sum(saved.values()) / (B * T)
+    return saved_activation_bytes(model, lambda: response_logprobs(model, exp)) / (B * T)
 
 
 def per_layer(mode: str, rank: int, h: int, i: int, kv_heads: int) -> float:

@@ -12,8 +12,8 @@ Printed (fp32 master weights, exact numerics, CPU, 2026-11-27):
 
 from __future__ import annotations
 
-import torch
 
+from jetflow.bench.common import saved_activation_bytes
 from jetflow.bench.train_step import build_trainers
 from jetflow.bench.workload import bench_config, synthetic_experience
 from jetflow.train.trainer import response_logprobs
@@ -26,17 +26,7 @@ def saved_per_token(mode: str, h: int, i: int, layers: int, heads: int, kv_heads
     trainers, vocab, pad = build_trainers(cfg, (mode,))
     model = trainers[mode].model
     exp = synthetic_experience(B, 16, T - 16, vocab, pad)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        response_logprobs(model, exp)
-    return sum(saved.values()) / (B * T)
+    return saved_activation_bytes(model, lambda: response_logprobs(model, exp)) / (B * T)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from jetflow.bench.common import saved_activation_bytes
 from jetflow.config import derive, load_config
 from jetflow.precision.lora import adapter_parameters
 from jetflow.rl.experience import pack_experience
@@ -50,17 +51,7 @@ def _saved_per_token(mode: str, layers: int, *overrides: str) -> float:
     responses = [torch.randint(3, model.config.vocab_size, (112,), generator=gen).tolist() for _ in range(2)]
     zeros = torch.zeros(2)
     exp = pack_experience(prompts, responses, [[0.0] * 112] * 2, zeros, zeros, 0, "cpu")
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        response_logprobs(model, exp)
-    return sum(saved.values()) / (2 * 128)
+    return saved_activation_bytes(model, lambda: response_logprobs(model, exp)) / (2 * 128)
 
 
 @pytest.mark.parametrize("mode", ["unified", "bf16"])

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import jetflow.run.memory_estimate as me
+from jetflow.bench.common import saved_activation_bytes
 from jetflow.cli import main
 from jetflow.config import derive, load_config
 from jetflow.model import Decoder
@@ -99,20 +100,11 @@ def test_activation_term_against_what_autograd_saves(mode):
                               "model.tiny.num_layers=3")
     from jetflow.run.build import apply_mode
     model = apply_mode(Decoder(arch), derived.precision, "trainer")
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     ids = torch.randint(3, 19, (3, 96))  # (B, T)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.forward_hidden(ids, attention_mask=torch.ones_like(ids))
+    saved = saved_activation_bytes(model, lambda: model.forward_hidden(ids, attention_mask=torch.ones_like(ids)))
     expected = 3 * 96 * (me.activation_bytes_per_token(arch, cfg.precision.precision_mode.trainer_kind, False)
                          - me.SAVED_OUTSIDE_LAYERS * arch.hidden_size)  # the head's part is not in forward_hidden
-    assert abs(sum(saved.values()) - expected) < 0.1 * expected, (sum(saved.values()), expected)
+    assert abs(saved - expected) < 0.1 * expected, (saved, expected)
 
 
 def absurd(tmp_path, *more):
