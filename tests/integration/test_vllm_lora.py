@@ -18,12 +18,11 @@ import torch
 from jetflow.cli import main
 from jetflow.config import derive, load_config
 from jetflow.precision.lora import adapter_parameters
-from jetflow.rl.experience import pack_experience
 from jetflow.rollout.vllm import import_vllm
 from jetflow.run.build import load_inputs
-from jetflow.run.loop import request_seed
 from jetflow.run.sides import TrainerSide
 from jetflow.sync import MissingBaseError
+from on_policy import assert_rollout_logprobs_equal_the_trainers
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
@@ -57,15 +56,7 @@ def test_vllm_logprobs_equal_the_trainers_after_steps_that_changed_the_adapters(
         loop.sync()  # the adapters of the last step, alone
         held = adapter_parameters(rollout.policy)
         assert all(torch.equal(held[n], p) for n, p in adapters.items())
-        problems = side.task.problems(1000, 6, cfg.run.seed)
-        prompts = [side.encode(p) for p in problems]
-        out = rollout.generate(prompts, [request_seed(cfg.run.seed, 99, i) for i in range(len(prompts))])
-        zeros = torch.zeros(len(prompts))
-        exp = pack_experience(prompts, out.token_ids, out.logprobs, zeros, zeros, side.tokenizer.pad_token_id, "cpu")
-        trainer_lp = side.trainer.compute_logprobs(exp, cfg.rollout.temperature)
-        mask = exp.response_mask > 0
-        assert int(mask.sum()) > 0
-        assert torch.equal(exp.rollout_logprobs[mask], trainer_lp[mask])
+        prompts = assert_rollout_logprobs_equal_the_trainers(side, rollout, cfg)
 
         # refused untouched: adapters alone that are not the engine's, a stale version
         before = rollout.generate(prompts[:2], [1, 2], greedy=True)

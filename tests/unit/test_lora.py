@@ -18,12 +18,11 @@ from jetflow.cli import main
 from jetflow.config import ConfigError, derive, load_config
 from jetflow.precision import PrecisionLinear, QuantRecipe
 from jetflow.precision.lora import adapter_parameters, apply_lora, is_adapter, lora_targets
-from jetflow.rl.experience import pack_experience
 from jetflow.run.build import apply_mode, blank_model, build_model, load_inputs, with_lora
-from jetflow.run.loop import request_seed
 from jetflow.run.sides import TrainerSide
 from jetflow.run.validate import check_config, validate_run
 from jetflow.sync import CorruptWeightsError, MissingBaseError, apply_update
+from on_policy import assert_rollout_logprobs_equal_the_trainers
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
@@ -157,15 +156,7 @@ def test_rollout_logprobs_equal_the_trainers_after_steps_that_changed_the_adapte
     assert [r["sync/bytes"] for r in rows[1:]] == [sum(p.numel() * 4 for p in adapters.values())] * 2
     assert all(r["mismatch/kl_k3"] == 0.0 and r["mismatch/equal_frac"] == 1.0 for r in rows)
     loop.sync()  # the adapters of the last step
-    problems = side.task.problems(1000, 6, cfg.run.seed)
-    prompts = [side.encode(p) for p in problems]
-    out = loop.rollout.generate(prompts, [request_seed(cfg.run.seed, 99, i) for i in range(len(prompts))])
-    zeros = torch.zeros(len(prompts))
-    exp = pack_experience(prompts, out.token_ids, out.logprobs, zeros, zeros, side.tokenizer.pad_token_id, "cpu")
-    trainer_lp = side.trainer.compute_logprobs(exp, cfg.rollout.temperature)
-    mask = exp.response_mask > 0
-    assert int(mask.sum()) > 0
-    assert torch.equal(exp.rollout_logprobs[mask], trainer_lp[mask])
+    assert_rollout_logprobs_equal_the_trainers(side, loop.rollout, cfg)
 
 
 def test_a_lora_run_logs_mismatch_kl_zero_on_every_step(tmp_path):
@@ -186,8 +177,8 @@ def test_a_lora_run_logs_mismatch_kl_zero_on_every_step(tmp_path):
     (["model.lora.rank=-1"], "model.lora.rank=-1 is out of range; it must be >= 0"),
     (["model.lora.alpha=0"], "model.lora.alpha=0.0 is out of range; it must be > 0"),
     (["model.lora.dropout=0.1"], "off-policy by design"),
-    (["train.backend=fsdp"], "train.backend=fsdp: LoRA there is not built yet; use train.backend=native"),
-    (["train.backend=megatron"], "LoRA there is not built yet; use train.backend=native"),
+    (["train.backend=megatron"], "train.backend=megatron: LoRA there is not built yet; use train.backend=native or "
+     "fsdp"),
     (["rollout.backend=vllm", "precision.numerics=fast"], "with rollout.backend=vllm and precision.numerics=fast "
      "(resolved: fast): LoRA in vLLM is built for jetflow's exact plugin only; use precision.numerics=exact"),
     (["run.orchestrator=ray"], "LoRA there is not built yet; use run.orchestrator=local"),
