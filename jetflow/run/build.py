@@ -246,8 +246,9 @@ def build_policy(cfg: Config):
 
 
 def loads_whole_policy(cfg: Config, global_rank: int) -> bool:
-    """Whether this process builds the policy with its weights: every process but an FSDP rank other than 0."""
-    return cfg.train.backend != "fsdp" or global_rank == 0
+    """Whether this process builds the policy with its weights: every process but an FSDP rank other than 0
+    (with model.lora every FSDP rank too: its frozen base is replicated, jetflow.run.megatron_side)."""
+    return cfg.train.backend != "fsdp" or global_rank == 0 or cfg.model.lora.rank > 0
 
 
 def build_tokenizer(cfg: Config):

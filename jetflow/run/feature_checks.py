@@ -49,10 +49,11 @@ def check_staleness(cfg: Config) -> None:
                           "own weights (a synchronous rollout); set one of them off")
 
 
-LORA_BUILT = (("train.backend", "native"), ("run.orchestrator", "local"), ("algo.kl_coef", 0.0),
-              ("algo.log_ref_kl", False))
+LORA_BUILT = (("run.orchestrator", "local"), ("algo.kl_coef", 0.0), ("algo.log_ref_kl", False))
 """What LoRA runs with today (model.lora.rank > 0): each key's one value (rollout.backend: native, or vllm under
-exact numerics, check_lora_numerics)."""
+exact numerics, check_lora_numerics; train.backend: native, or fsdp with the base and adapters replicated,
+jetflow.run.megatron_side.build_trainer_model)."""
+LORA_BACKENDS = ("native", "fsdp")
 
 
 def check_lora(cfg: Config) -> None:
@@ -67,6 +68,13 @@ def check_lora(cfg: Config) -> None:
     if not lora.targets:
         raise ConfigError("model.lora.targets=[]: name the linears to adapt (e.g. [q_proj, v_proj]), or set "
                           "model.lora.rank=0")
+    if cfg.train.backend not in LORA_BACKENDS:
+        raise ConfigError(f"model.lora.rank={lora.rank} with train.backend={cfg.train.backend}: LoRA there is not "
+                          f"built yet; use train.backend=native or fsdp (or model.lora.rank=0)")
+    if cfg.train.data_parallel_shard_size:
+        raise ConfigError(f"model.lora.rank={lora.rank} with train.data_parallel_shard_size="
+                          f"{cfg.train.data_parallel_shard_size}: LoRA on FSDP shards nothing (the base and the adapters "
+                          "are replicated on every rank); leave it 0")
     for key, built in LORA_BUILT:
         if (value := config_value(cfg, key)) != built:
             raise ConfigError(f"model.lora.rank={lora.rank} with {key}={value}: LoRA there is not built yet; use "

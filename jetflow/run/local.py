@@ -33,6 +33,8 @@ class LocalPlacement:
         model = self.side.model  # with LoRA its frozen FP8 linears hold bytes, not parameters: the architecture's count
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         lora = f", LoRA rank {self.cfg.model.lora.rank}: {trained / 1e6:.2f}M trained" if self.cfg.model.lora.rank else ""
+        if lora and self.cfg.train.backend == "fsdp":  # nothing sharded (jetflow.run.megatron_side.build_trainer_model)
+            lora += ", base and adapters replicated on every rank"
         return (f"model={self.cfg.model.path} ({model.config.num_parameters() / 1e6:.1f}M params{lora})  "
                 f"data-parallel ranks={self.dp.world_size}")
 

@@ -60,11 +60,20 @@ def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder, kv: K
 def build_trainer_model(cfg: Config, derived: Derived, decoder: Decoder, kv: KVQuantizer | None = None):
     """(what the Trainer trains, the K/V quantizer the run drives or None): `decoder` under the precision
     mode, a MegatronPolicy of it, or (fsdp) it sharded over the data-parallel ranks (jetflow.train.fsdp);
-    `kv`: the trainer's FP8 K/V quantizer (Precision.kv_quantizer), None for the mode's own K/V rounding."""
+    `kv`: the trainer's FP8 K/V quantizer (Precision.kv_quantizer), None for the mode's own K/V rounding.
+
+    fsdp with model.lora: nothing is sharded. Every rank builds the whole frozen base from the model source
+    (loads_whole_policy) and holds the adapters whole; the Trainer sums their gradients over the ranks
+    (Decoder.reduce_data_parallel_grads: one all-reduce, each rank's loss already its share of the global
+    batch's, as FSDP's reduce-scatter sums) and clips by their norm: the replicated data-parallel trainer.
+    What FSDP shards is the trainer's fp32 master weights, gradients and AdamW moments (16 bytes a
+    parameter); under LoRA only the adapters have those, and the frozen base is what the forward reads
+    (1 byte a weight for unified's FP8 linears), so sharding it would save little and cost an all-gather
+    of every layer per forward and backward."""
     if cfg.train.backend == "megatron":
         return build_megatron_policy(cfg, derived, decoder, kv)
     model = with_lora(apply_mode(decoder, derived.precision, "trainer", kv), cfg, "trainer")  # model.lora
-    if cfg.train.backend == "fsdp":
+    if cfg.train.backend == "fsdp" and not cfg.model.lora.rank:
         from jetflow.train.fsdp import FSDPPolicy
         return FSDPPolicy(model, cfg.model.device, cfg.train.data_parallel_shard_size), kv
     return model, kv

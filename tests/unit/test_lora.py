@@ -179,6 +179,7 @@ def test_a_lora_run_logs_mismatch_kl_zero_on_every_step(tmp_path):
     (["model.lora.dropout=0.1"], "off-policy by design"),
     (["train.backend=megatron"], "train.backend=megatron: LoRA there is not built yet; use train.backend=native or "
      "fsdp"),
+    (["train.backend=fsdp", "train.data_parallel_shard_size=1"], "LoRA on FSDP shards nothing"),
     (["rollout.backend=vllm", "precision.numerics=fast"], "with rollout.backend=vllm and precision.numerics=fast "
      "(resolved: fast): LoRA in vLLM is built for jetflow's exact plugin only; use precision.numerics=exact"),
     (["run.orchestrator=ray"], "LoRA there is not built yet; use run.orchestrator=local"),
