@@ -10,7 +10,8 @@ the trainer's own forward under the sampling version's exact values (FP8 bytes a
 A batch of the current version needs nothing: its proximal log-probs are the sampling version's.
 
 Not split (no keys logged): a batch sampled before a resume (its version's weights went with the process that sent
-them), and updates that do not carry the whole model (LoRA's adapters alone) or carry FP8 K/V scales.
+them). Runs whose updates do not carry the whole model (LoRA's adapters alone) or carry FP8 K/V scales are refused
+with the split in one line before the model loads (jetflow.run.feature_checks.check_staleness).
 """
 
 from __future__ import annotations

@@ -120,6 +120,10 @@ def test_the_engine_process_computes_the_synchronous_engines_samples(tmp_path):
     (["rollout.max_staleness=1", "run.orchestrator=ray"], "use run.orchestrator=local"),
     (["rollout.max_staleness=1", "rollout.backend=vllm"], "use rollout.backend=native"),
     (["rollout.max_staleness=1", "algo.dynamic_sampling=true"], "algo.dynamic_sampling=true"),
+    (["rollout.max_staleness=1", "rollout.split_mismatch=true", "model.lora.rank=4"],
+     "rollout.split_mismatch=true with model.lora.rank=4"),
+    (["rollout.max_staleness=1", "rollout.split_mismatch=true", "precision.kv_cache_fp8=true"],
+     "rollout.split_mismatch=true with precision.kv_cache_fp8=True"),
 ])
 def test_what_async_does_not_run_is_one_line_before_the_model_loads(tmp_path, extra, says):
     with pytest.raises(ConfigError, match=says.replace("[", r"\[")) as e:
