@@ -47,12 +47,13 @@ def check_staleness(cfg: Config) -> None:
     if cfg.algo.dynamic_sampling:
         raise ConfigError(f"rollout.max_staleness={k} with algo.dynamic_sampling=true: the refill rounds need the step's "
                           "own weights (a synchronous rollout); set one of them off")
-    split_needs = (("model.lora.rank", cfg.model.lora.rank, 0), ("precision.kv_cache_fp8", cfg.precision.kv_cache_fp8, False))
-    for key, value, off in split_needs if cfg.rollout.split_mismatch else ():
-        if value != off:  # jetflow.run.staleness_split keeps whole updates without K/V scales only
-            raise ConfigError(f"rollout.split_mismatch=true with {key}={value}: the split rescoring keeps the whole "
+    split_needs: tuple[tuple[str, object, object], ...] = (
+        ("model.lora.rank", cfg.model.lora.rank, 0), ("precision.kv_cache_fp8", cfg.precision.kv_cache_fp8, False))
+    for name, setting, off in split_needs if cfg.rollout.split_mismatch else ():
+        if setting != off:  # jetflow.run.staleness_split keeps whole updates without K/V scales only
+            raise ConfigError(f"rollout.split_mismatch=true with {name}={setting}: the split rescoring keeps the whole "
                               f"model's weight updates without FP8 K/V scales, which this run does not send; set "
-                              f"rollout.split_mismatch=false or {key}={off}")
+                              f"rollout.split_mismatch=false or {name}={off}")
 
 
 LORA_BUILT = (("run.orchestrator", "local"), ("algo.kl_coef", 0.0), ("algo.log_ref_kl", False))
