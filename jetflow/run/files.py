@@ -193,18 +193,16 @@ def write_lora_dirs(run_dir: Path, checkpoint: Path, cfg: Config, derived: Deriv
     checkpoint says the adapters were trained on."""
     import torch
     from jetflow.export import write_lora_model
-    from jetflow.model import CheckpointError
     from jetflow.precision.lora import base_digest
     from jetflow.run.build import build_policy, lora_adapter_config
     from jetflow.run.megatron_side import build_trainer_model
-    from jetflow.train.checkpoint import load_adapters
+    from jetflow.train.checkpoint import LORA_BASE, check_lora_base, load_adapters
     with torch.random.fork_rng():
         base, tokenizer = build_policy(cfg)
         model = build_trainer_model(cfg, derived, base)[0]
-    trained_on = torch.load(checkpoint / "trainer.pt", weights_only=True).get("lora_base_sha256")
-    if trained_on is not None and trained_on != base_digest(model):
-        raise CheckpointError(f"{checkpoint} holds LoRA adapters trained on another base than the one rebuilt from "
-                              f"model.path={cfg.model.path}: was that model changed during the run?")
+    trained_on = torch.load(checkpoint / "trainer.pt", weights_only=True).get(LORA_BASE)
+    if trained_on is not None:
+        check_lora_base(checkpoint, trained_on, base_digest(model), cfg.model.path)
     load_adapters(checkpoint, model)
     write_lora_model(run_dir, model, tokenizer, derived.precision.mode, lora_adapter_config(cfg, model),
                      derived.precision.recipe)

@@ -27,8 +27,8 @@ from jetflow.run.vllm_side import build_vllm_rollout
 from jetflow.run.warmup import Warmup
 from jetflow.model import CheckpointError
 from jetflow.precision.lora import adapter_parameters, base_digest
-from jetflow.train.checkpoint import (CHECKPOINTS_DIR, checkpoint_name, checkpoint_weights, load_checkpoint,
-                                      save_checkpoint)
+from jetflow.train.checkpoint import (CHECKPOINTS_DIR, LORA_BASE, check_lora_base, checkpoint_name, checkpoint_weights,
+                                      load_checkpoint, save_checkpoint)
 from jetflow.train.reference import freeze_reference
 from jetflow.train.trainer import Trainer
 
@@ -42,7 +42,6 @@ def sharded_optimizer(model) -> bool:
 
 
 IN_FLIGHT = "rollouts_in_flight"  # the trainer state's entry of the batches generated ahead
-LORA_BASE = "lora_base_sha256"  # the trainer state's entry of the frozen base a LoRA run's adapters train on
 
 
 class TrainerSide:
@@ -87,10 +86,8 @@ class TrainerSide:
         saved = select_trainer_state(self.model, saved)
         self.restored_in_flight = saved.pop(IN_FLIGHT, None)  # rollout.max_staleness > 0: batches generated ahead
         trained_on = saved.pop(LORA_BASE, None)
-        if trained_on is not None and trained_on != self._base_digest():
-            raise CheckpointError(f"{checkpoint} holds LoRA adapters trained on another base than the one rebuilt from "
-                                  f"model.path={self.cfg.model.path} (its sha256 differs): was that model changed since? "
-                                  "Resume with the base the run started from")
+        if trained_on is not None:
+            check_lora_base(checkpoint, trained_on, self._base_digest(), self.cfg.model.path)
         if sharded_optimizer(self.model):  # FSDP: the moments from the checkpoint's DCP shards, resharded
             from jetflow.train.fsdp.state import load_optimizers
             load_optimizers(self.model, self._optimizers(warmup="warmup" in saved), checkpoint)

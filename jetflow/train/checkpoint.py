@@ -291,6 +291,20 @@ def load_adapters(path: str | Path, model: nn.Module) -> None:
                               "changed?") from None
 
 
+LORA_BASE = "lora_base_sha256"
+"""The trainer state's entry of the frozen base a LoRA run's adapters were trained on (jetflow.precision.lora.
+base_digest): a resume and the final export compare the base they rebuild with it (check_lora_base)."""
+
+
+def check_lora_base(checkpoint: str | Path, trained_on: str, digest: str, model_path: str) -> None:
+    """CheckpointError (one line) when the base rebuilt from model.path (its sha256 `digest`) is not the one the
+    checkpoint's adapters were trained on (`trained_on`, its LORA_BASE entry)."""
+    if trained_on != digest:
+        raise CheckpointError(f"{checkpoint} holds LoRA adapters trained on another base than the one rebuilt from "
+                              f"model.path={model_path} (its sha256 differs): was that model changed since? Resume "
+                              "or export with the base the run started from")
+
+
 def _load_rest(path: Path) -> tuple[dict, dict]:
     """The RNG states restored; (trainer_state, state)."""
     rng = _load_state(path / "rng.pt")
