@@ -13,6 +13,7 @@ import torch
 from jetflow.config import ConfigError, derive, load_config
 from jetflow.metrics_log import read_metrics
 from jetflow.run.validate import check_config, validate_run
+from orphans import assert_engine_dies_with_its_killed_parent
 
 # a short warm-up, 5 RL steps, held-out evaluations before steps 0 and 2 and after the last (each a sync and
 # a greedy generation queued behind the batches in flight), a checkpoint every 2 steps
@@ -180,11 +181,6 @@ def test_max_staleness_0_is_the_synchronous_loop(tmp_path, monkeypatch):
 def test_the_engine_process_dies_with_a_killed_trainer(tmp_path):
     """A trainer killed outright (SIGKILL, an OOM kill) in the middle of a generation takes its engine's process
     with it, instead of leaving it to finish the generation alone (before: it ran on, a long one for minutes)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
     (tmp_path / "slow_engine.py").write_text(
         "import time\n"
@@ -203,18 +199,4 @@ def test_the_engine_process_dies_with_a_killed_trainer(tmp_path):
         "engine.submit([[1, 2]], [0])\n"
         "print(engine.process.pid, flush=True)\n"
         "time.sleep(600)\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
-    child = int(parent.stdout.readline())
-    time.sleep(0.5)  # the call reaches the child, which sleeps in it
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    os.kill(child, signal.SIGKILL)
-    pytest.fail("the engine's process outlived its killed parent")
+    assert_engine_dies_with_its_killed_parent(script, tmp_path)  # the call reaches the child, which sleeps in it

@@ -9,14 +9,13 @@ import copy
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from jetflow.run import shared_calls
+from orphans import assert_engine_dies_with_its_killed_parent
 
 # an engine built as a run builds it, with two methods for the tests: `weights` (its weights, read back as the
 # trainer's update reads the trainer's) and `sleep` (a long call the next ones queue behind)
@@ -183,22 +182,7 @@ def test_no_shared_memory_outlives_a_killed_trainer(tmp_path, probed):
         "    engine.load_weights(WeightUpdate(v, 'bf16', None, tensors={'w': torch.ones(1 << 20)}))\n"
         "print(engine.process.pid, flush=True)\n"
         "time.sleep(600)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
-    child = int(parent.stdout.readline())
-    time.sleep(0.5)
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(child, signal.SIGKILL)
-        pytest.fail("the engine's process outlived its killed parent")
+    assert_engine_dies_with_its_killed_parent(script, tmp_path)
     assert set(os.listdir("/dev/shm")) == shm
 
 
