@@ -21,17 +21,9 @@ from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load
 from jetflow.run.build import copy_model
 from jetflow.precision import QuantRecipe, RecipeMismatchError, apply_precision
 from jetflow.rollout import RolloutEngine, SamplingParams
-from jetflow.rollout.vllm import VLLMRollout, check_payload, checkpoint_shapes, engine_payload, import_vllm
+from jetflow.rollout.vllm import VLLMRollout, check_payload, checkpoint_shapes, engine_payload
 from jetflow.sync import CorruptWeightsError, StaleWeightsError, apply_update, build_update
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_importable():
-    """Skip the module, saying what to install, where vLLM cannot be imported."""
-    try:
-        import_vllm()
-    except ImportError as e:
-        pytest.skip(str(e))
+from vllm_available import vllm_importable  # noqa: F401  (an autouse fixture: skips the module without vLLM)
 
 
 STEPS = 32

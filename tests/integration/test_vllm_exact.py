@@ -23,23 +23,16 @@ from jetflow.config import derive, load_config
 from jetflow.model import load_hf_dir
 from jetflow.precision import QuantRecipe, RecipeMismatchError
 from jetflow.rollout import RolloutEngine, SamplingParams
-from jetflow.rollout.vllm import UnservedError, VLLMRollout, import_vllm
+from jetflow.rollout.vllm import UnservedError, VLLMRollout
 from jetflow.run.build import apply_mode, attach_kv_fp8, build_policy, build_task, copy_model
 from jetflow.run.loop import request_seed
 from jetflow.sync import StaleWeightsError, build_update
 from test_exact_on_policy import assert_exact, mixed_length_prompts
+from vllm_available import vllm_importable  # noqa: F401  (an autouse fixture: skips the module without vLLM)
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [("fp32", False), ("bf16", False), ("unified", False), ("unified", True)]
 KV_BYTES = 64 << 20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_importable():
-    try:
-        import_vllm()
-    except ImportError as e:
-        pytest.skip(str(e))
 
 
 def tiny(mode: str, kv_fp8: bool, backend: str = "vllm"):

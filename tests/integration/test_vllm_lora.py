@@ -18,24 +18,17 @@ import torch
 from jetflow.cli import main
 from jetflow.config import derive, load_config
 from jetflow.precision.lora import adapter_parameters
-from jetflow.rollout.vllm import import_vllm
 from jetflow.run.build import load_inputs
 from jetflow.run.sides import TrainerSide
 from jetflow.sync import MissingBaseError
 from on_policy import assert_rollout_logprobs_equal_the_trainers
+from vllm_available import vllm_importable  # noqa: F401  (an autouse fixture: skips the module without vLLM)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
 LORA = ["model.lora.rank=4", "train.sft_warmup_steps=0", "eval.num_prompts=0", "precision.numerics=exact",
         "rollout.backend=vllm"]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_importable():
-    try:
-        import_vllm()
-    except ImportError as e:
-        pytest.skip(str(e))
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "unified"])
