@@ -13,6 +13,7 @@ import torch
 from jetflow.config import ConfigError, derive, load_config
 from jetflow.metrics_log import read_metrics
 from jetflow.run.validate import check_config, validate_run
+from crashes import kill_at_step
 from orphans import assert_engine_dies_with_its_killed_parent
 
 # a short warm-up, 5 RL steps, held-out evaluations before steps 0 and 2 and after the last (each a sync and
@@ -85,14 +86,7 @@ def test_a_run_that_dies_with_batches_in_flight_resumes_bit_for_bit(tmp_path, mo
     from safetensors.torch import load_file
 
     whole = _train(tmp_path / "whole", "rollout.max_staleness=2")
-    step = RLLoop.step
-
-    def die_at_3(self, t):
-        if t == 3:
-            raise SystemExit("killed")
-        return step(self, t)
-
-    monkeypatch.setattr(RLLoop, "step", die_at_3)
+    kill_at_step(monkeypatch, RLLoop, 3)
     with pytest.raises(SystemExit):
         _train(tmp_path / "cut", "rollout.max_staleness=2")
     monkeypatch.undo()

@@ -22,6 +22,7 @@ from jetflow.precision.lora import adapter_parameters, is_adapter
 from jetflow.run.build import apply_mode, build_model, build_policy, load_inputs, lora_adapter_config, with_lora
 from jetflow.run.sides import TrainerSide
 from jetflow.run.sources import resolve_model_dir
+from crashes import kill_at_step
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
@@ -221,14 +222,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_their_adam_state_and_a_resumed
     from jetflow.train.checkpoint import load_adapters
 
     whole = train(_config(tmp_path / "whole"))
-    step = RLLoop.step
-
-    def die_in_2(self, t):
-        if t == 2:
-            raise SystemExit("killed")
-        return step(self, t)
-
-    monkeypatch.setattr(RLLoop, "step", die_in_2)
+    kill_at_step(monkeypatch, RLLoop, 2)
     with pytest.raises(SystemExit):
         train(_config(tmp_path / "cut"))
     monkeypatch.undo()
@@ -298,14 +292,7 @@ def test_a_lora_run_killed_in_its_warm_up_resumes_bit_for_bit(tmp_path, monkeypa
 
     over = ("train.sft_warmup_steps=3", "train.sft_batch_size=8", "train.steps=1")
     whole = train(_config(tmp_path / "whole", *over))
-    step = Warmup.step
-
-    def die_in_2(self, t):
-        if t == 2:
-            raise SystemExit("killed")
-        return step(self, t)
-
-    monkeypatch.setattr(Warmup, "step", die_in_2)
+    kill_at_step(monkeypatch, Warmup, 2)
     with pytest.raises(SystemExit):
         train(_config(tmp_path / "cut", *over))
     monkeypatch.undo()

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from jetflow.config import load_config
 from jetflow.metrics_log import read_metrics
 from jetflow.run.stop import RunStopped
+from crashes import kill_at_step
 
 # a warm-up of 8 steps, 3 RL steps, held-out evaluations before steps 0 and 2 and after 3, checkpoints
 # every 4 steps (warm-up steps included)
@@ -104,14 +105,7 @@ def test_sigterm_in_the_warmup_stops_within_one_warmup_step_and_resumes_bit_for_
 def test_a_crash_in_the_warmup_resumes_from_its_periodic_checkpoint_bit_for_bit(tmp_path, monkeypatch, whole):
     """Before, the warm-up had no checkpoint of its own: a kill lost all of it."""
     from jetflow.run.warmup import Warmup
-    original = Warmup.step
-
-    def crash_at_7(self, step):
-        if step == 7:
-            raise SystemExit("killed")
-        return original(self, step)
-
-    monkeypatch.setattr(Warmup, "step", crash_at_7)
+    kill_at_step(monkeypatch, Warmup, 7)
     with pytest.raises(SystemExit):
         _train(tmp_path)
     monkeypatch.undo()
