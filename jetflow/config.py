@@ -194,6 +194,16 @@ class RolloutConfig:
     engine_threads: int = 0
     """rollout.max_staleness > 0: torch threads of the engine's process (0: half of run.num_threads, or of the cores
     when that is 0); the trainer keeps the rest."""
+    inflight_updates: Literal["off", "reprefill", "keep_kv"] = "off"
+    """rollout.max_staleness > 0: in-flight weight updates (PipelineRL's, NeMo-RL's): the batch generated ahead takes
+    the next weight update half way (after ceil(max_new_tokens / 2) decode steps, a fixed point: a run stays a function
+    of its seed; jetflow.run.inflight), its requests going on under the new weights, every token tagged with its
+    version (Rollouts.token_versions). off: the batch is generated under one version. reprefill: at the swap every
+    running request's prefix is prefilled again under the new weights, so each token's behaviour log-prob is exactly
+    its version's policy given its prefix (a prefill of every running request per swap). keep_kv: the prefix's KV
+    pages are kept (as PipelineRL and NeMo-RL do: cheaper), so the tokens after the swap come from no single
+    version's policy. A batch taken before the update is sent (one in flight at a checkpoint) finishes under its
+    version."""
     split_mismatch: bool = False
     """rollout.max_staleness > 0: log a stale batch's mismatch split into numerics and staleness
     (mismatch/numerics_kl_k3, mismatch/staleness_kl_k3, jetflow.run.staleness_split): the trainer keeps a copy of

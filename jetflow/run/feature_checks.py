@@ -36,9 +36,13 @@ def check_turns(cfg: Config) -> None:
 
 def check_staleness(cfg: Config) -> None:
     """Asynchronous rollouts (rollout.max_staleness > 0, jetflow.run.ahead): what they are built for today."""
-    k = cfg.rollout.max_staleness
+    k, inflight = cfg.rollout.max_staleness, cfg.rollout.inflight_updates
+    if inflight != "off" and not k:
+        raise ConfigError(f"rollout.inflight_updates={inflight} needs rollout.max_staleness > 0 (a batch generated "
+                          "while the trainer trains); set rollout.max_staleness=1 or rollout.inflight_updates=off")
     if not k:
         return
+    check_inflight(cfg)
     for key, value, runs in (("run.orchestrator", cfg.run.orchestrator, "local"),
                              ("rollout.backend", cfg.rollout.backend, "native")):
         if value != runs:
@@ -54,6 +58,21 @@ def check_staleness(cfg: Config) -> None:
             raise ConfigError(f"rollout.split_mismatch=true with {name}={setting}: the split rescoring keeps the whole "
                               f"model's weight updates without FP8 K/V scales, which this run does not send; set "
                               f"rollout.split_mismatch=false or {name}={off}")
+
+
+
+def check_inflight(cfg: Config) -> None:
+    """In-flight weight updates (rollout.inflight_updates, jetflow.run.inflight): what they are built for today."""
+    inflight = cfg.rollout.inflight_updates
+    not_built = (("rollout.split_mismatch", cfg.rollout.split_mismatch, False, "the split rescores a batch under one "
+                  "version"), ("rollout.max_turns", cfg.rollout.max_turns, 1, "a conversation's turns are not swapped"),
+                 ("algo.routing_replay", cfg.algo.routing_replay, False, "the routing of a swapped prefix is not kept"),
+                 ("precision.kv_cache_fp8", cfg.precision.kv_cache_fp8, False, "an update's new K/V scales would not "
+                  "match the pages"))
+    for name, setting, off, why in not_built if inflight != "off" else ():
+        if setting != off:
+            raise ConfigError(f"rollout.inflight_updates={inflight} with {name}={setting}: not built ({why}); set "
+                              f"rollout.inflight_updates=off or {name}={off}")
 
 
 LORA_BUILT = (("run.orchestrator", "local"), ("algo.kl_coef", 0.0), ("algo.log_ref_kl", False))
