@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jetflow.rollout.conversation import ConversationDriver
-from jetflow.rollout.engine import observation_fits
+from jetflow.rollout.parked import observation_fits
 
 # contexts (token ids), seeds and each request's token limit -> (tokens, log-probs, finish reasons) per request
 TurnGenerate = Callable[[list[list[int]], list[int], list[int]], tuple[list[list[int]], list[list[float]], list[str]]]

@@ -239,16 +239,16 @@ def test_a_slow_tool_stalls_only_its_own_conversation(tmp_path, every_turn_calls
     import concurrent.futures
     import threading
 
-    from jetflow.rollout import engine as engine_module
+    from jetflow.rollout import parked as parked_module  # the engine's conversations wait there
     rollout, driver, problems, prompts = engine_and_driver(tmp_path, "rollout.max_turns=3")
     idle, held = threading.Event(), {"steps": 0, "released_by_idle": None}
-    real_wait = engine_module.wait
+    real_wait = parked_module.wait
 
     def waiting(futures, **kwargs):  # the engine blocks on observations only when nothing else can run
         if slow_called.is_set() and len(list(futures)) == 1:  # and only conversation 0 is left waiting
             idle.set()
         return real_wait(futures, **kwargs)
-    monkeypatch.setattr(engine_module, "wait", waiting)
+    monkeypatch.setattr(parked_module, "wait", waiting)
     decode = rollout.engine._decode_step
 
     def counted(*args):
