@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from jetflow.model.protocol import ShardedPolicy
+from jetflow.model.protocol import ShardedPolicy, adapter_weights
 from jetflow.precision import QuantizedTensor, check_fingerprint, fp8_linears, quantized_weights
 from jetflow.precision.lora import adapter_parameters
 
@@ -89,10 +89,11 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
     A `ShardedPolicy` (the Megatron backend's) gives its HF-named weights and FP8 bytes through its
     `hf_state_dict()` / `quantized_weights()` (collectives under tensor parallelism:
     call on every rank); any other model is read through `named_parameters` and its FP8 linears.
-    A model with LoRA adapters: they go in `adapters` (fp32); `base=False` leaves the frozen base out."""
+    A model with LoRA adapters: they go in `adapters` (fp32; a sharded policy's gathered whole, in the native
+    names); `base=False` leaves the frozen base out."""
     sharded = isinstance(model, ShardedPolicy)
     params = model.hf_state_dict() if sharded else dict(model.named_parameters(remove_duplicate=True))
-    adapters = {} if sharded else {k: v.detach() for k, v in adapter_parameters(model).items()}
+    adapters = {k: v.detach() for k, v in adapter_weights(model).items()}  # TP: gathered whole, native names
     params = {k: v for k, v in params.items() if k not in adapters}
     if not base:
         if not adapters:

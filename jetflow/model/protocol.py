@@ -87,6 +87,48 @@ def hf_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return model.hf_state_dict() if isinstance(model, ShardedPolicy) else model.state_dict()
 
 
+@runtime_checkable
+class ShardedAdapters(Protocol):
+    """A policy whose LoRA adapters are sharded (the Megatron trainer's TP split): it gives them whole."""
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]: ...
+    """Its LoRA adapters whole, in the native names ({} without LoRA; a collective under TP)."""
+
+    def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def lora_names(self) -> list[str]: ...
+    """The HF names of its adapted linears."""
+
+    def lora_base_digest(self) -> str: ...
+    """The sha256 of the native frozen base it was made from (jetflow.precision.lora.base_digest)."""
+
+
+def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A policy's LoRA adapters in the native names (`<linear>.lora.A`): a sharded policy's gathered whole (a
+    collective under tensor parallelism), else its adapter parameters ({} without LoRA)."""
+    if isinstance(model, ShardedAdapters):
+        return model.adapter_state_dict()
+    from jetflow.precision.lora import adapter_parameters
+    return dict(adapter_parameters(model))
+
+
+def lora_base_digest(model: torch.nn.Module) -> str:
+    """The sha256 of a LoRA policy's frozen base as the native trainer holds it (jetflow.precision.lora.base_digest):
+    a sharded policy's is the Decoder's it was made from, so a checkpoint's digest does not depend on the layout."""
+    if isinstance(model, ShardedAdapters):
+        return model.lora_base_digest()
+    from jetflow.precision.lora import base_digest
+    return base_digest(model)
+
+
+def lora_names(model: torch.nn.Module, targets: list[str] | tuple[str, ...]) -> list[str]:
+    """The names of a LoRA policy's adapted linears (model.lora.targets matched on its own linears)."""
+    if isinstance(model, ShardedAdapters):
+        return model.lora_names()
+    from jetflow.precision.lora import lora_targets
+    return list(lora_targets(model, targets))
+
+
 def tensor_parallel_size(model: torch.nn.Module) -> int:
     return model.tp_size if isinstance(model, ShardedPolicy) else 1
 

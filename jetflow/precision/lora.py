@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 from fnmatch import fnmatchcase
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -66,19 +67,35 @@ class LoRAAdapter(nn.Module):
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, in={self.A.shape[1]}, out={self.B.shape[0]}"
 
-    def delta(self, x: torch.Tensor, numerics: str = "fast", ordered_wgrad: bool = False) -> torch.Tensor:
-        """(x A^T) B^T in fp32, (..., out), without the scale."""
+    def delta(self, x: torch.Tensor, numerics: str = "fast", ordered_wgrad: bool = False, *,
+              groups: int | None = None, combine: Callable | None = None,
+              between: Callable | None = None) -> torch.Tensor:
+        """(x A^T) B^T in fp32, (..., out), without the scale.
+
+        Tensor parallelism (jetflow.train.megatron.lora) passes: `groups` and `combine`, where A holds a shard
+        of `in` (a row-parallel layer's): the product over the shard's canonical groups, then the sum finished
+        over the TP ranks in the canonical tree (exact_linear's row-parallel form, so h is the whole-`in`
+        h bit for bit; under fast numerics `combine` alone sums the partials); `between`, applied to
+        h = x A^T before B's product (a column-parallel layer's: identity forward, its gradient summed over
+        the ranks that hold B's other rows)."""
         x = x.float()
         if numerics == "exact":
-            h = exact_linear(x, self.A, None, "fp32", cache=self._cache_a, name="lora.A", ordered_wgrad=ordered_wgrad)
+            h = exact_linear(x, self.A, None, "fp32", cache=self._cache_a, name="lora.A", ordered_wgrad=ordered_wgrad,
+                             groups=groups, combine=combine)  # (..., rank)
+        else:
+            h = F.linear(x, self.A)  # (..., rank)
+            h = h if combine is None else combine(h)
+        h = h if between is None else between(h)
+        if numerics == "exact":
             return exact_linear(h, self.B, None, "fp32", cache=self._cache_b, name="lora.B",
                                 ordered_wgrad=ordered_wgrad)
-        return F.linear(F.linear(x, self.A), self.B)
+        return F.linear(h, self.B)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, numerics: str = "fast",
-                ordered_wgrad: bool = False) -> torch.Tensor:
-        """y (the base's output for x) + scale * delta(x), in y's dtype: the one order both sides add in."""
-        return y + (self.scale * self.delta(x, numerics, ordered_wgrad)).to(y.dtype)
+                ordered_wgrad: bool = False, **tp) -> torch.Tensor:
+        """y (the base's output for x) + scale * delta(x), in y's dtype: the one order both sides add in.
+        `tp`: delta's tensor-parallel arguments."""
+        return y + (self.scale * self.delta(x, numerics, ordered_wgrad, **tp)).to(y.dtype)
 
 
 def _matches(name: str, pattern: str) -> bool:

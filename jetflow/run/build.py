@@ -17,13 +17,13 @@ import torch.nn as nn
 
 from jetflow.config import Config, ConfigError
 from jetflow.errors import UserError
-from jetflow.model.protocol import ShardedPolicy, hf_weights
+from jetflow.model.protocol import ShardedPolicy, hf_weights, lora_names
 from jetflow.model import CharTokenizer, Decoder, ModelConfig, load_hf_dir, load_tokenizer
 from jetflow.model.checkpoint import check_loaded_model, load_model_config
 from jetflow.model.tokenizer import eos_token_ids, render_prompt
 from jetflow.precision import apply_precision
 from jetflow.precision.kv import BF16KVRounding, KVQuantizer, attach_kv_quantizer
-from jetflow.precision.lora import apply_lora, freeze_base, lora_targets
+from jetflow.precision.lora import apply_lora, freeze_base
 from jetflow.precision.modes import PrecisionMode
 from jetflow.precision.plan import Precision, Side
 from jetflow.rollout.conversation import turn_renderer
@@ -302,7 +302,7 @@ def lora_adapter_config(cfg: Config, model: nn.Module) -> dict:
     from jetflow.model.peft import adapter_config, peft_target_modules
     lora = cfg.model.lora
     base = None if cfg.model.path == "tiny" else str(model_dir(cfg).resolve())
-    return adapter_config(lora.rank, lora.alpha, peft_target_modules(lora.targets, list(lora_targets(model, lora.targets))),
+    return adapter_config(lora.rank, lora.alpha, peft_target_modules(lora.targets, lora_names(model, lora.targets)),
                           base)
 
 

@@ -189,17 +189,17 @@ def write_model_dirs(run_dir: Path, checkpoint: Path, precision: Precision) -> N
 def write_lora_dirs(run_dir: Path, checkpoint: Path, cfg: Config, derived: Derived) -> None:
     """A LoRA run's <run>/adapter (PEFT), <run>/model (merged) and under unified <run>/base-fp8
     (jetflow.export.write_lora_model): the final checkpoint's adapters on the trainer's frozen base rebuilt from
-    its source, as a resume rebuilds it (the run's RNG streams untouched), checked against the base the
+    its source as the native trainer builds it (the run's RNG streams untouched), checked against the base the
     checkpoint says the adapters were trained on."""
     import torch
     from jetflow.export import write_lora_model
     from jetflow.precision.lora import base_digest
-    from jetflow.run.build import build_policy, lora_adapter_config
-    from jetflow.run.megatron_side import build_trainer_model
+    from jetflow.run.build import apply_mode, build_policy, lora_adapter_config, with_lora
     from jetflow.train.checkpoint import LORA_BASE, check_lora_base, load_adapters
     with torch.random.fork_rng():
         base, tokenizer = build_policy(cfg)
-        model = build_trainer_model(cfg, derived, base)[0]
+        model = with_lora(apply_mode(base, derived.precision, "trainer"), cfg, "trainer")  # native, whatever the
+        # trainer backend: the Megatron trainer's checkpoint holds its adapters whole and the native base's digest
     trained_on = torch.load(checkpoint / "trainer.pt", weights_only=True).get(LORA_BASE)
     if trained_on is not None:
         check_lora_base(checkpoint, trained_on, base_digest(model), cfg.model.path)

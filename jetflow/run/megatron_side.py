@@ -34,6 +34,7 @@ from jetflow.config import Config, Derived
 from jetflow.model import CheckpointError, Decoder
 from jetflow.model.protocol import model_parallel_size, state_parts
 from jetflow.precision.kv import KVQuantizer
+from jetflow.precision.lora import adapter_parameters, base_digest
 from jetflow.run.build import apply_mode, embedding_grid, kv_rounding, with_lora
 
 
@@ -53,8 +54,22 @@ def build_megatron_policy(cfg: Config, derived: Derived, decoder: Decoder, kv: K
         pipeline_parallel_size=cfg.train.pipeline_parallel_size,
         expert_parallel_size=cfg.train.expert_parallel_size, seed=cfg.run.seed, numerics=precision.numerics,
         embed_grid=embedding_grid(precision.trainer_kind))
+    if cfg.model.lora.rank:
+        attach_megatron_lora(policy, cfg, derived, decoder)
     driven = policy.attach_kv_quantizer(kv if kv is not None else kv_rounding(precision.mode))
     return policy, (driven if kv is not None else None)
+
+
+def attach_megatron_lora(policy, cfg: Config, derived: Derived, decoder: Decoder) -> None:
+    """model.lora on a MegatronPolicy made from `decoder`: its TP-split adapters (jetflow.train.megatron.lora)
+    filled with the native trainer's (`decoder` under the mode with with_lora: A drawn from run.seed, B zeros),
+    and the native frozen base's sha256 (jetflow.precision.lora.base_digest) kept by the policy for the
+    checkpoints (`lora_base_digest`), so that a resume and the final export (which rebuild the native base) compare the same
+    digest. `decoder` is changed in place (its precision, adapters and frozen base) and then not used."""
+    native = with_lora(apply_mode(decoder, derived.precision, "trainer"), cfg, "trainer")
+    lora = cfg.model.lora
+    policy.attach_lora(lora.rank, lora.alpha, lora.targets, base_digest(native))
+    policy.load_adapter_state_dict({k: v.detach() for k, v in adapter_parameters(native).items()})
 
 
 def build_trainer_model(cfg: Config, derived: Derived, decoder: Decoder, kv: KVQuantizer | None = None):

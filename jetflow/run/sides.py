@@ -26,7 +26,7 @@ from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state
 from jetflow.run.vllm_side import build_vllm_rollout
 from jetflow.run.warmup import Warmup
 from jetflow.model import CheckpointError
-from jetflow.precision.lora import adapter_parameters, base_digest
+from jetflow.model.protocol import adapter_weights, lora_base_digest
 from jetflow.train.checkpoint import (CHECKPOINTS_DIR, LORA_BASE, check_lora_base, checkpoint_name, checkpoint_weights,
                                       load_checkpoint, save_checkpoint)
 from jetflow.train.reference import freeze_reference
@@ -116,12 +116,12 @@ class TrainerSide:
         if sft_done:
             self.warmup = None  # done: its optimizer state is not needed any more
         lora = self.cfg.model.lora.rank > 0  # the adapters alone (a PEFT directory): the base is rebuilt on resume
-        weights = adapter_parameters(self.model) if lora else checkpoint_weights(self.model)  # TP: a collective
+        weights = adapter_weights(self.model) if lora else checkpoint_weights(self.model)  # TP: a collective
         trainer_state = gather_trainer_state(self.model, self.state())
         if in_flight:
             trainer_state[IN_FLIGHT] = in_flight
-        if lora:  # what the adapters were trained on: a resume compares the base it rebuilds
-            trainer_state[LORA_BASE] = self._base_digest()
+        if lora and trainer_state is not None:  # what the adapters were trained on: a resume compares the base it
+            trainer_state[LORA_BASE] = self._base_digest()  # rebuilds (None: a model part's rank > 0, rank 0 writes)
         state = {"next_step": step, "sft_done": sft_done, **({} if warmup_step is None else {"warmup_step": warmup_step})}
         name, extra = checkpoint_name(step, warmup_step), {}
         if sharded_optimizer(self.model):  # FSDP: every rank writes its optimizer shards (DCP), rank 0 the rest
@@ -139,7 +139,7 @@ class TrainerSide:
     def _base_digest(self) -> str:
         """The frozen LoRA base's sha256 (jetflow.precision.lora.base_digest), computed once: it does not change."""
         if self.lora_base is None:
-            self.lora_base = base_digest(self.model)
+            self.lora_base = lora_base_digest(self.model)  # a sharded policy's: its native base's
         return self.lora_base
 
     def _optimizers(self, warmup: bool) -> dict:

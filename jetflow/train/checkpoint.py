@@ -32,8 +32,8 @@ from safetensors.torch import load_file, save_file
 
 from jetflow.model.checkpoint import CheckpointError, write_config, write_tokenizer
 from jetflow.model.peft import ADAPTER_WEIGHTS, is_adapter_dir, read_adapter_dir, write_adapter_dir
-from jetflow.model.protocol import ShardedPolicy, hf_weights
-from jetflow.precision.lora import LoRAAdapter, adapter_parameters
+from jetflow.model.protocol import ShardedAdapters, ShardedPolicy, hf_weights
+from jetflow.precision.lora import ADAPTER, LoRAAdapter, adapter_parameters
 from jetflow.writes import atomic_write_text, check_free_space, guarded, tree_bytes
 
 
@@ -257,7 +257,7 @@ def load_checkpoint(path: str | Path, model: nn.Module) -> tuple[dict, dict]:
     else:
         try:
             missing, unexpected = model.load_state_dict(tensors, strict=False)
-        except RuntimeError as e:  # a shape differs
+        except (RuntimeError, ValueError) as e:  # a shape differs
             first = str(e).strip().splitlines()[-1].strip()
             raise CheckpointError(f"checkpoint {path} does not match the model ({first}); was the run's model "
                                   "changed?") from None
@@ -278,14 +278,18 @@ def load_adapters(path: str | Path, model: nn.Module) -> None:
         if adapters and config.get(key) != held_value:
             raise CheckpointError(f"the LoRA adapters in {path} have {key}={config.get(key)}, the model's "
                                   f"{held_value}; was model.lora changed?")
-    held = set(adapter_parameters(model))
+    sharded = isinstance(model, ShardedAdapters)  # the Megatron trainer's TP shards: whole in the native names
+    held = {f"{n}.{ADAPTER}.{p}" for n in model.lora_names() for p in "AB"} if sharded else set(adapter_parameters(model))
     if set(tensors) != held:
         raise CheckpointError(f"the LoRA adapters in {path} do not match the model's: missing "
                               f"{sorted(held - set(tensors))[:3]}, unexpected {sorted(set(tensors) - held)[:3]}; was "
                               "model.lora (rank, targets) changed?")
     try:
-        model.load_state_dict(tensors, strict=False)
-    except RuntimeError as e:  # a shape differs
+        if sharded:
+            model.load_adapter_state_dict(tensors)
+        else:
+            model.load_state_dict(tensors, strict=False)
+    except (RuntimeError, ValueError) as e:  # a shape differs
         first = str(e).strip().splitlines()[-1].strip()
         raise CheckpointError(f"the LoRA adapters in {path} do not match the model's ({first}); was model.lora.rank "
                               "changed?") from None

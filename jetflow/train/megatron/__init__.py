@@ -91,6 +91,8 @@ Modules (each imports only from those listed above it):
 - checks.py    checks of a ModelConfig against the TP x PP x EP layout (pure; also run by the pre-run pass)
 - sharding.py  HF <-> Megatron names, TP shards and EP expert shards of the weights (pure tensor functions)
 - reduce.py    the exact row-parallel combine over TP ranks (all_gather + tree_sum)
+- lora.py      model.lora: TP-split adapters (A / B split as their linear's TP split), added after the base in the
+               native order, gathered whole for sync and checkpoints
 - linear.py    Megatron's parallel linears with jetflow's GEMMs (Segment, per-segment FP8, exact_linear)
 - attention.py the exact core attention, the FP8 K/V quantizer hooks, the slot = position row alignment
 - moe.py       Megatron's MoE layer with jetflow's router GEMM, experts and a CPU-capable dispatcher

@@ -22,6 +22,7 @@ class ShardedGrads:
 
     def __init__(self, gpt: nn.Module, config: ModelConfig, layout: ParallelLayout, global_names: dict[str, str | None]):
         self.gpt, self.config, self.layout, self.global_names = gpt, config, layout, global_names
+        self.split_adapters: set[str] = set()  # LoRA: the global names of the TP-split adapter shards (lora.py)
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients over the model-parallel group (TP x PP): TP-split
@@ -30,7 +31,7 @@ class ShardedGrads:
         `clip_grad_norm_` sees only this rank's shards; under TP/PP > 1 clip with `clip_grad_norm_` below.
         Pipeline stages add their squares to the running sum of the stages before them, in the
         one-stage model's parameter order, so under TP = 1 the norm is the one-process norm bit for bit."""
-        split = set(tensor_parallel_dims(self.config))
+        split = set(tensor_parallel_dims(self.config)) | self.split_adapters
 
         def add_squares(total: torch.Tensor) -> torch.Tensor:
             if self.layout.ep_size > 1:

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from jetflow.precision import QuantRecipe, QuantizedTensor, bf16_linear, resolve_backend
 from jetflow.precision.exact import ExactCache
 from jetflow.precision.family import family_of
+from jetflow.precision.lora import ADAPTER
 from jetflow.precision.modes import LINEAR_KINDS, NUMERICS
 
+from .lora import add_adapters
 from .reduce import tp_tree_combine
 
 
@@ -108,10 +110,13 @@ class _JetflowLinearMixin:
         self._wq_key, self._wq = None, {}
 
     def forward(self, input_, *args, **kwargs):
-        """Megatron's forward (fast), or jetflow's exact one: (output, None)."""
+        """Megatron's forward (fast), or jetflow's exact one: (output, None). With LoRA adapters (lora.py) each
+        adapted segment's adapter is added to the output after the base's product."""
         if self.numerics == "exact":
-            return self.exact_forward(input_, *args, **kwargs), None
-        return super().forward(input_, *args, **kwargs)
+            out, bias = self.exact_forward(input_, *args, **kwargs), None
+        else:
+            out, bias = super().forward(input_, *args, **kwargs)
+        return (out if getattr(self, ADAPTER, None) is None else add_adapters(self, input_, out)), bias
 
     def exact_forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                       runtime_gather_output: bool | None = None) -> torch.Tensor:

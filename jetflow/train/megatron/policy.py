@@ -13,12 +13,14 @@ from jetflow.model.attention import align_rows
 from jetflow.model.decoder import Decoder, ModelConfig, rope_inv_freq
 from jetflow.precision import LINEAR_KINDS, NUMERICS, QuantizedTensor, QuantRecipe
 from jetflow.precision.kv import KVQuantizer
+from jetflow.precision.lora import is_adapter
 
 from .attention import ModelParallelKVQuantizer, core_attention_modules, unalign_rows
 from .checks import check_layout, padded_vocab_size, segment_kind
 from .deps import _seed_cpu_rng_tracker, patch_megatron_for_cpu
 from .grads import ShardedGrads
 from .linear import Segment, _linear_classes
+from .lora import attach_adapters, full_adapters, load_full_adapters, split_adapter_names
 from .model import _block_spec, _transformer_config
 from .moe import router_modules, use_jetflow_dispatchers
 from .parallel import _GatherLastDim, initialize_parallel, read_layout
@@ -423,6 +425,37 @@ class MegatronPolicy(nn.Module):
         for module in core_attention_modules(self.gpt):
             module.kv_quantizer = quantizer
         return quantizer
+
+    # LoRA (model.lora): TP-split adapters on the linears (lora.py) ---------------------------------------
+    def attach_lora(self, rank: int, alpha: float, targets: list[str] | tuple[str, ...], base_digest: str) -> None:
+        """Zero adapters on the targeted linears, split over TP as lora.py says, and the base frozen (only the
+        adapters require grad); fill them with `load_adapter_state_dict` (the native model's, drawn by
+        jetflow.precision.lora.apply_lora). `base_digest`: the native frozen base's sha256 (base_digest of the
+        Decoder it was made from, under the mode), which checkpoints keep. One stage, no expert parallelism."""
+        if self.pp_size > 1 or self.ep_size > 1:
+            raise ValueError("LoRA on the Megatron trainer: pipeline_parallel_size and expert_parallel_size must be 1")
+        self._lora_names = attach_adapters(self._linears(), rank, alpha, targets)
+        self._lora_base = base_digest
+        for name, p in self.gpt.named_parameters():
+            p.requires_grad_(is_adapter(name))
+            self._global_names.setdefault(name, self._global_name(name))
+        split = {self._global_names[n] for n in split_adapter_names(self.gpt.named_parameters(), self._linears())}
+        self.weights.split_adapters = self.grads.split_adapters = split
+        self._num_params = self.weights.count_params(self.padded_vocab)
+
+    def lora_names(self) -> list[str]:
+        """The HF names of the adapted linears."""
+        return list(getattr(self, "_lora_names", []))
+
+    def lora_base_digest(self) -> str:
+        return self._lora_base
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapters whole in the native names (`<HF linear>.lora.A`): a collective of the TP group."""
+        return full_adapters(self._linears())
+
+    def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_full_adapters(self._linears(), tensors)
 
     # Mixture of experts --------------------------------------------------------------------------
     @property

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from jetflow.model.model_config import ModelConfig
 from jetflow.precision import QuantizedTensor
+from jetflow.precision.lora import is_adapter
 
 from .parallel import ParallelLayout
 from .pipeline import allgather_stages
@@ -28,12 +29,13 @@ class ShardedWeights:
                  tied_copy: bool, output_weight: Callable[[], torch.Tensor], linears: Callable[[], Iterable]):
         self.gpt, self.config, self.layout, self.global_names = gpt, config, layout, global_names
         self.tied_copy, self.output_weight, self.linears = tied_copy, output_weight, linears
+        self.split_adapters: set[str] = set()  # LoRA: the global names of the TP-split adapter shards (lora.py)
 
     def count_params(self, padded_vocab: int) -> int:
         """Parameters of the full model (every TP shard, pipeline stage and expert, not the vocabulary's
         padding to `padded_vocab` rows): `Decoder.num_params`. A collective over the pipeline stages."""
         lay, c = self.layout, self.config
-        split = set(tensor_parallel_dims(c))
+        split = set(tensor_parallel_dims(c)) | self.split_adapters
         n = sum(p.numel() * (lay.tp_size if self.global_names[name] in split else 1)
                 * (lay.ep_size if is_expert_param(name) else 1)  # every EP rank holds as many experts
                 for name, p in self.gpt.named_parameters() if self.global_names[name] is not None)
@@ -55,7 +57,7 @@ class ShardedWeights:
         the keys of `Decoder(config).named_parameters()`. A collective: call it on every rank of the
         model-parallel group (TP x PP)."""
         local = {self.global_names[n]: p.detach() for n, p in self.gpt.named_parameters()
-                 if self.global_names[n] is not None}  # one-stage names; not the tied copy
+                 if self.global_names[n] is not None and not is_adapter(n)}  # one-stage names; not the tied copy
         if self.layout.ep_size > 1:  # every EP rank's experts (disjoint global names), on every rank
             local.update(allgather_stages({k: v for k, v in local.items() if is_expert_param(k)}, self.layout.ep_group))
         shards = [dict(local) for _ in range(self.layout.tp_size)]
@@ -80,7 +82,7 @@ class ShardedWeights:
         full = hf_to_megatron(state_dict, self.config, self.layout.tp_size, self.layout.tp_rank, self.layout.ep_size,
                               self.layout.ep_rank)  # one-stage names, this rank's experts
         params = dict(self.gpt.named_parameters())
-        wanted = {n: g for n, g in self.global_names.items() if g is not None}
+        wanted = {n: g for n, g in self.global_names.items() if g is not None and not is_adapter(n)}  # base
         if self.tied_copy and self.layout.last_stage:
             wanted["output_layer.weight"] = "embedding.word_embeddings.weight"
         missing = {n for n, g in wanted.items() if g not in full}
