@@ -77,9 +77,11 @@ def check_inflight(cfg: Config) -> None:
 
 LORA_BUILT = (("run.orchestrator", "local"), ("algo.kl_coef", 0.0), ("algo.log_ref_kl", False))
 """What LoRA runs with today (model.lora.rank > 0): each key's one value (rollout.backend: native, or vllm under
-exact numerics, check_lora_numerics; train.backend: native, or fsdp with the base and adapters replicated,
-jetflow.run.megatron_side.build_trainer_model)."""
-LORA_BACKENDS = ("native", "fsdp")
+exact numerics, check_lora_numerics; train.backend: native, fsdp with the base and adapters replicated,
+jetflow.run.megatron_side.build_trainer_model, or megatron with TP-split adapters, jetflow.train.megatron.lora)."""
+LORA_BACKENDS = ("native", "fsdp", "megatron")
+LORA_MEGATRON_BUILT = (("train.pipeline_parallel_size", 1), ("train.expert_parallel_size", 1))
+"""LoRA on the Megatron trainer: tensor parallelism alone (the adapters' gather and the frozen base are one stage's)."""
 
 
 def check_lora(cfg: Config) -> None:
@@ -96,7 +98,12 @@ def check_lora(cfg: Config) -> None:
                           "model.lora.rank=0")
     if cfg.train.backend not in LORA_BACKENDS:
         raise ConfigError(f"model.lora.rank={lora.rank} with train.backend={cfg.train.backend}: LoRA there is not "
-                          f"built yet; use train.backend=native or fsdp (or model.lora.rank=0)")
+                          f"built yet; use train.backend=native, fsdp or megatron (or model.lora.rank=0)")
+    for size, one in LORA_MEGATRON_BUILT if cfg.train.backend == "megatron" else ():
+        if (n := config_value(cfg, size)) != one:
+            raise ConfigError(f"model.lora.rank={lora.rank} with train.backend=megatron and {size}={n}: LoRA on the "
+                              f"Megatron trainer is built for tensor parallelism alone; use {size}={one} (or "
+                              "model.lora.rank=0)")
     if cfg.train.data_parallel_shard_size:
         raise ConfigError(f"model.lora.rank={lora.rank} with train.data_parallel_shard_size="
                           f"{cfg.train.data_parallel_shard_size}: LoRA on FSDP shards nothing (the base and the adapters "
