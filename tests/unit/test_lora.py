@@ -177,8 +177,9 @@ def test_a_lora_run_logs_mismatch_kl_zero_on_every_step(tmp_path):
     (["model.lora.rank=-1"], "model.lora.rank=-1 is out of range; it must be >= 0"),
     (["model.lora.alpha=0"], "model.lora.alpha=0.0 is out of range; it must be > 0"),
     (["model.lora.dropout=0.1"], "off-policy by design"),
-    (["train.backend=megatron"], "train.backend=megatron: LoRA there is not built yet; use train.backend=native or "
-     "fsdp"),
+    (["train.backend=megatron", "train.pipeline_parallel_size=2"], "with train.backend=megatron and "
+     "train.pipeline_parallel_size=2: LoRA on the Megatron trainer is built for tensor parallelism alone; use "
+     "train.pipeline_parallel_size=1"),
     (["train.backend=fsdp", "train.data_parallel_shard_size=1"], "LoRA on FSDP shards nothing"),
     (["rollout.backend=vllm", "precision.numerics=fast"], "with rollout.backend=vllm and precision.numerics=fast "
      "(resolved: fast): LoRA in vLLM is built for jetflow's exact plugin only; use precision.numerics=exact"),
