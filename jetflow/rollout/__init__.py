@@ -2,7 +2,8 @@
 
 Never imports `jetflow.train` (trainer and rollout meet in `jetflow.run.loop` / `jetflow.sync`)."""
 
-from jetflow.rollout.engine import FINISH_REASONS, RolloutEngine, RolloutOutput, SamplingParams
+from jetflow.rollout.engine import FINISH_REASONS, RolloutEngine, RolloutOutput
+from jetflow.rollout.sampling import SamplingParams
 from jetflow.rollout.sampling import filter_logits, greedy, sample, top_k_filter, top_p_filter
 
 __all__ = [

@@ -56,41 +56,11 @@ from jetflow.model.moe import moe_blocks
 from jetflow.model.paged_cache import PagePool
 from jetflow.rollout.cpu_pack import PackedLinears
 from jetflow.rollout.parked import Turns
-from jetflow.rollout.sampling import sample
+from jetflow.rollout.sampling import SamplingParams, sample
 from jetflow.rollout.scheduler import Scheduler, Sequence, pages_for
 from jetflow.rollout.stop import final_text, hits_stop, stop_window
 
 FINISH_REASONS = ("eos", "stop", "length")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 32
-    """Most tokens generated per request (the EOS token, if sampled, counts)."""
-    temperature: float = 1.0
-    """0 means greedy (argmax)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 disables it."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 disables it."""
-    stop: tuple[str, ...] = ()
-    """Stop strings (need a tokenizer): generation stops once the new text contains one."""
-    ignore_eos: bool = False
-    """Do not stop on EOS (benchmarks that must produce exactly max_new_tokens per request)."""
-
-    def __post_init__(self) -> None:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
 
 
 @dataclass
@@ -120,6 +90,9 @@ class RolloutOutput:
     """With `record_routing`: per request the expert ids each MoE layer chose at every position the
     engine ran, (len(prompt) + len(tokens) - 1, L_moe, K) int16 (the last sampled token is never fed
     back); the trainer replays them (`Decoder.forward_hidden(routed_experts=...)`)."""
+    token_versions: list[list[int]] | None = None
+    """Per request the weight version that computed each generated token's distribution (one request spans two
+    after an in-flight update: `start` / `resume`); None for conversations."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -139,6 +112,7 @@ class _Request:
     mask: list[int] = field(default_factory=list)  # conversations: 1 on a sampled token, 0 on an observation's
     turn_start: int = 0  # the current turn's first index in tokens
     pending: Future | None = None  # conversations: the observation its last turn is waiting for
+    versions: list[int] = field(default_factory=list)  # the weight version that sampled each of its tokens
 
     @property
     def context_len(self) -> int:
@@ -146,9 +120,20 @@ class _Request:
 
     def restart(self) -> None:
         """Preempted: forget its tokens and restart its sampler, so the recomputation draws the same."""
-        self.tokens, self.logprobs, self.routing, self.finish_reason = [], [], [], None
+        self.tokens, self.logprobs, self.routing, self.versions, self.finish_reason = [], [], [], [], None
         if self.generator is not None:
             self.generator.manual_seed(self.seed)
+
+
+@dataclass
+class _Generation:
+    """One generate()'s state: kept between start() and resume() while its batch waits for new weights."""
+    requests: list[_Request]
+    sched: Scheduler
+    params: SamplingParams
+    stats: dict
+    version: int  # the weights it started under (RolloutOutput.weight_version)
+    conversations: bool
 
 
 def kv_pool_pages(requests: int, positions: int) -> int:
@@ -210,6 +195,7 @@ class RolloutEngine:
         self.tokenizer = tokenizer
         self.fp8_pages, self.continuous = fp8_pages, continuous
         self.weight_version = 0
+        self._paused: _Generation | None = None  # a batch start() paused for a weight update
         self.last_stats: dict = {}
         self.vocab_size = model.config.vocab_size
         self._rss_start = _max_rss_bytes()
@@ -253,6 +239,46 @@ class RolloutEngine:
         whole (prompt, turns, observations) would pass `max_total_tokens`; a preempted conversation is
         recomputed from its whole context, its sampler going on where it was. `reprefill_turns` (to measure
         what page reuse saves): each turn starts by prefilling the whole conversation again, pages freed."""
+        gen = self._open(prompts, params, seeds, max_new_tokens, on_turn_end, max_total_tokens, reprefill_turns)
+        self._run(gen)
+        return self._close(gen)
+
+    def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+              pause_at: int) -> RolloutOutput | None:
+        """generate() of one-turn requests up to `pause_at` decode steps of the batch: its output when it ends
+        before, else None, the batch kept (pages held, each running request's last token sampled, not yet fed) for
+        `resume` once new weights are loaded (in-flight weight updates, jetflow.run.inflight). No other generate
+        may run meanwhile (the batch holds the page pool)."""
+        gen = self._open(prompts, params, seeds)
+        if self._run(gen, until=pause_at):
+            return self._close(gen)
+        self._paused = gen
+        return None
+
+    def resume(self, reprefill: bool) -> RolloutOutput:
+        """Finish the batch `start` paused, under the weights loaded since (its tokens from here on tagged with
+        the new weight_version). `reprefill`: every running request leaves the batch, its pages freed, and is
+        recomputed from its first position under the new weights (its next token is then sampled from the new
+        policy given its prefix, exactly); else its K/V pages, computed under the old weights, are kept (cheaper;
+        the tokens after the swap then come from no single version's policy). stats["swap_prefill_tokens"]: the
+        positions recomputed."""
+        gen, self._paused = self._paused, None
+        if gen is None:
+            raise RuntimeError("resume() without a batch paused by start()")
+        recomputed = gen.sched.recompute_running() if reprefill and self.weight_version != gen.version else []
+        gen.stats["swap_prefill_tokens"] = sum(s.request.context_len for s in recomputed)
+        for s in recomputed:
+            s.prompt_len = s.request.context_len  # its prompt and every token sampled (the last one not yet fed)
+        self._run(gen)
+        return self._close(gen)
+
+    def _open(self, prompts: list[list[int]], params: SamplingParams | None, seeds: list[int] | None,
+              max_new_tokens: list[int] | None = None,
+              on_turn_end: Callable[[int, list[int], str], Future | None] | None = None,
+              max_total_tokens: int | None = None, reprefill_turns: bool = False) -> "_Generation":
+        """A generate()'s requests checked and queued."""
+        if self._paused is not None:
+            raise RuntimeError("a batch is paused for a weight update (start): resume() it first")
         params = params or SamplingParams()
         conversations = on_turn_end is not None
         total = max_total_tokens if conversations and max_total_tokens else None
@@ -294,8 +320,15 @@ class RolloutEngine:
         sched = Scheduler(pool, self.max_batch, self.continuous)
         sched.add([Sequence(len(r.prompt), r) for r in requests])
         self._turns = Turns(on_turn_end, total, reprefill_turns) if on_turn_end is not None else None
-        with torch.inference_mode(), self._packed.applied(version) if self._packed else nullcontext():
+        return _Generation(requests, sched, params, stats, version, conversations)
+
+    def _run(self, gen: "_Generation", until: int | None = None) -> bool:
+        """Prefill and decode until the batch is done (True) or has taken `until` decode steps (False)."""
+        sched, params, stats = gen.sched, gen.params, gen.stats
+        with torch.inference_mode(), self._packed.applied(self.weight_version) if self._packed else nullcontext():
             while not sched.done or (self._turns is not None and self._turns.parked):
+                if until is not None and stats["decode_steps"] >= until:
+                    return False
                 if self._turns is not None:
                     self._turns.resume_ready(sched, block=not sched.running and not sched.waiting)
                 new = sched.admit()
@@ -307,10 +340,17 @@ class RolloutEngine:
                 for s in sched.grow():  # preempted: recomputed later (a conversation from its whole context)
                     if self._turns is None:
                         s.request.restart()
+                        s.prompt_len = len(s.request.prompt)  # (an in-flight update's re-prefill had set more)
                     else:
                         s.prompt_len = s.request.context_len
                 if sched.running:
                     self._decode_step(sched, params, stats)
+        return True
+
+    def _close(self, gen: "_Generation") -> RolloutOutput:
+        """The finished batch's output."""
+        requests, sched, params, stats, conversations = gen.requests, gen.sched, gen.params, gen.stats, gen.conversations
+        pool = sched.pool
         self._turns = None
         self.pool = pool
         new_tokens = sum(sum(r.mask) if conversations else len(r.tokens) for r in requests)  # sampled, not observed
@@ -327,10 +367,11 @@ class RolloutEngine:
             logprobs=[r.logprobs for r in requests],
             finish_reasons=[r.finish_reason for r in requests],
             texts=texts,
-            weight_version=version,
+            weight_version=gen.version,
             stats=stats,
             token_masks=[r.mask for r in requests] if conversations else None,
             routed_experts=[torch.cat(r.routing) for r in requests] if self._moe else None,
+            token_versions=None if conversations else [r.versions for r in requests],
         )
 
     def kv_page_dtype(self) -> torch.dtype:
@@ -433,6 +474,7 @@ class RolloutEngine:
             r = s.request
             r.tokens.append(t)
             r.logprobs.append(lp)
+            r.versions.append(self.weight_version)
             if turns is not None:
                 r.mask.append(1)
             if t in self.eos_token_ids and not params.ignore_eos:

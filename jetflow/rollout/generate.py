@@ -7,7 +7,8 @@ import torch
 from jetflow.errors import UsageError
 from jetflow.model.tokenizer import TokenizerError, encode_prompt, eos_token_ids
 from jetflow.precision.modes import LINEAR_KINDS
-from jetflow.rollout.engine import RolloutEngine, SamplingParams
+from jetflow.rollout.engine import RolloutEngine
+from jetflow.rollout.sampling import SamplingParams
 
 PRECISIONS = LINEAR_KINDS  # --precision: the linears' GEMM kind
 

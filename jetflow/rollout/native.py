@@ -12,7 +12,7 @@ from jetflow.config import Config
 from jetflow.model import Decoder, ModelConfig
 from jetflow.rollout import RolloutEngine, SamplingParams
 from jetflow.rollout.conversation import ConversationDriver
-from jetflow.rollout.engine import default_kv_pool_bytes
+from jetflow.rollout.engine import RolloutOutput, default_kv_pool_bytes
 from jetflow.rollout.types import Rollouts
 from jetflow.sync import WeightUpdate, apply_update
 
@@ -45,6 +45,8 @@ class NativeRollout:
                                      top_k=r.top_k, stop=tuple(s for s in (*stop, *r.stop, *turn_stops)
                                                                if s not in single_token_stops))
         self.weight_version = -1
+        self.reprefill = cfg.rollout.inflight_updates == "reprefill"  # at an in-flight update (else keep_kv)
+        self._started: Rollouts | None = None  # a batch `start` finished before its pause
 
     def load_weights(self, update: WeightUpdate) -> None:
         self.weight_version = apply_update(self.model, update, self.weight_version, self.fingerprint)
@@ -54,12 +56,27 @@ class NativeRollout:
                  problems: list | None = None) -> Rollouts:
         params = replace(self.params, temperature=0.0) if greedy else self.params
         if self.driver is None or problems is None:
-            out = self.engine.generate(prompts, params, seeds=seeds)
-            return Rollouts(token_ids=out.token_ids, logprobs=out.logprobs, texts=out.texts,
-                            finish_reasons=out.finish_reasons, weight_version=out.weight_version,
-                            routed_experts=out.routed_experts)
+            return _one_turn(self.engine.generate(prompts, params, seeds=seeds))
         self.driver.start(problems)  # conversations: the engine keeps each one's pages between its turns
         out = self.engine.generate(prompts, params, seeds=seeds, on_turn_end=self.driver.after_turn,
                                    max_total_tokens=self.max_total_tokens)
         return self.driver.rollouts(prompts, out.token_ids, out.logprobs, out.token_masks, out.texts, out.finish_reasons,
                                     out.weight_version, self.eos)
+
+    def start(self, prompts: list[list[int]], seeds: list[int], pause_at: int) -> None:
+        """A batch to be finished by `finish` after the next weight update (in-flight updates, jetflow.run.inflight):
+        generated up to `pause_at` decode steps under the current weights."""
+        out = self.engine.start(prompts, self.params, seeds, pause_at)
+        self._started = None if out is None else _one_turn(out)
+
+    def finish(self) -> Rollouts:
+        """The batch `start` began, finished under the weights loaded since (rollout.inflight_updates: its running
+        requests re-prefilled, or their K/V pages kept)."""
+        out, self._started = self._started, None
+        return out if out is not None else _one_turn(self.engine.resume(self.reprefill))
+
+
+def _one_turn(out: RolloutOutput) -> Rollouts:
+    return Rollouts(token_ids=out.token_ids, logprobs=out.logprobs, texts=out.texts, finish_reasons=out.finish_reasons,
+                    weight_version=out.weight_version, routed_experts=out.routed_experts,
+                    token_versions=out.token_versions)

@@ -5,7 +5,7 @@ queued to prefill only the new tokens."""
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Callable
+from typing import Any, Callable
 
 from jetflow.rollout.scheduler import Scheduler, Sequence
 
@@ -27,7 +27,7 @@ class Turns:
 
     def turn_ended(self, s: Sequence, sched: Scheduler) -> bool:
         """A turn ended on EOS or a stop string: hand it over; True when the conversation goes on (parked)."""
-        r = s.request
+        r: Any = s.request  # the engine's _Request
         future = self.on_turn_end(r.index, r.tokens[r.turn_start:], r.finish_reason)
         if future is None:
             return False
@@ -44,7 +44,8 @@ class Turns:
             wait(self.parked.values(), return_when=FIRST_COMPLETED)
         for s, future in [(s, f) for s, f in self.parked.items() if f.done()]:
             del self.parked[s]
-            r, ids = s.request, future.result()  # an environment's error ends the generate here
+            r: Any = s.request  # the engine's _Request
+            ids = future.result()  # an environment's error ends the generate here
             if ids is not None and not observation_fits(r.context_len, len(ids), self.total):
                 r.finish_reason, ids = "length", None  # trained on what it has
             if ids is None:

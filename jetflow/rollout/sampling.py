@@ -21,6 +21,8 @@ a request's tokens do not depend on which other requests share its batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from jetflow.model.logprobs import tempered, token_logprobs
@@ -104,3 +106,33 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: floa
     # first index whose cumulative weight exceeds u * total: never a zero-weight (filtered) token
     tokens = torch.searchsorted(cdf, u * total, right=True)[:, 0].clamp_(max=V - 1)  # (B,)
     return tokens, token_logprobs(scores, tokens)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    """Most tokens generated per request (the EOS token, if sampled, counts)."""
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables it."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (need a tokenizer): generation stops once the new text contains one."""
+    ignore_eos: bool = False
+    """Do not stop on EOS (benchmarks that must produce exactly max_new_tokens per request)."""
+
+    def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")

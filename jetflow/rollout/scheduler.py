@@ -137,6 +137,16 @@ class Scheduler:
         self.pool.free(s.pages)
         s.pages, s.written = [], 0
 
+    def recompute_running(self) -> list[Sequence]:
+        """An in-flight weight update's re-prefill: every running sequence leaves the batch, its pages freed
+        (written = 0), queued first in its admission order to be recomputed from its first position; returns them
+        (the engine sets what their prefill writes)."""
+        running, self.running = self.running, []
+        for s in reversed(running):
+            self.drop_pages(s)
+            self.waiting.appendleft(s)
+        return running
+
     def _preempt(self, s: Sequence) -> None:
         self.running.remove(s)
         self.drop_pages(s)

@@ -28,6 +28,9 @@ class Rollouts:
     completions: list | None = None  # what the reward functions get: the messages after the prompt (or the text)
     env_rewards: list[float] | None = None  # the environment's rewards, summed over each conversation's turns
     turn_stats: list[dict[str, float]] | None = None  # per conversation: turns, tool_calls, tool_errors, retokenize_differs
+    # the weight version that sampled each generated token (None: every token weight_version's, as an engine that
+    # does not tag them says); an in-flight update (rollout.inflight_updates) gives a request two
+    token_versions: list[list[int]] | None = None
 
     def select(self, rows: list[int]) -> "Rollouts":
         """The requests `rows`, in that order."""
@@ -35,7 +38,7 @@ class Rollouts:
             return None if xs is None else [xs[i] for i in rows]
         return Rollouts(pick(self.token_ids), pick(self.logprobs), pick(self.texts), pick(self.finish_reasons),
                         self.weight_version, pick(self.routed_experts), pick(self.token_masks), pick(self.completions),
-                        pick(self.env_rewards), pick(self.turn_stats))
+                        pick(self.env_rewards), pick(self.turn_stats), pick(self.token_versions))
 
     @staticmethod
     def concat(parts: list["Rollouts"]) -> "Rollouts":
@@ -44,7 +47,7 @@ class Rollouts:
             return None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]
         return Rollouts(join("token_ids"), join("logprobs"), join("texts"), join("finish_reasons"),
                         parts[0].weight_version, join("routed_experts"), join("token_masks"), join("completions"),
-                        join("env_rewards"), join("turn_stats"))
+                        join("env_rewards"), join("turn_stats"), join("token_versions"))
 
 
 class RolloutEngineSide(Protocol):
