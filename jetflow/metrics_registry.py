@@ -88,6 +88,8 @@ class Metric:
 RL, SFT_RL, EVAL = ("rl",), ("sft", "rl"), ("eval",)
 REF = "algo.kl_coef > 0 or algo.log_ref_kl"
 ASYNC = "rollout.max_staleness > 0"
+INFLIGHT = "rollout.inflight_updates != off (with rollout.max_staleness > 0)"
+INFLIGHT_K1 = "rollout.inflight_updates != off with rollout.max_staleness = 1, on steps whose batch spans its update"
 SPLIT = "rollout.split_mismatch with rollout.max_staleness > 0, on the batches whose version's weights the trainer kept"
 DYNAMIC = "algo.dynamic_sampling"
 MULTITURN = "rollout.max_turns > 1"
@@ -115,11 +117,17 @@ METRICS: tuple[Metric, ...] = (
     Metric("sync/bytes", "bytes of the weight update sent to the rollout engine this step (0: none was needed)"),
     Metric("ref/bytes", "bytes the trainer's copy of the frozen reference policy takes", when=REF),
     # async/
-    Metric("async/staleness_mean", "weight versions between the trainer and the version that sampled the step's "
-                                   "batch (0 for the first steps), mean over the batch", when=ASYNC),
+    Metric("async/staleness_mean", "weight versions between the trainer and the version that sampled each of the "
+                                   "step's generated tokens (0 for the first steps), mean over the tokens", when=ASYNC),
     Metric("async/staleness_max", "the same, the batch's largest", when=ASYNC),
-    Metric("async/stale_frac", "share of the step's samples generated under an older weight version than the "
+    Metric("async/stale_frac", "share of the step's generated tokens sampled under an older weight version than the "
                                "trainer's", when=ASYNC),
+    Metric("async/swapped_frac", "share of the step's generated tokens sampled after the batch's in-flight weight "
+                                 "update (jetflow.run.inflight)", when=INFLIGHT),
+    Metric("async/swapped_kl_k3", "KL k3 of the behaviour log-probs against the trainer's over the tokens sampled after "
+                                  "the in-flight update under the trainer's current weights: 0 under reprefill and "
+                                  "exact numerics, the kept pages' gap under keep_kv", when=INFLIGHT_K1),
+    Metric("async/swapped_abs_dlogp_max", "the same tokens' largest |log-prob difference|", when=INFLIGHT_K1),
     Metric("async/trainer_idle_s", "seconds the trainer waited for the step's batch", when=ASYNC),
     Metric("async/engine_idle_s", "seconds the rollout engine's process sat waiting for the trainer's calls since the "
                                   "last step",

@@ -7,6 +7,9 @@ therefore exactly k weight versions old (t < k: t versions), and each batch carr
 it, checked when it is taken. Where the peers' schedules (verl, AReaL, NeMo-RL) let a batch be as stale as
 the engine happens to run, up to the bound, this one is always at the bound: a run is a function of its seed.
 
+With in-flight weight updates (rollout.inflight_updates), the batch of step s + k takes step s + 1's weights half
+way (jetflow.run.inflight): its tokens are k or k - 1 versions old, each tagged.
+
 The batches in flight at a checkpoint are waited for and kept in it (`in_flight`): the resumed run trains
 on the same samples, where regenerating them would need the weight versions before the checkpoint.
 """
@@ -41,8 +44,9 @@ class Batch:
 
 class RolloutsAhead:
     def __init__(self, engine: ProcessRollout, max_staleness: int, steps: int,
-                 restored: dict[int, dict] | None = None):
+                 restored: dict[int, dict] | None = None, pause_at: int | None = None):
         self.engine, self.k, self.steps = engine, max_staleness, steps
+        self.pause_at = pause_at  # in-flight updates: the decode step at which a batch takes the next update
         self._submitted: dict[int, tuple[int, int]] = {}  # step -> (ticket, the version it was submitted under)
         self._ready: dict[int, tuple[Rollouts, int, float]] = {}  # step -> (rollouts, version, engine seconds)
         for step, saved in (restored or {}).items():
@@ -56,7 +60,8 @@ class RolloutsAhead:
         for t in range(step, min(step + self.k, self.steps - 1) + 1):
             if t not in self._submitted and t not in self._ready:
                 r = requests_of(t)
-                self._submitted[t] = (self.engine.submit(r.prompts, r.seeds, problems=r.problems),
+                pause = self.pause_at if t == step + self.k else None  # (at step 0 batch k alone: jetflow.run.inflight)
+                self._submitted[t] = (self.engine.submit(r.prompts, r.seeds, problems=r.problems, pause_at=pause),
                                       self.engine.weight_version)
 
     def take(self, step: int) -> Batch:

@@ -211,26 +211,56 @@ class ProcessRollout:
     `build(cfg, derived)` makes the engine in the child (a module-level function: it crosses by name).
     `load_weights` returns at once (the engine loads the update after the calls before it; a failed check is
     raised with the next reply read); `submit` queues a generation and `collect` waits for it, so that the
-    engine can generate while this process trains; `generate` is the two at once."""
+    engine can generate while this process trains; `generate` is the two at once.
+
+    In-flight weight updates (rollout.inflight_updates, jetflow.run.inflight): `submit(..., pause_at=n)` starts a
+    batch that the engine pauses after n decode steps; the next `load_weights` sends, right behind the update, the
+    call that finishes it under the new weights. A batch still paused when another is submitted or when it is
+    collected (no update came) is finished under its version first. Every call still goes out, and its reply
+    comes back, in order."""
 
     def __init__(self, build: Callable[[Config, Derived], Any], cfg: Config, derived: Derived, num_threads: int):
         self.process = EngineProcess(build, cfg, derived, num_threads)
         self.weight_version = -1  # the version of the last update sent (the engine's once it reaches it)
         self.busy_s = 0.0  # the seconds the engine took to generate the last batch collected
+        self._paused: int | None = None  # the ticket of a batch started with pause_at, its finish not yet sent
+        self._finish: dict[int, int] = {}  # a started batch's ticket -> its finish call's
 
     def load_weights(self, update: WeightUpdate) -> None:
         self.process.send("load_weights", update, wanted=False)
         self.weight_version = update.version
+        self._finish_paused()  # the paused batch goes on under these weights
 
     def submit(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False,
-               problems: list | None = None) -> int:
+               problems: list | None = None, pause_at: int | None = None) -> int:
+        self._finish_paused()  # under its own version: no update came for it
+        if pause_at is not None:
+            self._paused = self.process.send("start", prompts, seeds, pause_at)
+            return self._paused
         if problems is None:
             return self.process.send("generate", prompts, seeds, greedy)
         return self.process.send("generate", prompts, seeds, greedy, problems=problems)
 
     def collect(self, ticket: int) -> Rollouts:
+        if ticket == self._paused:
+            self._finish_paused()
+        if ticket in self._finish:  # a started batch: the engine's seconds on its two parts
+            _, started_s = self.process.reply(ticket)
+            out, finished_s = self.process.reply(self._finish.pop(ticket))
+            self.busy_s = started_s + finished_s
+            return out
         out, self.busy_s = self.process.reply(ticket)
         return out
+
+    @property
+    def paused(self) -> bool:
+        """Whether a batch started with pause_at waits for the next weight update."""
+        return self._paused is not None
+
+    def _finish_paused(self) -> None:
+        if self._paused is not None:
+            self._finish[self._paused] = self.process.send("finish")
+            self._paused = None
 
     def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False,
                  problems: list | None = None) -> Rollouts:

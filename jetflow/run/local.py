@@ -46,6 +46,8 @@ class LocalPlacement:
 
     def save(self, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
         ahead = self.loop.ahead if self.loop is not None else None  # rollout.max_staleness > 0
+        if self.loop is not None:
+            self.loop.sync_paused()  # in-flight updates: the paused batch takes its update first
         self.side.save(self.run_dir, step, sft_done, warmup_step, ahead.in_flight(step) if ahead else None)
 
     def build_loop(self) -> RLLoop:

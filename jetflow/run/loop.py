@@ -27,6 +27,7 @@ from jetflow.rl.shaping import informative_groups, overlong_penalty
 from jetflow.rollout.conversation import multiturn_metrics
 from jetflow.rollout.types import RolloutEngineSide, Rollouts
 from jetflow.run.ahead import Batch, Requests, RolloutsAhead
+from jetflow.run.inflight import staleness_metrics, swap_gap_metrics
 from jetflow.run.staleness_split import MismatchSplit
 from jetflow.sync import StaleWeightsError
 from jetflow.tasks import Problem, Reward, RewardError, Task, reward_part_means
@@ -145,7 +146,7 @@ class RLLoop:
         t0 = time.perf_counter()
         if self.kv_quantizer is not None and not self.kv_quantizer.calibrated:
             self._calibrate_kv(prompts)  # before the first step: scales from the evaluation's prompts
-        self._eval_sync = self.sync()  # reported with the next step, which then finds the weights in place
+        self._keep_sync(self.sync())  # reported with the next step, which then finds the weights in place
         correct = reward = 0.0
         if prompts:
             out = self.rollout.generate(prompts, [0] * len(prompts), greedy=True,
@@ -304,14 +305,25 @@ class RLLoop:
         return metrics
 
     def _staleness_metrics(self, out: Rollouts) -> dict[str, float]:
-        """Under rollout.max_staleness > 0: how many versions old the step's samples are, and how long each side
-        waited for the other. time/rollout becomes the engine's time generating the batch (its wait is this
-        process's idle time)."""
+        """Under rollout.max_staleness > 0: how many versions old the step's sampled tokens are (jetflow.run.inflight),
+        and how long each side waited for the other. time/rollout becomes the engine's time generating the batch
+        (its wait is this process's idle time)."""
         assert self.ahead is not None and self.batch is not None
-        staleness = float(self.trainer.version - out.weight_version)  # one version per batch
-        return {"async/staleness_mean": staleness, "async/staleness_max": staleness,
-                "async/stale_frac": float(staleness > 0), "async/trainer_idle_s": self.batch.wait_s,
+        inflight = self.cfg.rollout.inflight_updates != "off"
+        return {**staleness_metrics(self.trainer.version, out, inflight), "async/trainer_idle_s": self.batch.wait_s,
                 "async/engine_idle_s": self.ahead.engine.take_idle(), "time/rollout": self.batch.engine_s}
+
+    def _keep_sync(self, synced: dict[str, float]) -> None:
+        """A sync made before the step it belongs to (an evaluation's, a checkpoint's), for the step to report."""
+        if synced["sync/bytes"] or self._eval_sync is None:
+            self._eval_sync = synced
+
+    def sync_paused(self) -> None:
+        """Before a checkpoint: a batch paused for the next weight update (rollout.inflight_updates) gets it now, the
+        update the next step's sync would send (the same bytes), so that the batches the checkpoint keeps are those
+        the run trains on whether it stops there or not (jetflow.run.inflight); the next step reports the sync."""
+        if self.ahead is not None and self.ahead.engine.paused:
+            self._keep_sync(self.sync())
 
     def _step_sync(self) -> dict[str, float]:
         """The step's weight update (or the one an evaluation just before it sent)."""
@@ -360,6 +372,9 @@ class RLLoop:
         if self.kv_quantizer is not None:
             self.kv_quantizer.calibrating = False
         metrics.update(mismatch_metrics(exp.rollout_logprobs, exp.old_logprobs, exp.response_mask))
+        if self.cfg.rollout.inflight_updates != "off" and self.batch is not None:  # the post-swap tokens' gap
+            metrics.update(swap_gap_metrics(self.batch.out, exp.rollout_logprobs, exp.old_logprobs, exp.response_mask,
+                                            current))
         if self.split is not None and self.batch is not None:  # a stale batch's numerics and staleness
             metrics.update(self.split.metrics(exp, self.batch.out.weight_version, current))
         # the share of sampled tokens the rollout gave p < 0.1, and the mismatch on them and on the rest

@@ -20,6 +20,7 @@ from jetflow.run.engine_process import ProcessRollout, thread_split
 from jetflow.run.build import (RunInputs, attach_kv_fp8, build_model, copy_model, load_inputs, loads_whole_policy,
                                lora_adapter_config, rollout_model, stop_token_ids)
 from jetflow.run.files import engine_dir as run_engine_dir
+from jetflow.run.inflight import swap_step
 from jetflow.run.loop import RLLoop
 from jetflow.run.megatron_side import (build_trainer_model, gather_trainer_state, model_data_parallel,
                                        select_trainer_state)
@@ -172,7 +173,8 @@ class TrainerSide:
             trainer_threads, engine_threads = thread_split(cfg)
             rollout = ProcessRollout(standalone_engine, cfg, self.derived, engine_threads)
             torch.set_num_threads(trainer_threads)
-            ahead = RolloutsAhead(rollout, cfg.rollout.max_staleness, cfg.train.steps, self.restored_in_flight)
+            ahead = RolloutsAhead(rollout, cfg.rollout.max_staleness, cfg.train.steps, self.restored_in_flight,
+                                  swap_step(cfg))
         else:
             rollout = build_rollout_side(cfg, self.derived, self.inputs, self, run_dir, self.dp)
         return RLLoop(cfg, self.derived, self.trainer, rollout, self.task, self.encode,

@@ -40,7 +40,7 @@ RUNS = {  # a config and its overrides: each a few seconds on two CPU cores
 # the modules that write metric keys as literals, and those that read them (a reader's key must exist too)
 SOURCES = ["jetflow/run/loop.py", "jetflow/train/trainer.py", "jetflow/rl", "jetflow/rollout/conversation.py",
            "jetflow/run/ray_placement.py", "jetflow/run/warmup.py", "jetflow/tasks/base.py", "jetflow/run/sequence.py",
-           "jetflow/run/files.py", "jetflow/run/report.py"]
+           "jetflow/run/files.py", "jetflow/run/report.py", "jetflow/run/inflight.py"]
 MESSAGE = ("metric keys that jetflow/metrics_registry.py does not document (add a Metric for each: its meaning, "
            "its phases, when it is logged)")
 
