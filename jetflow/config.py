@@ -202,8 +202,8 @@ class RolloutConfig:
     running request's prefix is prefilled again under the new weights, so each token's behaviour log-prob is exactly
     its version's policy given its prefix (a prefill of every running request per swap). keep_kv: the prefix's KV
     pages are kept (as PipelineRL and NeMo-RL do: cheaper), so the tokens after the swap come from no single
-    version's policy. A batch taken before the update is sent (one in flight at a checkpoint) finishes under its
-    version."""
+    version's policy. A checkpoint hands a paused batch its update first; a batch that gets none before it is taken
+    (a skipped step) finishes under its version."""
     split_mismatch: bool = False
     """rollout.max_staleness > 0: log a stale batch's mismatch split into numerics and staleness
     (mismatch/numerics_kl_k3, mismatch/staleness_kl_k3, jetflow.run.staleness_split): the trainer keeps a copy of
