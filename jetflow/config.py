@@ -195,15 +195,19 @@ class RolloutConfig:
     """rollout.max_staleness > 0: torch threads of the engine's process (0: half of run.num_threads, or of the cores
     when that is 0); the trainer keeps the rest."""
     inflight_updates: Literal["off", "reprefill", "keep_kv"] = "off"
-    """rollout.max_staleness > 0: in-flight weight updates (PipelineRL's, NeMo-RL's): the batch generated ahead takes
-    the next weight update half way (after ceil(max_new_tokens / 2) decode steps, a fixed point: a run stays a function
-    of its seed; jetflow.run.inflight), its requests going on under the new weights, every token tagged with its
-    version (Rollouts.token_versions). off: the batch is generated under one version. reprefill: at the swap every
-    running request's prefix is prefilled again under the new weights, so each token's behaviour log-prob is exactly
-    its version's policy given its prefix (a prefill of every running request per swap). keep_kv: the prefix's KV
-    pages are kept (as PipelineRL and NeMo-RL do: cheaper), so the tokens after the swap come from no single
-    version's policy. A checkpoint hands a paused batch its update first; a batch that gets none before it is taken
-    (a skipped step) finishes under its version."""
+    """rollout.max_staleness > 0: in-flight weight updates (PipelineRL's, NeMo-RL's): the batch generated ahead takes the
+    next weight update half way (after rollout.inflight_swap_step decode steps, by default ceil(max_new_tokens / 2): a
+    fixed point, so that a run stays a function of its seed; jetflow.run.inflight), its requests going on under the new
+    weights, every token tagged with its version (Rollouts.token_versions). off: the batch is generated under one
+    version. reprefill: at the swap every running request's prefix is prefilled again under the new weights, so each
+    token's behaviour log-prob is exactly its version's policy given its prefix (a prefill of every running request per
+    swap). keep_kv: the prefix's KV pages are kept (as PipelineRL and NeMo-RL do: cheaper), so the tokens after the swap
+    come from no single version's policy. A checkpoint hands a paused batch its update first; a batch that gets none
+    before it is taken (a skipped step) finishes under its version."""
+    inflight_swap_step: int = 0
+    """rollout.inflight_updates: the decode step of the batch after which it takes the next weight update (0:
+    ceil(max_new_tokens / 2)). Requests that ended before it are one version's; set it below the typical response
+    length (a short-answer task's few tokens) for the swap to meet running requests."""
     split_mismatch: bool = False
     """rollout.max_staleness > 0: log a stale batch's mismatch split into numerics and staleness
     (mismatch/numerics_kl_k3, mismatch/staleness_kl_k3, jetflow.run.staleness_split): the trainer keeps a copy of

@@ -69,6 +69,7 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("train.max_bad_steps", lambda v: v >= 0, ">= 0"),
     ("rollout.max_staleness", lambda v: v >= 0, ">= 0 (0: synchronous)"),
     ("rollout.engine_threads", lambda v: v >= 0, ">= 0 (0: half the threads)"),
+    ("rollout.inflight_swap_step", lambda v: v >= 0, ">= 0 (0: half of rollout.max_new_tokens)"),
     ("train.logprob_chunk_tokens", lambda v: v == "auto" or v >= 0, ">= 0 (0: one lm_head call), or auto"),
     ("train.max_tokens_per_micro_batch", lambda v: v is None or v >= 0, ">= 0 (0 or null: no packing)"),
     ("rollout.group_size", lambda v: v >= 2,
