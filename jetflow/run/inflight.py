@@ -2,14 +2,16 @@
 half way, as PipelineRL's and NeMo-RL's engines do, instead of being generated entirely under one version.
 
 The swap point is fixed by the schedule, not by the clock: the batch of step s + k (submitted after step s's sync,
-jetflow.run.ahead) is generated under the weights of step s for its first `swap_step` = ceil(max_new_tokens / 2)
-decode steps; the engine then pauses it (its pages held) and finishes it under the next update the trainer sends,
-step s + 1's (jetflow.run.engine_process.ProcessRollout). Where PipelineRL swaps when the update happens to arrive,
-this rule makes the same run produce the same tokens at any speed, so that a run stays a function of its seed and a
-resume reproduces it bit for bit. A batch that gets no update before it is taken, or before another batch is
-submitted (a skipped step leaves the version unchanged; a checkpoint at step s + 1's start waits for the batches in
-flight and keeps them, as ever), finishes under its version: also fixed by the config. At step 0 only the batch of
-step k is started so (those of steps 1..k - 1 are generated whole under step 0's weights, as without the option).
+jetflow.run.ahead) is generated under the weights of step s for its first `swap_step` decode steps
+(rollout.inflight_swap_step, by default ceil(max_new_tokens / 2)); the engine then pauses it (its pages held) and
+finishes it under the next update the trainer sends, step s + 1's (jetflow.run.engine_process.ProcessRollout). Where
+PipelineRL swaps when the update happens to arrive, this rule makes the same run produce the same tokens at any speed,
+so that a run stays a function of its seed and a resume reproduces it bit for bit. A checkpoint between steps s and s +
+1 hands the paused batch its update first (RLLoop.sync_paused: the bytes step s + 1's sync sends), so the batch it keeps
+is the one the run trains on, stopped there or not. A batch that gets no update before it is taken or another is
+submitted (a skipped step leaves the version unchanged) finishes under its version: also fixed by the config. At step 0
+only the batch of step k is started so (those of steps 1..k - 1 are generated whole under step 0's weights, as without
+the option).
 
 Each token carries the version that sampled it (Rollouts.token_versions): a request running at the swap has tokens of
 versions s and s + 1 (k and k - 1 versions old when trained at step s + k); one admitted after it has only s + 1's.
@@ -32,9 +34,10 @@ from jetflow.rollout.types import Rollouts
 
 def swap_step(cfg: Config) -> int | None:
     """The decode step of a batch generated ahead at which it takes the next weight update; None: off."""
-    if cfg.rollout.inflight_updates == "off":
+    r = cfg.rollout
+    if r.inflight_updates == "off":
         return None
-    return -(-cfg.rollout.max_new_tokens // 2)
+    return r.inflight_swap_step or -(-r.max_new_tokens // 2)
 
 
 def token_versions(out: Rollouts) -> torch.Tensor:
