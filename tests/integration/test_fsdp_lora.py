@@ -4,8 +4,13 @@ base from the model source and holds the adapters whole, and their gradients are
 
 - exact on-policy: mismatch KL k1 / k3 0 and equal share 1 on every RL step (unified, exact numerics);
 - the adapters after the run torch.equal the native trainer's torchrun data parallelism at the same world size
-  (the same replicated trainer), and the one-process native run's within fp32 summation order (per-step losses
-  within FP32_GAP, gradient norms within 1e-4, as tests/integration/test_fsdp.py compares full fine-tuning);
+  (the same replicated trainer), every step's loss and gradient norm equal;
+- against the one-process native run, the rows whose inputs are the same in both: the two supervised warm-up
+  steps (fixed data) and a first RL step from the untrained model (the same samples) within fp32 summation
+  order (losses within FP32_GAP, gradient norms within 1e-4, the adapters after it within ADAPTER_GAP). Not the
+  RL steps after a warm-up: their samples come from weights that differ in summation order, and one sampled
+  token that differs changes the step's gradient by percents (the AVX2-only Zen 3 kind: 0.643 against 0.628),
+  a chaotic comparison.
 - a resume at 2 ranks from the step before the end writes the same adapters bit for bit.
 """
 
@@ -31,7 +36,7 @@ COMMON = ["--config", "configs/tiny.yaml", "train.steps=3", "train.sft_warmup_st
           "eval.num_prompts=0", "train.checkpoint_every=1", "run.name=r", "train.micro_batch_size=2",
           "task.format_weight=0.5", "model.lora.rank=4", "precision.mode=unified", "precision.numerics=exact"]
 FP32_GAP = 1e-5  # as tests/integration/test_fsdp.py
-# five AdamW steps (lr 5e-4) from gradients that differ in fp32 summation order: measured 3.6e-6 at most;
+# AdamW steps (lr 5e-4) from gradients that differ in fp32 summation order: five measured 3.6e-6 at most;
 # a step from another gradient moves an adapter weight by about lr
 ADAPTER_GAP = 2e-5
 
@@ -44,8 +49,8 @@ def _run(launcher: list[str], out: Path, *overrides: str) -> tuple[Path, str]:
     return out / "r", proc.stdout + proc.stderr
 
 
-def _adapters(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
+def _adapters(run: Path, step: int = 3) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step_{step:06d}" / "adapter_model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +59,14 @@ def runs(tmp_path_factory):
     fsdp, log = _run(torchrun(2), root / "fsdp", "train.backend=fsdp")
     native2, _ = _run(torchrun(2), root / "native2")
     native1, _ = _run([sys.executable], root / "native1")
-    return fsdp, log, native2, native1
+    cold = ("train.sft_warmup_steps=0", "train.steps=1")  # a first RL step from the untrained model
+    fsdp_cold, _ = _run(torchrun(2), root / "fsdp_cold", "train.backend=fsdp", *cold)
+    native1_cold, _ = _run([sys.executable], root / "native1_cold", *cold)
+    return fsdp, log, native2, native1, fsdp_cold, native1_cold
 
 
 def test_fsdp_lora_is_exact_on_policy_and_trains_the_native_trainers_adapters(runs):
-    fsdp, log, native2, native1 = runs
+    fsdp, log, native2, native1, fsdp_cold, native1_cold = runs
     assert "LoRA rank 4" in log and "base and adapters replicated on every rank" in log
     rl = read_metrics(fsdp, "rl")
     assert [r["step"] for r in rl] == [0, 1, 2]
@@ -74,13 +82,17 @@ def test_fsdp_lora_is_exact_on_policy_and_trains_the_native_trainers_adapters(ru
     assert [(r["train/loss"], r["train/grad_norm"]) for r in read_metrics(fsdp)] == [
         (r["train/loss"], r["train/grad_norm"]) for r in read_metrics(native2)]
 
-    one = _adapters(native1)  # one process: the same global batches, the gradients summed in another order
-    a, b = read_metrics(fsdp), read_metrics(native1)
-    assert [(r["phase"], r["step"]) for r in a] == [(r["phase"], r["step"]) for r in b]
-    for x, y in zip(a, b):
-        assert loss_gap(x["train/loss"], y["train/loss"]) <= FP32_GAP, (x["phase"], x["step"])
-        assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-4, abs=1e-6)
-    assert max((adapters[k] - one[k]).abs().max().item() for k in adapters) <= ADAPTER_GAP
+    # one process: the same global batches, the gradients summed in another order (see the module docstring)
+    same_inputs = [(read_metrics(fsdp, "sft"), read_metrics(native1, "sft")),
+                   (read_metrics(fsdp_cold, "rl"), read_metrics(native1_cold, "rl"))]
+    for a, b in same_inputs:
+        assert [r["step"] for r in a] == [r["step"] for r in b] and a
+        for x, y in zip(a, b):
+            assert loss_gap(x["train/loss"], y["train/loss"]) <= FP32_GAP, (x["phase"], x["step"])
+            assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-4, abs=1e-6)
+    cold, one = _adapters(fsdp_cold, 1), _adapters(native1_cold, 1)
+    assert any(t.abs().max() > 0 for k, t in cold.items() if "lora_B" in k)
+    assert max((cold[k] - one[k]).abs().max().item() for k in cold) <= ADAPTER_GAP
 
 
 def test_fsdp_lora_resumes_bit_for_bit_at_two_ranks(runs, tmp_path):
