@@ -14,7 +14,9 @@ tests/integration/megatron_lora_worker.py (configs/tiny-tp.yaml, seeded random w
     is a sum of the two ranks' partial products: another order than one process's. fp32: gradients within
     1e-5 of their norm, adapters within 2e-5 (tests/integration/test_fsdp_lora.py's bound for a one-process
     comparison); bf16 / unified, where the backward rounds each rank's partial dgrad to bf16 / FP8: gradients
-    point the same way (cosine >= 0.98; measured 0.9995 / 0.985 at step 2) and the step-0 loss is equal.
+    point the same way (cosine >= 0.9 per tensor; the worst tensor measured 0.9995 / 0.985 at step 2 on the
+    AVX2-only Zen 3 kind: the bound leaves room for another kind's rounding, where a gradient of the wrong shard,
+    transposed or unsummed is near 0) and the step-0 loss is equal.
 `jetflow train` at TP=2 (unified, exact numerics, no warm-up, format rewards): mismatch KL k1 / k3 0 and equal
 share 1 on every RL step, the updates after the first are the adapters alone, the run writes its adapter/ (the
 native names) with the native base's digest checked; a resume from the step-2 checkpoint ends with the same
@@ -86,7 +88,7 @@ def test_megatron_tp2_lora_gradients_and_updates_are_the_native_trainers_to_summ
             if mode == "fp32":
                 assert (g - ref).norm() <= 1e-5 * ref.norm(), (name, i)
             else:
-                assert torch.nn.functional.cosine_similarity(g.flatten(), ref.flatten(), dim=0) >= 0.98, (name, i)
+                assert torch.nn.functional.cosine_similarity(g.flatten(), ref.flatten(), dim=0) >= 0.9, (name, i)
         if mode == "fp32":
             assert max((adapters[k] - native_adapters[k]).abs().max().item() for k in adapters) <= 2e-5
 
