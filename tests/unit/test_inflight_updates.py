@@ -17,7 +17,7 @@ from jetflow.run.loop import request_seed
 from jetflow.run.validate import check_config
 from crashes import kill_at_step
 
-PAUSE_AT = 4  # of the tiny config's 8 new tokens: jetflow.run.inflight.swap_step
+PAUSE_AT = 4  # of the tiny config's 8 new tokens (jetflow.run.inflight.swap_step's default)
 
 
 def _cfg(tmp_path, *extra: str):
@@ -183,6 +183,7 @@ def test_a_reprefill_run_that_dies_with_a_batch_in_flight_resumes_bit_for_bit(tm
     (["rollout.inflight_updates=keep_kv", "rollout.split_mismatch=true"], "with rollout.split_mismatch=True"),
     (["rollout.inflight_updates=keep_kv", "precision.kv_cache_fp8=true"], "with precision.kv_cache_fp8=True"),
     (["rollout.inflight_updates=reprefill", "rollout.backend=vllm"], "use rollout.backend=native"),
+    (["rollout.inflight_updates=reprefill", "rollout.inflight_swap_step=-1"], "inflight_swap_step=-1 is out of range"),
 ])
 def test_what_inflight_updates_do_not_run_is_one_line_before_the_model_loads(tmp_path, extra, says):
     with pytest.raises(ConfigError, match=says) as e:
