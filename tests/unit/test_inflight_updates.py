@@ -68,6 +68,30 @@ def _spanning_batch(tmp_path, mode: str):
     return exp, versions, lp0, lp1
 
 
+@pytest.mark.parametrize("reprefill", [True, False])
+def test_a_paused_batch_without_an_update_is_the_batch_generate_makes(tmp_path, reprefill):
+    """Paused and resumed under the same weights (a step that skipped its update), a batch is generate()'s, token for
+    token and log-prob for log-prob, every token of its one version: the pause itself changes nothing."""
+    from jetflow.run.build import load_inputs
+    from jetflow.run.sides import TrainerSide, build_rollout_side
+
+    cfg = _cfg(tmp_path, "rollout.inflight_updates=reprefill")
+    derived = derive(cfg)
+    inputs = load_inputs(cfg)
+    side = TrainerSide(cfg, derived, inputs)
+    rollout = build_rollout_side(cfg, derived, inputs, side)
+    rollout.load_weights(side.trainer.weight_update(derived.precision.mode.value, derived.precision.fingerprint))
+    prompts = [side.encode(p) for p in side.task.problems(0, 8, cfg.run.seed)]
+    seeds = [request_seed(cfg.run.seed, 7, i) for i in range(len(prompts))]
+    whole = rollout.generate(prompts, seeds)
+    rollout.reprefill = reprefill
+    rollout.start(prompts, seeds, PAUSE_AT)
+    paused = rollout.finish()
+    assert paused.token_ids == whole.token_ids and paused.logprobs == whole.logprobs
+    assert paused.token_versions == whole.token_versions == [[0] * len(t) for t in whole.token_ids]
+    assert max(map(len, whole.token_ids)) > PAUSE_AT + 1  # some request ran past the pause
+
+
 def test_reprefill_every_tokens_behaviour_logprob_is_its_versions_policy_given_its_prefix(tmp_path):
     exp, versions, lp0, lp1 = _spanning_batch(tmp_path, "reprefill")
     mask = exp.response_mask.bool()
