@@ -41,6 +41,7 @@ from jetflow.run.megatron_side import build_trainer_model, model_data_parallel  
 from jetflow.train.megatron.lora import segment_adapters  # noqa: E402
 from jetflow.train.trainer import Trainer  # noqa: E402
 from megatron_exact_worker import mixed_prompts, random_weights  # noqa: E402
+from megatron_tp_worker import fixed_batch  # noqa: E402
 
 STEPS = 2
 NEW_TOKENS = 8
@@ -53,15 +54,6 @@ def config(mode: str, backend: str, tp: int):
         f"train.tensor_parallel_size={tp if backend == 'megatron' else 1}", "model.lora.rank=4",
         f"model.lora.targets={TARGETS}", "train.grad_clip=0", "train.lr=3e-3", "train.micro_batch_size=2",
         f"rollout.max_new_tokens={NEW_TOKENS}"])
-
-
-def fixed_batch(vocab: int):
-    """Three left-padded prompts with responses of different lengths (deterministic)."""
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (5, 3, 7)]
-    responses = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (4, 6, 2)]
-    lps = [[0.0] * len(r) for r in responses]
-    return pack_experience(prompts, responses, lps, torch.zeros(3), torch.zeros(3), pad_id=0)
 
 
 def megatron_grads(policy) -> dict[str, torch.Tensor]:
