@@ -43,6 +43,10 @@ from jetflow.run.stop import RESUME_HINT, RunFault
 from jetflow.sync import WeightUpdate
 
 ACTOR_RESTARTS = 3  # per rollout actor, over a run
+ACTOR_COMEBACK_S = 600
+"""How long a died rollout actor may take to come back: Ray restarts it and it builds its engine again. A vLLM
+engine's start (model load, on a GPU the CUDA graphs) takes minutes on a large model, and on a loaded 2-core CPU a
+tiny one took more than 120 s (the limit before: CI on the Zen 3 kind, test_vllm_engines_as_ray_actors)."""
 # The Trainer methods (jetflow.train.protocol.PolicyTrainer) the driver's TrainerGroup runs on every worker's
 # rows of a batch, by name through `TrainerWorker.call`. (weight_update runs on every worker with the same
 # arguments and leaves its result in the object store; reference_bytes is known on the driver.)
@@ -320,17 +324,17 @@ class RayRollout:
         self.restarts += 1
 
     def _on_restarted(self, index: int, call):
-        """Actor `index` died: wait (up to 120 s) for Ray to restart it, then `call(actor)` on it."""
+        """Actor `index` died: wait (up to ACTOR_COMEBACK_S) for Ray to restart it, then `call(actor)` on it."""
         actor = self.actors[index]
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ACTOR_COMEBACK_S
         while True:
             try:
                 return call(actor)
             except self.ray.exceptions.RayActorError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rollout actor {index} did not come back within 120 s (Ray restarts an actor "
-                                       f"at most {ACTOR_RESTARTS} times); resume the run (run.resume=true) from its "
-                                       "last checkpoint") from None
+                    raise RuntimeError(f"rollout actor {index} did not come back within {ACTOR_COMEBACK_S} s (Ray "
+                                       f"restarts an actor at most {ACTOR_RESTARTS} times); resume the run "
+                                       "(run.resume=true) from its last checkpoint") from None
                 time.sleep(0.5)
 
     def _recover(self, index: int, chunk: tuple[list, list, bool]) -> Rollouts:
