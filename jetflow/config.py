@@ -190,10 +190,12 @@ class RolloutConfig:
     start of step t - k (step 0's for t < k): each sample is k weight versions old, exactly, and carries its version.
     The update is decoupled PPO's: the clipped ratio against the trainer's current weights (the proximal policy), each
     token weighted by pi_proximal / pi_behaviour truncated (algo.correction=auto is then token_tis; none leaves the
-    staleness uncorrected). run.orchestrator=local, one process, the native engine."""
+    staleness uncorrected). The native engine: under run.orchestrator=local in a process beside one trainer process,
+    under run.orchestrator=ray the engine actors (docs/async.md)."""
     engine_threads: int = 0
     """rollout.max_staleness > 0: torch threads of the engine's process (0: half of run.num_threads, or of the cores
-    when that is 0); the trainer keeps the rest."""
+    when that is 0); the trainer keeps the rest. Under run.orchestrator=ray: each engine actor's threads (0:
+    run.num_threads, as the trainer workers')."""
     inflight_updates: Literal["off", "reprefill", "keep_kv"] = "off"
     """rollout.max_staleness > 0: in-flight weight updates (PipelineRL's, NeMo-RL's): the batch generated ahead takes the
     next weight update half way (after rollout.inflight_swap_step decode steps, by default ceil(max_new_tokens / 2): a

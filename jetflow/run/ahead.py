@@ -12,17 +12,23 @@ way (jetflow.run.inflight): its tokens are k or k - 1 versions old, each tagged.
 
 The batches in flight at a checkpoint are waited for and kept in it (`in_flight`): the resumed run trains
 on the same samples, where regenerating them would need the weight versions before the checkpoint.
+
+The engine is the engine's process of a local run (jetflow.run.engine_process) or, under run.orchestrator=ray,
+the engine actors (jetflow.run.ray_rollout): both queue calls in order and reply to `collect`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from jetflow.rollout.types import Rollouts
 from jetflow.run.engine_process import ProcessRollout
 from jetflow.tasks import Problem
+
+if TYPE_CHECKING:
+    from jetflow.run.ray_rollout import RayRollout
 
 
 @dataclass
@@ -43,7 +49,7 @@ class Batch:
 
 
 class RolloutsAhead:
-    def __init__(self, engine: ProcessRollout, max_staleness: int, steps: int,
+    def __init__(self, engine: ProcessRollout | RayRollout, max_staleness: int, steps: int,
                  restored: dict[int, dict] | None = None, pause_at: int | None = None):
         self.engine, self.k, self.steps = engine, max_staleness, steps
         self.pause_at = pause_at  # in-flight updates: the decode step at which a batch takes the next update

@@ -43,11 +43,18 @@ def check_staleness(cfg: Config) -> None:
     if not k:
         return
     check_inflight(cfg)
-    for key, value, runs in (("run.orchestrator", cfg.run.orchestrator, "local"),
-                             ("rollout.backend", cfg.rollout.backend, "native")):
-        if value != runs:
-            raise ConfigError(f"rollout.max_staleness={k} with {key}={value}: asynchronous rollouts run jetflow's native "
-                              f"engine in a process beside the trainer today; use {key}={runs} or rollout.max_staleness=0")
+    if cfg.rollout.backend != "native":
+        raise ConfigError(f"rollout.max_staleness={k} with rollout.backend={cfg.rollout.backend}: asynchronous rollouts "
+                          "run jetflow's native engine today (in a process beside the trainer, or as Ray actors); use "
+                          "rollout.backend=native or rollout.max_staleness=0")
+    ray_not_built: tuple[tuple[str, object, object, str], ...] = (
+        ("rollout.inflight_updates", inflight, "off", "a Ray engine actor takes an update between batches"),
+        ("rollout.split_mismatch", cfg.rollout.split_mismatch, False, "the split's rescoring runs in the trainer's "
+         "process"))
+    for name, value, off, why in ray_not_built if cfg.run.orchestrator == "ray" else ():
+        if value != off:
+            raise ConfigError(f"rollout.max_staleness={k} with run.orchestrator=ray and {name}={value}: not built "
+                              f"({why}); set {name}={off} or run.orchestrator=local")
     if cfg.algo.dynamic_sampling:
         raise ConfigError(f"rollout.max_staleness={k} with algo.dynamic_sampling=true: the refill rounds need the step's "
                           "own weights (a synchronous rollout); set one of them off")

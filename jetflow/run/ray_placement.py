@@ -14,18 +14,16 @@ Weights move once per step: worker 0 puts its `WeightUpdate` (under `unified` th
 it trains with) into the object store with a checksum; every rollout actor fetches it and verifies
 version, recipe fingerprint, checksum and scales before loading (jetflow.sync.apply_update).
 
-Fault tolerance: rollout actors restart on failure (`max_restarts`). Each step's requests are split in
-one chunk per engine and collected by chunk; a chunk whose actor died is re-issued, after the restarted
-actor got the current weights again, so every request's sample arrives exactly once (the per-request
-seeds make a re-issued chunk sample what the lost one would have).
+Fault tolerance: rollout actors restart on failure (`max_restarts`); the driver's RayRollout
+(jetflow.run.ray_rollout) re-issues what a dead actor lost. Asynchronous rollouts (rollout.max_staleness > 0):
+the driver's RolloutsAhead (jetflow.run.ahead) queues batches on the engine actors while the trainer workers
+train, as it does on the engine process of a local run.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +35,13 @@ from jetflow.errors import MissingDependencyError
 from jetflow.rl.experience import Experience
 from jetflow.rollout.types import Rollouts
 from jetflow.run.build import RunInputs, load_inputs
+from jetflow.run.ahead import RolloutsAhead
 from jetflow.run.files import engine_dir
 from jetflow.run.loop import RLLoop
+from jetflow.run.ray_rollout import ACTOR_RESTARTS, RayRollout, RemoteUpdate
 from jetflow.run.stop import RESUME_HINT, RunFault
 from jetflow.sync import WeightUpdate
 
-ACTOR_RESTARTS = 3  # per rollout actor, over a run
-ACTOR_COMEBACK_S = 600
-"""How long a died rollout actor may take to come back: Ray restarts it and it builds its engine again. A vLLM
-engine's start (model load, on a GPU the CUDA graphs) takes minutes on a large model, and on a loaded 2-core CPU a
-tiny one took more than 120 s (the limit before: CI on the Zen 3 kind, test_vllm_engines_as_ray_actors)."""
 # The Trainer methods (jetflow.train.protocol.PolicyTrainer) the driver's TrainerGroup runs on every worker's
 # rows of a batch, by name through `TrainerWorker.call`. (weight_update runs on every worker with the same
 # arguments and leaves its result in the object store; reference_bytes is known on the driver.)
@@ -71,13 +66,34 @@ class RolloutWorker:
         from jetflow.run.sides import build_rollout_side
         cfg = from_dict(cfg_dict)  # the actor reads the run's inputs itself (its node's files)
         self.rollout = build_rollout_side(cfg, derived, load_inputs(cfg), engine_dir=Path(engine_dir))
+        self._free_since, self._idle_s = time.perf_counter(), 0.0  # idle: between the end of a call and the next
 
-    def load_weights(self, update: WeightUpdate) -> int:
-        self.rollout.load_weights(update)  # verifies version, fingerprint, checksum, scales
+    def _starting(self) -> float:
+        now = time.perf_counter()
+        self._idle_s += now - self._free_since
+        return now
+
+    def load_weights(self, update: WeightUpdate, rewind: bool = False) -> int:
+        """Verifies version, fingerprint, checksum and scales. `rewind`: any version, also an older one (a
+        restarted actor regenerating a stale batch, jetflow.run.ray_rollout); the update holds the whole model."""
+        self._starting()
+        if rewind:
+            self.rollout.weight_version = -1
+        self.rollout.load_weights(update)
+        self._free_since = time.perf_counter()
         return self.rollout.weight_version
 
     def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
         return self.rollout.generate(prompts, seeds, greedy)
+
+    def generate_timed(self, prompts: list[list[int]], seeds: list[int],
+                       greedy: bool = False) -> tuple[Rollouts, float, float, int]:
+        """`generate`, with its seconds, this actor's idle seconds since the last reply, and its process id."""
+        t0 = self._starting()
+        out = self.rollout.generate(prompts, seeds, greedy)
+        self._free_since = time.perf_counter()
+        idle, self._idle_s = self._idle_s, 0.0
+        return out, self._free_since - t0, idle, os.getpid()
 
     def pid(self) -> int:
         return os.getpid()
@@ -112,8 +128,13 @@ class TrainerWorker:
     def restore(self, checkpoint: str) -> dict:
         return self.side.restore(Path(checkpoint))
 
-    def save_checkpoint(self, run_dir: str, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
-        self.side.save(Path(run_dir), step, sft_done, warmup_step)
+    def save_checkpoint(self, run_dir: str, step: int, sft_done: bool, warmup_step: int | None = None,
+                        in_flight: dict | None = None) -> None:
+        self.side.save(Path(run_dir), step, sft_done, warmup_step, in_flight)
+
+    def restored_in_flight(self) -> dict | None:
+        """The batches generated ahead that the checkpoint restored last kept (jetflow.run.ahead)."""
+        return self.side.restored_in_flight
 
     def keep_reference(self, run_dir: str) -> int:
         """This worker's part of the reference policy (a KL penalty); returns the bytes it holds."""
@@ -189,17 +210,6 @@ def trainer_results(ray, futures: list, doing: str) -> list:
 
 
 # Driver-side proxies the RLLoop talks to.
-
-@dataclass
-class RemoteUpdate:
-    """A weight update living in the object store."""
-    ref: object
-    version: int
-    size: int
-
-    def nbytes(self) -> int:
-        return self.size
-
 
 class TrainerGroup:
     """The loop's trainer (a jetflow.train.protocol.PolicyTrainer): splits each batch row-wise over the
@@ -288,83 +298,6 @@ class RemoteKVQuantizer:
         return self.ray.get([w.kv_recalibrate.remote() for w in self.workers])[0]
 
 
-class RayRollout:
-    """The loop's rollout side: N engine actors, restarted and re-issued on failure."""
-
-    def __init__(self, ray, actors: list):
-        self.ray, self.actors = ray, actors
-        self.weight_version = -1
-        self.current: RemoteUpdate | None = None
-        self.restarts = 0
-        self.deaths = [0] * len(actors)  # per actor: Ray restarts each at most ACTOR_RESTARTS times
-        self.reissued_requests = 0
-
-    def load_weights(self, update: RemoteUpdate) -> None:
-        futures = [a.load_weights.remote(update.ref) for a in self.actors]
-        versions = []
-        for i, future in enumerate(futures):
-            try:
-                versions.append(self.ray.get(future))
-            except self.ray.exceptions.RayActorError:
-                self._died(i, "during a weight update; restarting it and sending the update again")
-                versions.append(self._on_restarted(i, lambda actor: self.ray.get(actor.load_weights.remote(update.ref))))
-        if set(versions) != {update.version}:
-            raise RuntimeError(f"rollout actors report weight versions {versions}, expected {update.version}")
-        self.current, self.weight_version = update, update.version
-
-    def _submit(self, chunks: list[tuple[list, list, bool]]) -> list:
-        return [a.generate.remote(*chunk) for a, chunk in zip(self.actors, chunks)]
-
-    def _died(self, index: int, what_next: str) -> None:
-        self.deaths[index] += 1
-        if self.deaths[index] > ACTOR_RESTARTS:
-            raise RuntimeError(f"rollout actor {index} died {self.deaths[index]} times, and Ray restarts an actor at "
-                               f"most {ACTOR_RESTARTS} times; resume the run (run.resume=true) from its last checkpoint")
-        print(f"[jetflow] rollout actor {index} died {what_next}", file=sys.stderr)
-        self.restarts += 1
-
-    def _on_restarted(self, index: int, call):
-        """Actor `index` died: wait (up to ACTOR_COMEBACK_S) for Ray to restart it, then `call(actor)` on it."""
-        actor = self.actors[index]
-        deadline = time.monotonic() + ACTOR_COMEBACK_S
-        while True:
-            try:
-                return call(actor)
-            except self.ray.exceptions.RayActorError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rollout actor {index} did not come back within {ACTOR_COMEBACK_S} s (Ray "
-                                       f"restarts an actor at most {ACTOR_RESTARTS} times); resume the run "
-                                       "(run.resume=true) from its last checkpoint") from None
-                time.sleep(0.5)
-
-    def _recover(self, index: int, chunk: tuple[list, list, bool]) -> Rollouts:
-        """Actor `index` died while generating: hand its restart the current weights, re-issue its chunk."""
-        def reload_and_generate(actor) -> Rollouts:
-            self.ray.get(actor.load_weights.remote(self.current.ref))
-            return self.ray.get(actor.generate.remote(*chunk))
-        return self._on_restarted(index, reload_and_generate)
-
-    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> Rollouts:
-        n, k = len(prompts), len(self.actors)
-        bounds = [round(i * n / k) for i in range(k + 1)]
-        chunks = [(prompts[a:b], seeds[a:b], greedy) for a, b in zip(bounds, bounds[1:])]
-        futures = self._submit(chunks)
-        parts: list[Rollouts] = []
-        for i, (future, chunk) in enumerate(zip(futures, chunks)):
-            try:
-                parts.append(self.ray.get(future))
-            except self.ray.exceptions.RayActorError:
-                self._died(i, f"while generating; restarting it and re-issuing its {len(chunk[0])} requests")
-                self.reissued_requests += len(chunk[0])
-                parts.append(self._recover(i, chunk))
-        if sum(len(p.token_ids) for p in parts) != n:
-            raise RuntimeError("rollout: the engines returned a different number of samples than requested")
-        versions = {p.weight_version for p in parts}
-        if len(versions) != 1:
-            raise RuntimeError(f"rollout engines sampled with different weight versions {sorted(versions)}")
-        return Rollouts.concat(parts)
-
-
 class RayPlacement:
     """The run's trainer workers and rollout engines as Ray actors; the driver (this process) runs the
     sequence and the loop. A context manager: leaving it kills the actors (and stops a Ray it started)."""
@@ -391,11 +324,14 @@ class RayPlacement:
         self.workers = workers = [trainer_cls.remote(cfg_dict, derived, r, w, threads) for r in range(w)]
         master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
         ray.get([wk.setup.remote(master_addr, master_port) for wk in workers])
-        self.engines = [rollout_cls.remote(cfg_dict, derived, threads, str(engine_dir(run_dir, "ray", i)))
+        engine_threads = cfg.rollout.engine_threads or threads
+        self.engines = [rollout_cls.remote(cfg_dict, derived, engine_threads, str(engine_dir(run_dir, "ray", i)))
                         for i in range(cfg.rollout.num_engines)]
         infos = ray.get([wk.info.remote() for wk in workers])
         self.trainer = TrainerGroup(ray, workers, cfg, [i["dp_rank"] for i in infos])
-        self.rollout = RayRollout(ray, self.engines)
+        self.rollout = RayRollout(ray, self.engines, ahead=bool(cfg.rollout.max_staleness))
+        self.loop: RLLoop | None = None
+        self.restored_in_flight: dict | None = None  # a resumed run's batches generated ahead
 
     def __enter__(self) -> "RayPlacement":
         return self
@@ -416,6 +352,7 @@ class RayPlacement:
                                 "while loading a checkpoint")[0]
         info = self.ray.get(self.workers[0].info.remote())
         self.trainer.version, self.trainer.skipped_steps = info["version"], info["skipped_steps"]
+        self.restored_in_flight = self.ray.get(self.workers[0].restored_in_flight.remote())
         return state
 
     def warmup_step(self, step: int) -> dict:
@@ -423,9 +360,12 @@ class RayPlacement:
                                f"during warm-up step {step}")[0]
 
     def save(self, step: int, sft_done: bool, warmup_step: int | None = None) -> None:
-        """Every worker joins (rank 0 writes, then all meet)."""
-        trainer_results(self.ray, [wk.save_checkpoint.remote(str(self.run_dir), step, sft_done, warmup_step)
-                                   for wk in self.workers], "while writing a checkpoint")
+        """Every worker joins (rank 0 writes, with the batches generated ahead for steps >= `step`; then all meet)."""
+        ahead = self.loop.ahead if self.loop is not None else None
+        in_flight = ahead.in_flight(step) if ahead is not None else None
+        trainer_results(self.ray, [wk.save_checkpoint.remote(str(self.run_dir), step, sft_done, warmup_step,
+                                                             in_flight if rank == 0 else None)
+                                   for rank, wk in enumerate(self.workers)], "while writing a checkpoint")
 
     def build_loop(self) -> RLLoop:
         cfg, inputs = self.cfg, self.inputs
@@ -433,8 +373,12 @@ class RayPlacement:
         if cfg.algo.kl_coef or cfg.algo.log_ref_kl:  # every worker keeps its part of the reference policy
             sizes = [wk.keep_reference.remote(str(self.run_dir)) for wk in self.workers]
             self.trainer.reference_size = trainer_results(self.ray, sizes, "while building the reference policy")[0]
-        return RLLoop(cfg, self.derived, self.trainer, self.rollout, inputs.task, inputs.encode,
-                      inputs.tokenizer.pad_token_id, kv_quantizer)
+        ahead = None
+        if cfg.rollout.max_staleness:  # the engine actors generate ahead while the trainer workers train
+            ahead = RolloutsAhead(self.rollout, cfg.rollout.max_staleness, cfg.train.steps, self.restored_in_flight)
+        self.loop = RLLoop(cfg, self.derived, self.trainer, self.rollout, inputs.task, inputs.encode,
+                           inputs.tokenizer.pad_token_id, kv_quantizer, ahead=ahead)
+        return self.loop
 
     def step_metrics(self, metrics: dict) -> dict:
         metrics["rollout/actor_restarts_total"] = float(self.rollout.restarts)

@@ -264,10 +264,10 @@ def check_processes(cfg: Config, processes: int) -> None:
                               f"`torchrun --nproc_per_node {layout} -m jetflow.cli train ...` (or the launch "
                               "templates' torchrun.sh), or under run.orchestrator=ray set train.num_workers to a "
                               "multiple of it")
-    if cfg.rollout.max_staleness and processes > 1:
+    if cfg.rollout.max_staleness and processes > 1 and cfg.run.orchestrator == "local":
         raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} with {processes} trainer processes: "
-                          "asynchronous rollouts run beside one trainer process today; launch one process or set "
-                          "rollout.max_staleness=0")
+                          "asynchronous rollouts run beside one trainer process under torchrun today; launch one "
+                          "process, use run.orchestrator=ray (train.num_workers), or set rollout.max_staleness=0")
     shard = t.data_parallel_shard_size
     if t.backend == "fsdp" and shard and processes % shard:
         raise ConfigError(f"train.data_parallel_shard_size={shard} must divide the {processes} trainer processes (HSDP: "

@@ -112,7 +112,10 @@ def test_the_engine_process_computes_the_synchronous_engines_samples(tmp_path):
 
 @pytest.mark.parametrize("extra, says", [
     (["rollout.max_staleness=-1"], "rollout.max_staleness=-1 is out of range"),
-    (["rollout.max_staleness=1", "run.orchestrator=ray"], "use run.orchestrator=local"),
+    (["rollout.max_staleness=1", "run.orchestrator=ray", "rollout.inflight_updates=keep_kv"],
+     "with run.orchestrator=ray and rollout.inflight_updates=keep_kv: not built"),
+    (["rollout.max_staleness=1", "run.orchestrator=ray", "rollout.split_mismatch=true"],
+     "with run.orchestrator=ray and rollout.split_mismatch=True: not built"),
     (["rollout.max_staleness=1", "rollout.backend=vllm"], "use rollout.backend=native"),
     (["rollout.max_staleness=1", "algo.dynamic_sampling=true"], "algo.dynamic_sampling=true"),
     (["rollout.max_staleness=1", "rollout.split_mismatch=true", "model.lora.rank=4"],
