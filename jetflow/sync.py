@@ -92,10 +92,8 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
     A model with LoRA adapters: they go in `adapters` (fp32; a sharded policy's gathered whole, in the native
     names); `base=False` leaves the frozen base out."""
     sharded = isinstance(model, ShardedPolicy)
-    params = model.hf_state_dict() if sharded else dict(model.named_parameters(remove_duplicate=True))
     adapters = {k: v.detach() for k, v in adapter_weights(model).items()}  # TP: gathered whole, native names
-    params = {k: v for k, v in params.items() if k not in adapters}
-    if not base:
+    if not base:  # (a sharded policy's frozen FP8 linears may hold no master weight to gather any more)
         if not adapters:
             raise ValueError("build_update: base=False ships the LoRA adapters alone, and the model has none")
         update = WeightUpdate(version, mode, fingerprint if mode == "unified" else None, adapters=adapters, base=False)
@@ -103,6 +101,8 @@ def build_update(model: nn.Module, mode: str, version: int, fingerprint: str | N
         if with_checksum:
             update.checksum = update.compute_checksum()
         return update
+    params = model.hf_state_dict() if sharded else dict(model.named_parameters(remove_duplicate=True))
+    params = {k: v for k, v in params.items() if k not in adapters}
 
     def bf16_matrices(skip=frozenset()) -> dict[str, torch.Tensor]:
         # Matrices outside FP8 linears (bf16 linears, embeddings, lm_head, layers the recipe keeps)

@@ -188,6 +188,9 @@ class Trainer:
         lora = has_lora(self.model)
         update = build_update(self.model, mode, self.version, fingerprint, kv_scales=kv_scales,
                               base=not (lora and self.base_sent))
+        drop_masters = getattr(self.model, "drop_frozen_masters", None)  # the Megatron policy's frozen base
+        if lora and not self.base_sent and mode == "unified" and drop_masters is not None:
+            drop_masters()  # its bytes alone from here on (the native base holds no master at all)
         self.base_sent = True
         return update
 

@@ -110,6 +110,12 @@ def run_case(mode: str, tp: int) -> dict:
     # the forward on equal trained adapters: the native trainer's loaded into the Megatron policy
     policy.load_adapter_state_dict(out["steps"][-1]["adapters"][1])
     out["logprobs_trained"] = (mega.compute_logprobs(exp), nat.compute_logprobs(exp))
+    # unified: the update above shipped the base, and the FP8 linears dropped their fp32 masters
+    # (MegatronPolicy.drop_frozen_masters); one more step's gradients on those equal adapters, from the bytes alone
+    fp8 = [lin for lin in policy._linears() if lin.segments and all(s.kind == "fp8" for s in lin.segments)]
+    out["masters_dropped"] = [lin.weight.untyped_storage().nbytes() <= 4 for lin in fp8]
+    mega.sft_step(exp), nat.sft_step(exp)
+    out["after_drop_grads"] = (megatron_grads(policy), {k: p.grad.clone() for k, p in adapter_parameters(native).items()})
     return out
 
 

@@ -91,6 +91,14 @@ def test_megatron_tp2_lora_gradients_and_updates_are_the_native_trainers_to_summ
                 assert torch.nn.functional.cosine_similarity(g.flatten(), ref.flatten(), dim=0) >= 0.9, (name, i)
         if mode == "fp32":
             assert max((adapters[k] - native_adapters[k]).abs().max().item() for k in adapters) <= 2e-5
+    # after the first weight update: under unified the FP8 linears hold their bytes alone, and the backward through
+    # them still gives the native trainer's gradients (fp32 / bf16 keep their masters: the same bound as above)
+    dropped = result["masters_dropped"]
+    assert (len(dropped) > 0 and all(dropped)) if mode == "unified" else not dropped, dropped
+    grads, native_grads = result["after_drop_grads"]
+    for name, g in grads.items():
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), native_grads[name].flatten(), dim=0)
+        assert cos >= (0.99999 if mode == "fp32" else 0.9), (name, float(cos))
 
 
 COMMON = ["--config", "configs/tiny-tp.yaml", "train.backend=megatron", "train.tensor_parallel_size=2",

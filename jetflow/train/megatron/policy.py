@@ -443,6 +443,16 @@ class MegatronPolicy(nn.Module):
         self.weights.split_adapters = self.grads.split_adapters = split
         self._num_params = self.weights.count_params(self.padded_vocab)
 
+    def drop_frozen_masters(self) -> None:
+        """model.lora under unified, once the first weight update has shipped the frozen base: each FP8 linear
+        keeps its bytes and scales alone, as the reference policy's do (`freeze_quantized`), and its fp32 master
+        weight goes. The bytes are those it computed with (quantized once from the master, as the native base's
+        are), the backward's dgrad reads them, and nothing later reads the master: the next updates, the
+        checkpoints and the exports carry the adapters, and a resume or an export rebuilds the base."""
+        for linear in self._linears():
+            if linear.recipe is not None:
+                linear.freeze_quantized()
+
     def lora_names(self) -> list[str]:
         """The HF names of the adapted linears."""
         return list(getattr(self, "_lora_names", []))
