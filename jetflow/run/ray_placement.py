@@ -204,9 +204,18 @@ def trainer_results(ray, futures: list, doing: str) -> list:
     their process group would have to be rebuilt) ends the run with RunFault naming it."""
     try:
         return ray.get(futures)
+    except ray.exceptions.OutOfMemoryError as e:  # Ray's memory monitor killed it (not a RayActorError)
+        raise RunFault(f"Ray killed a trainer worker for memory {doing} ({_first_line(e)[:160]}); the memory savers' "
+                       "`auto` is not resolved under Ray: set train.activation_checkpointing=true and "
+                       "train.logprob_chunk_tokens=512 (or fewer tokens a step); its checkpoints are intact: "
+                       f"{RESUME_HINT}") from e
     except ray.exceptions.RayActorError as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise RunFault(f"a Ray trainer worker died {doing} ({why}); its checkpoints are intact: {RESUME_HINT}") from e
+        raise RunFault(f"a Ray trainer worker died {doing} ({_first_line(e)}); its checkpoints are intact: "
+                       f"{RESUME_HINT}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # Driver-side proxies the RLLoop talks to.
